@@ -1,0 +1,8 @@
+"""The functional core: pure tensor functions, one per formula of the spec."""
+
+from .advantages import *  # noqa: F401,F403
+from .aggregation import *  # noqa: F401,F403
+from .clipping import *  # noqa: F401,F403
+from .entropy import *  # noqa: F401,F403
+from .groups import *  # noqa: F401,F403
+from .ratios import *  # noqa: F401,F403

@@ -1,0 +1,155 @@
+"""Token groups: which tokens of a response share one importance ratio (spec §1).
+
+Every function takes per-token tensors of shape ``[B, T]`` (rows are responses) and a
+boolean ``mask`` of the valid response tokens, and returns int64 ``group_ids`` of the same
+shape: local ids ``0..G_i-1`` inside each row, ``-1`` outside the mask. Ids are contiguous
+(no empty group), so ``group_ids.max(-1) + 1`` is the number of groups of a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "token_group_ids",
+    "sequence_group_ids",
+    "segment_group_ids",
+    "entropy_group_ids",
+    "build_delimiter_table",
+    "num_groups",
+    "compact_group_ids",
+    "group_ids_for",
+]
+
+
+def token_group_ids(mask: torch.Tensor) -> torch.Tensor:
+    """`token` granularity (GRPO, spec §1): every valid token is its own group."""
+    mask = mask.bool()
+    ids = torch.cumsum(mask.long(), dim=-1) - 1
+    return torch.where(mask, ids, -1)
+
+
+def sequence_group_ids(mask: torch.Tensor) -> torch.Tensor:
+    """`sequence` granularity (GSPO eq. 6, spec §1): one group per response."""
+    mask = mask.bool()
+    return torch.where(mask, torch.zeros_like(mask, dtype=torch.long), -1)
+
+
+def segment_group_ids(
+    token_ids: torch.Tensor, mask: torch.Tensor, delimiter_table: torch.Tensor
+) -> torch.Tensor:
+    """`segment` granularity (SSPO §4.1, spec §1): cut after every delimiter token.
+
+    ``delimiter_table[v]`` says whether token v's text contains a delimiter (built once by
+    :func:`build_delimiter_table`). The delimiter token closes the segment it ends, tokens
+    after the last delimiter form the last segment, and a response without a delimiter is a
+    single segment. A gather plus an exclusive cumulative sum: no decode, no Python loop.
+    """
+    mask = mask.bool()
+    table = delimiter_table.to(device=token_ids.device, dtype=torch.bool)
+    ids = token_ids.long().clamp(0, table.numel() - 1)
+    is_delimiter = (table[ids] & mask).long()
+    # exclusive cumsum: the delimiter itself still belongs to the segment it closes
+    seg = torch.cumsum(is_delimiter, dim=-1) - is_delimiter
+    return torch.where(mask, seg, -1)
+
+
+def entropy_group_ids(
+    entropy: torch.Tensor, mask: torch.Tensor, top_fraction: float | Sequence[float] = 0.2
+) -> torch.Tensor:
+    """`entropy_group` granularity (ESPO §3.4, §4.2; spec §1).
+
+    Tokens of a response are ranked by their own π_old entropy, highest first, ties broken
+    by position (earlier first). With ``top_fraction=f`` the first ``ceil(f·n_i)`` tokens of
+    row i form group 0 and the rest group 1. A list of increasing cut points
+    ``[q_1, .., q_K]`` gives K+1 groups: token of rank r is in group #{k : r >= ceil(q_k·n_i)}.
+    Groups need not be contiguous in position; empty groups are dropped (ids are compacted).
+    Non-finite entropies must already be excluded from ``mask``.
+    """
+    cuts = [float(top_fraction)] if isinstance(top_fraction, (int, float)) else [float(q) for q in top_fraction]
+    mask = mask.bool()
+    B, T = entropy.shape
+    if T == 0:
+        return torch.full_like(mask, -1, dtype=torch.long)
+    key = torch.where(mask, entropy.float(), torch.tensor(float("-inf"), device=entropy.device))
+    # stable sort on -H: equal entropies keep position order; masked tokens sort last
+    order = torch.sort(-key, dim=-1, stable=True).indices
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(T, device=entropy.device).expand(B, T))
+    n = mask.sum(-1, keepdim=True).double()
+    group = torch.zeros_like(rank)
+    for q in cuts:  # loop over the (few) configured cut points, not over data
+        k = torch.ceil(q * n - 1e-9).long()
+        group += (rank >= k).long()
+    group = torch.where(mask, group, -1)
+    return compact_group_ids(group, len(cuts) + 1)
+
+
+def compact_group_ids(group_ids: torch.Tensor, max_groups: int | None = None) -> torch.Tensor:
+    """Renumber each row's group ids to 0..G_i-1, dropping empty groups (order kept)."""
+    valid = group_ids >= 0
+    if max_groups is None:
+        max_groups = int(group_ids.max().item()) + 1 if valid.any() else 1
+    B = group_ids.shape[0]
+    present = torch.zeros(B, max_groups + 1, dtype=torch.long, device=group_ids.device)
+    present.scatter_(-1, torch.where(valid, group_ids, max_groups), 1)
+    present = present[:, :max_groups]
+    new_id = torch.cumsum(present, -1) - 1
+    mapped = torch.gather(new_id, -1, group_ids.clamp(min=0))
+    return torch.where(valid, mapped, -1)
+
+
+def num_groups(group_ids: torch.Tensor) -> torch.Tensor:
+    """Number of (non-empty) groups per row, ``[B]`` int64 (0 for an empty row)."""
+    if group_ids.shape[-1] == 0:
+        return torch.zeros(group_ids.shape[0], dtype=torch.long, device=group_ids.device)
+    return group_ids.max(dim=-1).values.clamp(min=-1) + 1
+
+
+def build_delimiter_table(tokenizer, delimiters: Iterable[str] = ("\n\n",), vocab_size: int | None = None) -> torch.Tensor:
+    """Per-vocabulary lookup ``table[v] = any(d in text(v) for d in delimiters)`` (spec §1 Decision).
+
+    Built once per tokenizer (one decode per vocabulary entry, at set-up time), so the hot
+    path needs only a gather. ``vocab_size`` may exceed the tokenizer's (padded embedding
+    tables); the extra ids are never delimiters.
+    """
+    delimiters = [d for d in delimiters]
+    if not delimiters or any(not isinstance(d, str) or d == "" for d in delimiters):
+        raise ValueError(f"segment_delimiters must be a non-empty list of non-empty strings, got {delimiters!r}")
+    n_tok = len(tokenizer)
+    size = max(n_tok, vocab_size or 0)
+    texts = tokenizer.batch_decode([[i] for i in range(n_tok)], skip_special_tokens=False,
+                                   clean_up_tokenization_spaces=False)
+    table = torch.zeros(size, dtype=torch.bool)
+    hits = [i for i, text in enumerate(texts) if any(d in text for d in delimiters)]
+    if hits:
+        table[torch.tensor(hits, dtype=torch.long)] = True
+    return table
+
+
+def group_ids_for(
+    granularity: str,
+    mask: torch.Tensor,
+    *,
+    token_ids: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    delimiter_table: torch.Tensor | None = None,
+    entropy_cut_points: float | Sequence[float] = 0.2,
+) -> torch.Tensor:
+    """Group ids of the configured granularity (dispatch over the four kinds of spec §1)."""
+    if granularity == "token":
+        return token_group_ids(mask)
+    if granularity == "sequence":
+        return sequence_group_ids(mask)
+    if granularity == "segment":
+        if token_ids is None or delimiter_table is None:
+            raise ValueError("granularity 'segment' needs token ids and a delimiter table "
+                             "(pass a tokenizer, or precompute 'granular_group_ids')")
+        return segment_group_ids(token_ids, mask, delimiter_table)
+    if granularity == "entropy_group":
+        if entropy is None:
+            raise ValueError("granularity 'entropy_group' needs the π_old entropy ('prev_entropy')")
+        return entropy_group_ids(entropy, mask.bool() & torch.isfinite(entropy), entropy_cut_points)
+    raise ValueError(f"granularity: unknown value {granularity!r}")

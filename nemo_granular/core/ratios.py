@@ -1,0 +1,87 @@
+"""Group reductions and group importance ratios (spec §2).
+
+``group_sum`` / ``group_mean`` reduce a per-token ``[B, T]`` tensor into a per-group
+``[B, G]`` tensor with one ``scatter_add`` (autograd flows through it); ``gather_groups``
+broadcasts a per-group value back to its tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "group_sum",
+    "group_count",
+    "group_mean",
+    "gather_groups",
+    "group_log_ratio",
+    "shared_ratio",
+    "token_decomposed_ratio",
+]
+
+
+def _flat_index(group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    B = group_ids.shape[0]
+    row = torch.arange(B, device=group_ids.device).unsqueeze(-1) * (num_groups + 1)
+    # invalid tokens (-1) go to a dummy last column of their row, dropped afterwards
+    return row + torch.where(group_ids >= 0, group_ids, num_groups)
+
+
+def group_sum(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Σ of ``values`` over the tokens of each group: ``[B, T] -> [B, num_groups]``.
+
+    Tokens with id -1 are ignored (their value may be anything finite).
+    """
+    B = values.shape[0]
+    flat = torch.zeros(B * (num_groups + 1), dtype=values.dtype, device=values.device)
+    flat = flat.scatter_add(0, _flat_index(group_ids, num_groups).reshape(-1), values.reshape(-1))
+    return flat.view(B, num_groups + 1)[:, :num_groups]
+
+
+def group_count(group_ids: torch.Tensor, num_groups: int, dtype=torch.float32) -> torch.Tensor:
+    """|G_ig|: number of tokens in each group, ``[B, num_groups]``."""
+    return group_sum((group_ids >= 0).to(dtype), group_ids, num_groups)
+
+
+def group_mean(
+    values: torch.Tensor, group_ids: torch.Tensor, num_groups: int, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Mean of ``values`` over each group (0 for an empty group)."""
+    if counts is None:
+        counts = group_count(group_ids, num_groups, values.dtype)
+    return group_sum(values, group_ids, num_groups) / counts.clamp(min=1)
+
+
+def gather_groups(per_group: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Broadcast ``[B, G]`` per-group values to ``[B, T]`` tokens (0 outside any group)."""
+    if per_group.shape[-1] == 0:
+        return torch.zeros(group_ids.shape, dtype=per_group.dtype, device=per_group.device)
+    out = torch.gather(per_group, -1, group_ids.clamp(min=0))
+    return torch.where(group_ids >= 0, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+def group_log_ratio(
+    log_ratio: torch.Tensor, group_ids: torch.Tensor, num_groups: int, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """L_ig = mean over tokens t of group g of ℓ_it (spec §2; GSPO eq. 6, SSPO eq. 9)."""
+    return group_mean(log_ratio, group_ids, num_groups, counts)
+
+
+def shared_ratio(group_log_ratio_: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """`shared` ratio (GSPO eq. 6, SSPO eq. 9): r_it = exp(L_{i,g(i,t)}).
+
+    Differentiated through the group mean, so each token of group g receives gradient
+    s_ig · A / |G_ig| · ∇logp_it.
+    """
+    return torch.exp(gather_groups(group_log_ratio_, group_ids))
+
+
+def token_decomposed_ratio(
+    group_log_ratio_: torch.Tensor, group_ids: torch.Tensor, logp: torch.Tensor
+) -> torch.Tensor:
+    """`token_decomposed` ratio (GSPO-token eq. 13; ESPO §3.3): r_it = sg[s_ig]·exp(logp_it − sg[logp_it]).
+
+    Its value is s_ig; its gradient flows through token t's own logprob only, scaled by s_ig.
+    """
+    s = torch.exp(gather_groups(group_log_ratio_, group_ids)).detach()
+    return s * torch.exp(logp - logp.detach())

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create ./.venv with everything the demo and the tests need (idempotent; CPU only).
+# torch is pinned to 2.13.0: that CPU wheel is on these machines, and an unpinned torch
+# would pull several GB of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.nemo_granular_installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  .venv/bin/pip install --quiet --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/pip install --quiet --disable-pip-version-check -e ".[all]" 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import torch, transformers, nemo_granular" || { echo "setup failed" >&2; exit 1; }
+  touch "$stamp"
+fi
