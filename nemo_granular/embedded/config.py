@@ -1,0 +1,237 @@
+"""Embedded-trainer configuration: NeMo-style YAML with ``defaults:`` inheritance, overrides,
+pydantic validation with one-line errors.
+
+``defaults:`` (a path or list of paths, relative to the file that names them) are loaded
+first and merged left to right, the file itself last — NeMo-RL's convention. Overrides use
+Hydra's grammar subset ``a.b=v`` / ``+a.b=v`` / ``++a.b=v`` / ``~a.b`` with YAML values.
+(OmegaConf does the merging; Hydra's composition system is not needed for this.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ..config import AdvantageConfig, PolicyLossConfig, format_validation_error
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    path: Optional[str] = None          # a local Hugging Face model directory (then the sizes below are ignored)
+    init_from: Optional[str] = None     # HF policy dir to start RL from (skips the warm start)
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    max_positions: int = 128
+    moe: bool = False
+    num_experts: int = 8
+    experts_per_token: int = 2
+    expert_size: int = 64
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.num_heads must be divisible by model.num_kv_heads")
+        if self.moe and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError("model.experts_per_token must be in [1, model.num_experts]")
+        return self
+
+
+class CriticConfig(_Strict):
+    path: Optional[str] = None          # local HF model dir for the critic (same tokenizer as the policy)
+    hidden_size: Optional[int] = None   # null: same as the policy; smaller = a small decoupled critic
+    num_layers: Optional[int] = None
+    lr: float = 1e-3
+    max_grad_norm: float = 1.0
+
+
+class TaskConfig(_Strict):
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    path: Optional[str] = None
+    num_terms: int = 4
+    max_term: int = 9
+    heldout_size: int = 128
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.kind == "jsonl" and not self.path:
+            raise ValueError("task.path is required when task.kind is 'jsonl'")
+        return self
+
+
+class WarmstartConfig(_Strict):
+    enabled: bool = True
+    batch_size: int = 64
+    lr: float = 3e-3
+    warmup_steps: int = 30
+    max_steps: int = 600
+    target_accuracy: float = 0.5
+    eval_every: int = 25
+
+
+class RLConfig(_Strict):
+    steps: int = 100
+    prompts_per_step: int = 16
+    generations_per_prompt: int = 8
+    minibatches_per_rollout: int = 4
+    micro_batch_size: int = 32
+    lr: float = 1e-4
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    temperature: float = 1.0
+    max_new_tokens: int = 32
+    eval_every: int = 20
+    entropy_chunk_size: int = 1024
+    # ESPO: set α on the first rollout so the mean ε equals this (e.g. GSPO's 3.5e-4); null keeps loss_fn's α
+    calibrate_espo_alpha_to: Optional[float] = None
+
+    @field_validator("steps")
+    @classmethod
+    def _nonneg(cls, v):
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {v}")
+        return v
+
+    @field_validator("prompts_per_step", "generations_per_prompt", "minibatches_per_rollout",
+                     "micro_batch_size", "max_new_tokens")
+    @classmethod
+    def _positive(cls, v):
+        if v < 1:
+            raise ValueError(f"must be >= 1, got {v}")
+        return v
+
+    @field_validator("temperature", "lr")
+    @classmethod
+    def _pos_float(cls, v):
+        if v <= 0:
+            raise ValueError(f"must be > 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self):
+        n = self.prompts_per_step * self.generations_per_prompt
+        if n % self.minibatches_per_rollout:
+            raise ValueError(f"rl.minibatches_per_rollout ({self.minibatches_per_rollout}) must divide "
+                             f"prompts_per_step*generations_per_prompt ({n})")
+        return self
+
+
+class CheckpointConfig(_Strict):
+    every: int = 0        # 0: only at the end (and on SIGTERM/SIGUSR1)
+    keep: int = 2
+
+
+class LoggerConfig(_Strict):
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "nemo-granular"
+    wandb_mode: Literal["online", "offline"] = "offline"
+    progress: bool = True
+
+
+class GRPOSection(_Strict):
+    adv_estimator: AdvantageConfig = Field(default_factory=AdvantageConfig)
+
+
+class TrainConfig(_Strict):
+    name: str = "run"
+    seed: int = 0
+    output_dir: str = "runs/run"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = 1
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
+    rl: RLConfig = Field(default_factory=RLConfig)
+    loss_fn: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    grpo: GRPOSection = Field(default_factory=GRPOSection)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logger: LoggerConfig = Field(default_factory=LoggerConfig)
+
+    @model_validator(mode="after")
+    def _coherent(self):
+        alg = self.loss_fn.granular.algorithm
+        est = self.grpo.adv_estimator.name
+        if (est == "sppo") != (alg == "sppo"):
+            raise ValueError(f"grpo.adv_estimator.name={est!r} does not fit loss_fn.granular.algorithm={alg!r} "
+                             "(SPPO's loss and estimator go together)")
+        return self
+
+    @property
+    def algorithm(self) -> str:
+        return self.loss_fn.granular.algorithm
+
+
+# ---------------------------------------------------------------------------- loading
+def load_yaml_with_defaults(path: str | Path):
+    """OmegaConf config of ``path`` with its ``defaults:`` chain merged in (child last)."""
+    from omegaconf import OmegaConf
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as err:  # noqa: BLE001 - yaml errors come in several types
+        raise ValueError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    parents = cfg.pop("defaults", None) if "defaults" in cfg else None
+    if parents is None:
+        return cfg
+    parents = [parents] if isinstance(parents, str) else list(parents)
+    merged = OmegaConf.create({})
+    for parent in parents:
+        p = Path(parent)
+        merged = OmegaConf.merge(merged, load_yaml_with_defaults(p if p.is_absolute() else path.parent / p))
+    return OmegaConf.merge(merged, cfg)
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    from omegaconf import OmegaConf
+
+    for item in overrides:
+        if item.startswith("~"):
+            key = item[1:].split("=", 1)[0]
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if node is None or leaf not in node:
+                raise ValueError(f"override {item!r}: no key {key!r} to delete")
+            node.pop(leaf)
+            continue
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        key, value = item.lstrip("+").split("=", 1)
+        try:
+            parsed = OmegaConf.from_dotlist([f"{key}={value}"])
+        except Exception as err:  # noqa: BLE001
+            raise ValueError(f"override {item!r}: {str(err).splitlines()[0]}") from None
+        cfg = OmegaConf.merge(cfg, parsed)
+    return cfg
+
+
+def load_train_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Load, merge, override and validate; every error is one line naming the field or file."""
+    from omegaconf import OmegaConf
+
+    cfg = load_yaml_with_defaults(path) if path else OmegaConf.create({})
+    cfg = apply_overrides(cfg, overrides or [])
+    data = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as err:
+        raise ValueError(format_validation_error(err)) from None
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
