@@ -216,7 +216,8 @@ class Trainer:
         Only the unique prompts are forwarded (causality: the value at the last prompt token does
         not depend on the response), then scattered back to every row.
         """
-        unique, inverse = torch.unique(batch["prompt_ids"], dim=0, return_inverse=True)
+        prompts = prompt_only(batch["input_ids"], batch["token_mask"], self.tokenizer.pad_token_id)
+        unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
         attention = (unique != self.tokenizer.pad_token_id).long()
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             v = self.critic(input_ids=unique, attention_mask=attention).logits[:, 0].float()
@@ -238,11 +239,13 @@ class Trainer:
         self.policy.train()
         self.opt.zero_grad(set_to_none=True)
         n_rows = rows.stop - rows.start
+        width = batch["input_ids"].shape[1]
         for start in range(rows.start, rows.stop, cfg.micro_batch_size):  # loop over microbatches
             micro = slice(start, min(start + cfg.micro_batch_size, rows.stop))
             S = int(batch["input_lengths"][micro].max())  # dynamic-batching style: trim to the longest row
+            # NeMo-RL's shape rule: per-token keys [B, S] (trimmed together), per-sample keys [B]
             data = {k: (v[micro, :S] if v.dim() == 2 else v[micro]) for k, v in batch.items()
-                    if torch.is_tensor(v) and v.shape[0] == len(batch["sample_mask"])}
+                    if torch.is_tensor(v) and (v.dim() == 1 or v.shape[1] == width)}
             if self.critic is not None:
                 values = self.critic_values(data)
                 closs, cm = self.value_loss_fn(logits=values, data=data, global_valid_seqs=global_valid_seqs,
@@ -360,6 +363,14 @@ class Trainer:
             self.save_checkpoint()
         self.sinks.close()
         return 0
+
+
+def prompt_only(input_ids: torch.Tensor, token_mask: torch.Tensor, pad_id: int) -> torch.Tensor:
+    """The prompt of each row (tokens before the first response token), right padded, trimmed."""
+    first = (token_mask > 0).to(torch.int8).argmax(-1)
+    width = max(1, int(first.max()))
+    col = torch.arange(width, device=input_ids.device)[None, :]
+    return torch.where(col < first[:, None], input_ids[:, :width], torch.full_like(input_ids[:, :width], pad_id))
 
 
 class MetricSinks:

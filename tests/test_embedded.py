@@ -1,0 +1,207 @@
+"""The embedded trainer: real transformers models, real tokenizer, real checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_granular.contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
+from nemo_granular.embedded.config import load_train_config
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = ROOT / "examples" / "configs" / "local"
+TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
+        "rl.micro_batch_size=4", "rl.max_new_tokens=12", "rl.eval_every=1000", "task.heldout_size=8",
+        "logger.progress=false", "logger.tensorboard=false", "threads=1"]
+
+
+def _cfg(name, tmp_path, *extra):
+    return load_train_config(LOCAL / f"{name}.yaml", TINY + [f"output_dir={tmp_path}", *extra])
+
+
+def _cli(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "nemo_granular", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=ROOT)
+
+
+# ---------------------------------------------------------------- configs
+@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "sspo", "sspo_no_ec", "espo", "sppo",
+                                  "sppo_small_critic", "moe", "smoke"])
+def test_every_local_config_loads(name):
+    cfg = load_train_config(LOCAL / f"{name}.yaml")
+    assert cfg.loss_fn.granular.algorithm in ("grpo", "gspo", "gspo_token", "sspo", "sspo_no_ec", "espo", "sppo")
+    assert cfg.rl.minibatches_per_rollout > 1  # several optimizer steps per rollout, or every ratio is 1
+
+
+@pytest.mark.parametrize("override, field", [
+    ("rl.minibatches_per_rollout=3", "rl.minibatches_per_rollout"),
+    ("loss_fn.granular.sspo.beta=1.5", "loss_fn.granular.sspo.beta"),
+    ("loss_fn.granular.algorithm=ppo2", "loss_fn.granular.algorithm"),
+    ("rl.temperature=0", "rl.temperature"),
+    ("model.hiden_size=3", "model.hiden_size"),
+    ("grpo.adv_estimator.name=sppo", "grpo.adv_estimator.name"),
+])
+def test_bad_config_is_one_line_error_naming_the_field(override, field):
+    with pytest.raises(ValueError) as err:
+        load_train_config(LOCAL / "grpo.yaml", [override])
+    msg = str(err.value)
+    assert field in msg and "\n" not in msg
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    missing = _cli("train", "--config", str(LOCAL / "grpo.yaml"), f"model.path={tmp_path / 'nope'}",
+                   f"output_dir={tmp_path}")
+    assert missing.returncode == 2
+    assert missing.stderr.strip().count("\n") == 0 and "nope" in missing.stderr
+    bad = _cli("train", "--config", str(tmp_path / "absent.yaml"))
+    assert bad.returncode == 2 and "absent.yaml" in bad.stderr and bad.stderr.strip().count("\n") == 0
+
+
+def test_defaults_inheritance_and_overrides(tmp_path):
+    (tmp_path / "parent.yaml").write_text("seed: 3\nrl:\n  steps: 7\n  lr: 0.5\n")
+    (tmp_path / "child.yaml").write_text("defaults: parent.yaml\nrl:\n  steps: 9\n")
+    cfg = load_train_config(tmp_path / "child.yaml", ["rl.lr=0.25", "+name=x"])
+    assert (cfg.seed, cfg.rl.steps, cfg.rl.lr, cfg.name) == (3, 9, 0.25, "x")
+
+
+# ---------------------------------------------------------------- parts
+def test_tokenizer_has_one_blank_line_token_and_roundtrips(tmp_path):
+    from nemo_granular.core.groups import build_delimiter_table
+    from nemo_granular.embedded.models import build_tokenizer, load_tokenizer
+
+    build_tokenizer(tmp_path)
+    tok = load_tokenizer(str(tmp_path))  # standard HF format, reloaded
+    text = "Q:1+2\n1+2=3\n\nA:3"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    table = build_delimiter_table(tok)
+    assert int(table.sum()) == 1 and bool(table[tok.convert_tokens_to_ids("\n\n")])
+    assert len(tok) <= 64
+
+
+def test_task_verifier_and_disjoint_split():
+    from nemo_granular.embedded.task import ArithmeticTask, verify
+
+    task = ArithmeticTask(seed=1, heldout_size=64)
+    held = {p.prompt for p in task.heldout}
+    train = task.sample(512, torch.Generator().manual_seed(0))
+    assert not held & {p.prompt for p in train}
+    p = train[0]
+    assert p.solution.count("\n\n") == task.num_terms - 1  # steps separated by blank lines, then the answer
+    r, failed = verify([p.solution, "1+1=2\n\nA:99999", "no answer"], [p.answer] * 3)
+    assert r.tolist() == [1.0, 0.0, 0.0] and failed.tolist() == [False, False, True]
+
+
+def test_to_nemo_batch_layout():
+    from nemo_granular.embedded.rollout import to_nemo_batch
+
+    pad = 0
+    gen = {"prompt_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]), "prompt_attention": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+           "response_ids": torch.tensor([[11, 1, 0], [12, 13, 14]]), "response_len": torch.tensor([2, 3]),
+           "truncated": torch.tensor([False, True]),
+           "generation_logprobs": torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]])}
+    b = to_nemo_batch(gen, pad)
+    assert b["input_ids"].tolist() == [[5, 6, 11, 1, 0, 0], [7, 8, 9, 12, 13, 14]]
+    assert b["token_mask"].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]]
+    assert torch.allclose(b["generation_logprobs"], torch.tensor([[0, 0, -0.1, -0.2, 0, 0], [0, 0, 0, -0.3, -0.4, -0.5]]))
+    assert b["prompt_ids"].tolist() == [[5, 6, 0], [7, 8, 9]] and b["input_lengths"].tolist() == [4, 6]
+
+
+# ---------------------------------------------------------------- the contract, on every call
+@pytest.mark.parametrize("algorithm", ["sspo", "espo", "sppo"])
+def test_trainer_calls_plugin_with_nemo_rl_contract(tmp_path, algorithm):
+    from nemo_granular.embedded.trainer import Trainer
+
+    t = Trainer(_cfg(algorithm, tmp_path, "rl.steps=2"))
+    t.loss_fn = ContractRecorder(t.loss_fn, check_policy_loss_call)
+    if t.critic is not None:
+        t.value_loss_fn = ContractRecorder(t.value_loss_fn, check_value_loss_call)
+    assert t.run() == 0
+    per_rollout = (16 // 2) // 4  # rows per minibatch / micro batch size
+    assert t.loss_fn.calls == 2 * 2 * per_rollout
+    if t.critic is not None:
+        assert t.value_loss_fn.calls == t.loss_fn.calls
+    rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last = rec[-1]
+    # π_old comes from the same model as the sampler: train and generation logprobs agree
+    assert abs(last["train/token_mult_prob_error"] - 1.0) < 1e-3
+    assert last["train/nonfinite_tokens"] == 0
+    for key in ("train/clip_frac_low", "train/clip_frac_high", "train/prev_entropy", "train/groups_per_response"):
+        assert key in last
+
+
+def test_moe_policy_trains(tmp_path):
+    from nemo_granular.embedded.trainer import Trainer
+
+    t = Trainer(_cfg("moe", tmp_path, "rl.steps=1", "model.expert_size=16", "model.num_experts=4"))
+    assert type(t.policy).__name__ == "Qwen3MoeForCausalLM"
+    assert t.run() == 0
+
+
+# ---------------------------------------------------------------- checkpoints and resume
+def _records(path):
+    out = []
+    for line in Path(path).read_text().splitlines():
+        rec = json.loads(line)
+        out.append({k: v for k, v in rec.items() if k != "wall_time" and not k.startswith("timing/")})
+    return out
+
+
+def test_resume_after_sigkill_is_bit_identical(tmp_path):
+    args = ["train", "--config", str(LOCAL / "sspo.yaml"), *TINY, "rl.steps=8", "checkpoint.every=2",
+            "checkpoint.keep=10"]
+    full = _cli(*args, f"output_dir={tmp_path / 'full'}")
+    assert full.returncode == 0, full.stderr[-2000:]
+
+    run = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "nemo_granular", *args, f"output_dir={run}"], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = run / "checkpoints" / "latest"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() >= "step_000004":
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    resumed = _cli(*args, f"output_dir={run}", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stderr
+    assert _records(run / "metrics.jsonl") == _records(tmp_path / "full" / "metrics.jsonl")
+    a = torch.load(tmp_path / "full" / "checkpoints" / "step_000008" / "optimizer.pt", weights_only=True)
+    b = torch.load(run / "checkpoints" / "step_000008" / "optimizer.pt", weights_only=True)
+    assert all(torch.equal(a["policy"]["state"][k]["exp_avg"], b["policy"]["state"][k]["exp_avg"])
+               for k in a["policy"]["state"])
+
+
+def test_sigterm_checkpoints_and_exits_99_then_resumes(tmp_path):
+    args = ["train", "--config", str(LOCAL / "grpo.yaml"), *TINY, "rl.steps=400", f"output_dir={tmp_path}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "nemo_granular", *args], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 99
+    state = json.loads((tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
+                        / "trainer_state.json").read_text())
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert state["step"] == steps[-1] >= 2  # no step lost: the checkpoint holds the last logged step
+    assert not list((tmp_path / "checkpoints").glob(".tmp_*"))  # nothing half-written left behind
+    more = _cli(*args[:-2], "rl.steps=" + str(state["step"] + 1), f"output_dir={tmp_path}", "--resume")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1] == state["step"] + 1
