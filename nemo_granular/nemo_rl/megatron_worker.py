@@ -1,0 +1,79 @@
+"""Megatron policy-worker extension: ``get_logprobs_with_entropy`` (imports NeMo-RL + Megatron).
+
+Importable only inside NeMo-RL's Megatron worker environment; the driver refers to it by
+name (:data:`nemo_granular.nemo_rl.workers.MEGATRON_EXTENSION_FQN`), registered in
+``ACTOR_ENVIRONMENT_REGISTRY`` like ``research/template_project``.
+
+``get_logprobs_with_entropy`` runs the worker's OWN ``get_logprobs`` (microbatching, packing,
+router replay, PP schedule and the logprob math stay NeMo-RL's) while the module-level name
+``LogprobsPostProcessor`` in ``megatron_policy_worker`` is bound, for that call only, to a
+subclass that also computes the full-vocabulary entropy from the same logits in the same
+forward pass (on the last PP stage, where Megatron calls the post-processor); the entropy is
+then broadcast from the last stage like the logprobs. ``get_logprobs`` itself (used for the
+reference policy) is untouched.
+"""
+
+from __future__ import annotations
+
+import ray
+import torch
+from megatron.core import parallel_state
+from nemo_rl.models.megatron import train as _mtrain
+from nemo_rl.models.megatron.pipeline_parallel import broadcast_tensors_from_last_stage
+from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
+from nemo_rl.models.policy.workers import megatron_policy_worker as _mpw
+
+from .workers import megatron_entropy, stack_microbatch_entropy, swap_attr
+
+__all__ = ["EntropyLogprobsPostProcessor", "GranularMegatronPolicyWorkerImpl", "GranularMegatronPolicyWorker"]
+
+
+class EntropyLogprobsPostProcessor(_mtrain.LogprobsPostProcessor):
+    """NeMo-RL's logprob post-processor + entropy of the same logits into ``sink``."""
+
+    def __init__(self, *args, sink: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sink = sink
+
+    def __call__(self, data_dict, input_ids, cu_seqlens_padded):
+        inner = super().__call__(data_dict, input_ids, cu_seqlens_padded)
+        packed = bool(self.cfg["sequence_packing"]["enabled"])
+        if self.use_fused_linear_logprobs:
+            raise ValueError("policy.megatron_cfg.use_fused_linear_logprobs: the fused kernel returns logprobs, "
+                             "not logits, so the π_old entropy cannot be computed; disable it")
+
+        def processor(output_tensor):
+            # entropy first: NeMo-RL's logprob path may work in place on the logits
+            self.sink.append(megatron_entropy(
+                output_tensor, input_lengths=data_dict["input_lengths"], seq_len=data_dict["input_ids"].shape[1],
+                cu_seqlens_padded=cu_seqlens_padded if packed else None,
+                tp_group=parallel_state.get_tensor_model_parallel_group(),
+                cp_group=parallel_state.get_context_parallel_group(),
+                chunk_size=self.cfg.get("logprob_chunk_size", None)))
+            return inner(output_tensor)
+
+        return processor
+
+
+class GranularMegatronPolicyWorkerImpl(_mpw.MegatronPolicyWorkerImpl):
+    def get_logprobs_with_entropy(self, *, data, micro_batch_size=None):
+        """``get_logprobs`` + ``entropy`` ``[B, S]`` (float32, token columns, 0 on column 0/padding)."""
+        sink: list[torch.Tensor] = []
+
+        def build(*args, **kwargs):
+            return EntropyLogprobsPostProcessor(*args, sink=sink, **kwargs)
+
+        with swap_attr(_mpw, "LogprobsPostProcessor", build):
+            out = self.get_logprobs(data=data, micro_batch_size=micro_batch_size)
+        rows, seq_len = out["logprobs"].shape
+        entropy = None
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            entropy = stack_microbatch_entropy(sink, rows, seq_len).to(torch.cuda.current_device())
+        entropy = broadcast_tensors_from_last_stage({"entropy": entropy})["entropy"]
+        out["entropy"] = entropy.float().cpu()
+        return out
+
+
+@ray.remote(runtime_env=get_runtime_env_for_policy_worker("megatron_policy_worker"))  # pragma: no cover
+class GranularMegatronPolicyWorker(GranularMegatronPolicyWorkerImpl):
+    pass

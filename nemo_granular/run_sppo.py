@@ -1,0 +1,155 @@
+"""SPPO on NeMo-RL's unmodified PPO loop.
+
+    python -m nemo_granular.run_sppo --config examples/configs/sppo_r1_distill_qwen_1.5b.yaml [hydra overrides]
+
+Follows NeMo-RL's ``examples/run_ppo.py`` flow (``load_config`` → ``parse_hydra_overrides``
+→ ``MasterConfig`` → ``init_ray`` → tokenizer / data → ``ppo.setup`` → ``ppo_train`` or
+``async_ppo_train``) with four SPPO substitutions:
+
+1. the ``sppo`` estimator is installed into ``nemo_rl.algorithms.ppo._create_advantage_estimator``
+   for the duration of the run (A = (R − σ(v))·mask, returns = R·mask);
+2. ``value_loss_fn`` (NeMo-RL's MSE loss) is replaced by :class:`nemo_granular.losses.SequenceValueLoss`
+   (BCE on the critic logit at the first response column);
+3. the value model is wrapped in :class:`nemo_granular.sppo.critic.PromptOnlyValue` (critic
+   forwards prompt + 1 token, unique prompts only; logs critic diagnostics each step);
+4. start-up checks: binary rewards (reward scaling / shaping off), estimator name, N and KL
+   warnings, and the same-tokenizer check for a smaller decoupled critic.
+
+SPPO's own options live in the top-level ``sppo:`` section (see ``nemo_granular.sppo.validate``).
+Errors a user can fix (missing NeMo-RL, bad config) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import SimpleNamespace
+
+__all__ = ["main", "prepare_config", "MissingDependencyError"]
+
+PROG = "nemo_granular.run_sppo"
+
+
+class MissingDependencyError(ImportError):
+    """NeMo-RL (or one of its own imports) is not importable."""
+
+
+def _import_nemo_rl() -> SimpleNamespace:
+    """Import the NeMo-RL pieces the entry script needs; one-line error naming the package."""
+    try:
+        import nemo_rl  # noqa: F401
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"NeMo-RL is not installed (cannot import {err.name or 'nemo_rl'!r}); run this inside NeMo-RL's "
+            f"environment, e.g. `uv run python -m {PROG} --config ...` from a NeMo-RL checkout with "
+            f"nemo-granular on PYTHONPATH") from None
+    try:
+        from omegaconf import OmegaConf
+
+        import nemo_rl.algorithms.ppo as ppo_module
+        from nemo_rl.algorithms.utils import get_tokenizer
+        from nemo_rl.data.utils import setup_response_data
+        from nemo_rl.distributed.virtual_cluster import init_ray
+        from nemo_rl.models.generation import configure_generation_config
+        from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
+        from nemo_rl.utils.logger import get_next_experiment_dir
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"NeMo-RL is installed but {err.name or 'one of its modules'!r} cannot be imported ({err}); "
+            f"{PROG} needs NeMo-RL's PPO (nemo_rl.algorithms.ppo)") from None
+    return SimpleNamespace(OmegaConf=OmegaConf, ppo=ppo_module, get_tokenizer=get_tokenizer,
+                           setup_response_data=setup_response_data, init_ray=init_ray,
+                           configure_generation_config=configure_generation_config, load_config=load_config,
+                           parse_hydra_overrides=parse_hydra_overrides,
+                           register_omegaconf_resolvers=register_omegaconf_resolvers,
+                           get_next_experiment_dir=get_next_experiment_dir)
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}",
+                                     description="SPPO (sequence-level PPO, scalar BCE critic) on NeMo-RL's PPO loop. "
+                                                 "Unknown arguments are Hydra overrides (a.b=v, +a.b=v, ~a.b).")
+    parser.add_argument("--config", required=True, help="YAML config (NeMo-RL PPO config + sppo: section)")
+    return parser.parse_known_args(argv)
+
+
+def prepare_config(nr: SimpleNamespace, path: str, overrides: list[str]):
+    """Load + override + resolve + validate. Returns ``(MasterConfig, SPPOOptions)``."""
+    from .sppo.validate import validate_sppo_config
+
+    nr.register_omegaconf_resolvers()
+    cfg = nr.load_config(path)
+    if overrides:
+        cfg = nr.parse_hydra_overrides(cfg, overrides)
+    config = nr.OmegaConf.to_container(cfg, resolve=True)
+    opts, warnings = validate_sppo_config(config, source=path)
+    for w in warnings:
+        print(f"{PROG}: warning: {w}", file=sys.stderr)
+    return nr.ppo.MasterConfig(**config), opts
+
+
+def _check_async(config) -> None:
+    gen = config.policy["generation"] or {}
+    vllm = gen.get("vllm_cfg") or {}
+    if gen.get("backend") != "vllm" or not vllm.get("async_engine"):
+        raise ValueError("async PPO needs policy.generation.backend=vllm and policy.generation.vllm_cfg.async_engine=true")
+    if (gen.get("colocated") or {}).get("enabled", True):
+        raise ValueError("async PPO needs policy.generation.colocated.enabled=false")
+    if not config.loss_fn.use_importance_sampling_correction:
+        raise ValueError("async PPO needs loss_fn.use_importance_sampling_correction=true")
+
+
+def _startup(argv: list[str] | None):
+    args, overrides = parse_args(argv)
+    nr = _import_nemo_rl()
+    config, opts = prepare_config(nr, args.config, overrides)
+    if config.ppo.async_ppo.enabled:
+        _check_async(config)
+    if opts.check_tokenizers:
+        from .sppo.validate import check_critic_tokenizer
+
+        check_critic_tokenizer(config)
+    return nr, args, config, opts
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        nr, args, config, opts = _startup(argv)
+    except (MissingDependencyError, ValueError, FileNotFoundError) as err:
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 2
+
+    from .losses import SequenceValueLoss
+    from .sppo.critic import PromptOnlyValue
+    from .sppo.install import sppo_estimator_installed
+
+    print(f"Loaded configuration from: {args.config}")
+    config.logger["log_dir"] = nr.get_next_experiment_dir(config.logger["log_dir"])
+    nr.init_ray()
+    tokenizer = nr.get_tokenizer(config.policy["tokenizer"])
+    if config.policy["generation"] is None:
+        raise ValueError("policy.generation is required for PPO")
+    config.policy["generation"] = nr.configure_generation_config(config.policy["generation"], tokenizer)
+    dataset, val_dataset, task_to_env, val_task_to_env = nr.setup_response_data(tokenizer, config.data, config.env)
+
+    with sppo_estimator_installed(nr.ppo):
+        (policy, policy_generation, value_model, _cluster, dataloader, val_dataloader, loss_fn, _mse_value_loss,
+         logger, checkpointer, ppo_state, master_config) = nr.ppo.setup(config, tokenizer, dataset, val_dataset)
+        value_loss_fn = SequenceValueLoss()
+        if opts.prompt_only_critic:
+            value_model = PromptOnlyValue(
+                value_model, tokenizer.pad_token_id,
+                pad_to_multiple=config.value.get("make_sequence_length_divisible_by", 1) or 1,
+                dedup=opts.dedup_prompts, logger=logger if opts.log_diagnostics else None,
+                start_step=int(ppo_state["total_steps"]), diagnostics_prefix=opts.diagnostics_prefix)
+        train = nr.ppo.async_ppo_train if config.ppo.async_ppo.enabled else nr.ppo.ppo_train
+        print(f"🚀 Running SPPO ({'async' if config.ppo.async_ppo.enabled else 'sync'} PPO loop)", flush=True)
+        with checkpointer:
+            train(policy, policy_generation, value_model, dataloader, val_dataloader, tokenizer, loss_fn,
+                  value_loss_fn, task_to_env, val_task_to_env, logger, checkpointer, ppo_state, master_config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

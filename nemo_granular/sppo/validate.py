@@ -1,0 +1,167 @@
+"""Start-up checks for SPPO on NeMo-RL's PPO loop.
+
+* :class:`SPPOOptions` — the top-level ``sppo:`` config section (NeMo-RL's
+  ``value_loss_fn`` config is ``extra="forbid"``, so SPPO's own keys live here).
+* :func:`validate_sppo_config` — one-line ``ValueError`` for settings that break SPPO
+  (non-binary rewards, wrong estimator, fused value loss, batch divisibility) and warnings
+  for settings that deviate from the paper (N ≠ 1, KL ≠ 0).
+* :func:`check_same_tokenizer` / :func:`check_critic_tokenizer` — a smaller decoupled
+  critic must share the policy's tokenizer: ``ppo.setup`` hands the critic the *policy*
+  tokenizer's ids (``nemo_rl/algorithms/ppo.py`` ``Value(..., tokenizer)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from ..config import format_validation_error
+
+__all__ = ["SPPOOptions", "parse_sppo_options", "validate_sppo_config", "check_same_tokenizer",
+           "check_critic_tokenizer"]
+
+
+class SPPOOptions(BaseModel):
+    """``sppo:`` section.
+
+    prompt_only_critic: wrap the value model in ``PromptOnlyValue`` (critic forwards prompt + 1
+        token instead of the full sequence; identical result, see ``sppo/critic.py``).
+    dedup_prompts: forward each distinct prompt once in ``get_values`` (matters for N > 1).
+    check_tokenizers: compare the critic's tokenizer with the policy's at start-up.
+    log_diagnostics / diagnostics_prefix: log :func:`critic_diagnostics` every step.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt_only_critic: bool = True
+    dedup_prompts: bool = True
+    check_tokenizers: bool = True
+    log_diagnostics: bool = True
+    diagnostics_prefix: str = "sppo_critic"
+
+    @field_validator("diagnostics_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v or "/" in v:
+            raise ValueError("must be a non-empty name without '/'")
+        return v
+
+
+def parse_sppo_options(cfg: Mapping | None) -> SPPOOptions:
+    """Validate the ``sppo:`` section (missing → defaults); one-line ``ValueError``."""
+    try:
+        return SPPOOptions.model_validate(dict(cfg or {}))
+    except ValidationError as err:
+        raise ValueError(format_validation_error(err, "sppo")) from None
+
+
+def _get(cfg: Any, path: str, default: Any = None) -> Any:
+    cur = cfg
+    for part in path.split("."):
+        if cur is None:
+            return default
+        if isinstance(cur, Mapping):
+            if part not in cur:
+                return default
+            cur = cur[part]
+        elif hasattr(cur, part):
+            cur = getattr(cur, part)
+        else:
+            return default
+    return cur
+
+
+def validate_sppo_config(cfg: Mapping, source: str = "config") -> tuple[SPPOOptions, list[str]]:
+    """Check a resolved master config (plain mapping, OmegaConf container or NeMo-RL
+    ``MasterConfig``) for SPPO. Returns ``(options, warnings)``; raises a one-line
+    ``ValueError`` naming the field and ``source`` for a setting SPPO cannot run with."""
+    def fail(msg: str):
+        raise ValueError(f"{source}: {msg}")
+
+    for section in ("ppo", "policy", "value", "loss_fn"):
+        if _get(cfg, section) is None:
+            fail(f"section '{section}' is missing (SPPO runs on NeMo-RL's PPO config)")
+    opts = parse_sppo_options(_get(cfg, "sppo"))
+    name = _get(cfg, "ppo.adv_estimator.name")
+    if name != "sppo":
+        fail(f"ppo.adv_estimator.name must be 'sppo' (got {name!r})")
+    if bool(_get(cfg, "ppo.reward_scaling.enabled", False)):
+        fail("ppo.reward_scaling.enabled must be false: the SPPO critic's BCE needs rewards in {0, 1}")
+    if bool(_get(cfg, "ppo.reward_shaping.enabled", False)):
+        fail("ppo.reward_shaping.enabled must be false: the SPPO critic's BCE needs rewards in {0, 1}")
+    if bool(_get(cfg, "value.sequence_packing.fuse_loss", False)):
+        fail("value.sequence_packing.fuse_loss must be false (the value loss needs the critic's logits)")
+    if bool(_get(cfg, "ppo.use_dynamic_sampling", False)):
+        fail("ppo.use_dynamic_sampling must be false (SPPO keeps every prompt; N = 1 has no group variance)")
+    n = int(_get(cfg, "ppo.num_generations_per_prompt", 1))
+    prompts = int(_get(cfg, "ppo.num_prompts_per_step", 1))
+    rows = n * prompts
+    for key in ("policy.train_global_batch_size", "value.train_global_batch_size"):
+        gbs = _get(cfg, key)
+        if gbs is not None and (int(gbs) <= 0 or rows % int(gbs) != 0):
+            fail(f"{key}={gbs} must divide ppo.num_prompts_per_step × num_generations_per_prompt = {rows}")
+    warnings: list[str] = []
+    if n != 1:
+        warnings.append(f"ppo.num_generations_per_prompt={n}: SPPO is meant for N = 1 (one sample per prompt)")
+    kl = float(_get(cfg, "loss_fn.reference_policy_kl_penalty", 0.0) or 0.0)
+    if kl != 0.0:
+        warnings.append(f"loss_fn.reference_policy_kl_penalty={kl}: the SPPO paper uses no KL penalty (0)")
+    if bool(_get(cfg, "loss_fn.use_kl_in_reward", False)):
+        fail("loss_fn.use_kl_in_reward must be false: it makes rewards non-binary")
+    if int(_get(cfg, "ppo.ppo_epochs", 1)) != 1:
+        warnings.append(f"ppo.ppo_epochs={_get(cfg, 'ppo.ppo_epochs')}: the paper makes one pass per rollout batch")
+    return opts, warnings
+
+
+def _special(tok: Any) -> dict:
+    out = {}
+    for attr in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        tid = getattr(tok, f"{attr}_id", None)
+        out[attr] = (getattr(tok, attr, None), tid)
+    out["all_special_tokens"] = tuple(sorted(str(t) for t in getattr(tok, "all_special_tokens", [])))
+    return out
+
+
+def check_same_tokenizer(policy_tok: Any, critic_tok: Any, policy_name: str = "policy",
+                         critic_name: str = "value") -> None:
+    """Raise a one-line ``ValueError`` unless the two tokenizers map every token to the same
+    id and agree on their special tokens (bos/eos/unk/pad and the full special-token set)."""
+    why = None
+    pv, cv = policy_tok.get_vocab(), critic_tok.get_vocab()
+    if len(pv) != len(cv):
+        why = f"vocabulary sizes differ ({len(pv)} vs {len(cv)})"
+    elif pv != cv:
+        bad = sorted(t for t in pv if cv.get(t) != pv[t])[:1]
+        t = bad[0] if bad else next(iter(set(cv) - set(pv)))
+        why = f"token {t!r} has id {pv.get(t)} in the policy tokenizer but {cv.get(t)} in the critic's"
+    else:
+        ps, cs = _special(policy_tok), _special(critic_tok)
+        for k in ps:
+            if ps[k] != cs[k]:
+                why = f"special token {k} differs ({ps[k]!r} vs {cs[k]!r})"
+                break
+    if why is not None:
+        raise ValueError(f"critic {critic_name!r} does not share the policy tokenizer {policy_name!r}: {why}; "
+                         f"the critic reads the policy's token ids, so use a critic of the same tokenizer family")
+
+
+def check_critic_tokenizer(cfg: Mapping, loader: Callable[[str], Any] | None = None) -> bool:
+    """Compare the tokenizer of ``value.model_name`` with ``policy.tokenizer.name`` (or
+    ``policy.model_name``). Returns False when both name the same checkpoint (nothing to
+    check), True after a successful comparison; raises ``ValueError`` on a mismatch.
+    ``loader`` defaults to ``transformers.AutoTokenizer.from_pretrained``."""
+    pname = _get(cfg, "policy.tokenizer.name") or _get(cfg, "policy.model_name")
+    cname = _get(cfg, "value.model_name") or pname
+    if pname is None:
+        raise ValueError("policy.tokenizer.name / policy.model_name is missing")
+    if str(cname) == str(pname):
+        return False
+    if loader is None:
+        from transformers import AutoTokenizer
+
+        def loader(name):
+            return AutoTokenizer.from_pretrained(name)
+    check_same_tokenizer(loader(str(pname)), loader(str(cname)), str(pname), str(cname))
+    return True
