@@ -80,7 +80,8 @@ class SPPOEstimator:
         if v.dim() == 2:
             v = v.gather(-1, first_response_index(mask)[:, None]).squeeze(-1)
         adv = sppo_advantages(r.to(v.device), v)
-        self.last_metrics = {"critic_value_mean": torch.sigmoid(v).mean().item()}
+        rows = mask.bool().any(-1)  # rows without a response (sample_mask 0) carry no value
+        self.last_metrics = {"critic_value_mean": torch.sigmoid(v)[rows].mean().item() if rows.any() else 0.0}
         return _broadcast(adv, mask), _broadcast(r, mask)
 
 

@@ -16,15 +16,10 @@ import torch
 
 from .config import PolicyLossConfig, parse_policy_loss_config
 from .core.advantages import first_response_index, sppo_critic_bce
-from .core.aggregation import safe_divide, seq_mean_group_mean, seq_mean_token_mean, token_mean
-from .core.clipping import (
-    clipped_surrogate,
-    espo_entropy_clip_bounds,
-    fixed_clip_bounds,
-    sspo_entropy_clip_bounds,
-)
+from .core.aggregation import safe_divide, seq_mean_token_mean
+from .core.clipping import clipped_surrogate, espo_entropy_clip_bounds, sspo_entropy_clip_bounds
 from .core.groups import build_delimiter_table, group_ids_for
-from .core.ratios import gather_groups, group_count, group_mean, group_sum
+from .core.ratios import GroupIndex
 from .protocol import LossInputType, LossType, MetricNormalizer
 
 __all__ = ["GranularPolicyLoss", "SequenceValueLoss", "kl_penalty_per_token", "LOG_RATIO_BOUND"]
@@ -156,8 +151,8 @@ class GranularPolicyLoss:
     def _bounds(self, entropy_per_unit, like):
         """[lo, hi] per token (token granularity) or per group, from the unit's mean π_old entropy."""
         g = self.granular
-        if g.clip == "fixed":
-            return fixed_clip_bounds(like, self.cfg.eps_low, self.cfg.eps_high)
+        if g.clip == "fixed":  # scalars: clamp broadcasts them without materialising [B, T] tensors
+            return 1.0 - self.cfg.eps_low, 1.0 + self.cfg.eps_high
         if g.clip == "sspo_entropy":
             return sspo_entropy_clip_bounds(entropy_per_unit, g.sspo.alpha, g.sspo.beta, g.sspo.gamma)
         if self.vocab_size is None:
@@ -198,52 +193,59 @@ class GranularPolicyLoss:
         prev = torch.where(valid, prev_raw, zero)
         adv = torch.where(valid, adv_raw, zero)
         gen = torch.where(valid & torch.isfinite(gen_raw), gen_raw, prev)
-        ent = torch.where(valid, ent_raw, zero) if ent_raw is not None else None
-        tok_w = valid.float() * sample_mask[:, None]  # NeMo-RL's token_mask * sample_mask
+        ent = torch.where(valid & torch.isfinite(ent_raw), ent_raw, zero) if ent_raw is not None else None
+        valid_f = valid.float()
+        tok_w = valid_f * sample_mask[:, None]  # NeMo-RL's token_mask * sample_mask
 
         log_ratio = logp - prev
         per_token = g.granularity == "token"
-        if per_token:  # GRPO fast path: every token is its own group
-            group_ids = torch.where(valid, torch.zeros_like(valid, dtype=torch.long), -1)  # for counting only
+        index = counts = None
+        if per_token:  # GRPO fast path: every token is its own group, no scatter needed
             ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND))
             lo, hi = self._bounds(ent, log_ratio)
-            n_groups_row = valid.sum(-1).float()
+            n_groups_row = valid_f.sum(-1)
         else:
-            group_ids = self._group_ids(data, token_mask, ent_raw if ent_raw is None else
+            group_ids = self._group_ids(data, token_mask, None if ent_raw is None else
                                         torch.where(valid, ent_raw, torch.nan), log_ratio)
             group_ids = torch.where(valid, group_ids, -1)
-            G = {"sequence": 1, "entropy_group": len(g.entropy_cut_points) + 1}.get(
-                g.granularity, log_ratio.shape[1]) if "granular_group_ids" not in data else log_ratio.shape[1]
-            G = max(G, 1)
-            counts = group_count(group_ids, G)
-            group_lr = group_mean(log_ratio, group_ids, G, counts).clamp(max=LOG_RATIO_BOUND)
-            if g.ratio == "shared":
-                ratio = torch.exp(gather_groups(group_lr, group_ids))
-            else:
-                ratio = torch.exp(gather_groups(group_lr, group_ids)).detach() * torch.exp(logp - logp.detach())
+            G = log_ratio.shape[1] if "granular_group_ids" in data else \
+                {"sequence": 1, "entropy_group": len(g.entropy_cut_points) + 1}.get(g.granularity, log_ratio.shape[1])
+            index = GroupIndex(group_ids, max(G, 1))
+            # one scatter for every per-group statistic: Σℓ (with grad), |G|, ΣH
+            channels = [log_ratio, valid_f] + ([ent] if g.clip != "fixed" else [])
+            stats = index.sum(torch.stack(channels, dim=-1))
+            counts = stats[..., 1].detach()
+            group_lr = (stats[..., 0] / counts.clamp(min=1)).clamp(max=LOG_RATIO_BOUND)
+            if g.ratio == "shared":  # GSPO eq. 6 / SSPO eq. 9: gradient through the group mean
+                ratio = torch.exp(index.gather(group_lr))
+            else:  # token_decomposed (GSPO-token / ESPO): value s_g, gradient via the token's own logprob
+                ratio = torch.exp(index.gather(group_lr.detach())) * torch.exp(logp - logp.detach())
             if g.clip == "fixed":
-                lo, hi = fixed_clip_bounds(log_ratio, cfg.eps_low, cfg.eps_high)
+                lo, hi = self._bounds(None, None)
             else:
-                lo_g, hi_g = self._bounds(group_mean(ent, group_ids, G, counts).detach(), None)
-                lo, hi = gather_groups(lo_g, group_ids), gather_groups(hi_g, group_ids)
+                lo_g, hi_g = self._bounds(stats[..., 2].detach() / counts.clamp(min=1), None)
+                bounds = index.gather(torch.stack([lo_g, hi_g], dim=-1))
+                lo, hi = bounds[..., 0], bounds[..., 1]
             n_groups_row = (counts > 0).sum(-1).float()
 
         surrogate, clipped_low, clipped_high = clipped_surrogate(ratio, adv, lo, hi, cfg.ratio_clip_c)
         metrics: dict[str, torch.Tensor] = {}
 
-        # off-policy correction π_old/π_gen (NeMo-RL's options; group-level for group ratios)
-        is_weight = self._importance_weights(prev, gen, valid, token_mask, group_ids, per_token, sample_mask,
-                                             global_valid_toks, global_valid_seqs, metrics)
-        term = surrogate * is_weight if cfg.use_importance_sampling_correction else surrogate
+        # off-policy correction π_old/π_gen (NeMo-RL's options; one weight per group for group ratios)
+        is_weight = None
+        if cfg.use_importance_sampling_correction:
+            is_weight = self._importance_weights(prev, gen, valid, index, sample_mask, global_valid_toks,
+                                                 global_valid_seqs, metrics)
+            surrogate = surrogate * is_weight
 
         if g.aggregation == "token_mean":
-            objective = safe_divide((term * tok_w).sum(), global_valid_toks)
-        elif g.aggregation == "seq_mean_token_mean":
-            objective = seq_mean_token_mean(term, valid, sample_mask, global_valid_seqs)
+            objective = safe_divide((surrogate * tok_w).sum(), global_valid_toks)
+        elif g.aggregation == "seq_mean_token_mean" or per_token:  # token groups: the two means coincide
+            objective = seq_mean_token_mean(surrogate, valid, sample_mask, global_valid_seqs)
         else:
-            ids = torch.where(valid, torch.cumsum(valid.long(), -1) - 1, -1) if per_token else group_ids
-            objective = seq_mean_group_mean(term, ids, ids.shape[1] if per_token else G, sample_mask,
-                                            global_valid_seqs)
+            per_group = index.sum(surrogate) / counts.clamp(min=1)
+            per_row = per_group.sum(-1) / n_groups_row.clamp(min=1)  # empty groups add 0
+            objective = safe_divide((per_row * sample_mask).sum(), global_valid_seqs)
         loss = -objective
 
         kl = zero
@@ -258,22 +260,21 @@ class GranularPolicyLoss:
 
         with torch.no_grad():
             self._metrics(metrics, loss, kl, nll, ratio, lo, hi, clipped_low, clipped_high, valid, token_mask,
-                          row_on, sample_mask, tok_w, prev, gen, logp, ent, group_ids, per_token, n_groups_row,
+                          row_on, sample_mask, tok_w, prev, gen, logp, ent, index, counts, n_groups_row,
                           is_weight, global_valid_toks, global_valid_seqs)
             names = list(metrics)
             values = torch.stack([metrics[k].float().reshape(()).to(dev) for k in names]).tolist()  # one sync
         return loss, dict(zip(names, values))
 
     # ------------------------------------------------------------------ pieces
-    def _importance_weights(self, prev, gen, valid, token_mask, group_ids, per_token, sample_mask,
-                            global_valid_toks, global_valid_seqs, metrics):
+    def _importance_weights(self, prev, gen, valid, index, sample_mask, global_valid_toks, global_valid_seqs,
+                            metrics):
         cfg = self.cfg
         diff = (prev - gen).detach()
-        if per_token:
+        if index is None:
             w = torch.exp(diff.clamp(max=LOG_RATIO_BOUND))
         else:  # one weight per group: exp(Σ_group (logq − log π_gen)), NeMo-RL's GSPO convention
-            G = group_ids.shape[1]
-            w = torch.exp(gather_groups(group_sum(diff, group_ids, G), group_ids).clamp(max=LOG_RATIO_BOUND))
+            w = torch.exp(index.gather(index.sum(diff)).clamp(max=LOG_RATIO_BOUND))
         w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
         kind, hi, lo = (cfg.truncated_importance_sampling_type, cfg.truncated_importance_sampling_ratio,
                         cfg.truncated_importance_sampling_ratio_min)
@@ -311,19 +312,22 @@ class GranularPolicyLoss:
         return seq_mean_token_mean(kl, valid, sample_mask, global_valid_seqs)
 
     def _metrics(self, m, loss, kl, nll, ratio, lo, hi, clipped_low, clipped_high, valid, token_mask, row_on,
-                 sample_mask, tok_w, prev, gen, logp, ent, group_ids, per_token, n_groups_row, is_weight,
+                 sample_mask, tok_w, prev, gen, logp, ent, index, counts, n_groups_row, is_weight,
                  global_valid_toks, global_valid_seqs):
+        n_tok = tok_w.sum()
+
         def tok(x):
+            if not torch.is_tensor(x) or x.dim() == 0:  # a constant (fixed clip bound)
+                return safe_divide(n_tok * float(x), global_valid_toks)
             return safe_divide((x.float() * tok_w).sum(), global_valid_toks)
 
         def seq(x_row):
             return safe_divide((x_row.float() * sample_mask).sum(), global_valid_seqs)
 
         r = ratio.detach()
-        r_clamped = torch.minimum(torch.maximum(r, lo), hi)
+        r_clamped = torch.clamp(r, lo, hi)
         live = valid & row_on[:, None]
         inf = torch.tensor(float("inf"), device=r.device)
-        lp_err = (prev - gen).abs()
         m["loss"] = loss.detach()
         m["num_valid_samples"] = sample_mask.sum()
         m["probs_ratio"] = tok(r)
@@ -334,16 +338,21 @@ class GranularPolicyLoss:
         m["probs_ratio_clamped_max"] = torch.where(live, r_clamped, -inf).max() if r.numel() else -inf
         coef = self.reference_policy_kl_penalty
         m["kl_penalty"] = kl.detach() / coef if coef else torch.zeros((), device=r.device)
-        m["token_mult_prob_error"] = tok(torch.exp(lp_err))
+        diff = prev - gen
+        m["token_mult_prob_error"] = tok(torch.exp(diff.abs()))
         m["gen_kl_error"] = tok(kl_penalty_per_token(gen, prev, self.cfg.reference_policy_kl_type, None, None))
         m["policy_kl_error"] = tok(kl_penalty_per_token(prev, gen, self.cfg.reference_policy_kl_type, None, None))
         log_mix = torch.log(0.5 * torch.exp(prev) + 0.5 * torch.exp(gen))
         js = 0.5 * (torch.exp(prev - log_mix) - (prev - log_mix) - 1) + 0.5 * (torch.exp(gen - log_mix) - (gen - log_mix) - 1)
         m["js_divergence_error"] = tok(js)
-        if self.granular.granularity == "sequence":
-            m["sampling_importance_ratio"] = seq(torch.where(valid, is_weight, 0.0).amax(-1))
+        if self.granular.granularity == "sequence":  # one weight per response
+            w_row = torch.exp(torch.where(valid, diff, 0.0).sum(-1).clamp(max=LOG_RATIO_BOUND))
+            if is_weight is not None:
+                w_row = torch.where(valid, is_weight, 0.0).amax(-1)
+            m["sampling_importance_ratio"] = seq(w_row)
         else:
-            m["sampling_importance_ratio"] = tok(is_weight)
+            m["sampling_importance_ratio"] = tok(is_weight if is_weight is not None else
+                                                 torch.exp(diff.clamp(max=LOG_RATIO_BOUND)))
         m["approx_entropy"] = -tok(torch.exp((logp - gen).clamp(max=LOG_RATIO_BOUND)) * logp)
         m["positive_nll_loss"] = nll.detach()
         # ours
@@ -352,16 +361,14 @@ class GranularPolicyLoss:
         m["clip_bound_low_mean"] = tok(lo)
         m["clip_bound_high_mean"] = tok(hi)
         n_tok_row = valid.sum(-1).float()
-        if per_token:
-            m["clip_frac_low_groups"] = seq(torch.where(valid, clipped_low, False).sum(-1) / n_tok_row.clamp(min=1))
-            m["clip_frac_high_groups"] = seq(torch.where(valid, clipped_high, False).sum(-1) / n_tok_row.clamp(min=1))
-        else:
-            G = group_ids.shape[1]
-            counts = group_count(group_ids, G)
-            present = counts > 0
-            for name, ind in (("clip_frac_low_groups", clipped_low), ("clip_frac_high_groups", clipped_high)):
-                frac = group_mean(ind.float(), group_ids, G, counts)
-                m[name] = seq(torch.where(present, frac, 0.0).sum(-1) / n_groups_row.clamp(min=1))
+        clipped = torch.stack([clipped_low & valid, clipped_high & valid], dim=-1).float()
+        if index is None:  # token groups: the group-weighted fraction is the per-row token fraction
+            frac_row = clipped.sum(1) / n_tok_row.clamp(min=1)[:, None]
+        else:  # mean over the row's non-empty groups of the clipped fraction inside each group
+            frac_group = index.sum(clipped) / counts.clamp(min=1)[..., None]
+            frac_row = frac_group.sum(1) / n_groups_row.clamp(min=1)[:, None]
+        m["clip_frac_low_groups"] = seq(frac_row[:, 0])
+        m["clip_frac_high_groups"] = seq(frac_row[:, 1])
         m["groups_per_response"] = seq(n_groups_row)
         m["group_size_mean"] = seq(n_tok_row / n_groups_row.clamp(min=1))
         m["prev_entropy_mean"] = tok(ent) if ent is not None else torch.zeros((), device=r.device)

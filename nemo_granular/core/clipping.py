@@ -62,8 +62,8 @@ def calibrate_espo_alpha(mean_entropy: float, vocab_size: int, target_eps: float
 def clipped_surrogate(
     ratio: torch.Tensor,
     advantages: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
+    lo: torch.Tensor | float,
+    hi: torch.Tensor | float,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token clipped surrogate (PPO; spec §4), to be maximised:
@@ -74,7 +74,7 @@ def clipped_surrogate(
     high when A > 0 and r > hi — exactly the tokens whose gradient the min removes.
     """
     unclipped = ratio * advantages
-    clipped = torch.maximum(torch.minimum(ratio, hi), lo) * advantages
+    clipped = torch.clamp(ratio, lo, hi) * advantages  # lo/hi: tensors or numbers
     c = torch.minimum(unclipped, clipped)
     if dual_clip is not None:
         c = torch.where(advantages < 0, torch.maximum(c, dual_clip * advantages), c)

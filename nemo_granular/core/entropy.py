@@ -1,4 +1,4 @@
-"""Full-vocabulary entropy (and next-token logprobs) from logits, chunked over positions.
+"""Full-vocabulary entropy (and next-token logprobs) from logits, chunked over positions (no grad).
 
 H = logsumexp(z) − Σ_v softmax(z)_v · z_v  (spec, Notation), in nats, float32 accumulation.
 Chunking over positions keeps the extra memory at one ``[chunk, V]`` float32 block: the
@@ -12,58 +12,66 @@ import torch
 __all__ = ["entropy_from_logits", "logprobs_from_logits", "logprobs_and_entropy_from_logits"]
 
 
-def _chunks(n: int, chunk_size: int | None):
-    step = n if not chunk_size or chunk_size <= 0 else chunk_size
-    for start in range(0, n, max(step, 1)):  # loop over chunks of positions, not tokens
-        yield start, min(start + step, n)
+def _chunk_stats(logits: torch.Tensor, chunk_size: int | None, targets=None, entropy: bool = True):
+    """Yield ``(start, stop, logprob_or_None, entropy_or_None)`` per chunk of positions.
+
+    Per chunk, with y = z − max z, e = exp(y), s = Σe: log p(target) = y[target] − log s and
+    H = log s − Σ e·y / s (shifted form: no cancellation between two terms of the size of z).
+    Two float32 ``[chunk, V]`` buffers are allocated once and reused: on CPU, allocating (and
+    page-faulting) a fresh block per chunk costs as much as the arithmetic.
+    """
+    flat = logits.detach().reshape(-1, logits.shape[-1])
+    n, V = flat.shape
+    step = n if not chunk_size or chunk_size <= 0 else min(chunk_size, max(n, 1))
+    y_buf = torch.empty(min(step, n), V, dtype=torch.float32, device=flat.device)
+    e_buf = torch.empty_like(y_buf) if entropy else None
+    for a in range(0, n, max(step, 1)):  # loop over chunks of positions, not tokens
+        b = min(a + step, n)
+        y = y_buf[: b - a]
+        y.copy_(flat[a:b])
+        m = y.amax(dim=-1, keepdim=True)
+        y.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        lp = h = None
+        if targets is not None:
+            picked = y.gather(-1, targets[a:b, None]).squeeze(-1)
+        if entropy:
+            e = torch.exp(y, out=e_buf[: b - a])
+            log_s = torch.log(e.sum(-1))
+            t = torch.linalg.vecdot(e, y)
+            if torch.isnan(t).any():  # masked (-inf) logits: 0·(−inf); they contribute nothing
+                t = torch.where(e > 0, e * y, torch.zeros_like(y)).sum(-1)
+            h = log_s - t / e.sum(-1)
+        else:
+            log_s = torch.log(y.exp_().sum(-1))
+        if targets is not None:
+            lp = picked - log_s
+        yield a, b, lp, h
 
 
-def _stats(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logsumexp, entropy) of float32 logits along the last dim, in one pass."""
-    m = z.max(dim=-1, keepdim=True).values
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    e = torch.exp(z - m)
-    s = e.sum(-1)
-    lse = m.squeeze(-1) + torch.log(s)
-    # Σ p·z with p = e/s; masked (-inf) logits contribute 0, not nan
-    pz = torch.where(e > 0, e * z, torch.zeros_like(z)).sum(-1) / s
-    return lse, lse - pz
-
-
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = 1024) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim for every position: ``[..., V] -> [...]``."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    for a, b in _chunks(flat.shape[0], chunk_size):
-        out[a:b] = _stats(flat[a:b].float())[1]
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int | None = 256) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim for every position: ``[..., V] -> [...]`` (no grad)."""
+    out = torch.empty(logits.shape[:-1].numel(), dtype=torch.float32, device=logits.device)
+    for a, b, _, h in _chunk_stats(logits, chunk_size):
+        out[a:b] = h
     return out.view(logits.shape[:-1])
 
 
-def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = 1024) -> torch.Tensor:
-    """log softmax(logits)[target] for every position (the logprob-only baseline pass)."""
-    flat = logits.reshape(-1, logits.shape[-1])
+def logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = 256) -> torch.Tensor:
+    """log softmax(logits)[target] per position — the logprob-only pass, the benchmarks' baseline (no grad)."""
     tgt = targets.reshape(-1).long()
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-    for a, b in _chunks(flat.shape[0], chunk_size):
-        z = flat[a:b].float()
-        out[a:b] = z.gather(-1, tgt[a:b, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    out = torch.empty(tgt.numel(), dtype=torch.float32, device=logits.device)
+    for a, b, lp, _ in _chunk_stats(logits, chunk_size, tgt, entropy=False):
+        out[a:b] = lp
     return out.view(targets.shape)
 
 
 def logprobs_and_entropy_from_logits(
-    logits: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = 1024
+    logits: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused pass: (log p(target), H) per position from one read of each logits chunk.
-
-    No autograd (π_old quantities): call it under ``torch.no_grad()`` or on detached logits.
-    """
-    flat = logits.detach().reshape(-1, logits.shape[-1])
+    """Fused pass: (log p(target), H) per position from one read of each logits chunk (no grad)."""
     tgt = targets.reshape(-1).long()
-    lp = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    lp = torch.empty(tgt.numel(), dtype=torch.float32, device=logits.device)
     ent = torch.empty_like(lp)
-    for a, b in _chunks(flat.shape[0], chunk_size):
-        z = flat[a:b].float()
-        lse, h = _stats(z)
-        lp[a:b] = z.gather(-1, tgt[a:b, None]).squeeze(-1) - lse
-        ent[a:b] = h
+    for a, b, lp_c, h in _chunk_stats(logits, chunk_size, tgt):
+        lp[a:b], ent[a:b] = lp_c, h
     return lp.view(targets.shape), ent.view(targets.shape)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "GroupIndex",
     "group_sum",
     "group_count",
     "group_mean",
@@ -20,11 +21,33 @@ __all__ = [
 ]
 
 
-def _flat_index(group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
-    B = group_ids.shape[0]
-    row = torch.arange(B, device=group_ids.device).unsqueeze(-1) * (num_groups + 1)
-    # invalid tokens (-1) go to a dummy last column of their row, dropped afterwards
-    return row + torch.where(group_ids >= 0, group_ids, num_groups)
+class GroupIndex:
+    """Scatter/gather plan of per-row group ids ``[B, T]`` into a ``[B, G]`` table, built once.
+
+    Token (i, t) of group g maps to flat slot i·(G+1) + g; tokens with id −1 map to a dummy slot
+    per row, dropped by :meth:`sum` and read as 0 by :meth:`gather`. Values may carry trailing
+    channels (``[B, T, C]``) so several per-group statistics cost one ``index_add``.
+    """
+
+    def __init__(self, group_ids: torch.Tensor, num_groups: int):
+        B, T = group_ids.shape
+        self.B, self.T, self.G = B, T, num_groups
+        row = torch.arange(B, device=group_ids.device).unsqueeze(-1) * (num_groups + 1)
+        self.flat = (row + torch.where(group_ids >= 0, group_ids, num_groups)).reshape(-1)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Σ over each group's tokens: ``[B, T, *C] -> [B, G, *C]`` (autograd flows)."""
+        extra = values.shape[2:]
+        buf = torch.zeros(self.B * (self.G + 1), *extra, dtype=values.dtype, device=values.device)
+        buf = buf.index_add(0, self.flat, values.reshape(self.B * self.T, *extra))
+        return buf.view(self.B, self.G + 1, *extra)[:, : self.G]
+
+    def gather(self, per_group: torch.Tensor) -> torch.Tensor:
+        """Per-group values to tokens: ``[B, G, *C] -> [B, T, *C]``, 0 outside any group."""
+        extra = per_group.shape[2:]
+        pad = torch.zeros(self.B, 1, *extra, dtype=per_group.dtype, device=per_group.device)
+        table = torch.cat([per_group, pad], dim=1).reshape(self.B * (self.G + 1), *extra)
+        return table.index_select(0, self.flat).view(self.B, self.T, *extra)
 
 
 def group_sum(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
@@ -32,10 +55,7 @@ def group_sum(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) ->
 
     Tokens with id -1 are ignored (their value may be anything finite).
     """
-    B = values.shape[0]
-    flat = torch.zeros(B * (num_groups + 1), dtype=values.dtype, device=values.device)
-    flat = flat.scatter_add(0, _flat_index(group_ids, num_groups).reshape(-1), values.reshape(-1))
-    return flat.view(B, num_groups + 1)[:, :num_groups]
+    return GroupIndex(group_ids, num_groups).sum(values)
 
 
 def group_count(group_ids: torch.Tensor, num_groups: int, dtype=torch.float32) -> torch.Tensor:
@@ -54,10 +74,7 @@ def group_mean(
 
 def gather_groups(per_group: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """Broadcast ``[B, G]`` per-group values to ``[B, T]`` tokens (0 outside any group)."""
-    if per_group.shape[-1] == 0:
-        return torch.zeros(group_ids.shape, dtype=per_group.dtype, device=per_group.device)
-    out = torch.gather(per_group, -1, group_ids.clamp(min=0))
-    return torch.where(group_ids >= 0, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return GroupIndex(group_ids, per_group.shape[1]).gather(per_group)
 
 
 def group_log_ratio(
