@@ -286,7 +286,11 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",) and not str(p).startswith("function"))
         name = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
         msg = e["msg"].removeprefix("Value error, ")
-        lines.append(f"{name}: {msg}" if name else msg)
+        if e.get("type") in ("literal_error", "enum") and "input" in e:
+            msg += f" (got {e['input']!r})"
+        already_named = name and (msg.startswith(name + ".") or msg.startswith(name + ":") or
+                                  (prefix and msg.startswith(prefix + ".")))
+        lines.append(msg if already_named or not name else f"{name}: {msg}")
     return "; ".join(lines)
 
 
