@@ -23,9 +23,9 @@ the preset's ε. Every validation error is a one-line ``ValueError`` naming the 
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError, field_validator, model_validator
 
 __all__ = [
     "PRESETS",
@@ -71,51 +71,16 @@ class _Strict(BaseModel):
 class SSPOClipConfig(_Strict):
     """SSPO eq. 13–15: hi = min(1 + α + H̄, γ), lo = max(0, min(1 − H̄, β))."""
 
-    alpha: float = 0.0
-    beta: float = 0.8
-    gamma: float = 1.75
-
-    @field_validator("alpha")
-    @classmethod
-    def _alpha(cls, v):
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
-
-    @field_validator("beta")
-    @classmethod
-    def _beta(cls, v):
-        if not 0.0 <= v <= 1.0:
-            raise ValueError(f"must be in [0, 1], got {v}")
-        return v
-
-    @field_validator("gamma")
-    @classmethod
-    def _gamma(cls, v):
-        if v < 1.0:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
+    alpha: NonNegativeFloat = 0.0
+    beta: Annotated[float, Field(ge=0.0, le=1.0)] = 0.8
+    gamma: Annotated[float, Field(ge=1.0)] = 1.75
 
 
 class ESPOClipConfig(_Strict):
     """ESPO §3.4: ε = α · mean_group(H / log|V|); |V| = vocab_size (null: taken from the model)."""
 
-    alpha: float = 1.0
-    vocab_size: Optional[int] = None
-
-    @field_validator("alpha")
-    @classmethod
-    def _alpha(cls, v):
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
-
-    @field_validator("vocab_size")
-    @classmethod
-    def _vocab(cls, v):
-        if v is not None and v < 2:
-            raise ValueError(f"must be >= 2, got {v}")
-        return v
+    alpha: NonNegativeFloat = 1.0
+    vocab_size: Optional[Annotated[int, Field(ge=2)]] = None
 
 
 class GranularConfig(_Strict):
@@ -131,8 +96,8 @@ class GranularConfig(_Strict):
     espo: ESPOClipConfig = Field(default_factory=ESPOClipConfig)
     aggregation: Optional[Aggregation] = None
     # filled from the preset when the user gives neither this nor loss_fn.ratio_clip_min/max
-    eps_low: Optional[float] = None
-    eps_high: Optional[float] = None
+    eps_low: Optional[NonNegativeFloat] = None
+    eps_high: Optional[NonNegativeFloat] = None
 
     @field_validator("segment_delimiters")
     @classmethod
@@ -149,13 +114,6 @@ class GranularConfig(_Strict):
             raise ValueError(f"must be in (0, 1) (or an increasing list of such cut points), got {v!r}")
         if any(b <= a for a, b in zip(cuts, cuts[1:])):
             raise ValueError(f"cut points must be strictly increasing, got {v!r}")
-        return v
-
-    @field_validator("eps_low", "eps_high")
-    @classmethod
-    def _eps(cls, v):
-        if v is not None and v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
         return v
 
     @model_validator(mode="after")
@@ -195,9 +153,9 @@ class PolicyLossConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    ratio_clip_min: Optional[float] = None
-    ratio_clip_max: Optional[float] = None
-    ratio_clip_c: Optional[float] = None
+    ratio_clip_min: Optional[NonNegativeFloat] = None
+    ratio_clip_max: Optional[NonNegativeFloat] = None
+    ratio_clip_c: Optional[Annotated[float, Field(gt=1.0)]] = None  # dual clip
     reference_policy_kl_penalty: float = 0.0
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
     kl_input_clamp_value: Optional[float] = 20.0
@@ -214,20 +172,6 @@ class PolicyLossConfig(BaseModel):
     use_cispo: bool = False
     positive_example_nll_weight: float = 0.0
     granular: GranularConfig = Field(default_factory=GranularConfig)
-
-    @field_validator("ratio_clip_c")
-    @classmethod
-    def _dual(cls, v):
-        if v is not None and v <= 1:
-            raise ValueError(f"must be > 1 (dual clip), got {v}")
-        return v
-
-    @field_validator("ratio_clip_min", "ratio_clip_max")
-    @classmethod
-    def _eps(cls, v):
-        if v is not None and v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
 
     @model_validator(mode="after")
     def _check(self):
@@ -286,7 +230,8 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",) and not str(p).startswith("function"))
         name = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
         msg = e["msg"].removeprefix("Value error, ")
-        if e.get("type") in ("literal_error", "enum") and "input" in e:
+        if e.get("type") in ("literal_error", "enum", "greater_than", "greater_than_equal", "less_than_equal",
+                             "less_than") and "input" in e:
             msg += f" (got {e['input']!r})"
         already_named = name and (msg.startswith(name + ".") or msg.startswith(name + ":") or
                                   (prefix and msg.startswith(prefix + ".")))

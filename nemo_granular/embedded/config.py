@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 from ..config import AdvantageConfig, PolicyLossConfig, format_validation_error
 
@@ -24,10 +24,10 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     path: Optional[str] = None          # a local Hugging Face model directory (then the sizes below are ignored)
     init_from: Optional[str] = None     # HF policy dir to start RL from (skips the warm start)
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
+    hidden_size: PositiveInt = 64
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt = 2
     intermediate_size: int = 256
     max_positions: int = 128
     moe: bool = False
@@ -50,7 +50,7 @@ class CriticConfig(_Strict):
     path: Optional[str] = None          # local HF model dir for the critic (same tokenizer as the policy)
     hidden_size: Optional[int] = None   # null: same as the policy; smaller = a small decoupled critic
     num_layers: Optional[int] = None
-    lr: float = 1e-3
+    lr: PositiveFloat = 1e-3
     max_grad_norm: float = 1.0
 
 
@@ -59,7 +59,7 @@ class TaskConfig(_Strict):
     path: Optional[str] = None
     num_terms: int = 4
     max_term: int = 9
-    heldout_size: int = 128
+    heldout_size: PositiveInt = 128
 
     @model_validator(mode="after")
     def _check(self):
@@ -70,51 +70,29 @@ class TaskConfig(_Strict):
 
 class WarmstartConfig(_Strict):
     enabled: bool = True
-    batch_size: int = 64
-    lr: float = 3e-3
+    batch_size: PositiveInt = 64
+    lr: PositiveFloat = 3e-3
     warmup_steps: int = 30
-    max_steps: int = 600
+    max_steps: PositiveInt = 600
     target_accuracy: float = 0.5
-    eval_every: int = 25
+    eval_every: PositiveInt = 25
 
 
 class RLConfig(_Strict):
-    steps: int = 100
-    prompts_per_step: int = 16
-    generations_per_prompt: int = 8
-    minibatches_per_rollout: int = 4
-    micro_batch_size: int = 32
-    lr: float = 1e-4
-    max_grad_norm: float = 1.0
+    steps: NonNegativeInt = 100
+    prompts_per_step: PositiveInt = 16
+    generations_per_prompt: PositiveInt = 8
+    minibatches_per_rollout: PositiveInt = 4
+    micro_batch_size: PositiveInt = 32
+    lr: PositiveFloat = 1e-4
+    max_grad_norm: PositiveFloat = 1.0
     weight_decay: float = 0.0
-    temperature: float = 1.0
-    max_new_tokens: int = 32
-    eval_every: int = 20
-    entropy_chunk_size: int = 1024
+    temperature: PositiveFloat = 1.0
+    max_new_tokens: PositiveInt = 32
+    eval_every: PositiveInt = 20
+    entropy_chunk_size: PositiveInt = 256
     # ESPO: set α on the first rollout so the mean ε equals this (e.g. GSPO's 3.5e-4); null keeps loss_fn's α
-    calibrate_espo_alpha_to: Optional[float] = None
-
-    @field_validator("steps")
-    @classmethod
-    def _nonneg(cls, v):
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        return v
-
-    @field_validator("prompts_per_step", "generations_per_prompt", "minibatches_per_rollout",
-                     "micro_batch_size", "max_new_tokens")
-    @classmethod
-    def _positive(cls, v):
-        if v < 1:
-            raise ValueError(f"must be >= 1, got {v}")
-        return v
-
-    @field_validator("temperature", "lr")
-    @classmethod
-    def _pos_float(cls, v):
-        if v <= 0:
-            raise ValueError(f"must be > 0, got {v}")
-        return v
+    calibrate_espo_alpha_to: Optional[PositiveFloat] = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -147,7 +125,7 @@ class TrainConfig(_Strict):
     seed: int = 0
     output_dir: str = "runs/run"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    threads: int = 1
+    threads: PositiveInt = 1
     model: ModelConfig = Field(default_factory=ModelConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
