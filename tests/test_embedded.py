@@ -205,3 +205,39 @@ def test_sigterm_checkpoints_and_exits_99_then_resumes(tmp_path):
     more = _cli(*args[:-2], "rl.steps=" + str(state["step"] + 1), f"output_dir={tmp_path}", "--resume")
     assert more.returncode == 0, more.stderr[-2000:]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()][-1] == state["step"] + 1
+
+
+# ---------------------------------------------------------------- a user's model directory and JSONL task
+def test_local_hf_model_dir_and_jsonl_task(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from nemo_granular.embedded.models import build_tokenizer
+    from nemo_granular.embedded.trainer import Trainer
+
+    model_dir = tmp_path / "my_model"
+    tok = build_tokenizer(model_dir)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(model_dir)
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(f'{{"prompt": "what is {a} plus {b}? ", "answer": "{a + b}"}}\n'
+                            for a in range(1, 6) for b in range(1, 6)))
+    cfg = load_train_config(LOCAL / "espo.yaml", TINY + [
+        f"output_dir={tmp_path / 'run'}", f"model.path={model_dir}", "task.kind=jsonl", f"task.path={data}",
+        r"task.answer_pattern=(\d+)", "rl.steps=1"])
+    t = Trainer(cfg)
+    assert t.policy.config.hidden_size == 32 and len(t.task.heldout) >= 1
+    assert t.run() == 0
+    rec = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rec["step"] == 1 and rec["samples"] == 16
+
+
+def test_jsonl_errors_name_the_file_and_line(tmp_path):
+    from nemo_granular.embedded.task import JsonlTask
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        JsonlTask(str(bad))
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        JsonlTask(str(tmp_path / "missing.jsonl"))

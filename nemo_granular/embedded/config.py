@@ -60,11 +60,20 @@ class TaskConfig(_Strict):
     num_terms: int = 4
     max_term: int = 9
     heldout_size: PositiveInt = 128
+    # regex whose first group is the answer (default: the final "A:<int>" line), e.g. "\\boxed\\{([^}]*)\\}"
+    answer_pattern: str = r"(?:^|\n)A:\s*(-?\d+)\s*$"
 
     @model_validator(mode="after")
     def _check(self):
+        import re
+
         if self.kind == "jsonl" and not self.path:
             raise ValueError("task.path is required when task.kind is 'jsonl'")
+        try:
+            if re.compile(self.answer_pattern).groups < 1:
+                raise ValueError("task.answer_pattern needs one capturing group (the answer)")
+        except re.error as err:
+            raise ValueError(f"task.answer_pattern is not a valid regex ({err})") from None
         return self
 
 

@@ -90,13 +90,21 @@ class JsonlTask:
         return [self.train[i] for i in idx]
 
 
-def verify(responses: list[str], answers: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(reward ∈ {0,1}, verification_failed) per response; failed ⇒ no ``A:<int>`` final line."""
+def verify(responses: list[str], answers: list[str], pattern: re.Pattern | str = ANSWER_RE
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reward ∈ {0,1}, verification_failed) per response.
+
+    ``pattern``'s first group is the extracted answer (default: a final ``A:<int>`` line; the
+    last match counts). Failed ⇒ nothing could be extracted (ESPO's flag), not a wrong answer.
+    """
+    rx = re.compile(pattern) if isinstance(pattern, str) else pattern
     rewards, failed = [], []
     for text, ans in zip(responses, answers):  # string parsing: per response by nature
-        m = ANSWER_RE.search(text.strip())
-        failed.append(m is None)
-        rewards.append(float(m is not None and m.group(1) == ans.strip()))
+        found = rx.findall(text.strip())
+        got = found[-1] if found else None
+        got = got[0] if isinstance(got, tuple) else got
+        failed.append(got is None)
+        rewards.append(float(got is not None and got.strip() == ans.strip()))
     return torch.tensor(rewards), torch.tensor(failed)
 
 

@@ -98,7 +98,7 @@ class Trainer:
         self.policy.to(self.device)
         if not latest and not cfg.model.init_from and cfg.warmstart.enabled:
             self.warmstart_info = warm_start(self.policy, self.tokenizer, self.task, cfg.warmstart, cfg.rl,
-                                             self.device, cfg.seed, self.log, self.autocast)
+                                             self.device, cfg.seed, self.log, self.autocast, cfg.task.answer_pattern)
         self.vocab_size = self.policy.config.vocab_size
         self.loss_fn = GranularPolicyLoss(cfg.loss_fn.model_dump(), tokenizer=self.tokenizer,
                                           vocab_size=self.vocab_size)
@@ -189,7 +189,7 @@ class Trainer:
                        temperature=cfg.temperature, greedy=False, device=self.device, autocast_dtype=self.autocast)
         batch = to_nemo_batch(gen, self.tokenizer.pad_token_id)
         texts = decode_responses(self.tokenizer, gen)
-        rewards, failed = verify(texts, [p.answer for p in problems])
+        rewards, failed = verify(texts, [p.answer for p in problems], self.cfg.task.answer_pattern)
         batch["rewards"], batch["verification_failed"] = rewards.to(self.device), failed.to(self.device)
         old_policy_pass(self.policy, batch, cfg.temperature, cfg.entropy_chunk_size, self.autocast)
         g = self.loss_fn.granular
@@ -318,7 +318,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def evaluate(self) -> float:
         return greedy_accuracy(self.policy, self.tokenizer, self.task.heldout, self.cfg.rl.max_new_tokens,
-                               self.device, self.autocast)
+                               self.device, self.autocast, self.cfg.task.answer_pattern)
 
     def _on_signal(self, signum, frame):
         self._stop_signal = signum

@@ -12,7 +12,7 @@ import time
 import torch
 
 from .rollout import generate
-from .task import verify
+from .task import ANSWER_RE, verify
 
 
 def sft_batch(tokenizer, problems, device):
@@ -32,14 +32,15 @@ def sft_batch(tokenizer, problems, device):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens, device, autocast_dtype=None) -> float:
+def greedy_accuracy(model, tokenizer, problems, max_new_tokens, device, autocast_dtype=None,
+                    answer_pattern=None) -> float:
     was_training = model.training
     model.eval()
     gen = generate(model, tokenizer, [p.prompt for p in problems], max_new_tokens=max_new_tokens,
                    temperature=1.0, greedy=True, device=device, autocast_dtype=autocast_dtype)
     texts = decode_responses(tokenizer, gen)
     model.train(was_training)
-    rewards, _ = verify(texts, [p.answer for p in problems])
+    rewards, _ = verify(texts, [p.answer for p in problems], answer_pattern or ANSWER_RE)
     return rewards.mean().item()
 
 
@@ -48,8 +49,13 @@ def decode_responses(tokenizer, gen) -> list[str]:
     return tokenizer.batch_decode([r[:k] for r, k in zip(resp, n)], skip_special_tokens=True)
 
 
-def warm_start(model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print, autocast_dtype=None) -> dict:
+def warm_start(model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print, autocast_dtype=None,
+               answer_pattern=None) -> dict:
     """Train on worked solutions; returns {'steps', 'accuracy', 'seconds'}."""
+    probe = task.sample(8, torch.Generator().manual_seed(0))
+    if not all(p.solution for p in probe):
+        raise ValueError("warmstart needs worked solutions ('solution' in every JSONL record); "
+                         "set warmstart.enabled=false for a model that already solves some problems")
     gen = torch.Generator().manual_seed(seed * 7919 + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
@@ -72,7 +78,8 @@ def warm_start(model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"warm start diverged at step {step} (loss {loss.item()})")
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            acc = greedy_accuracy(model, tokenizer, task.heldout, rl_cfg.max_new_tokens, device, autocast_dtype)
+            acc = greedy_accuracy(model, tokenizer, task.heldout, rl_cfg.max_new_tokens, device, autocast_dtype,
+                                  answer_pattern)
             log(f"warm start step {step}: loss {loss.item():.3f}, greedy held-out accuracy {acc:.3f}")
             if acc >= cfg.target_accuracy:
                 break
