@@ -1,0 +1,54 @@
+"""One batch contract, checked on both hosts.
+
+The same checker (`nemo_granular.contract`) wraps the plugin loss (a) inside the embedded
+trainer (tests/test_embedded.py::test_trainer_calls_plugin_with_nemo_rl_contract) and (b) here,
+called the ways NeMo-RL's workers call it: whole microbatch, microbatch splits, and one call per
+sequence as `SequencePackingLossWrapper` does (plain dict, rows sliced to their length).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_granular import GranularPolicyLoss, SequenceValueLoss
+from nemo_granular.contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
+from test_nemo_rl_loss_equivalence import _driver_batch, _microbatches, _per_sequence, _whole
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "sspo", "espo"])
+@pytest.mark.parametrize("mode", [_whole, _microbatches, _per_sequence])
+def test_nemo_rl_call_patterns_satisfy_the_contract(algorithm, mode):
+    cfg = {"granular": {"algorithm": algorithm, "espo": {"vocab_size": 12}}}
+    data, logp, gvs, gvt = _driver_batch(0, cfg)
+    rec = ContractRecorder(GranularPolicyLoss(cfg), check_policy_loss_call)
+    parts = mode(rec, logp, data, gvs, gvt)
+    assert rec.calls == len(parts) >= 1
+
+
+def test_contract_catches_a_wrong_shift():
+    cfg = {"granular": {"algorithm": "sspo"}}
+    data, logp, gvs, gvt = _driver_batch(0, cfg)
+    with pytest.raises(AssertionError, match="width"):
+        check_policy_loss_call(logp[:, :-1], data, gvs, gvt)  # logprobs not [B, S-1]
+    bad = dict(data, prompt_ids=data["input_ids"][:, :4])  # a [B, Lp] tensor breaks NeMo-RL's shape rule
+    with pytest.raises(AssertionError, match="prompt_ids"):
+        check_policy_loss_call(logp, bad, gvs, gvt)
+    with pytest.raises(AssertionError, match="global_valid_toks"):
+        check_policy_loss_call(logp, data, gvs, gvt / 10)  # a microbatch-local count
+
+
+def test_value_loss_contract_as_the_ppo_loop_calls_it():
+    B, S = 4, 9
+    token_mask = torch.zeros(B, S)
+    token_mask[:, 3:7] = 1
+    data = {"token_mask": token_mask, "sample_mask": torch.ones(B), "rewards": torch.tensor([1.0, 0, 1, 0]),
+            "returns": token_mask * torch.tensor([1.0, 0, 1, 0])[:, None]}
+    rec = ContractRecorder(SequenceValueLoss(), check_value_loss_call)
+    values = torch.randn(B, S, 1, requires_grad=True)  # Megatron value head output [B, S, 1]
+    loss, metrics = rec(logits=values, data=data, global_valid_seqs=torch.tensor(4.0),
+                        global_valid_toks=token_mask[:, 1:].sum())
+    loss.backward()
+    assert rec.calls == 1 and values.grad[:, 3].abs().sum() > 0 and values.grad[:, 4:].abs().sum() == 0
+    with pytest.raises(AssertionError, match="binary"):
+        check_value_loss_call(values, dict(data, rewards=torch.tensor([0.5, 0, 1, 0])), 4.0, 4.0)
