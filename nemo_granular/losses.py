@@ -210,12 +210,9 @@ class GranularPolicyLoss:
             group_ids = torch.where(valid, group_ids, -1)
             G = log_ratio.shape[1] if "granular_group_ids" in data else \
                 {"sequence": 1, "entropy_group": len(g.entropy_cut_points) + 1}.get(g.granularity, log_ratio.shape[1])
-            index = GroupIndex(group_ids, max(G, 1))
-            # one scatter for every per-group statistic: Σℓ (with grad), |G|, ΣH
-            channels = [log_ratio, valid_f] + ([ent] if g.clip != "fixed" else [])
-            stats = index.sum(torch.stack(channels, dim=-1))
-            counts = stats[..., 1].detach()
-            group_lr = (stats[..., 0] / counts.clamp(min=1)).clamp(max=LOG_RATIO_BOUND)
+            index = GroupIndex(group_ids, max(G, 1))  # the scatter plan, shared by every group statistic
+            counts = index.sum(valid_f)
+            group_lr = (index.sum(log_ratio) / counts.clamp(min=1)).clamp(max=LOG_RATIO_BOUND)
             if g.ratio == "shared":  # GSPO eq. 6 / SSPO eq. 9: gradient through the group mean
                 ratio = torch.exp(index.gather(group_lr))
             else:  # token_decomposed (GSPO-token / ESPO): value s_g, gradient via the token's own logprob
@@ -223,9 +220,8 @@ class GranularPolicyLoss:
             if g.clip == "fixed":
                 lo, hi = self._bounds(None, None)
             else:
-                lo_g, hi_g = self._bounds(stats[..., 2].detach() / counts.clamp(min=1), None)
-                bounds = index.gather(torch.stack([lo_g, hi_g], dim=-1))
-                lo, hi = bounds[..., 0], bounds[..., 1]
+                lo_g, hi_g = self._bounds(index.sum(ent) / counts.clamp(min=1), None)
+                lo, hi = index.gather(lo_g), index.gather(hi_g)
             n_groups_row = (counts > 0).sum(-1).float()
 
         surrogate, clipped_low, clipped_high = clipped_surrogate(ratio, adv, lo, hi, cfg.ratio_clip_c)
@@ -361,14 +357,13 @@ class GranularPolicyLoss:
         m["clip_bound_low_mean"] = tok(lo)
         m["clip_bound_high_mean"] = tok(hi)
         n_tok_row = valid.sum(-1).float()
-        clipped = torch.stack([clipped_low & valid, clipped_high & valid], dim=-1).float()
-        if index is None:  # token groups: the group-weighted fraction is the per-row token fraction
-            frac_row = clipped.sum(1) / n_tok_row.clamp(min=1)[:, None]
-        else:  # mean over the row's non-empty groups of the clipped fraction inside each group
-            frac_group = index.sum(clipped) / counts.clamp(min=1)[..., None]
-            frac_row = frac_group.sum(1) / n_groups_row.clamp(min=1)[:, None]
-        m["clip_frac_low_groups"] = seq(frac_row[:, 0])
-        m["clip_frac_high_groups"] = seq(frac_row[:, 1])
+        for name, ind in (("clip_frac_low_groups", clipped_low), ("clip_frac_high_groups", clipped_high)):
+            ind = (ind & valid).float()
+            if index is None:  # token groups: the group-weighted fraction is the per-row token fraction
+                frac_row = ind.sum(-1) / n_tok_row.clamp(min=1)
+            else:  # mean over the row's non-empty groups of the clipped fraction inside each group
+                frac_row = (index.sum(ind) / counts.clamp(min=1)).sum(-1) / n_groups_row.clamp(min=1)
+            m[name] = seq(frac_row)
         m["groups_per_response"] = seq(n_groups_row)
         m["group_size_mean"] = seq(n_tok_row / n_groups_row.clamp(min=1))
         m["prev_entropy_mean"] = tok(ent) if ent is not None else torch.zeros((), device=r.device)
