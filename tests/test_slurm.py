@@ -1,0 +1,346 @@
+"""The Slurm launcher (``slurm/launch.sh``) on a REAL two-node Slurm cluster started on this machine.
+
+``slurm/local_cluster/up.sh`` starts munged, slurmctld and two slurmd compute nodes, each in its
+own network namespace with its own IP and hostname; the launcher is submitted with ``sbatch``
+from a directory outside the repository and must
+
+1. bring up Ray on both nodes, report ``ray.nodes()`` = 2, run the driver, write metrics and a
+   checkpoint, and end COMPLETED — after, on a USR1 to the batch shell (what
+   ``--signal=B:USR1@T`` sends before the time limit), having made the driver save a checkpoint
+   and exit 99, requeued the job, and resumed it with no step lost or repeated (one job for
+   both: each Ray start costs ~30 s on the 2-core CI machine);
+2. fail within a bounded time, with a message naming the node, when a worker node dies (every
+   process in its namespace — slurmd, slurmstepd, raylet — is SIGKILLed).
+
+The driver is the real ``nemo-granular train --config examples/configs/local/smoke.yaml`` when
+``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_driver.py`` (same
+signal / exit-code / resume contract) otherwise; ``NG_SLURM_TEST_DRIVER=stub|train`` forces one.
+Needs root; Debian packages are apt-installed when missing. Skipped (with the reason) only when
+not root or when apt cannot install them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SLURM = ROOT / "slurm"
+LAUNCH = SLURM / "launch.sh"
+STUB = ROOT / "tests" / "slurm_stub_driver.py"
+SMOKE = ROOT / "examples" / "configs" / "local" / "smoke.yaml"
+PKGS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge",
+        "ip": "iproute2", "shellcheck": "shellcheck"}
+FAKE_GPUS = 2
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+_apt_state: dict[str, str | None] = {}
+
+
+def _ensure_debian_packages() -> str | None:
+    """apt-get the missing tools once per session (update once first). Returns a skip reason or None."""
+    if "result" in _apt_state:
+        return _apt_state["result"]
+    result = None
+    if os.geteuid() != 0:
+        result = "needs root (starts slurmctld/slurmd/munged and network namespaces)"
+    else:
+        missing = sorted({pkg for exe, pkg in PKGS.items() if shutil.which(exe) is None})
+        if missing:
+            if shutil.which("apt-get") is None:
+                result = f"missing {missing} and no apt-get"
+            else:
+                env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+                upd = subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, text=True)
+                ins = subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+                                     env=env, capture_output=True, text=True) if upd.returncode == 0 else upd
+                if ins.returncode != 0 or any(shutil.which(e) is None for e, p in PKGS.items() if p in missing):
+                    result = f"apt-get could not install {missing}: {(ins.stderr or ins.stdout).strip()[-300:]}"
+    _apt_state["result"] = result
+    return result
+
+
+def _driver_kind() -> str:
+    forced = os.environ.get("NG_SLURM_TEST_DRIVER")
+    if forced in ("stub", "train"):
+        return forced
+    return "train" if importlib.util.find_spec("nemo_granular.embedded") is not None and SMOKE.is_file() else "stub"
+
+
+# ----------------------------------------------------------------------------------- fixtures ---
+
+class Cluster:
+    def __init__(self, state_dir: Path, env: dict, prefix: str):
+        self.dir, self.prefix = state_dir, prefix
+        self.env = env
+
+    def run(self, *cmd, check=True, **kw) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, check=check, **kw)
+
+    def job_fields(self, job: str) -> dict[str, str]:
+        out = self.run("scontrol", "show", "job", "-o", job, check=False).stdout
+        return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+    def state(self, job: str) -> str:
+        return self.job_fields(job).get("JobState", "?")
+
+    def wait_terminal(self, job: str, timeout: float, on_poll=None) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.state(job)
+            if st in TERMINAL:
+                return st
+            if on_poll:
+                on_poll(st)
+            time.sleep(1.0)
+        raise AssertionError(f"job {job} not finished after {timeout:.0f} s (state {self.state(job)}); "
+                             f"slurmctld log tail: {self.log_tail('slurmctld.log')}")
+
+    def log_tail(self, name: str, n: int = 15) -> str:
+        p = self.dir / "log" / name
+        return "\n".join(p.read_text(errors="replace").splitlines()[-n:]) if p.exists() else "(none)"
+
+    def netns_pids(self, node_index: int) -> list[int]:
+        """Every process living in node <node_index>'s network namespace (= 'on that node')."""
+        ino = os.stat(f"/run/netns/{self.prefix}ns{node_index}").st_ino
+        pids = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if os.stat(d / "ns" / "net").st_ino == ino:
+                        pids.append(int(d.name))
+                except OSError:
+                    pass
+        return pids
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    reason = _ensure_debian_packages()
+    if reason:
+        pytest.skip(reason)
+    prefix = "ngt"
+    state = Path("/tmp/ngt-slurm")
+    ray_tmp = Path("/tmp/ngt-ray")   # short: Ray's socket paths must stay < 108 chars
+    env = {**os.environ, "NG_SLURM_DIR": str(state), "NG_SLURM_PREFIX": prefix, "NG_SLURM_SUBNET": "10.231.78",
+           "NG_SLURM_CTLD_PORT": "16827", "NG_SLURM_SLURMD_PORT": "16828", "NG_SLURM_NODES": "2",
+           "NG_SLURM_FAKE_GPUS": str(FAKE_GPUS),   # GRES gpu:2 per node (device-less) -> GRES detection
+           "SLURM_CONF": str(state / "slurm.conf"), "RAY_TMP_BASE": str(ray_tmp), "VENV": sys.prefix,
+           "OMP_NUM_THREADS": "1", "WATCH_INTERVAL": "2", "RAY_WAIT_TIMEOUT": "180",
+           # faster dead-node detection by Ray's GCS (defaults: 3000 ms x 5)
+           "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
+    env.pop("SLURM_JOB_ID", None)
+    # a previous run that crashed may have left its cluster behind: remove it first
+    subprocess.run(["bash", str(SLURM / "local_cluster" / "down.sh")], env=env, capture_output=True, timeout=120)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    ray_tmp.mkdir(parents=True)
+    up = subprocess.run(["bash", str(SLURM / "local_cluster" / "up.sh"), "--install"], env=env,
+                        capture_output=True, text=True, timeout=180)
+    try:
+        if up.returncode == 2:
+            pytest.skip(f"local Slurm cluster prerequisites missing: {up.stderr.strip()[-300:]}")
+        assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
+        yield Cluster(state, env, prefix)
+    finally:
+        down = subprocess.run(["bash", str(SLURM / "local_cluster" / "down.sh")], env=env,
+                              capture_output=True, text=True, timeout=120)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+        hosts = Path("/etc/hosts").read_text()
+        assert f"nemo-granular-local-slurm:{prefix}" not in hosts, "down.sh left /etc/hosts lines"
+        assert not Path(f"/run/netns/{prefix}ns1").exists(), f"down.sh left a namespace: {down.stderr}"
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _driver_cmd(run_dir: Path, steps: int, every: int, slow: bool) -> list[str]:
+    if _driver_kind() == "train":
+        return ["nemo-granular", "train", "--config", str(SMOKE), f"output_dir={run_dir}", "seed=0",
+                f"rl.steps={steps}", f"checkpoint.every={every}",
+                "warmstart.enabled=false"]        # CI time; the launcher adds --resume
+    return [sys.executable, str(STUB), f"output_dir={run_dir}", f"rl.steps={steps}", f"checkpoint.every={every}",
+            f"step_seconds={0.3 if slow else 0.05}", "--resume"]
+
+
+def _submit(cluster: Cluster, workdir: Path, name: str, cmd: list[str]) -> str:
+    workdir.mkdir(parents=True, exist_ok=True)
+    # submitted from a directory outside the repository, script by absolute path
+    out = cluster.run("sbatch", "--parsable", "--nodes=2", f"--job-name={name}", f"--output={workdir}/slurm-%j.out",
+                      str(LAUNCH), *cmd, cwd=workdir)
+    return out.stdout.strip().split(";")[0]
+
+
+def _steps(run_dir: Path) -> list[int]:
+    p = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
+    return [r["step"] for r in rows if r["step"] >= 1]     # the trainer logs a step-0 evaluation row
+
+
+def _explain(workdir: Path, job: str) -> str:
+    parts = []
+    for p in sorted(workdir.rglob("*")):
+        if p.is_file() and p.suffix in (".out", ".log", ".json") and p.stat().st_size < 200_000:
+            parts.append(f"--- {p.relative_to(workdir)}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:]))
+    return f"job {job}:\n" + "\n".join(parts)
+
+
+def _assert_checkpoint(run_dir: Path) -> str:
+    latest = run_dir / "checkpoints" / "latest"
+    assert latest.is_file(), f"no {latest}"
+    name = latest.read_text().strip()
+    assert name.startswith("step_") and (run_dir / "checkpoints" / name).is_dir(), name
+    return name
+
+
+# -------------------------------------------------------------------------------------- tests ---
+
+def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, tmp_path):
+    """Success + preemption in one job (each Ray start costs ~30 s on the CI machine)."""
+    train = _driver_kind() == "train"
+    run_dir, steps = tmp_path / "run", (8 if train else 30)
+    job = _submit(cluster, tmp_path, "ng-pre", _driver_cmd(run_dir, steps, every=100, slow=True))
+    logs = tmp_path / "slurm-logs" / f"ng-pre-{job}"
+    # wait for the driver to make progress, then send what `--signal=B:USR1@T` sends before the limit
+    deadline = time.monotonic() + 240
+    while len(_steps(run_dir)) < 2:
+        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), _explain(tmp_path, job)
+        time.sleep(0.5)
+    first = json.loads((logs / "ray_nodes.json").read_text())     # ray.nodes() seen before the driver
+    cluster.run("scancel", "--signal=USR1", "--batch", job)
+
+    released = []
+
+    def release(st):  # Slurm holds a requeued job ~2 min (begin time); an operator can release it
+        f = cluster.job_fields(job)
+        if st == "PENDING" and int(f.get("Restarts", "0")) >= 1 and not released:
+            cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+            released.append(time.monotonic())
+
+    state = cluster.wait_terminal(job, timeout=420, on_poll=release)
+    info = _explain(tmp_path, job)
+    # the job succeeded, on both nodes, in both attempts
+    assert state == "COMPLETED", info
+    status = json.loads((logs / "status.json").read_text())
+    assert status["exit_code"] == 0 and status["reason"] == "driver finished" and status["attempt"] == 1, status
+    for nodes in (first, json.loads((logs / "ray_nodes.json").read_text())):
+        assert nodes["alive"] == 2 and sorted(n["hostname"] for n in nodes["nodes"]) == ["ngt1", "ngt2"], nodes
+        assert len({n["ip"] for n in nodes["nodes"]}) == 2, nodes    # two distinct node IPs
+        # the GRES gpu count reached Ray on every node
+        assert [n["resources"].get("GPU") for n in nodes["nodes"]] == [float(FAKE_GPUS)] * 2, nodes
+    launcher = (logs / "launcher.log").read_text()
+    assert launcher.count("RAY_NODES alive=2 expected=2") == 2, info
+    if not train:
+        assert json.loads((run_dir / "driver_ray_nodes.json").read_text())["alive"] == 2
+    # preempted: checkpoint confirmed (exit 99), requeued once, resumed with no step lost or repeated
+    assert int(cluster.job_fields(job)["Restarts"]) == 1, info
+    assert "driver exited with code 99 after SIGUSR1" in launcher, info
+    assert "requeued" in launcher and "attempt 1 on" in launcher, info
+    done = _steps(run_dir)
+    assert done == list(range(1, steps + 1)), f"lost or repeated steps: {done}\n{info}"
+    assert _assert_checkpoint(run_dir) == f"step_{steps:06d}"
+    driver_log = (logs / "driver.log").read_text()
+    assert "resumed from" in driver_log, info
+    if not train:  # the stand-in records which attempt ran each step
+        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        first_resumed = next(r for r in rows if r["attempt"] == 1)
+        assert 1 < first_resumed["step"] < steps and first_resumed["resumed_from"] == first_resumed["step"] - 1
+    print(f"driver={_driver_kind()} job={job}: steps 1..{steps} over 2 attempts (preempted, requeued, resumed)")
+
+
+def test_gpus_per_node_contradicting_gres_fails_before_ray(cluster, tmp_path):
+    cluster.env["GPUS_PER_NODE"] = str(FAKE_GPUS + 2)
+    try:
+        job = _submit(cluster, tmp_path, "ng-gres", ["true"])
+    finally:
+        cluster.env.pop("GPUS_PER_NODE")
+    assert cluster.wait_terminal(job, timeout=120) == "FAILED"
+    out = (tmp_path / f"slurm-{job}.out").read_text()
+    assert f"ERROR: GPUS_PER_NODE={FAKE_GPUS + 2} but node ngt1 has GRES gpu:{FAKE_GPUS}" in out, out
+    assert "starting the Ray head" not in out
+    status = json.loads((tmp_path / "slurm-logs" / f"ng-gres-{job}" / "status.json").read_text())
+    assert status["exit_code"] == 2 and "GPUS_PER_NODE" in status["reason"]
+
+
+def test_launcher_refuses_to_run_outside_slurm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    r = subprocess.run(["bash", str(LAUNCH), "echo", "hi"], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "not inside a Slurm job" in r.stderr
+
+
+def test_scripts_pass_shellcheck():
+    if shutil.which("shellcheck") is None:
+        reason = _ensure_debian_packages()
+        if reason or shutil.which("shellcheck") is None:
+            pytest.skip(reason or "shellcheck not installable")
+    scripts = sorted(str(p) for p in SLURM.rglob("*.sh"))
+    assert len(scripts) >= 4, scripts
+    r = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_submit_comparison_runs_both_losses_and_builds_the_report(cluster, tmp_path):
+    """ESPO vs GSPO (configs differing only in the loss), same seed; afterany report job."""
+    if importlib.util.find_spec("nemo_granular.embedded") is None:
+        pytest.skip("the report job calls `nemo-granular compare --from-runs` (nemo_granular.embedded missing)")
+    local = ROOT / "examples" / "configs" / "local"
+    out = tmp_path / "cmp"
+    r = cluster.run("bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
+                    str(local / "espo.yaml"), str(local / "gspo.yaml"), "--",
+                    "rl.steps=2", "rl.prompts_per_step=8", "rl.generations_per_prompt=4", "rl.eval_every=2",
+                    "warmstart.enabled=false", cwd=tmp_path)
+    ids = (out / "job_ids.txt").read_text().split()
+    assert len(ids) == 3, r.stdout
+    dep = cluster.job_fields(ids[2]).get("Dependency", "")
+    assert f"afterany:{ids[0]}" in dep and f"afterany:{ids[1]}" in dep, dep
+    for job in ids:   # the two 1-node runs share the cluster, then the report runs
+        state = cluster.wait_terminal(job, timeout=300)
+        assert state == "COMPLETED", f"{job}: {state}\n{_explain(out, job)}"
+    for name in ("espo", "gspo"):
+        assert _steps(out / name) == [1, 2], _explain(out, ids[0])
+        cfg = (out / name / "config.yaml").read_text()
+        assert "seed: 3" in cfg
+    report = (out / "report" / "report.md").read_text()
+    assert "espo" in report and "gspo" in report and "# nemo-granular comparison" in report
+    launcher = (out / "slurm-logs").rglob("launcher.log")
+    assert all("START_RAY=0" in p.read_text() for p in launcher)   # 1-node embedded runs need no Ray
+
+
+def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
+    """Runs LAST among the cluster tests: it leaves node ngt2 dead (down.sh cleans up)."""
+    run_dir = tmp_path / "run"
+    job = _submit(cluster, tmp_path, "ng-kill", _driver_cmd(run_dir, 100000, every=1000, slow=True))
+    deadline = time.monotonic() + 240
+    while not _steps(run_dir):
+        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), _explain(tmp_path, job)
+        time.sleep(0.5)
+    victims = cluster.netns_pids(2)          # node ngt2 "crashes": slurmd, slurmstepd, raylet, ...
+    assert victims
+    for pid in victims:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    t_kill = time.monotonic()
+    status_file = tmp_path / "slurm-logs" / f"ng-kill-{job}" / "status.json"
+    bound = 150.0   # detection: Ray health checks (~15-30 s) + launcher poll + teardown grace
+    while not status_file.exists():
+        assert time.monotonic() - t_kill < bound, f"launcher still running {bound:.0f} s after the node died\n" + \
+            _explain(tmp_path, job)
+        time.sleep(1.0)
+    status = json.loads(status_file.read_text())
+    info = _explain(tmp_path, job)
+    assert status["exit_code"] != 0, info
+    assert "ngt2" in status["reason"] and ("lost" in status["reason"] or "died" in status["reason"]), status
+    err = (tmp_path / f"slurm-{job}.out").read_text()
+    assert "ERROR:" in err and "ngt2" in err, info
+    # the batch script has ended; Slurm finishes the record once it declares the node down
+    assert cluster.state(job) in ("COMPLETING", "FAILED", "NODE_FAIL"), info
+    print(f"node failure detected after {time.monotonic() - t_kill:.0f} s (reason: {status['reason']})")
