@@ -76,6 +76,9 @@ class Trainer:
         self.ckpt_dir = self.out / "checkpoints"
         self.out.mkdir(parents=True, exist_ok=True)
         self._stop_signal = None
+        # handlers first: a preemption signal during model set-up or the warm start is honoured too
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
         self.step = 0
         self.samples = 0
         self.wall = 0.0
@@ -326,8 +329,10 @@ class Trainer:
 
     def run(self) -> int:
         cfg = self.cfg
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        if self._stop_signal is not None:  # preempted before the first step: keep the warm start
+            self.save_checkpoint()
+            self.sinks.close()
+            return PREEMPTED_EXIT_CODE
         if self.step == 0:
             acc0 = self.evaluate()
             rec0 = {"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": acc0}
