@@ -27,20 +27,24 @@ def _chunk_stats(logits: torch.Tensor, chunk_size: int | None, targets=None, ent
     e_buf = torch.empty_like(y_buf) if entropy else None
     for a in range(0, n, max(step, 1)):  # loop over chunks of positions, not tokens
         b = min(a + step, n)
-        y = y_buf[: b - a]
-        y.copy_(flat[a:b])
-        m = y.amax(dim=-1, keepdim=True)
-        y.sub_(torch.where(torch.isfinite(m), m, torch.zeros_like(m)))
+        chunk, y = flat[a:b], y_buf[: b - a]
+        m = chunk.amax(dim=-1, keepdim=True).float()
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        if chunk.dtype == torch.float32:
+            torch.sub(chunk, m, out=y)
+        else:  # cast first: z − m must be formed in float32
+            y.copy_(chunk).sub_(m)
         lp = h = None
         if targets is not None:
             picked = y.gather(-1, targets[a:b, None]).squeeze(-1)
         if entropy:
             e = torch.exp(y, out=e_buf[: b - a])
-            log_s = torch.log(e.sum(-1))
-            t = torch.linalg.vecdot(e, y)
+            s = e.sum(-1)
+            t = y.mul_(e).sum(-1)  # Σ e·y, in place: y is not needed any more
             if torch.isnan(t).any():  # masked (-inf) logits: 0·(−inf); they contribute nothing
-                t = torch.where(e > 0, e * y, torch.zeros_like(y)).sum(-1)
-            h = log_s - t / e.sum(-1)
+                t = torch.nan_to_num(y, nan=0.0).sum(-1)
+            log_s = torch.log(s)
+            h = log_s - t / s
         else:
             log_s = torch.log(y.exp_().sum(-1))
         if targets is not None:
