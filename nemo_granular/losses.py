@@ -207,10 +207,9 @@ class GranularPolicyLoss:
         else:
             group_ids = self._group_ids(data, token_mask, None if ent_raw is None else
                                         torch.where(valid, ent_raw, torch.nan), log_ratio)
-            group_ids = torch.where(valid, group_ids, -1)
             G = log_ratio.shape[1] if "granular_group_ids" in data else \
                 {"sequence": 1, "entropy_group": len(g.entropy_cut_points) + 1}.get(g.granularity, log_ratio.shape[1])
-            index = GroupIndex(group_ids, max(G, 1))  # the scatter plan, shared by every group statistic
+            index = GroupIndex(group_ids, max(G, 1), valid)  # the scatter plan, shared by every group statistic
             counts = index.sum(valid_f)
             group_lr = (index.sum(log_ratio) / counts.clamp(min=1)).clamp(max=LOG_RATIO_BOUND)
             if g.ratio == "shared":  # GSPO eq. 6 / SSPO eq. 9: gradient through the group mean

@@ -29,11 +29,12 @@ class GroupIndex:
     channels (``[B, T, C]``) so several per-group statistics cost one ``index_add``.
     """
 
-    def __init__(self, group_ids: torch.Tensor, num_groups: int):
+    def __init__(self, group_ids: torch.Tensor, num_groups: int, mask: torch.Tensor | None = None):
         B, T = group_ids.shape
         self.B, self.T, self.G = B, T, num_groups
+        member = group_ids >= 0 if mask is None else mask & (group_ids >= 0)  # ``mask``: extra exclusions
         row = torch.arange(B, device=group_ids.device).unsqueeze(-1) * (num_groups + 1)
-        self.flat = (row + torch.where(group_ids >= 0, group_ids, num_groups)).reshape(-1)
+        self.flat = torch.where(member, group_ids, num_groups).add_(row).reshape(-1)
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Σ over each group's tokens: ``[B, T, *C] -> [B, G, *C]`` (autograd flows).
