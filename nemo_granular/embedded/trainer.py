@@ -229,7 +229,7 @@ class Trainer:
         values = torch.zeros_like(batch["token_mask"], dtype=v.dtype)
         return values.scatter(1, col[:, None], v[:, None])
 
-    def optimizer_step(self, batch: dict, rows: slice) -> dict:
+    def optimizer_step(self, batch: dict, rows: slice) -> tuple[dict, dict]:
         """One global batch (optimizer step): microbatches with NeMo-RL's global normalisation."""
         cfg = self.cfg.rl
         token_mask, sample_mask = batch["token_mask"][rows], batch["sample_mask"][rows]
@@ -241,7 +241,6 @@ class Trainer:
             self.critic_opt.zero_grad(set_to_none=True)
         self.policy.train()
         self.opt.zero_grad(set_to_none=True)
-        n_rows = rows.stop - rows.start
         width = batch["input_ids"].shape[1]
         for start in range(rows.start, rows.stop, cfg.micro_batch_size):  # loop over microbatches
             micro = slice(start, min(start + cfg.micro_batch_size, rows.stop))
@@ -266,7 +265,6 @@ class Trainer:
             critic_metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
                                                                                self.cfg.critic.max_grad_norm))
             self.critic_opt.step()
-        assert n_rows > 0
         return metrics, critic_metrics
 
     def train_step(self) -> dict:
