@@ -1,4 +1,4 @@
-"""``nemo-granular`` console script: ``train``, ``compare``, ``export``, ``demo-loss``.
+"""``nemo-granular`` console script: ``train``, ``compare``, ``export``.
 
 Sub-commands are imported lazily so that ``nemo-granular --help`` needs torch alone.
 Errors that a user can fix (bad config, missing file) print one line and exit with code 2.
@@ -13,7 +13,6 @@ COMMANDS = {
     "train": ("nemo_granular.embedded.cli", "train_main", "train a policy with the embedded trainer"),
     "compare": ("nemo_granular.embedded.cli", "compare_main", "run several algorithms side by side, write report.md"),
     "export": ("nemo_granular.export.cli", "main", "export a checkpoint to Hugging Face format"),
-    "demo-loss": ("nemo_granular.demo", "main", "print every preset's loss and metrics on a toy batch"),
 }
 
 

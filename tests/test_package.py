@@ -17,3 +17,12 @@ def test_imports_without_optional_packages():
 def test_cli_help():
     out = subprocess.run([sys.executable, "-m", "nemo_granular", "--help"], capture_output=True, text=True, check=True)
     assert "train" in out.stdout and "export" in out.stdout
+
+
+def test_every_cli_command_resolves():
+    import importlib
+
+    from nemo_granular.cli import COMMANDS
+
+    for module, func, _ in COMMANDS.values():
+        assert callable(getattr(importlib.import_module(module), func))
