@@ -391,26 +391,10 @@ class PromptOnlyValue:
         if self.on_metrics is not None:
             self.on_metrics(metrics, self.step)
 
-    def prepare_for_inference(self, *args, **kwargs):
-        return self.inner.prepare_for_inference(*args, **kwargs)
-
-    def finish_inference(self, *args, **kwargs):
-        return self.inner.finish_inference(*args, **kwargs)
-
-    def prepare_for_training(self, *args, **kwargs):
-        return self.inner.prepare_for_training(*args, **kwargs)
-
-    def finish_training(self, *args, **kwargs):
-        return self.inner.finish_training(*args, **kwargs)
-
-    def save_checkpoint(self, *args, **kwargs):
-        return self.inner.save_checkpoint(*args, **kwargs)
-
-    def shutdown(self, *args, **kwargs):
-        return self.inner.shutdown(*args, **kwargs)
-
     def __getattr__(self, name: str):
-        # only reached when normal lookup fails; guard against recursion before __init__
+        # everything else ppo_train calls (prepare_for_inference, finish_inference, prepare_for_training,
+        # finish_training, save_checkpoint, shutdown, ...) goes to the wrapped Value unchanged.
+        # Only reached when normal lookup fails; guard against recursion before __init__
         if name == "inner":
             raise AttributeError(name)
         return getattr(self.inner, name)
