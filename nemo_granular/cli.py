@@ -1,12 +1,15 @@
 """``nemo-granular`` console script: ``train``, ``compare``, ``export``.
 
 Sub-commands are imported lazily so that ``nemo-granular --help`` needs torch alone.
-Errors that a user can fix (bad config, missing file) print one line and exit with code 2.
+Errors that a user can fix (bad config, bad argument, missing or unreadable file) print one
+line and exit with code 2; Ctrl-C exits 130 (``train`` checkpoints first).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -14,27 +17,56 @@ COMMANDS = {
     "compare": ("nemo_granular.embedded.cli", "compare_main", "run several algorithms side by side, write report.md"),
     "export": ("nemo_granular.export.cli", "main", "export a checkpoint to Hugging Face format"),
 }
+INTERRUPTED_EXIT_CODE = 130
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) and exit code 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an error's message, naming the file for OS errors."""
+    if isinstance(err, OSError) and err.filename is not None and err.strerror:
+        return f"{err.filename}: {err.strerror}"
+    text = str(err).strip()
+    if isinstance(err, KeyError) and len(err.args) == 1:
+        text = f"missing key {err.args[0]!r}"
+    return text.strip("'\"").splitlines()[0] if text else type(err).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: nemo-granular {" + ",".join(COMMANDS) + "} [options]\n")
+        print("usage: nemo-granular {" + ",".join(COMMANDS) + "} [options]   (nemo-granular --version)\n")
         for name, (_, _, text) in COMMANDS.items():
             print(f"  {name:<10} {text}")
         return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"nemo-granular {version()}")
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"nemo-granular: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
+        print(f"nemo-granular: error: unknown command {name!r} (choose from {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
     try:
         return int(getattr(importlib.import_module(module), func)(rest) or 0)
-    except (ValueError, KeyError, FileNotFoundError, ImportError) as err:
-        if "NEMO_GRANULAR_DEBUG" in __import__("os").environ:
+    except KeyboardInterrupt:
+        print(f"nemo-granular {name}: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
+    except (ValueError, KeyError, OSError, ImportError) as err:
+        if "NEMO_GRANULAR_DEBUG" in os.environ:
             raise
-        msg = str(err).strip().strip("'\"").splitlines()[0] if str(err).strip() else type(err).__name__
-        print(f"nemo-granular {name}: error: {msg}", file=sys.stderr)
+        print(f"nemo-granular {name}: error: {one_line(err)}", file=sys.stderr)
         return 2
 
 

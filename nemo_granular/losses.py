@@ -16,8 +16,10 @@ import torch
 
 from .config import PolicyLossConfig, parse_policy_loss_config
 from .core.advantages import first_response_index, sppo_critic_bce
-from .core.aggregation import safe_divide, seq_mean_token_mean
-from .core.clipping import clipped_surrogate, espo_entropy_clip_bounds, sspo_entropy_clip_bounds
+from .core.clipping import espo_entropy_clip_bounds, sspo_entropy_clip_bounds
+from .core.fused import (LinearizedLoss, RowIndex, clip_terms, compute_dtype, finite_valid, indicator,
+                         masked_extrema, masked_values, prob_error_sums, substitute_nonfinite)
+from .core.aggregation import safe_divide
 from .core.groups import build_delimiter_table, group_ids_for
 from .core.ratios import GroupIndex
 from .protocol import LossInputType, LossType, MetricNormalizer
@@ -51,6 +53,13 @@ def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> to
         raise ValueError(f"data['{name}'][:, 1:] has shape {tuple(x.shape)} but next_token_logprobs has "
                          f"shape {tuple(like.shape)}")
     return x.to(like.device)
+
+
+def _count(x, like: torch.Tensor) -> torch.Tensor:
+    """A global count (tensor or number) as a 0-d tensor of ``like``'s dtype, clamped to 1e-8."""
+    x = x.to(like.device, like.dtype) if torch.is_tensor(x) else torch.tensor(float(x), dtype=like.dtype,
+                                                                               device=like.device)
+    return x.reshape(()).clamp(min=1e-8)
 
 
 def kl_penalty_per_token(logp, logp_ref, kl_type="k3", input_clamp=20.0, output_clamp=10.0, weights=None):
@@ -131,23 +140,6 @@ class GranularPolicyLoss:
         self.delimiter_table = build_delimiter_table(tokenizer, self.granular.segment_delimiters, vocab_size)
 
     # ------------------------------------------------------------------ helpers
-    def _group_ids(self, data, token_mask, entropy, like):
-        g = self.granular
-        if "granular_group_ids" in data:
-            ids = _key(data, "granular_group_ids", like).long()
-            if ids.numel() and int(ids.max()) >= like.shape[1]:
-                raise ValueError(f"data['granular_group_ids'] holds id {int(ids.max())} >= {like.shape[1]} "
-                                 "(ids must be per-row local, 0..G-1)")
-            return ids
-        if g.granularity == "segment":
-            if self.delimiter_table is None:
-                raise ValueError("granular.granularity 'segment' needs a tokenizer (GranularPolicyLoss(..., "
-                                 "tokenizer=...)) or precomputed data['granular_group_ids']")
-            return group_ids_for("segment", token_mask, token_ids=_key(data, "input_ids", like),
-                                 delimiter_table=self.delimiter_table)
-        return group_ids_for(g.granularity, token_mask, entropy=entropy,
-                             entropy_cut_points=g.entropy_cut_points)
-
     def _bounds(self, entropy_per_unit, like):
         """[lo, hi] per token (token granularity) or per group, from the unit's mean π_old entropy."""
         g = self.granular
@@ -163,109 +155,145 @@ class GranularPolicyLoss:
     def __call__(self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs,
                  global_valid_toks, **kwargs) -> tuple[torch.Tensor, dict]:
         cfg, g = self.cfg, self.granular
-        logp_raw = next_token_logprobs.float()
-        if logp_raw.dim() != 2:
-            raise ValueError(f"next_token_logprobs must be [B, S-1], got shape {tuple(logp_raw.shape)}")
-        dev = logp_raw.device
-        token_mask = _key(data, "token_mask", logp_raw) > 0
-        sample_mask = data["sample_mask"].to(dev).float().reshape(-1)
-        if sample_mask.shape[0] != logp_raw.shape[0]:
+        lp_in = next_token_logprobs
+        if lp_in.dim() != 2:
+            raise ValueError(f"next_token_logprobs must be [B, S-1], got shape {tuple(lp_in.shape)}")
+        dt = compute_dtype(lp_in.dtype)  # float64 stays float64; bf16/fp16 compute in float32
+        dev = lp_in.device
+        L = lp_in.detach().to(dt)
+        token_mask = _key(data, "token_mask", L)
+        sm = data["sample_mask"].to(dev, dt).reshape(-1)
+        if sm.shape[0] != L.shape[0]:
             raise ValueError(f"data['sample_mask'] has shape {tuple(data['sample_mask'].shape)} but "
-                             f"next_token_logprobs has {logp_raw.shape[0]} rows")
-        adv_raw = _key(data, "advantages", logp_raw).float()
-        prev_raw = logp_raw.detach() if cfg.force_on_policy_ratio else _key(data, "prev_logprobs", logp_raw).float()
-        gen_raw = _key(data, "generation_logprobs", logp_raw).float() if "generation_logprobs" in data else prev_raw
-        ent_raw = _key(data, "prev_entropy", logp_raw).float() if "prev_entropy" in data else None
-        if g.needs_entropy and ent_raw is None:
+                             f"next_token_logprobs has {L.shape[0]} rows")
+        A = _key(data, "advantages", L).to(dt)
+        Q = L if cfg.force_on_policy_ratio else _key(data, "prev_logprobs", L).to(dt)
+        G = _key(data, "generation_logprobs", L).to(dt) if "generation_logprobs" in data else None
+        H = _key(data, "prev_entropy", L).to(dt) if "prev_entropy" in data else None
+        if g.needs_entropy and H is None:
             raise KeyError(f"data['prev_entropy'] is missing: algorithm {g.algorithm!r} (clip={g.clip}, "
                            f"granularity={g.granularity}) needs the π_old entropy")
 
-        # NaN/inf tokens are excluded (and counted); everything below sees finite values only
-        finite = torch.isfinite(logp_raw) & torch.isfinite(prev_raw) & torch.isfinite(adv_raw)
-        if cfg.use_importance_sampling_correction:
-            finite &= torch.isfinite(gen_raw)
-        if ent_raw is not None and g.needs_entropy:
-            finite &= torch.isfinite(ent_raw)
-        row_on = sample_mask != 0
-        valid = token_mask & finite
-        zero = torch.zeros((), device=dev)
-        logp = torch.where(valid, logp_raw, zero)
-        prev = torch.where(valid, prev_raw, zero)
-        adv = torch.where(valid, adv_raw, zero)
-        gen = torch.where(valid & torch.isfinite(gen_raw), gen_raw, prev)
-        ent = torch.where(valid & torch.isfinite(ent_raw), ent_raw, zero) if ent_raw is not None else None
-        valid_f = valid.float()
-        tok_w = valid_f * sample_mask[:, None]  # NeMo-RL's token_mask * sample_mask
+        # 0/1 masks in the compute dtype; NaN/inf tokens are excluded (and counted)
+        mask_f = indicator(torch.gt, token_mask, 0, L)
+        checked = [L, Q, A]
+        if cfg.use_importance_sampling_correction and G is not None:
+            checked.append(G)
+        if g.needs_entropy:
+            checked.append(H)
+        valid = finite_valid(mask_f, *checked)
+        logp, prev, adv = masked_values(L, valid), masked_values(Q, valid), masked_values(A, valid)
+        if G is None:
+            gen = prev
+        elif cfg.use_importance_sampling_correction:
+            gen = masked_values(G, valid)
+        else:  # a non-finite π_gen logprob only feeds diagnostics: π_old stands in for it
+            gen = substitute_nonfinite(G, prev, valid)
+        ent = masked_values(H, valid) if H is not None else None
+
+        inv_gvt = 1 / _count(global_valid_toks, L)
+        inv_gvs = 1 / _count(global_valid_seqs, L)
+        n_row = valid.sum(-1)
+        row_on = indicator(torch.ne, sm, 0, sm)
+        w_tok = valid * (sm * inv_gvt)[:, None]  # NeMo-RL's token_mask·sample_mask / global_valid_toks
 
         log_ratio = logp - prev
         per_token = g.granularity == "token"
-        index = counts = None
-        if per_token:  # GRPO fast path: every token is its own group, no scatter needed
+        index = counts = s = lo_g = hi_g = cap_g = None
+        if per_token:  # GRPO: every token is its own group, no scatter
             ratio = torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND))
             lo, hi = self._bounds(ent, log_ratio)
-            n_groups_row = valid_f.sum(-1)
+            n_groups_row = n_row
         else:
-            group_ids = self._group_ids(data, token_mask, None if ent_raw is None else
-                                        torch.where(valid, ent_raw, torch.nan), log_ratio)
-            G = log_ratio.shape[1] if "granular_group_ids" in data else \
-                {"sequence": 1, "entropy_group": len(g.entropy_cut_points) + 1}.get(g.granularity, log_ratio.shape[1])
-            index = GroupIndex(group_ids, max(G, 1), valid)  # the scatter plan, shared by every group statistic
-            counts = index.sum(valid_f)
-            group_lr = (index.sum(log_ratio) / counts.clamp(min=1)).clamp(max=LOG_RATIO_BOUND)
-            if g.ratio == "shared":  # GSPO eq. 6 / SSPO eq. 9: gradient through the group mean
-                ratio = torch.exp(index.gather(group_lr))
-            else:  # token_decomposed (GSPO-token / ESPO): value s_g, gradient via the token's own logprob
-                ratio = torch.exp(index.gather(group_lr.detach())) * torch.exp(logp - logp.detach())
+            index = self._index(data, token_mask, valid, ent, L)
+            counts = index.sum(valid)
+            counts_c = counts.clamp(min=1)
+            group_lr = index.sum(log_ratio) / counts_c
+            cap_g = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)  # d clamp / d x
+            s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))  # s_g, the group ratio
+            ratio = index.gather(s)  # value of r_it for both forms
             if g.clip == "fixed":
-                lo, hi = self._bounds(None, None)
+                lo, hi = lo_g, hi_g = self._bounds(None, None)
             else:
-                lo_g, hi_g = self._bounds(index.sum(ent) / counts.clamp(min=1), None)
+                lo_g, hi_g = self._bounds(index.sum(ent) / counts_c, None)
                 lo, hi = index.gather(lo_g), index.gather(hi_g)
-            n_groups_row = (counts > 0).sum(-1).float()
+            n_groups_row = counts.clamp(max=1).sum(-1)
+        c, ratio_clamped, low, high, keep = clip_terms(ratio, adv, lo, hi, cfg.ratio_clip_c)
 
-        surrogate, clipped_low, clipped_high = clipped_surrogate(ratio, adv, lo, hi, cfg.ratio_clip_c)
-        metrics: dict[str, torch.Tensor] = {}
-
-        # off-policy correction π_old/π_gen (NeMo-RL's options; one weight per group for group ratios)
-        is_weight = None
-        if cfg.use_importance_sampling_correction:
-            is_weight = self._importance_weights(prev, gen, valid, index, sample_mask, global_valid_toks,
-                                                 global_valid_seqs, metrics)
-            surrogate = surrogate * is_weight
-
+        # per-token aggregation weight: objective = Σ_t W_t·c_t (spec §5, global denominators)
+        seq_w = group_w = None
         if g.aggregation == "token_mean":
-            objective = safe_divide((surrogate * tok_w).sum(), global_valid_toks)
+            W = w_tok
         elif g.aggregation == "seq_mean_token_mean" or per_token:  # token groups: the two means coincide
-            objective = seq_mean_token_mean(surrogate, valid, sample_mask, global_valid_seqs)
+            W = seq_w = valid * (sm * inv_gvs / n_row.clamp(min=1))[:, None]
         else:
-            per_group = index.sum(surrogate) / counts.clamp(min=1)
-            per_row = per_group.sum(-1) / n_groups_row.clamp(min=1)  # empty groups add 0
-            objective = safe_divide((per_row * sample_mask).sum(), global_valid_seqs)
-        loss = -objective
+            W = group_w = valid * index.gather((sm * inv_gvs / n_groups_row.clamp(min=1))[:, None] / counts_c)
+        metrics: dict[str, torch.Tensor] = {}
+        is_weight = None
+        if cfg.use_importance_sampling_correction:  # off-policy correction π_old/π_gen (detached)
+            is_weight = self._importance_weights(prev, gen, valid, index, sm, inv_gvt, inv_gvs, w_tok, metrics)
+            W = W * is_weight
+        objective = torch.dot(W.reshape(-1), c.reshape(-1)) if W.shape == c.shape else (W * c).sum()
 
-        kl = zero
-        if self.reference_policy_kl_penalty != 0:
-            kl = self._kl(data, logp_raw, logp, gen, valid, sample_mask, tok_w, global_valid_toks, global_valid_seqs)
-            loss = loss + kl
-        nll = zero
-        if cfg.positive_example_nll_weight > 0 and "rewards" in data:
-            correct = tok_w * (data["rewards"].to(dev).float() > 0).float()[:, None]
-            nll = -(logp * correct).sum() / correct.sum().clamp(min=1)
-            loss = loss + cfg.positive_example_nll_weight * nll
+        # d objective / d logp in closed form: dc/dr = keep·A, and dr/dlogp per ratio form
+        wak = W * adv * keep
+        if per_token:
+            grad = wak.mul_(ratio).mul_(indicator(torch.le, log_ratio, LOG_RATIO_BOUND, log_ratio))
+        elif g.ratio == "token_decomposed":  # sg[s_g]·exp(logp − sg[logp]): d/dlogp_t = s_g
+            grad = wak.mul_(ratio)
+        else:  # shared: r = exp(mean_g log-ratio), d/dlogp_u = s_g/|g| for every u in g
+            grad = index.gather(s * cap_g / counts_c * index.sum(wak)) * valid
+        loss = LinearizedLoss.apply(lp_in, -objective, grad.neg_())
+
+        kl = torch.zeros((), dtype=dt, device=dev)
+        nll = torch.zeros((), dtype=dt, device=dev)
+        if self.reference_policy_kl_penalty != 0 or (cfg.positive_example_nll_weight > 0 and "rewards" in data):
+            valid_b = valid > 0
+            logp_g = torch.where(valid_b, lp_in.to(dt), 0.0)  # autograd path for the optional terms
+            if self.reference_policy_kl_penalty != 0:
+                kl = self._kl(data, L, logp_g, gen, valid_b, sm, w_tok, inv_gvs)
+                loss = loss + kl
+            if cfg.positive_example_nll_weight > 0 and "rewards" in data:
+                correct = valid * sm[:, None] * (data["rewards"].to(dev, dt).reshape(-1) > 0).to(dt)[:, None]
+                nll = -(logp_g * correct).sum() / correct.sum().clamp(min=1)
+                loss = loss + cfg.positive_example_nll_weight * nll
 
         with torch.no_grad():
-            self._metrics(metrics, loss, kl, nll, ratio, lo, hi, clipped_low, clipped_high, valid, token_mask,
-                          row_on, sample_mask, tok_w, prev, gen, logp, ent, index, counts, n_groups_row,
-                          is_weight, global_valid_toks, global_valid_seqs)
+            self._metrics(metrics, loss, kl, nll, ratio, ratio_clamped, lo, hi, low, high, valid, mask_f, row_on,
+                          sm, inv_gvt, inv_gvs, w_tok, seq_w, group_w, n_row, prev, gen, logp, ent, index, counts,
+                          s, lo_g, hi_g, n_groups_row, is_weight)
             names = list(metrics)
-            values = torch.stack([metrics[k].float().reshape(()).to(dev) for k in names]).tolist()  # one sync
+            values = torch.stack([metrics[k].to(dev, dt).reshape(()) for k in names]).tolist()  # one sync
         return loss, dict(zip(names, values))
 
     # ------------------------------------------------------------------ pieces
-    def _importance_weights(self, prev, gen, valid, index, sample_mask, global_valid_toks, global_valid_seqs,
-                            metrics):
+    def _index(self, data, token_mask, valid, ent, like):
+        """The scatter/gather plan of the configured groups (one group per row: no scatter)."""
+        g = self.granular
+        if g.granularity == "sequence":
+            return RowIndex(like.shape[0])
+        if "granular_group_ids" in data:
+            ids = _key(data, "granular_group_ids", like).long()
+            top = int(ids.max()) + 1 if ids.numel() else 1  # one sync: the table needs only the used ids
+            if top > like.shape[1]:
+                raise ValueError(f"data['granular_group_ids'] holds id {top - 1} >= {like.shape[1]} "
+                                 "(ids must be per-row local, 0..G-1)")
+        elif g.granularity == "segment":
+            if self.delimiter_table is None:
+                raise ValueError("granular.granularity 'segment' needs a tokenizer (GranularPolicyLoss(..., "
+                                 "tokenizer=...)) or precomputed data['granular_group_ids']")
+            ids = group_ids_for("segment", token_mask > 0, token_ids=_key(data, "input_ids", like),
+                                delimiter_table=self.delimiter_table)
+            top = int(ids.max()) + 1 if ids.numel() else 1
+        else:  # entropy_group: at most len(cut points) + 1 groups
+            ids = group_ids_for(g.granularity, token_mask > 0, entropy=torch.where(valid > 0, ent, torch.nan),
+                                entropy_cut_points=g.entropy_cut_points)
+            top = len(g.entropy_cut_points) + 1
+        return GroupIndex(ids, max(top, 1), valid)
+
+    def _importance_weights(self, prev, gen, valid, index, sample_mask, inv_gvt, inv_gvs, w_tok, metrics):
         cfg = self.cfg
-        diff = (prev - gen).detach()
+        diff = prev - gen  # 0 outside the valid tokens
         if index is None:
             w = torch.exp(diff.clamp(max=LOG_RATIO_BOUND))
         else:  # one weight per group: exp(Σ_group (logq − log π_gen)), NeMo-RL's GSPO convention
@@ -273,28 +301,26 @@ class GranularPolicyLoss:
         w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
         kind, hi, lo = (cfg.truncated_importance_sampling_type, cfg.truncated_importance_sampling_ratio,
                         cfg.truncated_importance_sampling_ratio_min)
-        tok_w = valid.float() * sample_mask[:, None]
         if kind == "tis":
             lo = 0.0 if lo is None else lo
-            metrics["is_oob_ratio"] = safe_divide((((w > hi) | (w < lo)).float() * tok_w).sum(), global_valid_toks)
+            metrics["is_oob_ratio"] = (((w > hi) | (w < lo)).to(w.dtype) * w_tok).sum()
             w = w.clamp(lo, hi)
         elif kind == "icepop":
-            keep = (w >= lo) & (w <= hi)
-            metrics["is_oob_ratio"] = safe_divide(((~keep).float() * tok_w).sum(), global_valid_toks)
-            w = torch.where(keep, w, torch.zeros_like(w))
+            keep = ((w >= lo) & (w <= hi)).to(w.dtype)
+            metrics["is_oob_ratio"] = ((1 - keep) * w_tok).sum()
+            w = w * keep
         elif kind == "seq-mask-tis":
-            n = valid.sum(-1).clamp(min=1)
-            geo = torch.exp(torch.where(valid, diff, 0.0).sum(-1) / n)
-            keep = ((geo >= lo) & (geo <= hi)).float()
-            metrics["is_oob_ratio"] = safe_divide(((1 - keep) * sample_mask).sum(), global_valid_seqs)
+            geo = torch.exp(diff.sum(-1) / valid.sum(-1).clamp(min=1))
+            keep = ((geo >= lo) & (geo <= hi)).to(w.dtype)
+            metrics["is_oob_ratio"] = ((1 - keep) * sample_mask).sum() * inv_gvs
             w = w * keep[:, None]
         return w
 
-    def _kl(self, data, logp_raw, logp, gen, valid, sample_mask, tok_w, global_valid_toks, global_valid_seqs):
+    def _kl(self, data, like, logp, gen, valid, sample_mask, w_tok, inv_gvs):
         cfg = self.cfg
-        ref = torch.where(valid, _key(data, "reference_policy_logprobs", logp_raw).float(), 0.0)
+        ref = torch.where(valid, _key(data, "reference_policy_logprobs", like).to(like.dtype), 0.0)
         curr = data.get("curr_logprobs_unfiltered", None)
-        curr = logp if curr is None else torch.where(valid, curr.float(), 0.0)
+        curr = logp if curr is None else torch.where(valid, curr.to(like.dtype), 0.0)
         if cfg.use_on_policy_kl_approximation:
             w = torch.exp((curr - gen).clamp(max=LOG_RATIO_BOUND))
         else:
@@ -303,72 +329,87 @@ class GranularPolicyLoss:
         kl = self.reference_policy_kl_penalty * kl_penalty_per_token(
             curr, ref, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value, w)
         if self.loss_type == LossType.TOKEN_LEVEL:
-            return safe_divide((kl * tok_w).sum(), global_valid_toks)
-        return seq_mean_token_mean(kl, valid, sample_mask, global_valid_seqs)
+            return (kl * w_tok).sum()
+        n = valid.sum(-1).to(like.dtype).clamp(min=1)
+        return ((torch.where(valid, kl, 0.0).sum(-1) / n) * sample_mask).sum() * inv_gvs
 
-    def _metrics(self, m, loss, kl, nll, ratio, lo, hi, clipped_low, clipped_high, valid, token_mask, row_on,
-                 sample_mask, tok_w, prev, gen, logp, ent, index, counts, n_groups_row, is_weight,
-                 global_valid_toks, global_valid_seqs):
-        n_tok = tok_w.sum()
+    def _metrics(self, m, loss, kl, nll, ratio, ratio_clamped, lo, hi, low, high, valid, mask_f, row_on,
+                 sample_mask, inv_gvt, inv_gvs, w_tok, seq_w, group_w, n_row, prev, gen, logp, ent, index,
+                 counts, s, lo_g, hi_g, n_groups_row, is_weight):
+        """NeMo-RL's metric set (same names, same normalisation) plus the granular ones; every
+        token mean is one weighted sum, and ratio statistics of group granularities are taken
+        on the ``[B, G]`` group table (a group's tokens share its ratio and bounds)."""
+        row_tok = sample_mask * inv_gvt  # [B]
 
-        def tok(x):
-            if not torch.is_tensor(x) or x.dim() == 0:  # a constant (fixed clip bound)
-                return safe_divide(n_tok * float(x), global_valid_toks)
-            return safe_divide((x.float() * tok_w).sum(), global_valid_toks)
+        def tok(x):  # Σ_t w_tok·x: a token mean normalised by global_valid_toks
+            if not torch.is_tensor(x) or x.dim() == 0:
+                return w_tok.sum() * x
+            if x.shape == w_tok.shape:
+                return torch.dot(x.reshape(-1), w_tok.reshape(-1))
+            return (x * w_tok).sum()
 
-        def seq(x_row):
-            return safe_divide((x_row.float() * sample_mask).sum(), global_valid_seqs)
+        def seq(x_row):  # a per-row value averaged over rows, normalised by global_valid_seqs
+            return (x_row * sample_mask).sum() * inv_gvs
 
-        r = ratio.detach()
-        r_clamped = torch.clamp(r, lo, hi)
-        live = valid & row_on[:, None]
-        inf = torch.tensor(float("inf"), device=r.device)
+        if index is None:  # token granularity: per-token statistics
+            live = valid * row_on[:, None]
+            m["probs_ratio"] = tok(ratio)
+            m["probs_ratio_clamped"] = tok(ratio_clamped)
+            r_min, r_max = masked_extrema(ratio, live)
+            if torch.is_tensor(lo) and lo.dim() > 0:
+                rc_min, rc_max = masked_extrema(ratio_clamped, live)
+            else:  # clamp is monotone: the extrema of the clamped ratios are the clamped extrema
+                rc_min = torch.where(torch.isinf(r_min), r_min, r_min.clamp(lo, hi))  # keep the ±inf sentinels
+                rc_max = torch.where(torch.isinf(r_max), r_max, r_max.clamp(lo, hi))
+            bound_lo, bound_hi = tok(lo), tok(hi)
+        else:  # group table [B, G]: weight of a group = its token count
+            gw = counts * row_tok[:, None]
+            rc_g = torch.clamp(s, lo_g, hi_g)
+            m["probs_ratio"] = (s * gw).sum()
+            m["probs_ratio_clamped"] = (rc_g * gw).sum()
+            live_g = counts.clamp(max=1) * row_on[:, None]
+            r_min, r_max = masked_extrema(s, live_g)
+            rc_min, rc_max = masked_extrema(rc_g, live_g)
+            bound_lo = (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g
+            bound_hi = (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g
         m["loss"] = loss.detach()
         m["num_valid_samples"] = sample_mask.sum()
-        m["probs_ratio"] = tok(r)
-        m["probs_ratio_clamped"] = tok(r_clamped)
-        m["probs_ratio_min"] = torch.where(live, r, inf).min() if r.numel() else inf
-        m["probs_ratio_max"] = torch.where(live, r, -inf).max() if r.numel() else -inf
-        m["probs_ratio_clamped_min"] = torch.where(live, r_clamped, inf).min() if r.numel() else inf
-        m["probs_ratio_clamped_max"] = torch.where(live, r_clamped, -inf).max() if r.numel() else -inf
+        m["probs_ratio_min"], m["probs_ratio_max"] = r_min, r_max
+        m["probs_ratio_clamped_min"], m["probs_ratio_clamped_max"] = rc_min, rc_max
         coef = self.reference_policy_kl_penalty
-        m["kl_penalty"] = kl.detach() / coef if coef else torch.zeros((), device=r.device)
-        diff = prev - gen
-        m["token_mult_prob_error"] = tok(torch.exp(diff.abs()))
-        m["gen_kl_error"] = tok(kl_penalty_per_token(gen, prev, self.cfg.reference_policy_kl_type, None, None))
-        m["policy_kl_error"] = tok(kl_penalty_per_token(prev, gen, self.cfg.reference_policy_kl_type, None, None))
-        log_mix = torch.log(0.5 * torch.exp(prev) + 0.5 * torch.exp(gen))
-        js = 0.5 * (torch.exp(prev - log_mix) - (prev - log_mix) - 1) + 0.5 * (torch.exp(gen - log_mix) - (gen - log_mix) - 1)
-        m["js_divergence_error"] = tok(js)
+        m["kl_penalty"] = kl.detach() / coef if coef else torch.zeros_like(kl)
+        diff = prev - gen  # 0 outside the valid tokens
+        m.update(prob_error_sums(diff, w_tok, self.cfg.reference_policy_kl_type))
         if self.granular.granularity == "sequence":  # one weight per response
-            w_row = torch.exp(torch.where(valid, diff, 0.0).sum(-1).clamp(max=LOG_RATIO_BOUND))
+            w_row = torch.exp(diff.sum(-1).clamp(max=LOG_RATIO_BOUND))
             if is_weight is not None:
-                w_row = torch.where(valid, is_weight, 0.0).amax(-1)
+                w_row = (is_weight * valid).amax(-1)
             m["sampling_importance_ratio"] = seq(w_row)
         else:
             m["sampling_importance_ratio"] = tok(is_weight if is_weight is not None else
                                                  torch.exp(diff.clamp(max=LOG_RATIO_BOUND)))
-        m["approx_entropy"] = -tok(torch.exp((logp - gen).clamp(max=LOG_RATIO_BOUND)) * logp)
+        m["approx_entropy"] = -tok(torch.exp((logp - gen).clamp(max=LOG_RATIO_BOUND)).mul_(logp))
         m["positive_nll_loss"] = nll.detach()
         # ours
-        m["clip_frac_low"] = tok(clipped_low)
-        m["clip_frac_high"] = tok(clipped_high)
-        m["clip_bound_low_mean"] = tok(lo)
-        m["clip_bound_high_mean"] = tok(hi)
-        n_tok_row = valid.sum(-1).float()
-        for name, ind in (("clip_frac_low_groups", clipped_low), ("clip_frac_high_groups", clipped_high)):
-            ind = (ind & valid).float()
-            if index is None:  # token groups: the group-weighted fraction is the per-row token fraction
-                frac_row = ind.sum(-1) / n_tok_row.clamp(min=1)
-            else:  # mean over the row's non-empty groups of the clipped fraction inside each group
-                frac_row = (index.sum(ind) / counts.clamp(min=1)).sum(-1) / n_groups_row.clamp(min=1)
-            m[name] = seq(frac_row)
+        m["clip_frac_low"] = tok(low)
+        m["clip_frac_high"] = tok(high)
+        m["clip_bound_low_mean"] = bound_lo
+        m["clip_bound_high_mean"] = bound_hi
+        # clipped fraction per group, averaged over the row's groups, then over rows: one weighted
+        # sum with weight sample_mask/(n_groups·|g|·global_valid_seqs) (per token for token groups)
+        if index is None:
+            gfrac_w = seq_w if seq_w is not None else valid * (sample_mask * inv_gvs / n_row.clamp(min=1))[:, None]
+        else:
+            gfrac_w = group_w if group_w is not None else valid * index.gather(
+                (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / counts.clamp(min=1))
+        m["clip_frac_low_groups"] = torch.dot(low.reshape(-1), gfrac_w.reshape(-1))
+        m["clip_frac_high_groups"] = torch.dot(high.reshape(-1), gfrac_w.reshape(-1))
         m["groups_per_response"] = seq(n_groups_row)
-        m["group_size_mean"] = seq(n_tok_row / n_groups_row.clamp(min=1))
-        m["prev_entropy_mean"] = tok(ent) if ent is not None else torch.zeros((), device=r.device)
-        nonfinite = (token_mask & ~valid & row_on[:, None]).float().sum()
+        m["group_size_mean"] = seq(n_row / n_groups_row.clamp(min=1))
+        m["prev_entropy_mean"] = tok(ent) if ent is not None else torch.zeros_like(sample_mask[0])
+        nonfinite = ((mask_f.sum(-1) - n_row) * row_on).sum()
         m["nonfinite_tokens"] = nonfinite
-        m["nonfinite_token_frac"] = safe_divide(nonfinite, global_valid_toks)
+        m["nonfinite_token_frac"] = nonfinite * inv_gvt
 
 
 class SequenceValueLoss:
@@ -405,12 +446,13 @@ class SequenceValueLoss:
         token_mask = token_mask[:, : values.shape[1]]
         if "rewards" not in data:
             raise KeyError("data['rewards'] is missing (SPPO's critic regresses the binary reward)")
-        rewards = data["rewards"].to(values.device).float().reshape(-1)
-        sample_mask = data["sample_mask"].to(values.device).float().reshape(-1)
+        dt = compute_dtype(values.dtype)  # float64 stays float64; bf16/fp16 compute in float32
+        rewards = data["rewards"].to(values.device, dt).reshape(-1)
+        sample_mask = data["sample_mask"].to(values.device, dt).reshape(-1)
         has_response = token_mask.bool().any(-1)
         idx = first_response_index(token_mask)
-        v = values.float().gather(-1, idx[:, None]).squeeze(-1)
-        w = sample_mask * has_response.float()
+        v = values.to(dt).gather(-1, idx[:, None]).squeeze(-1)
+        w = sample_mask * has_response.to(dt)
         v = torch.where(w > 0, v, torch.zeros_like(v))  # padded/empty rows stay finite
         bce = sppo_critic_bce(v, rewards)
         loss = safe_divide((bce * w).sum(), global_valid_seqs)
@@ -419,12 +461,12 @@ class SequenceValueLoss:
             stats = {
                 "loss": loss.detach(),
                 "bce": loss.detach(),
-                "acc": safe_divide((((p > 0.5).float() == (rewards > 0.5).float()).float() * w).sum(), global_valid_seqs),
+                "acc": safe_divide((((p > 0.5) == (rewards > 0.5)).to(dt) * w).sum(), global_valid_seqs),
                 "brier": safe_divide((((p - rewards) ** 2) * w).sum(), global_valid_seqs),
                 "values_mean": safe_divide((p * w).sum(), global_valid_seqs),
                 "returns_mean": safe_divide((rewards * w).sum(), global_valid_seqs),
                 "num_valid_samples": w.sum(),
             }
             names = list(stats)
-            vals = torch.stack([stats[k].float().reshape(()) for k in names]).tolist()
+            vals = torch.stack([stats[k].to(dt).reshape(()) for k in names]).tolist()
         return loss, dict(zip(names, vals))

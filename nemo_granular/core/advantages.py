@@ -91,4 +91,5 @@ def sppo_advantages(rewards: torch.Tensor, value_logits: torch.Tensor) -> torch.
 
 def sppo_critic_bce(value_logits: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
     """SPPO critic loss (SPPO §3.2; spec §7): per-response BCE-with-logits(v_i, R_i), ``[B]``."""
-    return F.binary_cross_entropy_with_logits(value_logits.float(), rewards.float(), reduction="none")
+    dt = torch.promote_types(value_logits.dtype, torch.float32)  # float64 stays float64
+    return F.binary_cross_entropy_with_logits(value_logits.to(dt), rewards.to(dt), reduction="none")

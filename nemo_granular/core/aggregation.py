@@ -16,9 +16,10 @@ __all__ = ["token_mean", "seq_mean_token_mean", "seq_mean_group_mean", "safe_div
 
 def safe_divide(num: torch.Tensor, den) -> torch.Tensor:
     """num / den with den clamped to 1e-8 (den may be a tensor or number; 0/0 → 0)."""
+    dt = num.dtype if num.is_floating_point() else torch.float32
     if not torch.is_tensor(den):
-        den = torch.tensor(float(den), device=num.device)
-    return num / den.to(num.device, torch.float32).clamp(min=1e-8)
+        den = torch.tensor(float(den), dtype=dt, device=num.device)
+    return num / den.to(num.device, dt).clamp(min=1e-8)
 
 
 def token_mean(values: torch.Tensor, mask: torch.Tensor, global_valid_toks) -> torch.Tensor:

@@ -29,7 +29,7 @@ def sspo_entropy_clip_bounds(
 
     hi = min(1 + α + H̄, γ),   lo = max(0, min(1 − H̄, β)).
     """
-    h = group_entropy.float()
+    h = group_entropy.to(torch.promote_types(group_entropy.dtype, torch.float32))
     hi = torch.clamp(1.0 + alpha + h, max=gamma)
     lo = torch.clamp(torch.clamp(1.0 - h, max=beta), min=0.0)
     return lo, hi
@@ -44,7 +44,7 @@ def espo_entropy_clip_bounds(
     """
     if vocab_size < 2:
         raise ValueError(f"espo.vocab_size must be >= 2 for log|V|, got {vocab_size}")
-    eps = alpha * group_entropy.float() / math.log(vocab_size)
+    eps = alpha * group_entropy.to(torch.promote_types(group_entropy.dtype, torch.float32)) / math.log(vocab_size)
     return 1.0 - eps, 1.0 + eps
 
 

@@ -3,8 +3,12 @@
 Every run of a seed starts from the SAME warm-started policy, sees the same prompts (the
 data stream is a function of (seed, step)) and the same sample budget per step (SPPO: one
 sample for each of G× more prompts). Runs are separate processes (``nemo-granular train``),
-``jobs`` at a time, one torch thread each. ``report_from_runs`` builds ``report.md`` and the
-plots from finished run directories (also used by ``slurm/submit_comparison.sh``).
+``jobs`` at a time, one torch thread each; their output is echoed line by line with a
+``[run]`` prefix and kept in each run's ``train.log``. Warm starts are cached under
+``<out>/warmstart/seed<S>-<key>``, the key a hash of everything that determines the policy
+(:func:`warmstart.warmstart_key`), so a changed override never reuses a stale one.
+``report_from_runs`` builds ``report.md`` and the plots from finished run directories (also
+used by ``slurm/submit_comparison.sh``).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -20,65 +25,199 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SMOKE = ["warmstart.max_steps=150", "rl.steps=10", "rl.prompts_per_step=8", "rl.generations_per_prompt=4",
-         "rl.minibatches_per_rollout=2", "rl.eval_every=5"]
+         "rl.minibatches_per_rollout=2", "rl.eval_every=5", "logger.log_every=5"]
+NOT_ALGORITHMS = ("base", "smoke")  # configs in the config directory that are not an algorithm of their own
 
 
-def _train(config: Path, overrides: list[str], log: Path) -> None:
-    cmd = [sys.executable, "-m", "nemo_granular", "train", "--config", str(config), *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    with log.open("w") as fh:
-        proc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"run failed ({' '.join(cmd[3:6])} ...): {tail[0]} — see {log}")
+class CompareInterrupted(Exception):
+    """Ctrl-C (or a stopped run): the running runs saved a checkpoint; ``--resume`` continues."""
+
+
+class RunFailed(RuntimeError):
+    """A run exited with an error; the message is its last output line and the log's path."""
+
+
+def available_algorithms(config_dir: Path) -> list[str]:
+    return sorted(p.stem for p in config_dir.glob("*.yaml") if p.stem not in NOT_ALGORITHMS)
+
+
+def _train(config: Path, args: list[str], log: Path, label: str, append: bool = False) -> None:
+    """``nemo-granular train`` in a child process; its output goes to ``log`` and, prefixed, to stderr."""
+    cmd = [sys.executable, "-m", "nemo_granular", "train", "--config", str(config), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
+    last = ""
+    with log.open("a" if append else "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        for line in proc.stdout:
+            fh.write(line)
+            fh.flush()
+            last = line.strip() or last
+            print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
+        rc = proc.wait()
+    if rc in (130, 99):
+        raise CompareInterrupted(f"run {label} stopped (exit {rc}) after saving a checkpoint")
+    if rc != 0:
+        raise RunFailed(f"run {label} failed (exit {rc}): {last or '(no output)'} (log: {log})")
+
+
+def _run_all(jobs: int, calls: list) -> None:
+    """Run the calls ``jobs`` at a time. On Ctrl-C: start nothing new, let the running ones
+    checkpoint (they received the same SIGINT from the terminal), then raise CompareInterrupted."""
+    pool = ThreadPoolExecutor(jobs)
+    futures = [pool.submit(c) for c in calls]
+    try:
+        for f in futures:
+            f.result()
+    except KeyboardInterrupt:
+        print("compare: Ctrl-C: the running runs save a checkpoint and stop (Ctrl-C again aborts them)",
+              file=sys.stderr, flush=True)
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=True)
+        raise CompareInterrupted("interrupted; finished runs and checkpoints are kept") from None
+    except BaseException:
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=True)
+        raise
+    pool.shutdown()
+
+
+def _cached_warmstart(d: Path, key: str) -> Path | None:
+    """The policy of a complete warm start with this key in ``d``, or None."""
+    from .checkpoint import CheckpointError, find_resumable
+
+    try:
+        if json.loads((d / "key.json").read_text()).get("key") != key:
+            return None
+        loaded, _ = find_resumable(d / "checkpoints")
+    except (OSError, ValueError, CheckpointError):
+        return None
+    return loaded.path / "policy" if loaded.state.get("step") == 0 else None
+
+
+def _accuracies(run: Path) -> tuple[float | None, float | None]:
+    acc = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec.get("validation/accuracy"), (int, float)):
+            acc.append(rec["validation/accuracy"])
+    return (acc[0], acc[-1]) if acc else (None, None)
 
 
 def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, config_dir: Path,
-            jobs: int | None = None, smoke: bool = False, overrides: list[str] | None = None) -> Path:
-    for alg in algorithms:
-        if not (config_dir / f"{alg}.yaml").is_file():
-            raise FileNotFoundError(f"no config for algorithm {alg!r}: {config_dir / (alg + '.yaml')}")
+            jobs: int | None = None, smoke: bool = False, overrides: list[str] | None = None,
+            force: bool = False, resume: bool = False) -> Path:
+    from .checkpoint import step_dirs
+    from .config import load_train_config
+    from .warmstart import warmstart_key
+
+    # 1. every argument and every run's config checked before anything is written or run
+    if not config_dir.is_dir():
+        raise FileNotFoundError(f"--config-dir {config_dir}: no such directory")
+    valid = ", ".join(available_algorithms(config_dir))
+    if not algorithms:
+        raise ValueError(f"--algorithms is empty (valid: {valid})")
+    unknown = [a for a in algorithms if a in NOT_ALGORITHMS or not (config_dir / f"{a}.yaml").is_file()]
+    if unknown:
+        raise ValueError(f"--algorithms: unknown {', '.join(map(repr, unknown))} (valid: {valid})")
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
-    out.mkdir(parents=True, exist_ok=True)
+    if jobs is not None and jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {jobs}")
+    if steps is not None and steps < 0:
+        raise ValueError(f"--steps must be >= 0, got {steps}")
     jobs = jobs or max(1, min(2, os.cpu_count() or 1))
     extra = (SMOKE if smoke else []) + list(overrides or [])
     if steps is not None:
         extra.append(f"rl.steps={steps}")
     common = ["logger.progress=false", "threads=1"] + extra
+    plan = []
+    for s in range(seeds):
+        for alg in algorithms:
+            run = out / "runs" / f"{alg}_seed{s}"
+            try:
+                cfg = load_train_config(config_dir / f"{alg}.yaml", common + [f"seed={s}", f"output_dir={run}"])
+            except ValueError as err:
+                raise ValueError(f"{alg}: {err}") from None
+            plan.append({"alg": alg, "seed": s, "run": run, "cfg": cfg, "init": None})
+    previous = [n for n in ("report.md", "runs") if (out / n).exists()]
+    if previous and not (force or resume):
+        raise FileExistsError(f"--out {out} already holds a comparison ({', '.join(previous)}): add --resume to "
+                              "continue it, --force to redo it, or choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    if force:
+        shutil.rmtree(out / "runs", ignore_errors=True)
+        (out / "report.md").unlink(missing_ok=True)
     t0 = time.time()
 
-    # 1. one warm start per seed, shared by every algorithm of that seed
-    warm = {s: out / "warmstart" / f"seed{s}" for s in range(seeds)}
-    with ThreadPoolExecutor(jobs) as pool:
-        futures = []
-        for s, d in warm.items():
-            if not (d / "checkpoints" / "latest").is_file():
-                d.mkdir(parents=True, exist_ok=True)
-                futures.append(pool.submit(_train, config_dir / "base.yaml",
-                                           common + [f"seed={s}", f"output_dir={d}", "rl.steps=0", "name=warmstart"],
-                                           d / "train.log"))
-        for f in futures:
-            f.result()
-    t_warm = time.time() - t0
-    print(f"warm starts done in {t_warm:.0f} s", file=sys.stderr)
+    # 2. one warm start per distinct key (seed, model, task, warm-start settings, code, versions),
+    #    shared by every algorithm whose config gives that key; reused when already complete
+    groups: dict[str, dict] = {}
+    for item in plan:
+        cfg = item["cfg"]
+        if cfg.model.init_from or not cfg.warmstart.enabled:
+            continue  # nothing to warm-start: each run starts from its own config
+        key, parts = warmstart_key(cfg)
+        g = groups.setdefault(key, {"key": key, "parts": parts, "alg": item["alg"], "seed": item["seed"],
+                                    "dir": out / "warmstart" / f"seed{item['seed']}-{key}", "items": []})
+        g["items"].append(item)
+    cache_notes, calls = [], []
+    for g in groups.values():
+        g["policy"] = _cached_warmstart(g["dir"], g["key"])
+        label = f"warmstart seed{g['seed']}-{g['key'][:8]}"
+        cache_notes.append(f"seed{g['seed']}-{g['key']} ({'reused' if g['policy'] else 'computed'})")
+        if g["policy"] is not None:
+            print(f"[{label}] reusing the cached warm start {g['dir']} (same key: same config, code and versions)",
+                  file=sys.stderr, flush=True)
+            continue
+        g["dir"].mkdir(parents=True, exist_ok=True)
+        args = ["--force", *common, f"seed={g['seed']}", f"output_dir={g['dir']}", "rl.steps=0", "name=warmstart"]
 
-    # 2. every algorithm from its seed's warm start
-    runs, tasks = [], []
-    with ThreadPoolExecutor(jobs) as pool:
-        for s in range(seeds):
-            init = warm[s] / "checkpoints" / (warm[s] / "checkpoints" / "latest").read_text().strip() / "policy"
-            for alg in algorithms:
-                run = out / "runs" / f"{alg}_seed{s}"
-                run.mkdir(parents=True, exist_ok=True)
-                runs.append(run)
-                tasks.append(pool.submit(_train, config_dir / f"{alg}.yaml",
-                                         common + [f"seed={s}", f"output_dir={run}", f"model.init_from={init}"],
-                                         run / "train.log"))
-        for t in tasks:
-            t.result()
+        def call(g=g, args=args, label=label):
+            _train(config_dir / f"{g['alg']}.yaml", args, g["dir"] / "train.log", label)
+            (g["dir"] / "key.json").write_text(json.dumps({"key": g["key"], **g["parts"]}, indent=1))
+            g["policy"] = _cached_warmstart(g["dir"], g["key"])
+            if g["policy"] is None:
+                raise RunFailed(f"warm start {g['dir']} wrote no complete step-0 checkpoint")
+        calls.append(call)
+    _run_all(jobs, calls)
+    for g in groups.values():
+        for item in g["items"]:
+            item["init"] = g["policy"]
+    t_warm = time.time() - t0
+    print(f"warm starts done in {t_warm:.0f} s", file=sys.stderr, flush=True)
+
+    # 3. every algorithm from its seed's warm start
+    calls = []
+    for item in plan:
+        run = item["run"]
+        flags = []
+        if resume and step_dirs(run / "checkpoints"):
+            flags = ["--resume"]
+        elif resume and run.exists():
+            flags = ["--force"]  # an earlier attempt that never reached a checkpoint
+        run.mkdir(parents=True, exist_ok=True)
+        args = [*flags, *common, f"seed={item['seed']}", f"output_dir={run}"]
+        if item["init"] is not None:
+            args.append(f"model.init_from={item['init']}")
+        calls.append(lambda item=item, args=args, append=bool(flags): _train(
+            config_dir / f"{item['alg']}.yaml", args, item["run"] / "train.log", f"{item['alg']} seed{item['seed']}",
+            append=append))
+    _run_all(jobs, calls)
     total = time.time() - t0
-    return report_from_runs(runs, out, timing={"warm start (s)": t_warm, "total wall (s)": total, "jobs": jobs})
+    timing = {"warm start (s)": t_warm, "total wall (s)": total, "jobs": jobs}
+    if cache_notes:
+        timing["warm-start cache key"] = "; ".join(cache_notes)
+    report = report_from_runs([item["run"] for item in plan], out, timing=timing)
+    for item in plan:
+        acc0, acc = _accuracies(item["run"])
+        shown = "n/a" if acc is None else f"{acc0:.3f} → {acc:.3f}"
+        print(f"{item['alg']} seed {item['seed']}: held-out accuracy {shown} ({item['run']})", file=sys.stderr)
+    return report
 
 
 # ---------------------------------------------------------------------------- report

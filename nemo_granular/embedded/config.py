@@ -113,8 +113,8 @@ class RLConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    every: int = 0        # 0: only at the end (and on SIGTERM/SIGUSR1)
-    keep: int = 2
+    every: NonNegativeInt = 10  # RL steps between checkpoints (0: only at the end); always on a stop signal
+    keep: PositiveInt = 2       # newest checkpoints kept
 
 
 class LoggerConfig(_Strict):
@@ -122,7 +122,8 @@ class LoggerConfig(_Strict):
     wandb: bool = False
     wandb_project: str = "nemo-granular"
     wandb_mode: Literal["online", "offline"] = "offline"
-    progress: bool = True
+    progress: bool = True       # a progress bar when stderr is a terminal (else plain lines)
+    log_every: NonNegativeInt = 10  # without a bar: one progress line every N steps (0: none)
 
 
 class GRPOSection(_Strict):
@@ -160,13 +161,32 @@ class TrainConfig(_Strict):
 
 
 # ---------------------------------------------------------------------------- loading
+# The local configs ship as package data, so an installed wheel finds them too.
+LOCAL_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "local"
+
+
+def packaged_configs() -> list[str]:
+    """Names of the packaged local configs (``grpo``, ``sspo``, ...)."""
+    return sorted(p.stem for p in LOCAL_CONFIGS.glob("*.yaml"))
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """``path`` itself, or a packaged config when ``path`` is a bare name (``sspo``, ``sspo.yaml``)."""
+    p = Path(path)
+    if p.is_file() or p.parent != Path("."):
+        return p
+    packaged = LOCAL_CONFIGS / (p.name if p.suffix == ".yaml" else p.name + ".yaml")
+    return packaged if packaged.is_file() else p
+
+
 def load_yaml_with_defaults(path: str | Path):
     """OmegaConf config of ``path`` with its ``defaults:`` chain merged in (child last)."""
     from omegaconf import OmegaConf
 
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
+        hint = "" if path.parent != Path(".") else f" (packaged configs: {', '.join(packaged_configs())})"
+        raise FileNotFoundError(f"config file not found: {path}{hint}")
     try:
         cfg = OmegaConf.load(path)
     except Exception as err:  # noqa: BLE001 - yaml errors come in several types
@@ -209,7 +229,7 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | Non
     """Load, merge, override and validate; every error is one line naming the field or file."""
     from omegaconf import OmegaConf
 
-    cfg = load_yaml_with_defaults(path) if path else OmegaConf.create({})
+    cfg = load_yaml_with_defaults(resolve_config_path(path)) if path else OmegaConf.create({})
     cfg = apply_overrides(cfg, overrides or [])
     data = OmegaConf.to_container(cfg, resolve=True)
     try:

@@ -17,6 +17,7 @@ import random
 import shutil
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from ..core.clipping import calibrate_espo_alpha
 from ..core.groups import group_ids_for
 from ..losses import GranularPolicyLoss, SequenceValueLoss
 from . import models as M
+from .checkpoint import CheckpointError, NothingToResume, find_resumable, fsync_dir, step_dirs, write_manifest
 from .config import TrainConfig, dump_config
 from .rollout import generate, next_token_logprobs, old_policy_pass, to_nemo_batch
 from .task import build_task, verify
@@ -57,10 +59,31 @@ def atomic_write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+# what a run writes into its output directory; a fresh run refuses a directory holding any of them
+RUN_ARTIFACTS = ("metrics.jsonl", "metrics.superseded.jsonl", "checkpoints", "tensorboard")
+STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: PREEMPTED_EXIT_CODE, signal.SIGUSR1: PREEMPTED_EXIT_CODE}
+
+
+def existing_run_artifacts(out: Path) -> list[str]:
+    """The artifacts of an earlier run in ``out`` (empty directories do not count)."""
+    found = []
+    for name in RUN_ARTIFACTS:
+        p = out / name
+        if p.is_file() or (p.is_dir() and any(p.iterdir())):
+            found.append(name + ("/" if p.is_dir() else ""))
+    return found
+
+
 class Trainer:
-    def __init__(self, cfg: TrainConfig, resume: bool = False, log=None):
+    """One run. ``resume``: False (fresh; refuses a directory holding a run unless ``force``),
+    True (continue from the newest complete checkpoint; error when there is none) or ``"auto"``
+    (continue when there is a checkpoint, else start fresh: for requeueing launchers)."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool | str = False, log=None, force: bool = False):
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        if resume is True and force:
+            raise ValueError("--resume and --force exclude each other (--force starts over)")
         torch.set_num_threads(max(1, cfg.threads))
         try:  # the checkpoint writer's per-shard progress bar is noise next to ours
             from transformers.utils import logging as hf_logging
@@ -74,26 +97,47 @@ class Trainer:
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
         self.out = Path(cfg.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
-        self.out.mkdir(parents=True, exist_ok=True)
         self._stop_signal = None
-        # handlers first: a preemption signal during model set-up or the warm start is honoured too
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        self._old_handlers: dict = {}
         self.step = 0
         self.samples = 0
         self.wall = 0.0
         self.espo_alpha = None
-        torch.manual_seed(cfg.seed)
-        random.seed(cfg.seed)
+        self.last_checkpoint: Path | None = None
+        self._saved_step: int | None = None
+        self.sinks = None
 
-        latest = self.latest_checkpoint() if resume else None
-        tok_src = (latest / "tokenizer") if latest else M.tokenizer_dir(cfg.model.path or cfg.model.init_from)
+        # 1. what to start from: only reads, so a refusal leaves everything as it was
+        latest, self._unusable = self._plan_start(resume, force)
+        self.resumed = latest is not None
+        self.force = force and not self.resumed
+        # 2. inputs that can be missing or malformed, before the start line
+        model_src = cfg.model.path or cfg.model.init_from
+        if not latest and model_src and not (Path(model_src) / "config.json").is_file():
+            key = "model.path" if cfg.model.path else "model.init_from"
+            raise FileNotFoundError(f"{key}: {model_src} is not a Hugging Face model directory (no config.json)")
+        tok_src = (latest.path / "tokenizer") if latest else M.tokenizer_dir(model_src)
         self.tokenizer = M.load_tokenizer(str(tok_src)) if tok_src else M.build_tokenizer()
         self.task = build_task(cfg.task, cfg.seed)
         self.sppo = cfg.algorithm == "sppo"
         self.warmstart_info = None
+        # 3. the start line; from here a stop signal is honoured (checkpoint, then exit)
+        self.log(self._start_line(latest))
+        self._install_signal_handlers()
+        try:
+            self._set_up(latest)
+        except BaseException:
+            self._restore_signal_handlers()
+            if self.sinks is not None:
+                self.sinks.close()
+            raise
+
+    def _set_up(self, latest):
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
         if latest:
-            self.policy = M.load_pretrained_policy(str(latest / "policy"))
+            self.policy = M.load_pretrained_policy(str(latest.path / "policy"))
         elif cfg.model.init_from:
             self.policy = M.load_pretrained_policy(cfg.model.init_from)
         else:
@@ -109,8 +153,8 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.rl.lr, weight_decay=cfg.rl.weight_decay)
         self.critic = self.critic_opt = None
         if self.sppo:
-            critic_cfg = (cfg.critic.model_copy(update={"path": str(latest / "critic")})
-                          if latest and (latest / "critic").exists() else cfg.critic)
+            critic_cfg = (cfg.critic.model_copy(update={"path": str(latest.path / "critic")})
+                          if latest and (latest.path / "critic").exists() else cfg.critic)
             self.critic = M.build_critic(critic_cfg, self.policy, self.tokenizer).to(self.device)
             if len(self.tokenizer) > self.critic.config.vocab_size:
                 raise ValueError("critic: its vocabulary is smaller than the policy tokenizer's (the critic must "
@@ -119,22 +163,100 @@ class Trainer:
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
         if latest:
             self._load_state(latest)
-        self.sinks = MetricSinks(self.out, cfg, resume_step=self.step if latest else None)
+        # 4. the first write: only now is an earlier run's output replaced (--force) or extended
+        self._prepare_output_dir()
+        self.sinks = MetricSinks(self.out, cfg, resume_step=self.step if latest else None, log=self.log)
         atomic_write_text(self.out / "config.yaml", dump_config(cfg))
+
+    def _plan_start(self, resume, force):
+        """(checkpoint to resume or None, unusable checkpoints newer than it); raises one-line errors."""
+        if resume:
+            try:
+                loaded, unusable = find_resumable(self.ckpt_dir, warn=self.log)
+            except NothingToResume:
+                if resume != "auto":
+                    raise
+            else:
+                state = loaded.state
+                for key in ("algorithm", "seed"):
+                    mine = self.cfg.algorithm if key == "algorithm" else self.cfg.seed
+                    if key in state and state[key] != mine:
+                        raise ValueError(f"--resume: {loaded.path} was written with {key}={state[key]!r}, the "
+                                         f"config says {key}={mine!r} (a different run: choose another output_dir)")
+                return loaded, unusable
+        existing = existing_run_artifacts(self.out)
+        if existing and not force:
+            raise FileExistsError(
+                f"output_dir {self.out} already holds a run ({', '.join(existing)}): add --resume to continue "
+                "it, --force to start over (deletes them), or choose another output_dir=")
+        return None, []
+
+    def _start_line(self, latest) -> str:
+        cfg = self.cfg
+        dev = self.device.type + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else "")
+        every = f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "at the end"
+        head = f"train {cfg.algorithm} (seed {cfg.seed}) on {dev}"
+        if latest:
+            return (f"{head}: resuming at step {int(latest.state['step'])} of {cfg.rl.steps} from {latest.path} "
+                    f"→ {self.out}/ (metrics.jsonl; checkpoints {every})")
+        warm = ("warm start, then " if not cfg.model.init_from and cfg.warmstart.enabled else "")
+        return f"{head}: {warm}{cfg.rl.steps} RL steps → {self.out}/ (metrics.jsonl; checkpoints {every})"
+
+    def _prepare_output_dir(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.force:
+            removed = existing_run_artifacts(self.out)
+            for name in removed:
+                p = self.out / name.rstrip("/")
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+            if removed:
+                self.log(f"--force: removed the earlier run's {', '.join(removed)} from {self.out}")
+        if self.ckpt_dir.is_dir():  # leftovers of a write that was killed
+            for tmp in self.ckpt_dir.glob(".tmp_*"):
+                shutil.rmtree(tmp, ignore_errors=True)
+            for bad in self._unusable:  # kept for inspection, out of the way of resume and pruning
+                aside = bad.with_name(bad.name + ".unusable")
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(bad, aside)
+                self.log(f"moved the unusable checkpoint {bad.name} to {aside.name}")
+
+    # ------------------------------------------------------------------ signals
+    def _install_signal_handlers(self):
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread
+        for sig in STOP_EXIT_CODES:
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signal_handlers(self):
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers = {}
+
+    def _on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self._stop_signal is not None:
+            if signum == signal.SIGINT:  # a second Ctrl-C: abort at once, without a checkpoint
+                self._restore_signal_handlers()
+                raise KeyboardInterrupt
+            return
+        self._stop_signal = signum
+        when = "after this step" if self.sinks is not None else "once set-up is done"
+        more = " (Ctrl-C again aborts at once, without a checkpoint)" if signum == signal.SIGINT else ""
+        self.log(f"{name} received: will save a checkpoint {when} and exit {STOP_EXIT_CODES[signum]}{more}")
 
     # ------------------------------------------------------------------ checkpoints
     def latest_checkpoint(self) -> Path | None:
-        pointer = self.ckpt_dir / "latest"
-        if not pointer.is_file():
+        """The newest complete checkpoint (None when there is none)."""
+        try:
+            return find_resumable(self.ckpt_dir)[0].path
+        except (NothingToResume, CheckpointError):
             return None
-        path = self.ckpt_dir / pointer.read_text().strip()
-        if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"{pointer} names {path}, which is not a complete checkpoint")
-        return path
 
     def save_checkpoint(self) -> Path:
         name = f"step_{self.step:06d}"
         final = self.ckpt_dir / name
+        if self._saved_step == self.step and final.is_dir():
+            return final  # already on disk (e.g. the checkpoint this run resumed from)
         tmp = self.ckpt_dir / f".tmp_{name}_{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -142,6 +264,8 @@ class Trainer:
         self.tokenizer.save_pretrained(str(tmp / "tokenizer"))
         if self.critic is not None:
             self.critic.save_pretrained(str(tmp / "critic"), safe_serialization=True)
+        if os.environ.get("NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"):  # test hook: widen the write window
+            time.sleep(float(os.environ["NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"]))
         torch.save({"policy": self.opt.state_dict(),
                     "critic": self.critic_opt.state_dict() if self.critic_opt else None}, tmp / "optimizer.pt")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -150,34 +274,45 @@ class Trainer:
                  "data_position": self.step, "espo_alpha": self.espo_alpha, "seed": self.cfg.seed}
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(dump_config(self.cfg))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        write_manifest(tmp)  # fsyncs every file, then records the sizes
+        if final.exists():  # a same-step leftover (e.g. an unusable one): set aside, never half-replaced
+            old = self.ckpt_dir / f".tmp_old_{name}_{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(self.ckpt_dir)
         atomic_write_text(self.ckpt_dir / "latest", name + "\n")
+        self._saved_step = self.step
+        self.last_checkpoint = final
         self._prune()
         return final
 
     def _prune(self):
-        keep = max(1, self.cfg.checkpoint.keep)
-        steps = sorted(p for p in self.ckpt_dir.glob("step_*") if p.is_dir())
-        for old in steps[:-keep]:
+        for old in step_dirs(self.ckpt_dir)[self.cfg.checkpoint.keep:]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def _load_state(self, path: Path):
-        state = json.loads((path / "trainer_state.json").read_text())
-        self.step, self.samples, self.wall = state["step"], state["samples"], state["wall_time"]
+    def _load_state(self, loaded):
+        path, state = loaded.path, loaded.state
+        self.step, self.samples, self.wall = int(state["step"]), int(state["samples"]), float(state["wall_time"])
         self.espo_alpha = state.get("espo_alpha")
         if self.espo_alpha is not None:
             self.loss_fn.granular.espo.alpha = self.espo_alpha
-        opt = torch.load(path / "optimizer.pt", weights_only=True)
-        self.opt.load_state_dict(opt["policy"])
-        if self.critic_opt is not None and opt.get("critic"):
-            self.critic_opt.load_state_dict(opt["critic"])
-        rng = torch.load(path / "rng.pt", weights_only=False)  # python's RNG state is a tuple of ints
+        try:
+            self.opt.load_state_dict(loaded.optimizer["policy"])
+            if self.critic_opt is not None and loaded.optimizer.get("critic"):
+                self.critic_opt.load_state_dict(loaded.optimizer["critic"])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise CheckpointError(f"{path / 'optimizer.pt'}: does not fit this model "
+                                  f"({str(err).splitlines()[0]})") from None
+        rng = loaded.rng
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+        self._saved_step = self.step
+        self.last_checkpoint = path
         self.log(f"resumed from {path} at step {self.step}")
 
     # ------------------------------------------------------------------ one RL step
@@ -321,51 +456,91 @@ class Trainer:
         return greedy_accuracy(self.policy, self.tokenizer, self.task.heldout, self.cfg.rl.max_new_tokens,
                                self.device, self.autocast, self.cfg.task.answer_pattern)
 
-    def _on_signal(self, signum, frame):
-        self._stop_signal = signum
-        self.log(f"received signal {signum}: will checkpoint after this step and exit {PREEMPTED_EXIT_CODE}")
-
     def run(self) -> int:
-        cfg = self.cfg
-        if self._stop_signal is not None:  # preempted before the first step: keep the warm start
-            self.save_checkpoint()
+        """Train to ``rl.steps``; 0 when done, 130 after Ctrl-C, 99 after SIGTERM/SIGUSR1 (checkpoint saved)."""
+        try:
+            return self._run()
+        finally:
+            self._restore_signal_handlers()
             self.sinks.close()
-            return PREEMPTED_EXIT_CODE
-        if self.step == 0:
-            acc0 = self.evaluate()
-            rec0 = {"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": acc0}
+
+    def _run(self) -> int:
+        cfg = self.cfg
+        if self._stop_signal is not None:  # stopped during set-up: keep the warm start
+            return self._stop()
+        if self.sinks.last_step is None:  # a fresh run: the starting accuracy
+            rec0 = {"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": self.evaluate()}
             if self.warmstart_info:
                 rec0.update({f"warmstart/{k}": v for k, v in self.warmstart_info.items()})
             self.sinks.write(rec0)
-        bar = None
-        if cfg.logger.progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=cfg.rl.steps, initial=self.step, desc=f"{cfg.algorithm}", dynamic_ncols=True,
-                       file=sys.stderr)
-        while self.step < cfg.rl.steps:
-            rec = self.train_step()
-            if not math.isfinite(rec.get("train/loss", 0.0)):
-                raise RuntimeError(f"non-finite loss at step {self.step}")
-            if self.step % cfg.rl.eval_every == 0 or self.step == cfg.rl.steps:
-                rec["validation/accuracy"] = self.evaluate()
-            self.sinks.write(rec)
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(reward=f"{rec['train/reward']:.2f}",
-                                clip=f"{rec['train/clip_frac_low'] + rec['train/clip_frac_high']:.3f}",
-                                acc=f"{rec.get('validation/accuracy', float('nan')):.2f}")
-            every = cfg.checkpoint.every
-            if (every and self.step % every == 0) or self._stop_signal is not None:
-                self.save_checkpoint()
-            if self._stop_signal is not None:
-                self.sinks.close()
-                return PREEMPTED_EXIT_CODE
-        if bar is not None:
-            bar.close()
-        if not (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
-            self.save_checkpoint()
-        self.sinks.close()
+        progress = Progress(cfg, self.step, self.sinks.last_accuracy, self.log)
+        try:
+            while self.step < cfg.rl.steps:
+                rec = self.train_step()
+                if not math.isfinite(rec.get("train/loss", 0.0)):
+                    raise RuntimeError(f"non-finite loss at step {self.step}")
+                if self.step % cfg.rl.eval_every == 0 or self.step == cfg.rl.steps:
+                    rec["validation/accuracy"] = self.evaluate()
+                self.sinks.write(rec)
+                progress.update(rec)
+                every = cfg.checkpoint.every
+                if (every and self.step % every == 0) or self._stop_signal is not None:
+                    self.save_checkpoint()
+                if self._stop_signal is not None:
+                    progress.close()
+                    return self._stop()
+        finally:
+            progress.close()
+        self.save_checkpoint()  # no-op when the last step's checkpoint is already written
+        acc0, acc = self.sinks.first_accuracy, self.sinks.last_accuracy
+        accuracy = ("n/a" if acc is None else f"{acc:.3f}" if acc0 is None or self.step == 0
+                    else f"{acc0:.3f} → {acc:.3f}")
+        self.log(f"done: {cfg.algorithm} step {self.step}/{cfg.rl.steps} ({self.samples} samples, "
+                 f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
+                 f"metrics {self.sinks.path}")
         return 0
+
+    def _stop(self) -> int:
+        self.save_checkpoint()
+        name = signal.Signals(self._stop_signal).name
+        self.log(f"stopped by {name} at step {self.step}/{self.cfg.rl.steps}: checkpoint {self.last_checkpoint} "
+                 "(continue with --resume)")
+        return STOP_EXIT_CODES[self._stop_signal]
+
+
+class Progress:
+    """A tqdm bar when stderr is a terminal and ``logger.progress`` is on; else one plain line
+    every ``logger.log_every`` steps (and at the last step). Accuracy shows its latest value."""
+
+    def __init__(self, cfg: TrainConfig, step: int, accuracy: float | None, log):
+        self.total, self.every, self.log = cfg.rl.steps, cfg.logger.log_every, log
+        self.acc = accuracy
+        self.t0, self.step0 = time.time(), step
+        self.bar = None
+        if cfg.logger.progress and sys.stderr.isatty() and step < cfg.rl.steps:
+            from tqdm.auto import tqdm
+            self.bar = tqdm(total=cfg.rl.steps, initial=step, desc=cfg.algorithm, dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, rec: dict) -> None:
+        self.acc = rec.get("validation/accuracy", self.acc)
+        clip = rec.get("train/clip_frac_low", 0.0) + rec.get("train/clip_frac_high", 0.0)
+        fields = {"reward": f"{rec['train/reward']:.3f}", "clip": f"{clip:.4f}"}
+        if self.acc is not None:
+            fields["acc"] = f"{self.acc:.3f}"
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(fields)
+            return
+        step = rec["step"]
+        if self.every and (step % self.every == 0 or step == self.total):
+            rate = (time.time() - self.t0) / max(1, step - self.step0)
+            self.log(f"step {step}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in fields.items())
+                     + f" ({rate:.2f} s/step)")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def prompt_only(input_ids: torch.Tensor, token_mask: torch.Tensor, pad_id: int) -> torch.Tensor:
@@ -377,16 +552,34 @@ def prompt_only(input_ids: torch.Tensor, token_mask: torch.Tensor, pad_id: int) 
 
 
 class MetricSinks:
-    """metrics.jsonl (always), TensorBoard and wandb (when enabled and installed)."""
+    """metrics.jsonl (always), TensorBoard and wandb (when enabled and installed).
 
-    def __init__(self, out: Path, cfg: TrainConfig, resume_step: int | None):
+    On resume the records past the checkpoint's step (steps that are redone) move to
+    ``metrics.superseded.jsonl``: nothing already written is lost."""
+
+    def __init__(self, out: Path, cfg: TrainConfig, resume_step: int | None, log=None):
         self.path = out / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():  # drop records past the checkpoint
-            keep = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+        self.last_step = self.first_accuracy = self.last_accuracy = None
+        if resume_step is not None and self.path.exists():
+            keep, drop = [], []
+            for line in self.path.read_text().splitlines():
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    ok = int(rec["step"]) <= resume_step
+                except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a kill
+                    rec, ok = None, False
+                (keep if ok else drop).append(line)
+                if ok:
+                    self._track(rec)
+            if drop:
+                with (out / "metrics.superseded.jsonl").open("a") as fh:
+                    fh.write("".join(line + "\n" for line in drop))
+                if log:
+                    log(f"{len(drop)} metrics.jsonl record(s) past step {resume_step} moved to "
+                        "metrics.superseded.jsonl (those steps are redone)")
             atomic_write_text(self.path, "".join(line + "\n" for line in keep))
-        elif resume_step is None and self.path.exists():
-            self.path.unlink()
         self.fh = self.path.open("a")
         self.tb = self.wandb = None
         if cfg.logger.tensorboard:
@@ -403,9 +596,17 @@ class MetricSinks:
             except ImportError:
                 self.wandb = None
 
+    def _track(self, rec: dict) -> None:
+        self.last_step = rec["step"]
+        acc = rec.get("validation/accuracy")
+        if isinstance(acc, (int, float)):
+            self.first_accuracy = acc if self.first_accuracy is None else self.first_accuracy
+            self.last_accuracy = acc
+
     def write(self, rec: dict) -> None:
         self.fh.write(json.dumps(rec) + "\n")
         self.fh.flush()
+        self._track(rec)
         scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
         if self.tb is not None:
             for k, v in scalars.items():
@@ -414,6 +615,8 @@ class MetricSinks:
             self.wandb.log(scalars, step=rec["step"])
 
     def close(self):
+        if self.fh.closed:
+            return
         self.fh.close()
         if self.tb is not None:
             self.tb.close()

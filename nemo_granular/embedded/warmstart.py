@@ -6,8 +6,11 @@ the stop rule is an accuracy threshold, not a fixed step count.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -84,3 +87,60 @@ def warm_start(model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print
             if acc >= cfg.target_accuracy:
                 break
     return {"steps": step, "accuracy": acc, "seconds": time.time() - t0}
+
+
+# ---------------------------------------------------------------------------- cache key
+# source files whose code determines a warm-started policy (model, tokenizer, task, sampling, SFT)
+_KEY_SOURCES = ("models.py", "task.py", "rollout.py", "warmstart.py")
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _dir_fingerprint(path: Path) -> list:
+    """Names, sizes and mtimes of a model directory's files (hashing gigabytes would be slow)."""
+    return sorted((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
+                  for f in path.rglob("*") if f.is_file())
+
+
+def warmstart_key(cfg) -> tuple[str, dict]:
+    """(key, what it is made of) for the warm-started policy that ``cfg`` would produce.
+
+    Everything that determines it: seed, threads and device (results are bit-reproducible only at
+    a fixed thread count), the model, task and warm-start settings, the generation length of the
+    greedy evaluation that stops it, the contents of ``task.path`` and ``model.path``, the code
+    that builds model, tokenizer and task, and the torch / transformers / tokenizers versions.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from .. import __version__
+
+    device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
+    files = {}
+    if cfg.task.kind == "jsonl" and cfg.task.path and Path(cfg.task.path).is_file():
+        files["task.path"] = _file_digest(Path(cfg.task.path))
+    if cfg.model.path and Path(cfg.model.path).is_dir():
+        files["model.path"] = _dir_fingerprint(Path(cfg.model.path))
+    versions = {"nemo_granular": __version__}
+    for pkg in ("torch", "transformers", "tokenizers"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    here = Path(__file__).resolve().parent
+    parts = {
+        "seed": cfg.seed, "threads": cfg.threads, "device": device,
+        "model": cfg.model.model_dump(mode="json", exclude={"init_from"}),
+        "task": cfg.task.model_dump(mode="json"), "warmstart": cfg.warmstart.model_dump(mode="json"),
+        "rl.max_new_tokens": cfg.rl.max_new_tokens, "files": files, "versions": versions,
+        "code": {name: _file_digest(here / name) for name in _KEY_SOURCES},
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16], parts

@@ -1,0 +1,202 @@
+"""The embedded trainer's checkpoints on disk: atomic writes, validation, choice of what to resume.
+
+A checkpoint is written into ``checkpoints/.tmp_step_N_<pid>/``, every file is fsynced, a
+``manifest.json`` records each file's size, and only then is the directory renamed to
+``step_N`` and ``checkpoints/latest`` replaced (``os.replace``). A process killed at any point
+leaves either the previous complete checkpoint or the new one, plus a ``.tmp_*`` directory
+that the next start removes.
+
+On resume every candidate is validated before anything is loaded into the trainer: the
+required files present, JSON parseable, safetensors headers covering the files, ``optimizer.pt``
+and ``rng.pt`` loadable, sizes equal to the manifest. The newest complete checkpoint wins; each
+one skipped is reported on one line naming the file, and when none is usable the error names
+the file that broke the newest one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+STEP_RE = re.compile(r"step_(\d+)")
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message is one line naming the file."""
+
+
+class NothingToResume(FileNotFoundError):
+    """``--resume`` on an output directory without any checkpoint."""
+
+
+@dataclass
+class LoadedCheckpoint:
+    path: Path
+    state: dict
+    optimizer: dict
+    rng: dict
+
+
+def step_dirs(ckpt_dir: Path) -> list[Path]:
+    """``step_N`` directories, newest (highest N) first."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir() if p.is_dir() and (m := STEP_RE.fullmatch(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+# ---------------------------------------------------------------------------- validation
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: not valid JSON ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return data
+
+
+def _check_safetensors(path: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except Exception as err:  # noqa: BLE001 - the Rust error type is not importable by name everywhere
+        raise CheckpointError(f"{path}: unreadable safetensors ({str(err).splitlines()[0]})") from None
+
+
+def _check_model_dir(model_dir: Path) -> None:
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: missing")
+    _read_json(model_dir / "config.json")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        if not shards:
+            raise CheckpointError(f"{index}: empty weight_map")
+    else:
+        shards = ["model.safetensors"]
+    for shard in shards:
+        if not (model_dir / shard).is_file():
+            raise CheckpointError(f"{model_dir / shard}: missing")
+        _check_safetensors(model_dir / shard)
+
+
+def _torch_load(path: Path, weights_only: bool):
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        return torch.load(path, weights_only=weights_only, map_location="cpu")
+    except Exception as err:  # noqa: BLE001 - zip, pickle and EOF errors all mean "unreadable"
+        first = (str(err).splitlines() or [type(err).__name__])[0]
+        raise CheckpointError(f"{path}: unreadable ({first[:160]})") from None
+
+
+def validate(path: Path) -> LoadedCheckpoint:
+    """Check one checkpoint completely; returns its small parts already loaded."""
+    manifest = path / MANIFEST
+    if manifest.is_file():  # written last before the rename: every file with its size
+        for rel, size in _read_json(manifest).get("files", {}).items():
+            f = path / rel
+            if not f.is_file():
+                raise CheckpointError(f"{f}: missing")
+            if f.stat().st_size != size:
+                raise CheckpointError(f"{f}: {f.stat().st_size} bytes, the manifest says {size} (truncated?)")
+    state = _read_json(path / "trainer_state.json")
+    for key in ("step", "samples", "wall_time"):
+        if not isinstance(state.get(key), (int, float)):
+            raise CheckpointError(f"{path / 'trainer_state.json'}: no numeric {key!r}")
+    _check_model_dir(path / "policy")
+    if state.get("algorithm") == "sppo" or (path / "critic").exists():
+        _check_model_dir(path / "critic")
+    tok = path / "tokenizer"
+    if not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
+        raise CheckpointError(f"{tok}: no tokenizer.json or tokenizer_config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tok / name).is_file():
+            _read_json(tok / name)
+    optimizer = _torch_load(path / "optimizer.pt", weights_only=True)
+    rng = _torch_load(path / "rng.pt", weights_only=False)  # python's RNG state is a tuple of ints
+    if not isinstance(optimizer, dict) or "policy" not in optimizer:
+        raise CheckpointError(f"{path / 'optimizer.pt'}: no 'policy' optimizer state")
+    if not isinstance(rng, dict) or "torch" not in rng or "python" not in rng:
+        raise CheckpointError(f"{path / 'rng.pt'}: no 'torch'/'python' RNG state")
+    return LoadedCheckpoint(path, state, optimizer, rng)
+
+
+def find_resumable(ckpt_dir: Path, warn=None) -> tuple[LoadedCheckpoint, list[Path]]:
+    """The newest complete checkpoint, and the unusable ones newer than it.
+
+    Raises :class:`NothingToResume` when there is no checkpoint at all, :class:`CheckpointError`
+    (naming the file) when none of them is complete.
+    """
+    pointer = ckpt_dir / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    candidates = step_dirs(ckpt_dir)
+    if not candidates and not named:
+        raise NothingToResume(f"--resume: nothing to resume in {ckpt_dir} (no checkpoint); "
+                              "drop --resume to start a fresh run")
+    problems: list[str] = []
+    if named and not (ckpt_dir / named).is_dir():
+        problems.append(f"{pointer} names {named}, which does not exist")
+    skipped: list[Path] = []
+    for cand in candidates:
+        try:
+            loaded = validate(cand)
+        except CheckpointError as err:
+            problems.append(str(err))
+            skipped.append(cand)
+            continue
+        for problem in problems:
+            if warn:
+                warn(f"warning: {problem}; resuming from {cand.name}, the newest complete checkpoint")
+        return loaded, skipped
+    raise CheckpointError(f"no complete checkpoint to resume in {ckpt_dir}: {problems[0]}")
+
+
+# ---------------------------------------------------------------------------- writing
+def fsync_tree(root: Path) -> dict[str, int]:
+    """fsync every file under ``root`` and the directories; returns {relative path: size}."""
+    sizes = {}
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            f = Path(dirpath) / name
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            sizes[str(f.relative_to(root))] = f.stat().st_size
+        fsync_dir(Path(dirpath))
+    return sizes
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_manifest(root: Path) -> None:
+    sizes = fsync_tree(root)
+    tmp = root / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": sizes}, indent=1, sort_keys=True))
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, root / MANIFEST)
