@@ -176,20 +176,28 @@ class GranularPolicyLoss:
 
         # 0/1 masks in the compute dtype; NaN/inf tokens are excluded (and counted)
         mask_f = indicator(torch.gt, token_mask, 0, L)
-        checked = [L, Q, A]
-        if cfg.use_importance_sampling_correction and G is not None:
-            checked.append(G)
-        if g.needs_entropy:
-            checked.append(H)
-        valid = finite_valid(mask_f, *checked)
-        logp, prev, adv = masked_values(L, valid), masked_values(Q, valid), masked_values(A, valid)
-        if G is None:
-            gen = prev
-        elif cfg.use_importance_sampling_correction:
-            gen = masked_values(G, valid)
-        else:  # a non-finite π_gen logprob only feeds diagnostics: π_old stands in for it
-            gen = substitute_nonfinite(G, prev, valid)
-        ent = masked_values(H, valid) if H is not None else None
+        present = [x for x in (L, Q, A, G, H) if x is not None]
+        if bool(torch.isfinite(torch.stack([x.sum() for x in present])).all()):  # one sync; the usual case
+            valid = mask_f
+            logp, adv = L * mask_f, A * mask_f
+            prev = logp if Q is L else Q * mask_f
+            gen = prev if G is None else G * mask_f
+            ent = H * mask_f if H is not None else None
+        else:
+            checked = [L, Q, A]
+            if cfg.use_importance_sampling_correction and G is not None:
+                checked.append(G)
+            if g.needs_entropy:
+                checked.append(H)
+            valid = finite_valid(mask_f, *checked)
+            logp, prev, adv = masked_values(L, valid), masked_values(Q, valid), masked_values(A, valid)
+            if G is None:
+                gen = prev
+            elif cfg.use_importance_sampling_correction:
+                gen = masked_values(G, valid)
+            else:  # a non-finite π_gen logprob only feeds diagnostics: π_old stands in for it
+                gen = substitute_nonfinite(G, prev, valid)
+            ent = masked_values(H, valid) if H is not None else None
 
         inv_gvt = 1 / _count(global_valid_toks, L)
         inv_gvs = 1 / _count(global_valid_seqs, L)
@@ -206,9 +214,9 @@ class GranularPolicyLoss:
             n_groups_row = n_row
         else:
             index = self._index(data, token_mask, valid, ent, L)
-            counts = index.sum(valid)
+            counts, group_lr = index.sum2(valid, log_ratio)  # one scatter for both
             counts_c = counts.clamp(min=1)
-            group_lr = index.sum(log_ratio) / counts_c
+            group_lr = group_lr / counts_c
             cap_g = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)  # d clamp / d x
             s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))  # s_g, the group ratio
             ratio = index.gather(s)  # value of r_it for both forms
@@ -274,10 +282,11 @@ class GranularPolicyLoss:
             return RowIndex(like.shape[0])
         if "granular_group_ids" in data:
             ids = _key(data, "granular_group_ids", like).long()
-            top = int(ids.max()) + 1 if ids.numel() else 1  # one sync: the table needs only the used ids
-            if top > like.shape[1]:
-                raise ValueError(f"data['granular_group_ids'] holds id {top - 1} >= {like.shape[1]} "
-                                 "(ids must be per-row local, 0..G-1)")
+            lo, hi = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist()) if ids.numel() else (0, 0)  # one sync
+            if hi >= like.shape[1] or lo < -1:
+                raise ValueError(f"data['granular_group_ids'] holds id {hi if hi >= like.shape[1] else lo} outside "
+                                 f"-1..{like.shape[1] - 1} (ids must be per-row local, 0..G-1, -1 outside groups)")
+            top = hi + 1  # the table needs only the ids in use
         elif g.granularity == "segment":
             if self.delimiter_table is None:
                 raise ValueError("granular.granularity 'segment' needs a tokenizer (GranularPolicyLoss(..., "
@@ -289,7 +298,9 @@ class GranularPolicyLoss:
             ids = group_ids_for(g.granularity, token_mask > 0, entropy=torch.where(valid > 0, ent, torch.nan),
                                 entropy_cut_points=g.entropy_cut_points)
             top = len(g.entropy_cut_points) + 1
-        return GroupIndex(ids, max(top, 1), valid)
+        # ids are >= -1; a token with an id but not valid (non-finite) is a member whose values are
+        # 0 and which the counts (Σ valid) leave out
+        return GroupIndex.from_ids(ids, max(top, 1))
 
     def _importance_weights(self, prev, gen, valid, index, sample_mask, inv_gvt, inv_gvs, w_tok, metrics):
         cfg = self.cfg

@@ -165,5 +165,8 @@ class RowIndex:
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         return values.sum(-1, keepdim=True)
 
+    def sum2(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sum(a), self.sum(b)
+
     def gather(self, per_group: torch.Tensor) -> torch.Tensor:
         return per_group

@@ -24,29 +24,34 @@ __all__ = [
 class GroupIndex:
     """Scatter/gather plan of per-row group ids ``[B, T]`` into a ``[B, G]`` table, built once.
 
-    Token (i, t) of group g maps to flat slot i·(G+1) + g; tokens with id −1 map to a dummy slot
-    per row, dropped by :meth:`sum` and read as 0 by :meth:`gather`. Values may carry trailing
-    channels (``[B, T, C]``) so several per-group statistics cost one ``index_add``.
+    Token (i, t) of group g maps to flat slot i·(G+1) + 1 + g; tokens with id −1 (and those
+    ``mask`` excludes) map to the row's dummy slot i·(G+1), dropped by :meth:`sum` and read as 0
+    by :meth:`gather`. Values may carry trailing channels (``[B, T, C]``).
     """
 
     def __init__(self, group_ids: torch.Tensor, num_groups: int, mask: torch.Tensor | None = None):
-        B, T = group_ids.shape
-        self.B, self.T, self.G = B, T, num_groups
         ids = group_ids.long()
         # member = (id >= 0) [& mask], as int64 0/1 (integer arithmetic: no bool temporaries)
         member = (ids + 1).clamp_(0, 1)
         if mask is not None:  # ``mask``: extra exclusions, bool or 0/1
             member.mul_(mask.to(torch.long) if mask.dtype != torch.bool else mask)
-        row = torch.arange(B, device=ids.device).unsqueeze(-1) * (num_groups + 1) + num_groups
-        # members -> row·(G+1) + id; everything else -> the row's dummy slot row·(G+1) + G
-        self.flat = (ids - num_groups).mul_(member).add_(row).reshape(-1)
+        self._build((ids + 1).mul_(member).sub_(1), num_groups)
+
+    @classmethod
+    def from_ids(cls, group_ids: torch.Tensor, num_groups: int) -> "GroupIndex":
+        """The plan for ids that are all >= −1 (the loss's own and the driver's): one integer add."""
+        self = cls.__new__(cls)
+        self._build(group_ids.long(), num_groups)
+        return self
+
+    def _build(self, ids: torch.Tensor, num_groups: int) -> None:
+        B, T = ids.shape
+        self.B, self.T, self.G = B, T, num_groups
+        row = torch.arange(B, device=ids.device).unsqueeze(-1) * (num_groups + 1) + 1
+        self.flat = (ids + row).reshape(-1)  # id −1 -> the row's dummy slot
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
-        """Σ over each group's tokens: ``[B, T, *C] -> [B, G, *C]`` (autograd flows).
-
-        One 1-D reduction per channel: on CPU a multi-channel ``index_add`` walks the rows one
-        by one and is several times slower than the per-channel kernels.
-        """
+        """Σ over each group's tokens: ``[B, T, *C] -> [B, G, *C]`` (autograd flows)."""
         if values.dim() > 2:
             flat_c = values.reshape(self.B, self.T, -1)
             out = torch.stack([self.sum(flat_c[..., c]) for c in range(flat_c.shape[-1])], dim=-1)
@@ -57,7 +62,15 @@ class GroupIndex:
         # scatter_add: the fastest 1-D segmented sum on CPU (bincount with weights and
         # index_add are ~1.4x slower); out of place when autograd needs the graph
         buf = buf.scatter_add(0, self.flat, src) if values.requires_grad else buf.scatter_add_(0, self.flat, src)
-        return buf.view(self.B, self.G + 1)[:, : self.G]
+        return buf.view(self.B, self.G + 1)[:, 1:]
+
+    def sum2(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σa, Σb) per group with one scatter, a and b packed as the real and imaginary parts
+        of one complex tensor (no autograd; a complex scatter costs what a real one does)."""
+        if a.dtype not in (torch.float32, torch.float64) or a.dtype != b.dtype or a.requires_grad or b.requires_grad:
+            return self.sum(a), self.sum(b)
+        both = self.sum(torch.complex(a, b))
+        return both.real, both.imag
 
     def gather(self, per_group: torch.Tensor) -> torch.Tensor:
         """Per-group values to tokens: ``[B, G, *C] -> [B, T, *C]``, 0 outside any group."""
@@ -66,7 +79,7 @@ class GroupIndex:
             out = torch.stack([self.gather(flat_c[..., c]) for c in range(flat_c.shape[-1])], dim=-1)
             return out.view(self.B, self.T, *per_group.shape[2:])
         pad = torch.zeros(self.B, 1, dtype=per_group.dtype, device=per_group.device)
-        table = torch.cat([per_group, pad], dim=1).reshape(-1)
+        table = torch.cat([pad, per_group], dim=1).reshape(-1)
         return table.index_select(0, self.flat).view(self.B, self.T)
 
 
