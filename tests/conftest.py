@@ -1,0 +1,113 @@
+"""Test-suite set-up: the two worlds the suite runs in, and the no-skip rule of CI.
+
+* Without NeMo-RL (the default): the package is tested with torch and its own extras.
+* With a real NeMo-RL checkout: set ``NEMO_RL_SRC`` (and optionally ``MEGATRON_LM_SRC``,
+  ``MEGATRON_BRIDGE_SRC``, ``AUTOMODEL_SRC``; ``scripts/nemo_rl_env.sh`` sets them and installs
+  the ``nemo-rl-test`` extra). The checkout then goes on ``sys.path`` of this process and, via
+  ``PYTHONPATH``, of every subprocess a test starts; tests that need NeMo-RL take the
+  ``nemo_rl_src`` fixture. Tests that must see a world WITHOUT NeMo-RL run a subprocess with
+  ``env_without_nemo_rl()``.
+
+Under CI (``CI=true``) or ``NEMO_GRANULAR_NO_SKIP=1`` a skipped test fails the run: a test
+that silently skips proves nothing (the NeMo-RL tests used to skip in CI).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIMS = ROOT / "tests" / "host_shims"
+SOURCE_VARS = ("NEMO_RL_SRC", "MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC", "AUTOMODEL_SRC")
+
+
+def host_paths() -> list[str]:
+    """Import roots of the real host (NeMo-RL and its pinned Megatron/Automodel sources)."""
+    if not os.environ.get("NEMO_RL_SRC"):
+        return []
+    paths = [str(SHIMS / "typing_shim")]
+    for var in SOURCE_VARS:
+        value = os.environ.get(var)
+        if value:
+            if not Path(value).is_dir():
+                raise pytest.UsageError(f"{var}={value} is not a folder")
+            paths.append(str(Path(value).resolve()))
+    if not (Path(paths[1]) / "nemo_rl").is_dir():
+        raise pytest.UsageError(f"NEMO_RL_SRC={os.environ['NEMO_RL_SRC']} has no nemo_rl/ package")
+    return paths
+
+
+HOST_PATHS = host_paths()
+if HOST_PATHS:
+    # the typing shim must act before any NeMo-RL module is imported in this process
+    exec(compile((SHIMS / "typing_shim" / "sitecustomize.py").read_text(), "sitecustomize", "exec"))
+    sys.path[:0] = [p for p in HOST_PATHS if p not in sys.path]
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        HOST_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+STRICT = os.environ.get("CI", "").lower() == "true" or os.environ.get("NEMO_GRANULAR_NO_SKIP") == "1"
+
+
+def env_without_nemo_rl(**extra: str) -> dict[str, str]:
+    """Environment for a subprocess that must run in the world where NeMo-RL is absent."""
+    env = dict(os.environ)
+    keep = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in HOST_PATHS]
+    env["PYTHONPATH"] = os.pathsep.join(keep)
+    for var in SOURCE_VARS:
+        env.pop(var, None)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="session")
+def nemo_rl_src() -> Path:
+    """The real NeMo-RL checkout; skips (a failure under CI) when NEMO_RL_SRC is unset."""
+    if not HOST_PATHS:
+        pytest.skip("needs a NeMo-RL checkout: set NEMO_RL_SRC (see scripts/nemo_rl_env.sh)")
+    return Path(os.environ["NEMO_RL_SRC"]).resolve()
+
+
+@pytest.fixture(scope="session")
+def megatron_workers(nemo_rl_src):
+    """Make NeMo-RL's worker modules importable on CPU: megatron.core first (so it keeps its
+    Transformer-Engine-absent paths), then the test-only Transformer Engine placeholder that
+    Megatron-Bridge imports at module level."""
+    if not os.environ.get("MEGATRON_LM_SRC") or not os.environ.get("MEGATRON_BRIDGE_SRC"):
+        pytest.skip("needs MEGATRON_LM_SRC and MEGATRON_BRIDGE_SRC (NeMo-RL's pinned sources)")
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.parallel_state  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+
+    stub = str(SHIMS / "te_stub")
+    if stub not in sys.path:
+        sys.path.append(stub)
+    return nemo_rl_src
+
+
+_skipped: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _skipped.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if STRICT and _skipped and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if HOST_PATHS:
+        terminalreporter.write_line(f"NeMo-RL world: NEMO_RL_SRC={os.environ['NEMO_RL_SRC']}")
+    else:
+        terminalreporter.write_line("NeMo-RL world: absent (set NEMO_RL_SRC to run the real-host tests)")
+    if STRICT and _skipped:
+        terminalreporter.write_line(
+            f"FAILED: {len(_skipped)} test(s) skipped under CI, where nothing may skip:", red=True)
+        for nodeid in _skipped:
+            terminalreporter.write_line(f"  {nodeid}", red=True)
