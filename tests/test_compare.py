@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +26,10 @@ def test_smoke_comparison_writes_report_and_plots(tmp_path):
     elapsed = time.time() - t0
     print(f"smoke comparison of {len(ALGS)} algorithms: {elapsed:.0f} s")  # recorded by CI's -rA/-s output
     assert proc.returncode == 0, proc.stderr[-3000:]
+    for alg in ALGS:  # progress people can see: per-run lines, then one summary line per run
+        assert f"[{alg} seed0] step 5/10: reward" in proc.stderr
+        assert f"{alg} seed 0: held-out accuracy" in proc.stderr
+    assert "warm-start cache key seed0-" in (out / "report.md").read_text()
     report = (out / "report.md").read_text()
     for alg in ALGS:
         assert f"| {alg} | 1 |" in report  # one table row per algorithm
@@ -43,3 +49,163 @@ def test_smoke_comparison_writes_report_and_plots(tmp_path):
     def tables(text):
         return text.split("## Final held-out accuracy")[1].split("## Plots")[0]
     assert tables((tmp_path / "again" / "report.md").read_text()) == tables(report)
+
+
+# ---------------------------------------------------------------- the orchestration, in-process (fast)
+TINY = ["warmstart.max_steps=3", "warmstart.eval_every=3", "rl.steps=1", "model.num_layers=1",
+        "model.intermediate_size=64", "model.expert_size=16", "model.num_experts=4", "task.heldout_size=8",
+        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
+        "rl.micro_batch_size=4", "rl.max_new_tokens=12", "logger.tensorboard=false"]
+
+
+@pytest.fixture
+def inprocess_runs(monkeypatch):
+    """``compare`` with every ``nemo-granular train`` run in this process (no interpreter start-up)."""
+    import contextlib
+    import io
+
+    from nemo_granular.cli import main
+    from nemo_granular.embedded import compare as C
+
+    def train(config, args, log, label, append=False):
+        buf = io.StringIO()
+        with contextlib.redirect_stderr(buf):
+            rc = main(["train", "--config", str(config), *args])
+        with log.open("a" if append else "w") as fh:
+            fh.write(buf.getvalue())
+        if rc != 0:
+            raise C.RunFailed(f"run {label} failed (exit {rc}): {buf.getvalue().strip().splitlines()[-1:]}")
+
+    monkeypatch.setattr(C, "_train", train)
+    # the plots are tested by the smoke comparison; here they would only cost time
+    import matplotlib.figure
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "tight_layout", lambda self, *a, **k: None)
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, fname, *a, **k: Path(fname).write_bytes(b""))
+    return C
+
+
+def _compare(C, out, *overrides, algorithms=("grpo",), **kw):
+    from nemo_granular.embedded.config import LOCAL_CONFIGS
+
+    return C.compare(algorithms=list(algorithms), seeds=1, steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
+                     overrides=[*TINY, *overrides], **kw)
+
+
+def _policy_config(run: Path) -> dict:
+    import json
+
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    return json.loads((run / "checkpoints" / latest / "policy" / "config.json").read_text())
+
+
+def test_warm_start_cache_is_keyed_by_what_determines_it_and_shown_in_the_report(inprocess_runs, tmp_path):
+    C, out = inprocess_runs, tmp_path / "cmp"
+    report = _compare(C, out, "model.hidden_size=32", algorithms=("grpo", "moe")).read_text()
+    first = sorted(p.name for p in (out / "warmstart").iterdir())
+    assert len(first) == 2  # the MoE config warm-starts its own (MoE) policy, not the dense one
+    assert _policy_config(out / "runs" / "grpo_seed0")["hidden_size"] == 32
+    assert _policy_config(out / "runs" / "moe_seed0")["model_type"] == "qwen3_moe"
+    assert all(f"{name} (computed)" in report for name in first)
+
+    # a changed override: a new key, a new warm start, and the run really has the new width
+    report = _compare(C, out, "model.hidden_size=48", force=True).read_text()
+    second = sorted(p.name for p in (out / "warmstart").iterdir())
+    (new,) = set(second) - set(first)
+    assert f"warm-start cache key {new} (computed)" in report
+    assert _policy_config(out / "runs" / "grpo_seed0")["hidden_size"] == 48
+    # the same config again: the cached warm start is reused, and the report says which
+    report = _compare(C, out, "model.hidden_size=48", force=True).read_text()
+    assert f"warm-start cache key {new} (reused)" in report
+    assert sorted(p.name for p in (out / "warmstart").iterdir()) == second
+
+
+def test_compare_refuses_an_existing_comparison_and_resume_continues_it(inprocess_runs, tmp_path):
+    C, out = inprocess_runs, tmp_path / "cmp"
+    _compare(C, out)
+    run = out / "runs" / "grpo_seed0"
+    metrics = (run / "metrics.jsonl").read_text()
+    snapshot = {str(p): p.stat().st_mtime_ns for p in out.rglob("*")}
+    with pytest.raises(FileExistsError, match="already holds a comparison.*--resume.*--force"):
+        _compare(C, out)
+    assert {str(p): p.stat().st_mtime_ns for p in out.rglob("*")} == snapshot  # nothing touched
+    _compare(C, out, "rl.steps=2", resume=True)  # continue the finished runs one more step
+    log = (run / "train.log").read_text()
+    assert "resuming at step 1 of 2" in log and log.count("train grpo (seed 0)") == 2  # appended, not replaced
+    assert (run / "metrics.jsonl").read_text().startswith(metrics)
+    assert '"step": 2' in (run / "metrics.jsonl").read_text()
+
+
+@pytest.mark.parametrize("algorithms, message", [
+    ([], "--algorithms is empty (valid: espo, grpo, gspo"),
+    (["grpo", "nope"], "--algorithms: unknown 'nope' (valid: espo, grpo"),
+    (["base"], "unknown 'base'"),
+])
+def test_algorithms_are_checked_before_any_work(tmp_path, algorithms, message):
+    from nemo_granular.embedded.compare import compare
+    from nemo_granular.embedded.config import LOCAL_CONFIGS
+
+    with pytest.raises(ValueError) as err:
+        compare(algorithms=algorithms, seeds=1, steps=None, out=tmp_path / "cmp", config_dir=LOCAL_CONFIGS)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_warm_start_key_changes_with_each_input_and_only_those(tmp_path):
+    from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
+    from nemo_granular.embedded.warmstart import warmstart_key
+
+    def key(name="grpo", *overrides):
+        return warmstart_key(load_train_config(LOCAL_CONFIGS / f"{name}.yaml", list(overrides)))[0]
+
+    base = key()
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n' * 4)
+    jsonl = key("grpo", "task.kind=jsonl", f"task.path={data}")
+    data.write_text('{"prompt": "1+2", "answer": "3"}\n' * 4)
+    changed = {
+        "model.hidden_size=32": key("grpo", "model.hidden_size=32"), "seed=1": key("grpo", "seed=1"),
+        "threads=2": key("grpo", "threads=2"), "task.max_term=5": key("grpo", "task.max_term=5"),
+        "warmstart.lr=0.01": key("grpo", "warmstart.lr=0.01"),
+        "rl.max_new_tokens=16": key("grpo", "rl.max_new_tokens=16"),
+        "moe.yaml": key("moe"), "jsonl contents": key("grpo", "task.kind=jsonl", f"task.path={data}"),
+    }
+    assert len(set(changed.values()) | {base}) == len(changed) + 1
+    assert changed["jsonl contents"] != jsonl
+    same = [key("sspo"), key("sppo"), key("grpo", "rl.lr=0.5", "output_dir=x", "name=y", "checkpoint.every=3"),
+            key("grpo", "model.init_from=/somewhere")]
+    assert set(same) == {base}
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_path):
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "nemo_granular", "compare", "--algorithms", "grpo,sspo", "--out", str(out),
+           *TINY, "model.hidden_size=32", "warmstart.enabled=false", "rl.steps=20", "logger.log_every=1"]
+    # its own session, as a terminal's foreground job: Ctrl-C reaches the parent and every run
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith(("[grpo seed0] step 2/20", "[sspo seed0] step 2/20")):
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 130, "".join(seen) + rest
+    last = rest.strip().splitlines()[-1]
+    assert "continue with: nemo-granular compare" in last and last.endswith("--resume"), rest
+    assert "Traceback" not in rest and not (out / "report.md").exists()
+    for alg in ("grpo", "sspo"):
+        run = out / "runs" / f"{alg}_seed0"
+        latest = (run / "checkpoints" / "latest").read_text().strip()
+        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert int(latest.split("_")[1]) == steps[-1] < 20  # stopped early, with the last step checkpointed
+    again = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "resuming at step" in again.stderr and (out / "report.md").is_file()
+    for alg in ("grpo", "sspo"):
+        steps = [json.loads(line)["step"] for line in (out / "runs" / f"{alg}_seed0" / "metrics.jsonl").read_text()
+                 .splitlines()]
+        assert steps == list(range(21))

@@ -27,6 +27,12 @@ def train_main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides (Hydra style: a.b=v, +a.b=v, ~a.b)")
     args = ap.parse_args(argv)
     cfg = load_train_config(args.config, args.overrides)
+    import logging
+
+    # import-time chatter of optional packages (torchao's kernels, torch's pytree deprecations) is not
+    # about this run; keep the output to the run's own lines
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     from .trainer import PREEMPTED_EXIT_CODE, Trainer
 
     resume = "auto" if args.auto_resume else args.resume

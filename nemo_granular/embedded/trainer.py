@@ -200,7 +200,8 @@ class Trainer:
             return (f"{head}: resuming at step {int(latest.state['step'])} of {cfg.rl.steps} from {latest.path} "
                     f"→ {self.out}/ (metrics.jsonl; checkpoints {every})")
         warm = ("warm start, then " if not cfg.model.init_from and cfg.warmstart.enabled else "")
-        return f"{head}: {warm}{cfg.rl.steps} RL steps → {self.out}/ (metrics.jsonl; checkpoints {every})"
+        steps = f"{cfg.rl.steps} RL step{'s' if cfg.rl.steps != 1 else ''}"
+        return f"{head}: {warm}{steps} → {self.out}/ (metrics.jsonl; checkpoints {every})"
 
     def _prepare_output_dir(self):
         self.out.mkdir(parents=True, exist_ok=True)
