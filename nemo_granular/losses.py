@@ -271,7 +271,7 @@ class GranularPolicyLoss:
                           sm, inv_gvt, inv_gvs, w_tok, seq_w, group_w, n_row, prev, gen, logp, ent, index, counts,
                           s, lo_g, hi_g, n_groups_row, is_weight)
             names = list(metrics)
-            values = torch.stack([metrics[k].to(dev, dt).reshape(()) for k in names]).tolist()  # one sync
+            values = torch.stack([metrics[k] for k in names]).tolist()  # 0-d tensors of dt; one sync
         return loss, dict(zip(names, values))
 
     # ------------------------------------------------------------------ pieces
@@ -352,11 +352,13 @@ class GranularPolicyLoss:
         on the ``[B, G]`` group table (a group's tokens share its ratio and bounds)."""
         row_tok = sample_mask * inv_gvt  # [B]
 
+        w_flat = w_tok.view(-1)
+
         def tok(x):  # Σ_t w_tok·x: a token mean normalised by global_valid_toks
             if not torch.is_tensor(x) or x.dim() == 0:
                 return w_tok.sum() * x
-            if x.shape == w_tok.shape:
-                return torch.dot(x.reshape(-1), w_tok.reshape(-1))
+            if x.shape == w_tok.shape and x.is_contiguous():
+                return torch.dot(x.view(-1), w_flat)
             return (x * w_tok).sum()
 
         def seq(x_row):  # a per-row value averaged over rows, normalised by global_valid_seqs
@@ -366,10 +368,10 @@ class GranularPolicyLoss:
             live = valid * row_on[:, None]
             m["probs_ratio"] = tok(ratio)
             m["probs_ratio_clamped"] = tok(ratio_clamped)
-            r_min, r_max = masked_extrema(ratio, live)
             if torch.is_tensor(lo) and lo.dim() > 0:
-                rc_min, rc_max = masked_extrema(ratio_clamped, live)
+                r_min, r_max, rc_min, rc_max = masked_extrema([ratio, ratio_clamped], live)
             else:  # clamp is monotone: the extrema of the clamped ratios are the clamped extrema
+                r_min, r_max = masked_extrema([ratio], live)
                 rc_min = torch.where(torch.isinf(r_min), r_min, r_min.clamp(lo, hi))  # keep the ±inf sentinels
                 rc_max = torch.where(torch.isinf(r_max), r_max, r_max.clamp(lo, hi))
             bound_lo, bound_hi = tok(lo), tok(hi)
@@ -379,8 +381,7 @@ class GranularPolicyLoss:
             m["probs_ratio"] = (s * gw).sum()
             m["probs_ratio_clamped"] = (rc_g * gw).sum()
             live_g = counts.clamp(max=1) * row_on[:, None]
-            r_min, r_max = masked_extrema(s, live_g)
-            rc_min, rc_max = masked_extrema(rc_g, live_g)
+            r_min, r_max, rc_min, rc_max = masked_extrema([s, rc_g], live_g)
             bound_lo = (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g
             bound_hi = (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g
         m["loss"] = loss.detach()

@@ -125,17 +125,18 @@ def prob_error_sums(d: torch.Tensor, w: torch.Tensor, kl_type: str) -> dict[str,
             "js_divergence_error": js}
 
 
-def masked_extrema(x: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of ``x`` over the entries where ``live`` (0/1, broadcastable) is 1; (inf, −inf)
-    when there is none (NeMo-RL's sentinels). ``x`` must be finite and |x| ≪ 1e30."""
-    pen = (1 - live) * _BIG
-    inf = torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
-        return inf, -inf
+def masked_extrema(xs: list[torch.Tensor], live: torch.Tensor) -> list[torch.Tensor]:
+    """[min, max] of each of ``xs`` over the entries where ``live`` (0/1, broadcastable) is 1;
+    (inf, −inf) when there is none (NeMo-RL's sentinels). Entries must be finite and |x| ≪ 1e30."""
+    inf = torch.full((), float("inf"), dtype=xs[0].dtype, device=xs[0].device)
+    if xs[0].numel() == 0:
+        return [inf, -inf] * len(xs)
+    pen = (1 - live) * _BIG  # pushes the excluded entries out of the min and the max
     any_live = live.sum() > 0
-    mn = torch.where(any_live, (x + pen).amin(), inf)
-    mx = torch.where(any_live, (x - pen).amax(), -inf)
-    return mn, mx
+    out = []
+    for x in xs:  # loop over the (one or two) statistics, not over data
+        out += [torch.where(any_live, (x + pen).amin(), inf), torch.where(any_live, (x - pen).amax(), -inf)]
+    return out
 
 
 class LinearizedLoss(torch.autograd.Function):
