@@ -391,15 +391,16 @@ class GranularPolicyLoss:
         coef = self.reference_policy_kl_penalty
         m["kl_penalty"] = kl.detach() / coef if coef else torch.zeros_like(kl)
         diff = prev - gen  # 0 outside the valid tokens
-        m.update(prob_error_sums(diff, w_tok, self.cfg.reference_policy_kl_type))
+        token_is = self.granular.granularity != "sequence" and is_weight is None
+        m.update(prob_error_sums(diff, w_tok, self.cfg.reference_policy_kl_type,
+                                 LOG_RATIO_BOUND if token_is else None))
         if self.granular.granularity == "sequence":  # one weight per response
             w_row = torch.exp(diff.sum(-1).clamp(max=LOG_RATIO_BOUND))
             if is_weight is not None:
                 w_row = (is_weight * valid).amax(-1)
             m["sampling_importance_ratio"] = seq(w_row)
-        else:
-            m["sampling_importance_ratio"] = tok(is_weight if is_weight is not None else
-                                                 torch.exp(diff.clamp(max=LOG_RATIO_BOUND)))
+        elif not token_is:
+            m["sampling_importance_ratio"] = tok(is_weight)
         m["approx_entropy"] = -tok(torch.exp((logp - gen).clamp(max=LOG_RATIO_BOUND)).mul_(logp))
         m["positive_nll_loss"] = nll.detach()
         # ours

@@ -91,7 +91,8 @@ def clip_terms(ratio, adv, lo, hi, dual_clip: float | None = None):
     return c, rc, low, high, keep
 
 
-def prob_error_sums(d: torch.Tensor, w: torch.Tensor, kl_type: str) -> dict[str, torch.Tensor]:
+def prob_error_sums(d: torch.Tensor, w: torch.Tensor, kl_type: str,
+                    is_ratio_bound: float | None = None) -> dict[str, torch.Tensor]:
     """NeMo-RL's π_old-vs-π_gen diagnostics, Σ_t w_t·f(d_t) with d = log π_old − log π_gen:
 
     token_mult_prob_error f = exp|d|; gen_kl_error f = KL estimator of ``calculate_kl(gen, old)``
@@ -101,7 +102,9 @@ def prob_error_sums(d: torch.Tensor, w: torch.Tensor, kl_type: str) -> dict[str,
     All from one expm1: with m = eᵈ − 1 and q = 1 − e⁻ᵈ = m/(1 + m): eᵈ − 1 − d = m − d,
     e⁻ᵈ − 1 + d = d − q, exp|d| = 1 + max(m, −q), JSD = log1p(m/2) − d/2 — no cancellation
     between terms of size 1 (the textbook forms lose all digits of a 1e-7 KL in float32).
-    ``d`` and ``w`` must be 0 outside the valid tokens.
+    With ``is_ratio_bound`` B, also NeMo-RL's token-level ``sampling_importance_ratio``
+    Σ w·exp(min(d, B)) = Σ w·min(1 + m, e^B) from the same m. ``d`` and ``w`` must be 0 outside
+    the valid tokens.
     """
     m = torch.expm1(d)
     q = m / (m + 1)  # 1 − e⁻ᵈ
@@ -119,10 +122,14 @@ def prob_error_sums(d: torch.Tensor, w: torch.Tensor, kl_type: str) -> dict[str,
         gen_kl, pol_kl = wsum(m - d), wsum(d - q)
     else:
         raise ValueError(f"loss_fn.reference_policy_kl_type: unknown value {kl_type!r}")
-    mult = wsum(torch.maximum(m, q.neg_())) + w.sum()  # exp|d| = 1 + max(eᵈ − 1, e⁻ᵈ − 1)
-    js = wsum(torch.log1p(m.mul_(0.5)).sub_(d * 0.5))
-    return {"token_mult_prob_error": mult, "gen_kl_error": gen_kl, "policy_kl_error": pol_kl,
-            "js_divergence_error": js}
+    sw = w.sum()
+    mult = wsum(torch.maximum(m, q.neg_())) + sw  # exp|d| = 1 + max(eᵈ − 1, e⁻ᵈ − 1)
+    out = {"token_mult_prob_error": mult, "gen_kl_error": gen_kl, "policy_kl_error": pol_kl}
+    if is_ratio_bound is not None:
+        e_max = torch.exp(torch.tensor(is_ratio_bound, dtype=m.dtype)).item()
+        out["sampling_importance_ratio"] = wsum((m + 1).clamp_(max=e_max))
+    out["js_divergence_error"] = wsum(torch.log1p(m.mul_(0.5)).sub_(d * 0.5))
+    return out
 
 
 def masked_extrema(xs: list[torch.Tensor], live: torch.Tensor) -> list[torch.Tensor]:
