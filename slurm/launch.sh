@@ -43,7 +43,7 @@ RAY_TMP_BASE=${RAY_TMP_BASE:-/tmp}  # Ray's --temp-dir is $RAY_TMP_BASE/rayng<jo
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
 WATCH_INTERVAL=${WATCH_INTERVAL:-5}
 DRIVER_STOP_GRACE=${DRIVER_STOP_GRACE:-20}  # seconds between SIGTERM and SIGKILL when failing
-AUTO_RESUME=${AUTO_RESUME:-1}       # add --resume to `nemo-granular train`
+AUTO_RESUME=${AUTO_RESUME:-1}       # add --auto-resume to `nemo-granular train`
 CLUSTER_OVERRIDES=${CLUSTER_OVERRIDES:-1}  # add cluster.num_nodes/gpus_per_node to run_grpo/run_sppo
 MAX_RESTARTS=${MAX_RESTARTS:-20}    # stop requeueing after this many restarts
 START_RAY=${START_RAY:-auto}        # 1/0; auto: 0 only for `nemo-granular train` on one node
@@ -156,7 +156,11 @@ IS_TRAIN=0; IS_NEMO_RL=0
 if [[ "$joined" =~ (nemo-granular|nemo_granular)[[:space:]]+train[[:space:]] ]]; then IS_TRAIN=1; fi
 if [[ "$joined" =~ nemo_granular\.run_(grpo|sppo) ]]; then IS_NEMO_RL=1; fi
 if [[ "$START_RAY" == auto ]]; then START_RAY=1; (( IS_TRAIN && SLURM_JOB_NUM_NODES == 1 )) && START_RAY=0; fi
-if (( IS_TRAIN && AUTO_RESUME )) && [[ "$joined" != *" --resume "* ]]; then CMD+=(--resume); fi
+# `train --resume` is strict (an error without a checkpoint); --auto-resume starts fresh on the first
+# attempt and resumes on a requeued one
+if (( IS_TRAIN && AUTO_RESUME )) && [[ "$joined" != *" --resume "* && "$joined" != *" --auto-resume "* && "$joined" != *" --force "* ]]; then
+  CMD+=(--auto-resume)
+fi
 
 # ------------------------------------------------------------------ nodes, CPUs, GPUs -----------
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")

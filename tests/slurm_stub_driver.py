@@ -5,14 +5,15 @@ It honours the same contract as ``nemo-granular train`` so that ``slurm/launch.s
 before / without the embedded trainer:
 
     python tests/slurm_stub_driver.py output_dir=DIR rl.steps=N checkpoint.every=K \
-        [step_seconds=S] [seed=N] [--resume]
+        [step_seconds=S] [seed=N] [--resume | --auto-resume]
 
 * connects to Ray when ``RAY_ADDRESS`` is set and writes ``DIR/driver_ray_nodes.json`` with the
   ``ray.nodes()`` alive count;
 * one line per step in ``DIR/metrics.jsonl`` (``step``, ``loss``, ``attempt``, ``resumed_from``);
 * checkpoints ``DIR/checkpoints/step_XXXXXX/`` (written to a temp dir, then renamed) every K steps
   and at the end, and ``DIR/checkpoints/latest`` (atomic) naming the newest one;
-* ``--resume`` continues after the step named by ``latest`` (fresh start without one);
+* ``--auto-resume`` continues after the step named by ``latest`` (fresh start without one);
+  ``--resume`` is strict like ``nemo-granular train --resume``: exit 2 without a checkpoint;
 * on SIGUSR1 / SIGTERM: finish the current step, save a checkpoint, exit 99.
 """
 
@@ -56,10 +57,10 @@ def _save(ckpt_root: str, step: int, state: dict) -> None:
 
 def main(argv: list[str]) -> int:
     opts = {"output_dir": None, "rl.steps": "10", "checkpoint.every": "5", "step_seconds": "0.2", "seed": "0"}
-    resume = False
+    resume = ""
     for a in argv:
-        if a == "--resume":
-            resume = True
+        if a in ("--resume", "--auto-resume"):
+            resume = a
         elif "=" in a and a.split("=", 1)[0] in opts:
             k, v = a.split("=", 1)
             opts[k] = v
@@ -90,6 +91,9 @@ def main(argv: list[str]) -> int:
     start, loss = 1, 1.0
     latest = os.path.join(ckpt_root, "latest")
     resumed_from = 0
+    if resume == "--resume" and not os.path.exists(latest):
+        print(f"slurm_stub_driver: --resume: nothing to resume in {ckpt_root}", file=sys.stderr)
+        return 2
     if resume and os.path.exists(latest):
         name = open(latest).read().strip()
         state = json.load(open(os.path.join(ckpt_root, name, "state.json")))

@@ -126,7 +126,10 @@ CONF=$NG_SLURM_DIR/slurm.conf
   echo "SlurmdPort=$NG_SLURM_SLURMD_PORT"
   echo "AuthType=auth/munge"
   echo "CredType=cred/munge"
-  echo "AuthInfo=socket=$MUNGE_DIR/munge.socket"
+  # cred_expire (default 120 s) is also how long Slurm holds a requeued job before it may start
+  # again: slurmd refuses a batch launch whose credential is not newer (1 s resolution) than the
+  # revocation of the previous attempt's. 30 s keeps that protection and a short requeue test.
+  echo "AuthInfo=socket=$MUNGE_DIR/munge.socket,cred_expire=${NG_SLURM_CRED_EXPIRE:-30}"
   echo "MailProg=/bin/true"
   echo "ProctrackType=proctrack/linuxproc"
   echo "TaskPlugin=task/none"
