@@ -1,4 +1,4 @@
-"""``nemo-granular`` console script: ``train``, ``compare``, ``export``.
+"""``nemo-granular`` console script: ``train``, ``compare``, ``export``, ``eval-checkpoints``.
 
 Sub-commands are imported lazily so that ``nemo-granular --help`` needs torch alone.
 Errors that a user can fix (bad config, bad argument, missing or unreadable file) print one
@@ -16,6 +16,8 @@ COMMANDS = {
     "train": ("nemo_granular.embedded.cli", "train_main", "train a policy with the embedded trainer"),
     "compare": ("nemo_granular.embedded.cli", "compare_main", "run several algorithms side by side, write report.md"),
     "export": ("nemo_granular.export.cli", "main", "export a checkpoint to Hugging Face format"),
+    "eval-checkpoints": ("nemo_granular.evals.cli", "main",
+                         "evaluate every checkpoint of runs on a paper benchmark suite (evals.json)"),
 }
 INTERRUPTED_EXIT_CODE = 130
 

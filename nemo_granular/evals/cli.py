@@ -1,0 +1,104 @@
+"""``nemo-granular eval-checkpoints RUN_DIR... --suite sspo|sppo|espo|all``.
+
+Embedded runs are evaluated in this process on local JSONL benchmarks (held-out synthetic levels
+by default); NeMo-RL runs through NeMo-RL's ``run_eval``, one command per checkpoint and
+benchmark (``--dry-run`` prints them). Results go to ``<run>/evals.json``, which
+``nemo-granular compare --from-runs`` turns into the benchmark table. See docs/comparison.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..cli import ArgumentParser
+from .suite import SUITES, protocols_for
+
+
+def _benchmark_arg(text: str) -> tuple[str, Path]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--benchmark: expected NAME=FILE.jsonl, got {text!r}")
+    return name, Path(path)
+
+
+def build_parser():
+    from .nemo_rl import CONFIG_DIR, DEFAULT_LAUNCHER
+
+    ap = ArgumentParser(prog="nemo-granular eval-checkpoints",
+                        description="Evaluate every checkpoint of run directories on a paper benchmark suite; "
+                                    "writes <run>/evals.json for `nemo-granular compare --from-runs`.")
+    ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="embedded or NeMo-RL run directories")
+    ap.add_argument("--suite", default="all", choices=SUITES,
+                    help="sspo: greedy avg@1 every 10 steps, best checkpoint; sppo: avg@16 at T=0.6; "
+                         "espo: AIME/HMMT avg@32, MATH500 greedy; all: the three (default)")
+    g = ap.add_argument_group("NeMo-RL runs")
+    g.add_argument("--nemo-rl", default=os.environ.get("NEMO_RL_SRC"),
+                   help="NeMo-RL checkout where run_eval runs (default: $NEMO_RL_SRC)")
+    g.add_argument("--data-dir", default=None,
+                   help="local JSONL benchmarks <key>.jsonl (problem/answer): needed for amc23, minerva_math, "
+                        "olympiadbench, hmmt25; also overrides NeMo-RL's loader for aime24/aime25/math500")
+    g.add_argument("--launcher", default=DEFAULT_LAUNCHER, help=f"how to start run_eval (default: {DEFAULT_LAUNCHER!r})")
+    g.add_argument("--config-dir", default=str(CONFIG_DIR), help="the benchmark configs (default: examples/configs/evals)")
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--num-nodes", type=int, default=1)
+    g.add_argument("--tensor-parallel", type=int, default=1, help="vLLM tensor parallel size")
+    g.add_argument("--steps", default=None, help="comma-separated steps to evaluate (default: the protocol's)")
+    g.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    e = ap.add_argument_group("embedded runs")
+    e.add_argument("--benchmark", action="append", type=_benchmark_arg, default=None, metavar="NAME=FILE",
+                   help="a JSONL benchmark (repeatable; default: the run's held-out synthetic levels)")
+    e.add_argument("--max-samples", type=int, default=None,
+                   help="cap samples per problem (CPU time); the report states the number used")
+    ap.add_argument("overrides", nargs="*", default=[], help="key=value overrides passed to every run_eval")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    from ..report.runs import detect
+    from . import embedded, nemo_rl
+
+    args = build_parser().parse_args(argv)
+    protocols = protocols_for(args.suite)
+    if args.max_samples is not None and args.max_samples < 1:
+        raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}")
+    steps = None
+    if args.steps:
+        try:
+            steps = [int(s) for s in args.steps.split(",") if s.strip()]
+        except ValueError:
+            raise ValueError(f"--steps: expected comma-separated integers, got {args.steps!r}") from None
+    failures = []
+    for run in map(Path, args.runs):
+        if not run.is_dir():
+            raise FileNotFoundError(f"{run}: no such run directory")
+        kind = detect(run)
+        if kind == "embedded":
+            if args.dry_run:
+                print(f"# {run}: embedded run, evaluated in-process (suite {args.suite})")
+                continue
+            files = dict(args.benchmark) if args.benchmark else None
+            embedded.evaluate_run(run, protocols, files, max_samples=args.max_samples,
+                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+            print(f"{run}: {run / 'evals.json'}")
+            continue
+        if kind != "nemo-rl":
+            raise ValueError(f"{run}: neither an embedded run (metrics.jsonl) nor a NeMo-RL run (checkpoints/)")
+        if not args.nemo_rl:
+            raise ValueError("--nemo-rl: give the NeMo-RL checkout (or set NEMO_RL_SRC)")
+        cmds = nemo_rl.plan(run, protocols, nemo_rl_dir=Path(args.nemo_rl),
+                            data_dir=Path(args.data_dir) if args.data_dir else None, launcher=args.launcher,
+                            config_dir=Path(args.config_dir), gpus_per_node=args.gpus_per_node,
+                            num_nodes=args.num_nodes, tensor_parallel=args.tensor_parallel, steps=steps,
+                            extra=args.overrides)
+        if args.dry_run:
+            for c in cmds:
+                print(c.shell())
+            continue
+        failures += [f"{run}: {f}" for f in nemo_rl.run_plan(cmds, log=lambda m: print(m, file=sys.stderr, flush=True))]
+        nemo_rl.collect(run, protocols, cmds)
+        print(f"{run}: {run / 'evals.json'}")
+    for f in failures:
+        print(f"nemo-granular eval-checkpoints: failed: {f}", file=sys.stderr)
+    return 1 if failures else 0

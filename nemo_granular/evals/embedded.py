@@ -1,0 +1,178 @@
+"""The benchmark suites in the embedded trainer: every checkpoint of a run on local JSONL files.
+
+Benchmark files hold one JSON object per line with the question under ``problem`` (or ``prompt``)
+and the reference under ``answer`` (or ``expected_answer``). By default a run is evaluated on
+held-out synthetic sets of three difficulty levels, written to ``<run>/benchmarks/`` from the
+run's own task and seed (:func:`write_synthetic_benchmarks`):
+
+- ``sum{n-1}``: sums of n−1 terms (shorter than any training prompt: none was trained on),
+- ``sum{n}_heldout``: the task's held-out split (the training stream never draws it),
+- ``sum{n+1}``: sums of n+1 terms (longer than any training prompt), with more new tokens.
+
+Scores are avg@k: the mean of the 0/1 verifier reward over every sample of every problem,
+sampled with the protocol's temperature (greedy at 0). Step 0 is the policy the RL run started
+from (``model.init_from``, the warm start in ``nemo-granular compare``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .results import merge_write
+from .suite import Protocol, Setting
+
+SYNTHETIC_SIZE = 64
+
+
+def read_benchmark(path: Path) -> list[tuple[str, str]]:
+    """(question, answer) pairs of a JSONL benchmark; a one-line error names the file and line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark file {path}: no such file")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            q = obj["problem"] if "problem" in obj else obj["prompt"]
+            a = obj["answer"] if "answer" in obj else obj["expected_answer"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path}:{n}: expected a JSON object with 'problem' (or 'prompt') and 'answer' "
+                             "(or 'expected_answer')") from None
+        rows.append((str(q), str(a).strip()))
+    if not rows:
+        raise ValueError(f"{path}: no problems")
+    return rows
+
+
+def _atomic_jsonl(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def write_synthetic_benchmarks(out: Path, num_terms: int, max_term: int, seed: int, heldout_size: int = 128,
+                               size: int = SYNTHETIC_SIZE) -> dict[str, Path]:
+    """The three held-out difficulty levels for a run of the arithmetic task (deterministic in
+    (num_terms, max_term, seed)); returns {benchmark key: file}."""
+    from ..embedded.task import ArithmeticTask
+
+    out.mkdir(parents=True, exist_ok=True)
+    task = ArithmeticTask(num_terms, max_term, seed, heldout_size)
+    files = {}
+    levels = [(num_terms - 1, "")] if num_terms > 2 else []
+    levels += [(num_terms, "_heldout"), (num_terms + 1, "")]
+    for terms, suffix in levels:
+        key = f"sum{terms}{suffix}"
+        if terms == num_terms:
+            problems = task.heldout
+        else:
+            g = torch.Generator().manual_seed(1_000_003 * seed + 97 * terms + 5)
+            # unique problems of this length: the first `size` distinct draws
+            pool = torch.unique(torch.randint(1, max_term + 1, (size * 4, terms), generator=g), dim=0)
+            pool = pool[torch.randperm(pool.shape[0], generator=g)][:size]
+            problems = [task.make(t) for t in pool.tolist()]
+        path = out / f"{key}.jsonl"
+        _atomic_jsonl(path, [{"problem": p.prompt, "answer": p.answer} for p in problems])
+        files[key] = path
+    return files
+
+
+@torch.no_grad()
+def score(model, tokenizer, problems: list[tuple[str, str]], setting: Setting, max_new_tokens: int, *, seed: int,
+          answer_pattern=None, device=None, batch_size: int = 512) -> float:
+    """avg@k accuracy: every problem ``setting.samples`` times, greedy when temperature is 0."""
+    from ..embedded.rollout import generate
+    from ..embedded.task import ANSWER_RE, verify
+    from ..embedded.warmstart import decode_responses
+
+    device = device or torch.device("cpu")
+    greedy = setting.temperature == 0
+    k = 1 if greedy else setting.samples  # greedy samples are identical: one is the avg@k
+    prompts = [q for q, _ in problems for _ in range(k)]
+    answers = [a for _, a in problems for _ in range(k)]
+    torch.manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    correct = 0.0
+    for i in range(0, len(prompts), batch_size):
+        gen = generate(model, tokenizer, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
+                       temperature=setting.temperature or 1.0, greedy=greedy, device=device)
+        rewards, _ = verify(decode_responses(tokenizer, gen), answers[i:i + batch_size], answer_pattern or ANSWER_RE)
+        correct += rewards.sum().item()
+    model.train(was_training)
+    return correct / len(prompts)
+
+
+def _policy_dirs(run: Path, cfg: dict) -> dict[int, Path]:
+    from ..embedded.checkpoint import STEP_RE, step_dirs
+
+    dirs = {int(STEP_RE.fullmatch(p.name).group(1)): p / "policy" for p in step_dirs(run / "checkpoints")}
+    init = (cfg.get("model") or {}).get("init_from")
+    if 0 not in dirs and init and Path(init).is_dir():
+        dirs[0] = Path(init)
+    return dirs
+
+
+def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str, Path] | None = None,
+                 max_samples: int | None = None, log=print) -> dict:
+    """Evaluate the checkpoints each protocol asks for (best: every ``every``-th step; last: step 0
+    and the last) on the benchmark files; merge the scores into ``<run>/evals.json``. ``max_samples``
+    caps the samples per problem (CPU time); the table states the number used."""
+    import yaml
+
+    from ..embedded.models import load_pretrained_policy, load_tokenizer, tokenizer_dir
+
+    run = Path(run)
+    cfg_path = run / "config.yaml"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{run}: no config.yaml (not an embedded run directory)")
+    cfg = yaml.safe_load(cfg_path.read_text()) or {}
+    task, rl = cfg.get("task") or {}, cfg.get("rl") or {}
+    seed = int(cfg.get("seed", 0))
+    if benchmark_files is None:
+        if task.get("kind", "arithmetic") != "arithmetic":
+            raise ValueError(f"{run}: a JSONL-task run needs --benchmark NAME=FILE (no synthetic default)")
+        benchmark_files = write_synthetic_benchmarks(run / "benchmarks", int(task.get("num_terms", 4)),
+                                                     int(task.get("max_term", 9)), seed,
+                                                     int(task.get("heldout_size", 128)))
+    sets = {k: read_benchmark(Path(p)) for k, p in benchmark_files.items()}
+    base_tokens = int(rl.get("max_new_tokens", 32))
+    num_terms = int(task.get("num_terms", 4))
+    new_tokens = {k: base_tokens + (12 if k == f"sum{num_terms + 1}" else 0) for k in sets}
+    policies = _policy_dirs(run, cfg)
+    if not policies:
+        raise FileNotFoundError(f"{run}: no checkpoints/step_N and no model.init_from to evaluate")
+    steps = sorted(policies)
+    cache: dict = {}
+    data = {}
+    for proto in protocols:
+        if proto.select == "best":
+            chosen = [s for s in steps if proto.every is None or s % proto.every == 0] or steps
+        else:
+            chosen = sorted({steps[0], steps[-1]})
+        setting = proto.default
+        if max_samples is not None and setting.samples > max_samples:
+            setting = Setting(max_samples, setting.temperature, setting.top_p)
+        benches = {k: {"label": k, "problems": len(v), "samples_per_problem": setting.samples,
+                       "decoding": setting.decoding + f", ≤{new_tokens[k]} new tokens", "metric": setting.metric,
+                       "max_new_tokens": new_tokens[k], "file": str(benchmark_files[k])} for k, v in sets.items()}
+        results = {}
+        for step in chosen:
+            if step not in cache:
+                path = policies[step]
+                cache.clear()  # one model in memory at a time
+                cache[step] = (load_pretrained_policy(str(path)), load_tokenizer(tokenizer_dir(str(path))))
+            model, tok = cache[step]
+            results[step] = {k: score(model, tok, v, setting, new_tokens[k], seed=seed * 1009 + step,
+                                      answer_pattern=task.get("answer_pattern")) for k, v in sets.items()}
+            log(f"[evals {run.name}] {proto.name} step {step}: " +
+                ", ".join(f"{k} {s:.3f}" for k, s in results[step].items()))
+        data = merge_write(run / "evals.json", run.name, "embedded", proto.name,
+                           {"description": proto.description + " — embedded: on the held-out synthetic levels",
+                            "select": proto.select, "select_note": proto.select_note,
+                            "every": proto.every}, benches, results)
+    return data

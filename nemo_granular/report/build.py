@@ -1,0 +1,377 @@
+"""``report.md`` and its plots from run directories (embedded or NeMo-RL), see docs/comparison.md."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from .runs import Run, load_run
+from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, fmt, mean_sd, moving_average, seed_band, verdict_below,
+                    verdict_between, verdict_greater)
+
+PAPERS = {
+    "grpo": "GRPO: Shao et al., *DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language "
+            "Models*, arXiv:2402.03300",
+    "gspo": "GSPO: Zheng et al., *Group Sequence Policy Optimization*, arXiv:2507.18071",
+    "sspo": "SSPO: Yang et al., *SSPO: Subsentence-level Policy Optimization*, arXiv:2511.04256",
+    "espo": "ESPO: Sheng et al., *ESPO: Entropy Importance Sampling Policy Optimization*, arXiv:2512.00499",
+    "sppo": "SPPO: Wang et al., *SPPO: Sequence-Level PPO for Long-Horizon Reasoning Tasks*, arXiv:2604.08865",
+}
+
+PANELS = [("train/reward", "step", "reward (sampled, training)", "mean reward"),
+          ("train/reward", "wall_time", "reward vs RL wall time", "mean reward"),
+          ("train/reward", "samples", "reward vs samples drawn", "mean reward"),
+          ("validation/accuracy", "step", "held-out validation accuracy", "accuracy"),
+          ("train/clip_frac_low", "step", "clip fraction, low side (A<0, r<lo)", "fraction of tokens"),
+          ("train/clip_frac_high", "step", "clip fraction, high side (A>0, r>hi)", "fraction of tokens"),
+          ("train/prev_entropy", "step", "π_old entropy", "entropy (nats/token)"),
+          ("train/response_length", "step", "response length", "tokens"),
+          ("train/groups_per_response", "step", "ratio groups per response", "groups")]
+X_LABEL = {"step": "RL step", "wall_time": "RL wall time (s, validation excluded)", "samples": "samples drawn"}
+
+
+def _series(run: Run, key: str, x: str = "step"):
+    pts = [(r[x], r[key]) for r in run.recs if key in r and r.get(x) is not None and math.isfinite(r[key])]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary(run: Run) -> dict:
+    recs = [r for r in run.recs if r["step"] > 0]
+    acc = [r["validation/accuracy"] for r in run.recs if "validation/accuracy" in r]
+    ent = [r["train/prev_entropy"] for r in recs if "train/prev_entropy" in r]
+    rew = [r["train/reward"] for r in recs if "train/reward" in r]
+    k = max(1, len(rew) // 10)
+    ke = max(1, len(ent) // 10)
+    clip_lo = [r.get("train/clip_frac_low") for r in recs]
+    clip_hi = [r.get("train/clip_frac_high") for r in recs]
+    return {
+        "acc0": acc[0] if acc else float("nan"),
+        "acc": acc[-1] if acc else float("nan"),
+        "reward_first": _mean(rew[:k]), "reward_last": _mean(rew[-k:]),
+        "clip_low": _mean(clip_lo), "clip_high": _mean(clip_hi),
+        "clip": _mean([a + b for a, b in zip(clip_lo, clip_hi) if a is not None and b is not None]),
+        "entropy_first": _mean(ent[:ke]), "entropy_last": _mean(ent[-ke:]),
+        "groups": _mean([r.get("train/groups_per_response") for r in recs]),
+        "length": _mean([r.get("train/response_length") for r in recs]),
+        "wall": recs[-1]["wall_time"] if recs else float("nan"),
+        "samples": recs[-1].get("samples", float("nan")) if recs else float("nan"),
+    }
+
+
+def time_to_reward(run: Run, target: float, window: int = 10) -> float | None:
+    """RL wall time at which the trailing mean of the reward over ``window`` steps first reaches ``target``."""
+    xs, ys = _series(run, "train/reward", "wall_time")
+    if not ys:
+        return None
+    sm = moving_average(ys, window)
+    start = min(window, len(ys)) - 1
+    hit = [i for i in range(start, len(ys)) if sm[i] >= target]
+    return xs[hit[0]] if hit else None
+
+
+def _fmt_t(t: float | None) -> str:
+    return "never" if t is None else f"{t:.0f} s"
+
+
+def _stat(values, digits=3):
+    mu, sd, n = mean_sd(values)
+    return fmt(mu, sd, n, digits)
+
+
+def _sci(values):
+    mu, sd, n = mean_sd(values)
+    if n == 0:
+        return "n/a"
+    return f"{mu:.2e}" + (f" ± {sd:.1e}" if sd is not None else (" (1 seed)" if n == 1 else ""))
+
+
+# ---------------------------------------------------------------------------- plots
+def _save(fig, out: Path, name: str) -> str:
+    tmp = out / f".{name}.tmp.png"
+    fig.savefig(tmp, dpi=90)
+    os.replace(tmp, out / name)
+    return name
+
+
+def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
+    """One PNG per panel: each algorithm's seeds faint, their mean smoothed (trailing mean over
+    a tenth of the points) bold, the seeds' min–max band shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    for key, x, title, ylabel in PANELS:
+        fig, ax = plt.subplots(figsize=(6.4, 3.8))
+        for ci, (name, runs) in enumerate(by_name.items()):
+            color = f"C{ci % 10}"
+            curves = []
+            for run in runs:
+                xs, ys = _series(run, key, x)
+                if xs:
+                    ax.plot(xs, ys, color=color, alpha=0.18, lw=0.8)
+                    curves.append((xs, ys))
+            if not curves:
+                continue
+            window = max(1, max(len(c[0]) for c in curves) // 10)
+            band = seed_band([(xs, moving_average(ys, window)) for xs, ys in curves])
+            label = f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
+            if band is None:
+                xs, ys = curves[0]
+                ax.plot(xs, moving_average(ys, window), color=color, lw=1.8, label=label)
+            else:
+                grid, mean, lo, hi = band
+                ax.plot(grid, mean, color=color, lw=1.8, label=label)
+                if len(curves) > 1:
+                    ax.fill_between(grid, lo, hi, color=color, alpha=0.15, lw=0)
+        if not ax.has_data():
+            plt.close(fig)
+            continue
+        ax.set_title(f"{title}\n(smoothed mean, band: seed min–max, faint: each seed)", fontsize=9)
+        ax.set_xlabel(X_LABEL[x])
+        ax.set_ylabel(ylabel)
+        if key.startswith("train/clip"):
+            ax.set_yscale("symlog", linthresh=1e-4)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        files.append(_save(fig, out, f"{key.split('/')[-1]}_vs_{x}.png"))
+        plt.close(fig)
+    return files
+
+
+# ---------------------------------------------------------------------------- claims
+def _pick(by_name: dict[str, list[Run]], alg: str) -> list[Run]:
+    if alg in by_name:
+        return by_name[alg]
+    names = [n for n, rs in by_name.items() if rs and rs[0].algorithm == alg and "equal_prompts" not in n]
+    return by_name[names[0]] if len(names) == 1 else []
+
+
+def _paired(a: list[Run], b: list[Run], fa, fb=None):
+    """Per-seed (fa(run_a), fb(run_b)) for the seeds both have."""
+    fb = fb or fa
+    bs = {r.seed: r for r in b}
+    return [(fa(r), fb(bs[r.seed])) for r in sorted(a, key=lambda r: r.seed) if r.seed in bs]
+
+
+def claims(by_name: dict[str, list[Run]]) -> list[str]:
+    rows = []
+
+    def add(text, source, measured, verdict_note):
+        verdict, note = verdict_note
+        rows.append(f"| {text} | {source} | {measured} | {verdict} | {note} |")
+
+    def clip(r):
+        return summary(r)["clip"]
+
+    G, GS, SS, ES = (_pick(by_name, a) for a in ("grpo", "gspo", "sspo", "espo"))
+    gs_vals = [clip(r) for r in GS]
+    add("GSPO's clip fraction is near zero (< 1 %)", "SSPO §1", f"GSPO {_stat(gs_vals)}",
+        verdict_below(gs_vals, 0.01) if GS else (NOT_RUN, ""))
+    trip = _paired(SS, GS, lambda r: r.seed)
+    if G and GS and SS and trip:
+        g_by, gs_by, ss_by = ({r.seed: clip(r) for r in rs} for rs in (G, GS, SS))
+        seeds = [s for s in sorted(ss_by) if s in g_by and s in gs_by]
+        add("SSPO's clip fraction lies between GRPO's and GSPO's", "SSPO §1, Fig. 1",
+            f"GRPO {_stat([clip(r) for r in G])}, SSPO {_stat([clip(r) for r in SS])}, "
+            f"GSPO {_stat(gs_vals)}",
+            verdict_between([g_by[s] for s in seeds], [ss_by[s] for s in seeds], [gs_by[s] for s in seeds]))
+    else:
+        add("SSPO's clip fraction lies between GRPO's and GSPO's", "SSPO §1, Fig. 1", "", (NOT_RUN, ""))
+    pairs = _paired(GS, ES, clip)
+    add("ESPO clips less than GSPO", "ESPO §1 (gradient underutilization)",
+        f"ESPO {_stat([clip(r) for r in ES])}, GSPO {_stat(gs_vals)}",
+        verdict_greater([g - e for g, e in pairs]) if pairs else (NOT_RUN, ""))
+
+    def decay(r):
+        s = summary(r)
+        return s["entropy_last"] / s["entropy_first"] if s["entropy_first"] else float("nan")
+    pairs = _paired(SS, G, decay)
+    add("π_old entropy decays slower for SSPO than for GRPO (last/first tenth)", "SSPO §6 (entropy)",
+        f"GRPO {_stat([decay(r) for r in G])}, SSPO {_stat([decay(r) for r in SS])}",
+        verdict_greater([s - g for s, g in pairs]) if pairs else (NOT_RUN, ""))
+
+    def final_acc(r):
+        return summary(r)["acc"]
+    for alg, src in (("sspo", "SSPO Table 1"), ("espo", "ESPO Table 1"), ("gspo", "GSPO §5"),
+                     ("sppo", "SPPO Table 1")):
+        other = "gspo" if alg == "espo" else "grpo"
+        A, B = _pick(by_name, alg), _pick(by_name, other)
+        if alg == other or not A or not B:
+            if alg != other:
+                add(f"{alg.upper()} reaches a higher final validation accuracy than {other.upper()}", src, "",
+                    (NOT_RUN, ""))
+            continue
+        pairs = _paired(A, B, final_acc)
+        add(f"{alg.upper()} reaches a higher final validation accuracy than {other.upper()}", src,
+            f"{alg.upper()} {_stat([final_acc(r) for r in A])}, {other.upper()} {_stat([final_acc(r) for r in B])}",
+            verdict_greater([a - b for a, b in pairs]))
+
+    # SPPO's wall-time claim: per seed, the RL wall time each run needs to reach GRPO's final reward
+    for label, name in (("equal samples per step (SPPO: G× more prompts, one sample each)", "sppo"),
+                        ("equal prompts per step (SPPO: N = 1, G× fewer samples; the paper's setting)",
+                         "sppo_equal_prompts")):
+        S = by_name.get(name, [])
+        text = f"SPPO reaches GRPO's final reward sooner in RL wall time, at {label}"
+        if not S or not G:
+            add(text, "SPPO §4.3, Fig. 5", "", (NOT_RUN, ""))
+            continue
+        per, diffs = [], []
+        g_by = {r.seed: r for r in G}
+        for r in sorted(S, key=lambda r: r.seed):
+            if r.seed not in g_by:
+                continue
+            target = summary(g_by[r.seed])["reward_last"]
+            t_g, t_s = time_to_reward(g_by[r.seed], target), time_to_reward(r, target)
+            per.append(f"seed {r.seed}: target {target:.3f}, GRPO {_fmt_t(t_g)}, SPPO {_fmt_t(t_s)}")
+            if t_g is not None:
+                horizon = summary(r)["wall"]
+                diffs.append(t_g - (t_s if t_s is not None else max(horizon, t_g)))
+        add(text, "SPPO §4.3, Fig. 5", "; ".join(per) or "no common seed",
+            verdict_greater(diffs) if diffs else (NOT_RUN, ""))
+    return rows
+
+
+# ---------------------------------------------------------------------------- benchmark suite
+def benchmark_tables(by_name: dict[str, list[Run]]) -> list[str]:
+    """Paper-style tables: one per suite found in the runs' evals.json (see nemo_granular.evals)."""
+    from ..evals.results import select_checkpoint
+
+    suites: dict[str, dict] = {}
+    for name, runs in by_name.items():
+        for run in runs:
+            for suite, res in ((run.evals or {}).get("suites") or {}).items():
+                suites.setdefault(suite, {"spec": res, "rows": {}})["rows"].setdefault(name, []).append((run, res))
+    lines = []
+    for suite, entry in suites.items():
+        spec = entry["spec"]
+        benches = list(spec.get("benchmarks", {}))
+        proto = spec.get("protocol", {})
+        lines += [f"### Suite `{suite}`: {proto.get('description', '')}", ""]
+        lines.append("| benchmark | problems | samples/problem | decoding | metric |")
+        lines.append("|---|---|---|---|---|")
+        for b in benches:
+            info = spec["benchmarks"][b]
+            lines.append(f"| {info.get('label', b)} | {info.get('problems', '?')} | {info.get('samples_per_problem', '?')} "
+                         f"| {info.get('decoding', '?')} | {info.get('metric', 'mean accuracy over samples')} |")
+        select = proto.get("select", "last")
+        lines += ["", f"Checkpoint reported: **{'the best by suite average' if select == 'best' else 'the last'}** "
+                  f"({proto.get('select_note', '')}). Cells: mean ± sd over seeds (1 seed: no spread).", "",
+                  "| algorithm | seeds | " + " | ".join(spec["benchmarks"][b].get("label", b) for b in benches)
+                  + " | average | checkpoint step(s) |",
+                  "|---|---|" + "---|" * (len(benches) + 2)]
+        for name, items in entry["rows"].items():
+            picked = [select_checkpoint(res, select) for _, res in items]
+            picked = [(p, run) for p, (run, _) in zip(picked, items) if p is not None]
+            if not picked:
+                lines.append(f"| {name} | 0 | " + " | ".join("n/a" for _ in benches) + " | n/a | none evaluated |")
+                continue
+            cells = [_stat([p[1].get(b, float("nan")) for p, _ in picked]) for b in benches]
+            avg = _stat([p[2] for p, _ in picked])
+            steps = ", ".join(f"{p[0]}" for p, _ in picked)
+            lines.append(f"| {name} | {len(picked)} | " + " | ".join(cells) + f" | {avg} | {steps} |")
+        lines.append("")
+    return lines
+
+
+# ---------------------------------------------------------------------------- the report
+def _setting(runs: list[Run], key: str):
+    vals = []
+    for r in runs:
+        v = r.meta.get(key)
+        if isinstance(v, dict):
+            v = "; ".join(f"{k}: {x}" for k, x in v.items() if x)
+        if v is not None and v not in vals:
+            vals.append(v)
+    return " / ".join(map(str, vals)) if vals else "not recorded"
+
+
+def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, notes: list[str] | None = None) -> Path:
+    """Build ``out/report.md`` and the plots from run directories (embedded and/or NeMo-RL).
+
+    Failed or incomplete runs are listed with the reason and left out of tables and verdicts;
+    an error only when no run is usable."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    all_runs = [load_run(d) for d in run_dirs]
+    runs = [r for r in all_runs if r.status == "finished"]
+    bad = [r for r in all_runs if r.status != "finished"]
+    if not runs:
+        raise ValueError("no usable run: " + "; ".join(f"{r.dir}: {r.problem}" for r in bad))
+    by_name: dict[str, list[Run]] = {}
+    for run in runs:
+        by_name.setdefault(run.name, []).append(run)
+    S = {name: [summary(r) for r in rs] for name, rs in by_name.items()}
+    files = plots(by_name, out)
+    seeds = sorted({r.seed for r in runs})
+    lines = ["# nemo-granular comparison", "",
+             f"Runs: {len(runs)} usable of {len(all_runs)} "
+             f"({', '.join(f'{a} × {len(r)}' for a, r in by_name.items())}); seeds {', '.join(map(str, seeds))}.", ""]
+    if bad:
+        lines += ["**Runs left out** (failed or incomplete; the tables and verdicts cover the others):", ""]
+        lines += [f"- `{r.dir.name}` ({r.source}, {r.status}): {r.problem}" for r in bad]
+        lines.append("")
+    lines += ["## Setting", "",
+              f"- Model: {_setting(runs, 'model')}",
+              f"- Task: {_setting(runs, 'task')}",
+              f"- RL steps: {_setting(runs, 'steps')}; batch per step: {_setting(runs, 'batch')}",
+              f"- Learning rate: {_setting(runs, 'lr')}; optimizer steps per rollout: "
+              f"{_setting(runs, 'optimizer_steps_per_rollout')}",
+              f"- Decoding: {_setting(runs, 'decoding')}",
+              f"- Validation every {_setting(runs, 'validation_every')} steps",
+              f"- Sources: {', '.join(sorted({r.source for r in runs}))} run directories"]
+    if any(r.source == "embedded" for r in runs):
+        lines.append("- Each seed's runs start from the same warm-started policy and see the same prompts and the "
+                     "same number of samples per step (SPPO: one sample per prompt, G× more prompts) unless the "
+                     "algorithm's name says otherwise (`sppo_equal_prompts`: the same prompts, one sample each).")
+    for r in runs:
+        if r.meta.get("entropy_note"):
+            lines.append(f"- {r.name}: {r.meta['entropy_note']}")
+            break
+    if timing:
+        lines.append("- Timing: " + ", ".join(f"{k} {v:.0f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in timing.items()))
+    lines += [f"- {n}" for n in (notes or [])]
+    lines += ["", "Papers: " + "; ".join(PAPERS.values()) + ".", ""]
+    lines += ["## Final validation accuracy and training statistics", "",
+              "Mean ± sd over seeds (one seed: no ± shown).", "",
+              "| algorithm | seeds | first val acc | final val acc | Δ acc | reward first→last 10% | clip low | "
+              "clip high | π_old entropy first→last | groups/resp | resp len | samples | RL wall (s) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, ss in S.items():
+        lines.append(
+            f"| {name} | {len(ss)} | {_stat([s['acc0'] for s in ss])} | {_stat([s['acc'] for s in ss])} | "
+            f"{_stat([s['acc'] - s['acc0'] for s in ss])} | {_stat([s['reward_first'] for s in ss])} → "
+            f"{_stat([s['reward_last'] for s in ss])} | {_sci([s['clip_low'] for s in ss])} | "
+            f"{_sci([s['clip_high'] for s in ss])} | {_stat([s['entropy_first'] for s in ss])} → "
+            f"{_stat([s['entropy_last'] for s in ss])} | {_stat([s['groups'] for s in ss], 1)} | "
+            f"{_stat([s['length'] for s in ss], 1)} | {_stat([s['samples'] for s in ss], 0)} | "
+            f"{_stat([s['wall'] for s in ss], 0)} |")
+    bench = benchmark_tables(by_name)
+    if bench:
+        lines += ["", "## Benchmark suite", "", *bench]
+    lines += ["## The papers' directional claims, as measured here", "",
+              "Verdict rule: the noise threshold is the seed-to-seed spread (sample sd over seeds of the per-seed "
+              "paired difference, or of the value for a threshold claim). An effect within it is "
+              f"**{INCONCLUSIVE}**; **{HOLDS}** / **{FAILS}** need the effect beyond it. One seed gives no "
+              "spread: every verdict is inconclusive and only the direction is shown.", "",
+              "| claim | paper | measured | verdict | effect vs noise |", "|---|---|---|---|---|",
+              *claims(by_name), "",
+              "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL wall times "
+              "exclude validation; runs that share a busy machine are slowed unevenly, so wall-time verdicts are "
+              "only as good as the machine was quiet. The SPPO wall-time claim is given at equal samples and at "
+              "equal prompts per step when both were run; the paper's speed-up is the equal-prompts one (N = 1).",
+              "", "## Plots", ""]
+    lines += [f"![{f}]({f})" for f in files]
+    report = out / "report.md"
+    tmp = out / ".report.md.tmp"
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, report)
+    return report

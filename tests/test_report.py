@@ -1,0 +1,246 @@
+"""The comparison report from NeMo-RL run directories (written by NeMo-RL's real Logger) and
+embedded ones: canonical metrics, failed/incomplete runs, noise-aware verdicts, the benchmark table."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from nemo_granular.report import load_run, report_from_runs
+from nemo_granular.report.stats import (FAILS, HOLDS, INCONCLUSIVE, fmt, moving_average, seed_band, verdict_below,
+                                        verdict_greater)
+
+STEPS, VAL_PERIOD, PROMPTS, GENS = 20, 5, 4, 8
+
+
+def _metrics(alg: str, seed: int, step: int) -> dict:
+    """Deterministic, algorithm- and seed-dependent values (different per step)."""
+    rng = np.random.default_rng(1000 * seed + step + (0 if alg == "grpo" else 7))
+    base = {"grpo": 0.30, "sspo": 0.45, "gspo": 0.35}[alg]
+    clip = {"grpo": 0.02, "sspo": 0.01, "gspo": 0.002}[alg]
+    return {
+        "reward": base + 0.01 * step + 0.02 * rng.standard_normal(),
+        "clip_frac_low": clip * (1 + 0.1 * rng.random()), "clip_frac_high": clip * 0.5,
+        "prev_entropy_mean": 0.8 - 0.01 * step * (0.5 if alg == "sspo" else 1.0),
+        "mean_gen_tokens_per_sample": 100.0 + step, "groups_per_response": {"grpo": 100.0, "sspo": 6.0,
+                                                                            "gspo": 1.0}[alg],
+        "global_valid_seqs": float(PROMPTS * GENS), "loss": 0.1, "grad_norm": 1.0,
+    }
+
+
+def _val_acc(alg, seed, step):
+    return round(0.2 + 0.01 * step + (0.05 if alg == "sspo" else 0.0) + 0.003 * seed, 6)
+
+
+def _config(alg: str, seed: int, steps: int) -> dict:
+    return {"loss_fn": {"granular": {"algorithm": alg}},
+            "grpo": {"seed": seed, "max_num_steps": steps, "num_prompts_per_step": PROMPTS,
+                     "num_generations_per_prompt": GENS, "val_period": VAL_PERIOD},
+            "policy": {"model_name": "Qwen/Qwen2.5-Math-1.5B", "optimizer": {"kwargs": {"lr": 1e-6}},
+                       "generation": {"temperature": 1.0, "top_p": 1.0, "top_k": None, "max_new_tokens": 3072}},
+            "data": {"train": {"dataset_name": "DAPOMath17K"}}}
+
+
+def _write_nemo_rl_run(run: Path, alg: str, seed: int, steps_logged: int, steps_planned: int = STEPS):
+    """A run directory as slurm/submit_comparison.sh lays it out, written by NeMo-RL's Logger."""
+    from nemo_rl.utils.logger import Logger, get_next_experiment_dir
+
+    cfg = _config(alg, seed, steps_planned)
+    log_dir = get_next_experiment_dir(str(run / "logs"))
+    logger = Logger({"log_dir": log_dir, "wandb_enabled": False, "swanlab_enabled": False,
+                     "tensorboard_enabled": True, "mlflow_enabled": False, "wandb": {}, "tensorboard": {},
+                     "monitor_gpus": False, "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10}})
+    logger.log_hyperparams(cfg)
+    times = {}
+    for step in range(1, steps_logged + 1):
+        if step % VAL_PERIOD == 0:
+            logger.log_metrics({"accuracy": _val_acc(alg, seed, step), "avg_length": 99.0}, step, prefix="validation")
+            logger.log_metrics({"total_validation_time": 3.0}, step, prefix="timing/validation")
+        logger.log_metrics(_metrics(alg, seed, step), step, prefix="train")
+        total = 10.0 + step + (3.0 if step % VAL_PERIOD == 0 else 0.0)
+        times[step] = total
+        logger.log_metrics({"total_step_time": total, "generation": 4.0}, step, prefix="timing/train",
+                           step_finished=True)
+        if step % 10 == 0:
+            ck = run / "checkpoints" / f"step_{step}"
+            ck.mkdir(parents=True)
+            (ck / "config.yaml").write_text(yaml.safe_dump(cfg))
+    logger.finish() if hasattr(logger, "finish") else None
+    for lg in getattr(logger, "loggers", []):
+        if hasattr(lg, "writer"):
+            lg.writer.close()
+    if steps_logged < 10:  # died before its first checkpoint: the config only in the run directory
+        (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return times
+
+
+@pytest.fixture(scope="module")
+def nemo_runs(tmp_path_factory, nemo_rl_src):
+    root = tmp_path_factory.mktemp("cmp")
+    runs = {}
+    for alg in ("grpo", "sspo"):
+        for seed in (0, 1, 2):
+            d = root / f"{alg}_seed{seed}"
+            runs[(alg, seed)] = (d, _write_nemo_rl_run(d, alg, seed, STEPS))
+    # killed at step 7 of 20, its last event record cut short; its Slurm log says why
+    cut = root / "gspo_seed0"
+    _write_nemo_rl_run(cut, "gspo", 0, 7)
+    ev = sorted(cut.rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_size)[-1]
+    ev.write_bytes(ev.read_bytes()[:-9])
+    (root / "slurm-cmp-gspo_seed0-1234.out").write_text(
+        "step 7 done\nslurmstepd: error: *** JOB 1234 ON node1 CANCELLED AT 2026-01-01 DUE TO TIME LIMIT ***\n")
+    # never got to log anything
+    dead = root / "gspo_seed1"
+    (dead / "logs").mkdir(parents=True)
+    (dead / "driver.out").write_text("loading\nRuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    return root, runs
+
+
+def test_nemo_rl_run_maps_to_canonical_metrics(nemo_runs):
+    root, runs = nemo_runs
+    d, times = runs[("sspo", 1)]
+    run = load_run(d)
+    assert (run.source, run.algorithm, run.seed, run.status) == ("nemo-rl", "sspo", 1, "finished")
+    assert [r["step"] for r in run.recs] == list(range(1, STEPS + 1))
+    for r in run.recs:
+        want = _metrics("sspo", 1, r["step"])
+        for key, tag in (("train/reward", "reward"), ("train/clip_frac_low", "clip_frac_low"),
+                         ("train/prev_entropy", "prev_entropy_mean"),
+                         ("train/response_length", "mean_gen_tokens_per_sample"),
+                         ("train/groups_per_response", "groups_per_response")):
+            assert r[key] == pytest.approx(want[tag], rel=1e-6)  # TensorBoard stores float32
+        assert r["samples"] == r["step"] * PROMPTS * GENS
+        # RL wall time: the step times with validation taken out, summed
+        naive = sum(times[s] - (3.0 if s % VAL_PERIOD == 0 else 0.0) for s in range(1, r["step"] + 1))
+        assert r["wall_time"] == pytest.approx(naive, rel=1e-6)
+        assert ("validation/accuracy" in r) == (r["step"] % VAL_PERIOD == 0)
+    assert run.meta["model"] == "Qwen/Qwen2.5-Math-1.5B" and run.meta["steps"] == STEPS
+    assert run.meta["lr"] == 1e-6 and "4 prompts × 8 samples" == run.meta["batch"]
+
+
+def test_failed_and_truncated_runs_are_reported_not_fatal(nemo_runs, tmp_path):
+    root, runs = nemo_runs
+    cut, dead = load_run(root / "gspo_seed0"), load_run(root / "gspo_seed1")
+    assert cut.status == "incomplete" and cut.last_step in (6, 7)  # the cut record may be the last step's
+    assert "of 20" in cut.problem and "DUE TO TIME LIMIT" in cut.problem
+    assert dead.status == "failed" and "no TensorBoard event files" in dead.problem
+    assert "CUDA out of memory" in dead.problem
+    dirs = sorted(p for p in root.iterdir() if p.is_dir()) + [root / "missing_seed0"]
+    report = report_from_runs(dirs, tmp_path / "rep").read_text()
+    assert "6 usable of 9" in report
+    for name in ("gspo_seed0", "gspo_seed1", "missing_seed0"):
+        assert f"`{name}`" in report
+    assert "no such directory" in report
+    table = [line for line in report.splitlines() if line.startswith("| grpo |") or line.startswith("| sspo |")]
+    assert len(table) == 2 and not any(line.startswith("| gspo |") for line in report.splitlines())
+    # final validation accuracy, mean ± sd over seeds, computed here from the values logged
+    for line in table:
+        alg = line.split("|")[1].strip()
+        final = [_val_acc(alg, s, STEPS) for s in (0, 1, 2)]
+        assert f"{statistics.mean(final):.3f} ± {statistics.stdev(final):.3f}" == line.split("|")[4].strip()
+    assert "Qwen/Qwen2.5-Math-1.5B" in report and "arXiv:2511.04256" in report and "4 prompts × 8 samples" in report
+    for png in ("reward_vs_step.png", "accuracy_vs_step.png", "reward_vs_wall_time.png"):
+        assert (tmp_path / "rep" / png).is_file()
+
+
+def test_compare_from_runs_cli_reads_nemo_rl_runs(nemo_runs, tmp_path):
+    from nemo_granular.cli import main
+
+    root, runs = nemo_runs
+    out = tmp_path / "cli"
+    assert main(["compare", "--from-runs", str(runs[("grpo", 0)][0]), str(runs[("sspo", 0)][0]),
+                 str(root / "gspo_seed1"), "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert "2 usable of 3" in report and "inconclusive (1 seed)" in report
+    assert "± 0.000" not in report  # one seed: no spread shown as zero
+    assert main(["compare", "--from-runs", str(root / "gspo_seed1"), "--out", str(tmp_path / "none")]) == 2
+
+
+def test_verdicts_follow_the_noise_threshold():
+    assert verdict_greater([0.10, 0.12, 0.11])[0] == HOLDS
+    assert verdict_greater([-0.10, -0.12, -0.11])[0] == FAILS
+    assert verdict_greater([0.10, -0.08, 0.02])[0] == INCONCLUSIVE  # mean 0.013 < sd 0.09
+    assert verdict_greater([0.5])[0].startswith(INCONCLUSIVE) and "(1 seed)" in verdict_greater([0.5])[0]
+    assert verdict_below([0.001, 0.002, 0.0015], 0.01)[0] == HOLDS
+    assert verdict_below([0.2, 0.3, 0.25], 0.01)[0] == FAILS
+    assert verdict_below([0.0, 0.02, 0.01], 0.01)[0] == INCONCLUSIVE
+    assert fmt(0.5, None, 1) == "0.500 (1 seed)" and fmt(0.5, 0.01, 3) == "0.500 ± 0.010"
+
+
+def test_smoothing_and_band_against_naive_loops():
+    rng = np.random.default_rng(0)
+    y = rng.standard_normal(37)
+    for w in (1, 3, 10):
+        naive = [float(np.mean(y[max(0, i - w + 1): i + 1])) for i in range(len(y))]
+        np.testing.assert_allclose(moving_average(y, w), naive, rtol=0, atol=1e-12)
+    curves = [(np.arange(0, 11.0), np.arange(0, 11.0) * k) for k in (1.0, 2.0, 3.0)]
+    grid, mean, lo, hi = seed_band(curves, grid_points=11)
+    np.testing.assert_allclose(mean, grid * 2.0)
+    np.testing.assert_allclose(lo, grid) and np.testing.assert_allclose(hi, grid * 3.0)
+
+
+# ---------------------------------------------------------------------------- embedded runs + evals.json
+def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int = 20, suite_scores=None) -> Path:
+    run = root / f"{alg}_seed{seed}"
+    run.mkdir(parents=True)
+    cfg = {"name": alg, "seed": seed, "loss_fn": {"granular": {"algorithm": alg}},
+           "model": {"hidden_size": 64, "num_layers": 2}, "task": {"kind": "arithmetic", "num_terms": 4, "max_term": 9},
+           "rl": {"steps": steps, "prompts_per_step": 16, "generations_per_prompt": 8, "lr": 1e-4,
+                  "temperature": 1.0, "max_new_tokens": 32, "eval_every": 10, "minibatches_per_rollout": 4}}
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    recs = [{"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": accs[0]}]
+    for s in range(1, steps + 1):
+        rec = {"step": s, "samples": 128 * s, "wall_time": 1.5 * s, "train/reward": 0.4 + 0.01 * s + 0.001 * seed,
+               "train/clip_frac_low": 0.01, "train/clip_frac_high": 0.005, "train/prev_entropy": 0.5 - 0.01 * s,
+               "train/response_length": 27.0, "train/groups_per_response": 4.0}
+        if s % 10 == 0:
+            rec["validation/accuracy"] = accs[s // 10]
+        recs.append(rec)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    if suite_scores:
+        from nemo_granular.evals.results import merge_write
+
+        merge_write(run / "evals.json", run.name, "embedded", "sspo",
+                    {"description": "SSPO protocol", "select": "best", "select_note": "best"},
+                    {"sum3": {"label": "sum3", "problems": 64, "samples_per_problem": 1, "decoding": "greedy",
+                              "metric": "avg@1"},
+                     "sum5": {"label": "sum5", "problems": 64, "samples_per_problem": 1, "decoding": "greedy",
+                              "metric": "avg@1"}}, suite_scores)
+    return run
+
+
+def test_benchmark_table_reports_the_best_checkpoint(tmp_path):
+    a = _embedded_run(tmp_path, "grpo", 0, [0.5, 0.6, 0.7],
+                      suite_scores={0: {"sum3": 0.1, "sum5": 0.0}, 10: {"sum3": 0.4, "sum5": 0.2},
+                                    20: {"sum3": 0.3, "sum5": 0.1}})
+    b = _embedded_run(tmp_path, "grpo", 1, [0.5, 0.65, 0.75],
+                      suite_scores={0: {"sum3": 0.1, "sum5": 0.0}, 10: {"sum3": 0.2, "sum5": 0.1},
+                                    20: {"sum3": 0.5, "sum5": 0.3}})
+    c = _embedded_run(tmp_path, "sspo", 0, [0.5, 0.7, 0.8])  # no evals: a row of n/a is not invented
+    report = report_from_runs([a, b, c], tmp_path / "rep").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| grpo | 2 | 0.") and "avg" not in line
+               and line.count("|") == 7)
+    cells = [x.strip() for x in row.split("|")[1:-1]]
+    # seed 0: best average at step 10 (0.3), seed 1: at step 20 (0.4)
+    assert cells[2] == fmt(statistics.mean([0.4, 0.5]), statistics.stdev([0.4, 0.5]), 2)
+    assert cells[4] == fmt(statistics.mean([0.3, 0.4]), statistics.stdev([0.3, 0.4]), 2)
+    assert cells[5] == "10, 20"
+    assert "Suite `sspo`" in report and "tiny random Qwen3" in report and "synthetic sums of 4 integers" in report
+    assert not any(line.startswith("| sspo | 1 | 0.") and line.count("|") == 7 for line in report.splitlines())
+
+
+def test_incomplete_embedded_run_is_listed(tmp_path):
+    a = _embedded_run(tmp_path, "grpo", 0, [0.5, 0.6, 0.7])
+    b = _embedded_run(tmp_path, "gspo", 0, [0.5, 0.6, 0.7])
+    lines = (b / "metrics.jsonl").read_text().splitlines()[:8]
+    (b / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 8, \"samp")  # killed mid-line
+    (b / "train.log").write_text("step 7\nValueError: non-finite loss at step 8\n")
+    report = report_from_runs([a, b], tmp_path / "rep").read_text()
+    assert "`gspo_seed0` (embedded, incomplete): stopped at step 7 of 20" in report
+    assert "non-finite loss" in report and math.isfinite(len(report))
