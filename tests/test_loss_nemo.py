@@ -1,7 +1,11 @@
 """Spec §9 identities 2 and 3: the `grpo` preset ≡ NeMo-RL's token-level ``ClippedPGLossFn`` and
 `sequence`+shared+fixed+seq_mean_token_mean ≡ its GSPO mode — values, gradients and the metrics
-NeMo-RL returns, against ``reference.nemo_clipped_pg_loss`` (NeMo-RL's semantics re-derived from
-its source; NeMo-RL itself cannot be installed here)."""
+NeMo-RL returns.
+
+Two layers: against ``reference.nemo_clipped_pg_loss`` (an independent float64 re-derivation,
+runs without NeMo-RL) and, at the end of this file, against NeMo-RL's REAL ``ClippedPGLossFn``
+(``nemo_rl_src`` fixture; runs in CI) on identical float32 and float64 tensors — float64 to
+1e-11 once NeMo-RL's ``+ 1e-8`` denominator regulariser is taken out (test-only patch)."""
 
 import pytest
 import torch
@@ -106,3 +110,101 @@ def test_loss_type_and_metric_normalizers():
     _, _, m = R.run_loss(fn, logp, data, gvs, gvt)
     assert set(fn.metric_normalizations) <= set(m) | {"is_oob_ratio"}
     assert all(isinstance(v, float) for v in m.values())
+
+
+# ---- against NeMo-RL's REAL ClippedPGLossFn (NEMO_RL_SRC; runs in CI) ---------------------------
+
+def _as(data, dtype):
+    return {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in data.items()}
+
+
+def _run(fn, logp, data, gvs, gvt):
+    lp = logp.detach().clone().requires_grad_(True)
+    loss, metrics = fn(next_token_logprobs=lp, data=data, global_valid_seqs=gvs, global_valid_toks=gvt)
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss.detach(), grad, metrics
+
+
+@pytest.fixture(scope="module")
+def nemo_pg(nemo_rl_src):
+    from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig, ClippedPGLossFn
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    def make(cfg):
+        return ClippedPGLossFn(ClippedPGLossConfig(**cfg))
+    return make, BatchedDataDict
+
+
+def _masked_mean_exact(values, mask, dim=None, global_normalization_factor=None):
+    """NeMo-RL's ``masked_mean`` without its ``+ 1e-8`` in the denominator (float64 checks only:
+    that regulariser alone moves a float64 result by ~1e-8/N relative)."""
+    n = mask.sum(dim=dim) if global_normalization_factor is None else global_normalization_factor
+    return (values * mask).sum(dim=dim) / n
+
+
+@pytest.fixture
+def exact_nemo(nemo_pg, monkeypatch, request):
+    from nemo_rl.algorithms.loss import loss_functions
+    if request.node.callspec.params.get("dtype") == torch.float64:
+        monkeypatch.setattr(loss_functions, "masked_mean", _masked_mean_exact)
+    return nemo_pg
+
+
+def _compare_real(nemo_pg, ours_cfg, nemo_cfg, seed, per_token_adv, dtype):
+    make, BDD = nemo_pg
+    data, logp, gvs, gvt = _batch(seed, per_token_adv)
+    data, logp = _as(data, dtype), logp.to(dtype)
+    gvs, gvt = torch.as_tensor(gvs, dtype=dtype), torch.as_tensor(gvt, dtype=dtype)
+    base = {"reference_policy_kl_penalty": 0.0}
+    loss, grad, m = _run(GranularPolicyLoss({**base, **ours_cfg}), logp, data, gvs, gvt)
+    rloss, rgrad, rm = _run(make({**base, **nemo_cfg}), logp, BDD(data), gvs, gvt)
+    tol = dict(rtol=1e-11, atol=1e-13) if dtype == torch.float64 else dict(rtol=3e-6, atol=3e-7)
+    assert loss.dtype == dtype and grad.dtype == dtype
+    torch.testing.assert_close(loss, rloss.to(dtype), **tol, msg="loss")
+    torch.testing.assert_close(grad, rgrad, **tol, msg="grad")
+    # GSPO + ICE-POP at [0.97, 1.03] drops every sequence (a product of token ratios): zero gradient
+    assert grad.abs().sum() > 0 or nemo_cfg.get("truncated_importance_sampling_type") == "icepop"
+    for k, v in rm.items():
+        assert k in m, f"metric {k} missing"
+        if k == "sampling_importance_ratio" and nemo_cfg.get("sequence_level_importance_ratios"):
+            # NeMo-RL's GSPO-mode metric broadcasts [B, 1] weights against the [B] sample mask:
+            # Σ_i Σ_j w_i·m_j / gvs = Σ_i w_i over ALL rows. Ours is the masked mean Σ_i w_i·m_i / gvs.
+            w = _gspo_row_weights(data, nemo_cfg)
+            assert float(v) == pytest.approx(float(w.sum()), rel=tol["rtol"] * 10), "NeMo-RL's GSPO IS metric"
+            assert float(m[k]) == pytest.approx(float((w * data["sample_mask"]).sum() / gvs), rel=tol["rtol"] * 10)
+            continue
+        assert float(m[k]) == pytest.approx(float(v), rel=tol["rtol"] * 10, abs=tol["atol"] * 10), f"metric {k}"
+    return m, rm
+
+
+def _gspo_row_weights(data, cfg):
+    """exp(Σ_t (log π_old − log π_gen)) per row over the valid tokens, truncated as configured."""
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    w = torch.exp(((data["prev_logprobs"] - data["generation_logprobs"])[:, 1:] * mask).sum(-1))
+    kind = cfg.get("truncated_importance_sampling_type")
+    if kind == "tis":
+        w = w.clamp(cfg.get("truncated_importance_sampling_ratio_min") or 0.0, cfg["truncated_importance_sampling_ratio"])
+    elif kind == "icepop":
+        w = w * ((w >= cfg["truncated_importance_sampling_ratio_min"]) & (w <= cfg["truncated_importance_sampling_ratio"]))
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_grpo_preset_is_real_clipped_pg_token_level(exact_nemo, option, dtype):
+    opts = OPTIONS[option]
+    for seed in (0, 1):
+        _, rm = _compare_real(exact_nemo, {"granular": {"algorithm": "grpo"}, **opts}, {"token_level_loss": True, **opts},
+                              seed, True, dtype)
+        if "truncated_importance_sampling_type" in opts and seed == 0:
+            assert rm["is_oob_ratio"] > 0, "test data should trigger the truncation"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("option", sorted(k for k in OPTIONS if k != "seq_mask_tis"))
+def test_gspo_preset_is_real_clipped_pg_gspo_mode(exact_nemo, option, dtype):
+    opts = {"ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4, **OPTIONS[option]}
+    for seed in (0, 1):
+        _compare_real(exact_nemo, {"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True, **opts},
+                      {"token_level_loss": False, "sequence_level_importance_ratios": True, **opts},
+                      seed, False, dtype)
