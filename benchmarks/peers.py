@@ -172,6 +172,10 @@ def loss_contenders(nemo, data):
 
 
 def bench_losses(nemo, B, seq_lens, threads, repeats, warmup=2):
+    """Each round runs every contender once in a shuffled order; a contender's ratio to its
+    NeMo-RL peer is the median over rounds of (its time ÷ the peer's time in the same round),
+    which a load change on a shared machine shifts far less than a ratio of medians. Small
+    sizes get more rounds (the same total time as the largest)."""
     rows = []
     for nt in threads:
         torch.set_num_threads(nt)
@@ -179,9 +183,10 @@ def bench_losses(nemo, B, seq_lens, threads, repeats, warmup=2):
             data, logp, gvs, gvt = make_batch(B, S, torch.device("cpu"))
             ntok = int(gvt.item())
             cont = loss_contenders(nemo, data)
+            rounds = repeats * max(1, max(seq_lens) // S) if S < max(seq_lens) else repeats
             times = {k: [] for k in cont}
             order = random.Random(S * 10 + nt)
-            for k in range(warmup + repeats):
+            for k in range(warmup + rounds):
                 names = list(cont)
                 order.shuffle(names)
                 for name in names:
@@ -194,11 +199,13 @@ def bench_losses(nemo, B, seq_lens, threads, repeats, warmup=2):
             for name, (fn, d, peer) in cont.items():
                 peak = peak_extra_bytes(lambda: fwd_bwd(fn, logp, d, gvs, gvt))
                 saved = memory_bytes(fn, logp, d, gvs, gvt, torch.device("cpu"))
-                row = dict(name=name, peer=peer, S=S, threads=nt, tokens=ntok, ms=med[name],
+                x_peer = (statistics.median(a / b for a, b in zip(times[name], times[peer]))
+                          if peer in times else None)
+                row = dict(name=name, peer=peer, S=S, threads=nt, tokens=ntok, ms=med[name], rounds=rounds,
                            us_tok=1e3 * med[name] / ntok, peak_mb=None if peak is None else peak / 2**20,
-                           saved_mb=saved / 2**20, x_peer=med[name] / med[peer] if peer in med else None)
+                           saved_mb=saved / 2**20, x_peer=x_peer)
                 rows.append(row)
-                x = f"x{row['x_peer']:.2f} vs {peer}" if row["x_peer"] is not None else ""
+                x = f"x{x_peer:.2f} vs {peer}" if x_peer is not None else ""
                 print(f"  threads={nt} S={S:5d} {name:22s} {med[name]:8.2f} ms {row['us_tok']:7.3f} us/tok "
                       f"peak {row['peak_mb'] or 0:7.1f} MB saved {row['saved_mb']:6.2f} MB  {x}", flush=True)
     torch.set_num_threads(threads[0])
@@ -262,22 +269,23 @@ def bench_entropy(nemo, peers, vocabs, positions, chunk, threads, repeats, warmu
             times = {k: [] for k in cont}
             with torch.no_grad():
                 for k in range(warmup + repeats):
-                    for name, fn in cont.items():  # fixed order; median over rounds
+                    for name, fn in cont.items():  # the baseline first in every round
                         t0 = time.perf_counter()
                         fn(z, tgt)
                         if k >= warmup:
                             times[name].append((time.perf_counter() - t0) * 1e3)
                 ref_rows = slice(0, min(positions, 256))
                 H_ref = _reference_entropy(z[ref_rows])
-                base = statistics.median(times["log_softmax+gather (baseline)"])
+                base_t = times["log_softmax+gather (baseline)"]
                 for name, fn in cont.items():
                     peak = peak_extra_bytes(lambda: fn(z, tgt))
                     _, H = fn(z[ref_rows], tgt[ref_rows])
                     err = None if H is None else float((H.double() - H_ref).abs().max())
                     t = statistics.median(times[name])
-                    rows.append(dict(name=name, V=V, N=positions, threads=nt, ms=t, x_base=t / base,
+                    x_base = statistics.median(a / b for a, b in zip(times[name], base_t))
+                    rows.append(dict(name=name, V=V, N=positions, threads=nt, ms=t, x_base=x_base,
                                      peak_mb=None if peak is None else peak / 2**20, err=err))
-                    print(f"  threads={nt} V={V:6d} N={positions} {name:70s} {t:9.2f} ms x{t / base:5.2f} "
+                    print(f"  threads={nt} V={V:6d} N={positions} {name:70s} {t:9.2f} ms x{x_base:5.2f} "
                           f"peak {rows[-1]['peak_mb'] or 0:8.1f} MB err {err if err is not None else '-'}", flush=True)
             del z
     torch.set_num_threads(threads[0])
@@ -321,10 +329,13 @@ def to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows) -> str:
                    f"{'s' if r['threads'] > 1 else ''} | ≤ 1.2×, peak ≤ one chunk ({chunk_mb:.0f} MB) | "
                    f"{r['x_base']:.2f}×, peak {_fmt(r['peak_mb'], '.1f')} MB | {'met' if ok else '**not met**'} |")
     L += ["| target | limit | measured | |", "|---|---|---|---|", *tgt, ""]
-    L += [f"### Policy loss, forward + backward (B={args.B}, float32, KL off, median of {args.repeats} "
-          "interleaved repeats)", "",
-          "× peer = time ÷ the NeMo-RL loss of the same math measured in the same run. peak = extra resident "
-          "memory of one call; saved = bytes autograd keeps for backward.", "",
+    L += [f"### Policy loss, forward + backward (B={args.B}, float32, KL off)", "",
+          f"Rounds: {args.repeats} at the largest S, proportionally more at smaller S; every round runs each "
+          "contender once in a shuffled order. ms = median over rounds; × peer = median over rounds of "
+          "(time ÷ the time of the NeMo-RL loss of the same math in the same round). peak = extra resident "
+          "memory of one call; saved = bytes autograd keeps for backward. `sppo` runs exactly `grpo`'s "
+          "computation (only its advantage estimator differs): the spread between the two rows is this "
+          "machine's noise.", "",
           "| threads | S | tokens | loss | ms | × peer | µs/token | peak MB | saved MB |",
           "|---|---|---|---|---|---|---|---|---|"]
     for r in loss_rows:
@@ -341,7 +352,7 @@ def to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows) -> str:
     L += ["", f"Linearity (µs/token at S={largest} ÷ at S={small}, {args.threads[0]} thread; 1 = linear, < 1 = "
           "per-call overhead amortised): " + ", ".join(lin) + ".", ""]
     L += [f"### π_old pass: logprob (+ entropy) from float32 logits (no grad, chunk {args.chunk} positions, "
-          f"median of {args.repeats})", ""]
+          f"{args.repeats} rounds; × = median over rounds of time ÷ the baseline's time in the same round)", ""]
     for k, v in peer_why.items():
         L.append(f"*{k} skipped*: {v}.")
     L += ["", "| threads | V | positions | helper | ms | × log_softmax+gather | peak MB | max abs err of H vs float64 |",
@@ -366,7 +377,7 @@ def main(argv=None):
     ap.add_argument("--skip-entropy", action="store_true")
     ap.add_argument("--skip-loss", action="store_true")
     args = ap.parse_args(argv)
-    args.seq_lens = args.seq_lens or ([256, 1024] if args.quick else [1024, 4096])
+    args.seq_lens = args.seq_lens or ([256, 1024] if args.quick else [256, 1024, 4096])
     args.repeats = args.repeats or (3 if args.quick else 11)
     args.vocabs = args.vocabs or ([4096] if args.quick else [4096, 32768])
     args.positions = args.positions or (512 if args.quick else 2048)
