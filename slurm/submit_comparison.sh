@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# Submit configs that differ only in the loss (e.g. ESPO vs GSPO) as separate slurm/launch.sh jobs
-# with the same seed and data, plus a dependent job (--dependency=afterany) that builds the same
-# comparison report as the embedded `nemo-granular compare`, from the finished run directories.
+# Submit configs that differ only in the loss (e.g. ESPO vs GSPO, SPPO vs GRPO) as separate
+# slurm/launch.sh jobs with the same seed and data, plus a small dependent job
+# (--dependency=afterany) that builds the comparison report (`nemo-granular compare --from-runs`)
+# from the run directories, with the benchmark table when the runs hold evals.json.
 #
 #   slurm/submit_comparison.sh [options] CONFIG.yaml CONFIG.yaml [...] [-- key=value ...]
 #
-#   --out DIR          comparison directory: one run directory per config + report/ (default
-#                      ./comparisons/<first config>-vs-...-<date>)
-#   --seed N           seed of every run (default 0)
-#   --nodes N          nodes per training job (default 2)
-#   --driver KIND      train: `nemo-granular train` (embedded trainer; default for configs under
-#                      examples/configs/local/), grpo: `python -m nemo_granular.run_grpo` (NeMo-RL)
-#   --sbatch "ARGS"    extra sbatch arguments for every job (partition, account, time, gres, ...)
-#   --dry-run          print the sbatch commands instead of submitting
-# Overrides after `--` go to every run. Environment (CONTAINER, MOUNTS, VENV, WORKDIR, ...) is
-# passed to slurm/launch.sh unchanged (docs/slurm.md). Prints the job ids and the report path.
+#   --out DIR              comparison directory: one run directory per config + report/
+#                          (default ./comparisons/<config>-vs-...-<date>)
+#   --seed N               seed of every run (default 0)
+#   --nodes N              nodes per training job (default 2)
+#   --driver KIND          auto (default): per config, `nemo-granular train` for configs under
+#                          examples/configs/local/, `-m nemo_granular.run_sppo` for SPPO configs
+#                          (a name containing "sppo"), else `-m nemo_granular.run_grpo`;
+#                          or train | grpo | sppo for every config
+#   --sbatch "ARGS"        sbatch arguments for EVERY job (account, partition, qos)
+#   --train-sbatch "ARGS"  sbatch arguments for the training jobs only (--gres, --time, ...)
+#   --report-sbatch "ARGS" sbatch arguments for the report job only
+#                          (default "--time=00:30:00 --cpus-per-task=2")
+#   --dry-run              print the sbatch commands; submit nothing, write nothing
+# Overrides after `--` go to every run. Environment: CONTAINER, MOUNTS, VENV, WORKDIR, ... are
+# passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON (default "uv run python") is how NeMo-RL
+# drivers start Python (docs/slurm.md, "One launch story"). Prints the job ids and the report path.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 LAUNCH=$HERE/launch.sh
 
-OUT="" SEED=0 NODES=2 DRIVER="" DRY=0
-SBATCH_EXTRA=()
+OUT="" SEED=0 NODES=2 DRIVER=auto DRY=0
+SBATCH_ALL=() SBATCH_TRAIN=() SBATCH_REPORT=(--time=00:30:00 --cpus-per-task=2)
 CONFIGS=() OVERRIDES=()
 die() { echo "submit_comparison: $*" >&2; exit 2; }
 while (( $# )); do
@@ -29,9 +36,11 @@ while (( $# )); do
     --seed) SEED=$2; shift 2 ;;
     --nodes) NODES=$2; shift 2 ;;
     --driver) DRIVER=$2; shift 2 ;;
-    --sbatch) read -r -a SBATCH_EXTRA <<<"$2"; shift 2 ;;
+    --sbatch) read -r -a SBATCH_ALL <<<"$2"; shift 2 ;;
+    --train-sbatch) read -r -a SBATCH_TRAIN <<<"$2"; shift 2 ;;
+    --report-sbatch) read -r -a SBATCH_REPORT <<<"$2"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
     --) shift; OVERRIDES=("$@"); break ;;
     -*) die "unknown option $1" ;;
     *) CONFIGS+=("$1"); shift ;;
@@ -40,9 +49,18 @@ done
 (( ${#CONFIGS[@]} >= 2 )) || die "give at least two configs (they should differ only in the loss)"
 [[ "$SEED" =~ ^[0-9]+$ ]] || die "--seed must be a non-negative integer, got $SEED"
 [[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got $NODES"
+[[ "$DRIVER" =~ ^(auto|train|grpo|sppo)$ ]] || die "--driver must be auto, train, grpo or sppo, got $DRIVER"
+for a in "${SBATCH_ALL[@]}"; do
+  case "$a" in
+    --gres*|--gpus*|-G*|--time*|-t*|--nodes*|-N*|--exclusive*)
+      die "--sbatch is for every job (account, partition); put $a in --train-sbatch (the report job has --report-sbatch)" ;;
+  esac
+done
 
 WORKDIR=${WORKDIR:-$PWD}
-names=()
+NEMO_RL_PYTHON=${NEMO_RL_PYTHON:-uv run python}
+read -r -a NRL_PY <<<"$NEMO_RL_PYTHON"
+names=() drivers=()
 for i in "${!CONFIGS[@]}"; do
   c=${CONFIGS[$i]}
   [[ "$c" = /* ]] || c=$PWD/$c
@@ -51,19 +69,21 @@ for i in "${!CONFIGS[@]}"; do
   n=$(basename "$c"); n=${n%.yaml}; n=${n%.yml}
   for m in "${names[@]}"; do [[ "$m" != "$n" ]] || die "two configs are named $n"; done
   names+=("$n")
+  d=$DRIVER
+  if [[ "$d" == auto ]]; then
+    if [[ "$c" == */examples/configs/local/* ]]; then d=train
+    elif [[ "$n" == *sppo* ]]; then d=sppo
+    else d=grpo; fi
+  fi
+  drivers+=("$d")
 done
-if [[ -z "$DRIVER" ]]; then
-  DRIVER=grpo
-  [[ "${CONFIGS[0]}" == */examples/configs/local/* ]] && DRIVER=train
-fi
-[[ "$DRIVER" == train || "$DRIVER" == grpo ]] || die "--driver must be train or grpo, got $DRIVER"
 if [[ -z "$OUT" ]]; then
   OUT=$PWD/comparisons/$(IFS=-; echo "${names[*]}")-$(date +%Y%m%d-%H%M%S)
 fi
 [[ "$OUT" = /* ]] || OUT=$PWD/$OUT
-mkdir -p "$OUT"
+(( DRY )) || mkdir -p "$OUT"
 
-run() {  # run CMD... -> prints the job id (or the command with --dry-run)
+run() {  # run CMD... -> prints the job id (or, with --dry-run, the command and a placeholder id)
   if (( DRY )); then printf '%q ' "$@" >&2; echo >&2; echo "DRYRUN$RANDOM"; return; fi
   "$@"
 }
@@ -72,31 +92,42 @@ jobs=() run_dirs=()
 for i in "${!CONFIGS[@]}"; do
   name=${names[$i]} cfg=${CONFIGS[$i]} rd=$OUT/${names[$i]}
   run_dirs+=("$rd")
-  if [[ "$DRIVER" == train ]]; then
-    cmd=(nemo-granular train --config "$cfg" "output_dir=$rd" "seed=$SEED" "${OVERRIDES[@]}")
-  else
-    cmd=(python -m nemo_granular.run_grpo --config "$cfg" "grpo.seed=$SEED"
-         "checkpointing.checkpoint_dir=$rd/checkpoints" "logger.log_dir=$rd/logs" "${OVERRIDES[@]}")
-  fi
+  (( DRY )) || mkdir -p "$rd"   # exists even if the job dies before its driver writes anything
+  case "${drivers[$i]}" in
+    train)
+      cmd=(nemo-granular train --config "$cfg" "output_dir=$rd" "seed=$SEED" "${OVERRIDES[@]}") ;;
+    grpo|sppo)
+      section=grpo; [[ "${drivers[$i]}" == sppo ]] && section=ppo
+      cmd=("${NRL_PY[@]}" -m "nemo_granular.run_${drivers[$i]}" --config "$cfg" "$section.seed=$SEED"
+           "checkpointing.checkpoint_dir=$rd/checkpoints" "logger.log_dir=$rd/logs"
+           logger.tensorboard_enabled=true "${OVERRIDES[@]}") ;;
+  esac
   jid=$(WORKDIR=$WORKDIR BASE_LOG_DIR=${BASE_LOG_DIR:-$OUT/slurm-logs} run sbatch --parsable --nodes="$NODES" \
-        --job-name="cmp-$name" --output="$OUT/slurm-%x-%j.out" "${SBATCH_EXTRA[@]}" "$LAUNCH" "${cmd[@]}")
+        --job-name="cmp-$name" --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
+        "$LAUNCH" "${cmd[@]}")
   jid=${jid%%;*}
   jobs+=("$jid")
-  echo "submitted $name: job $jid -> $rd"
+  echo "submitted $name (${drivers[$i]}): job $jid -> $rd"
 done
 
-# the report: afterany, so a failed or cancelled run still gets a report of the others
+# the report: afterany, so a failed or cancelled run still gets a report of the others; its own
+# small allocation (one task, no GPUs, a short time limit), not the training jobs' resources
 dep=$(IFS=:; echo "${jobs[*]}")
 report_cmd=$(printf '%q ' nemo-granular compare --from-runs "${run_dirs[@]}" --out "$OUT/report")
 prefix=$(printf 'cd %q && ' "$WORKDIR")
 [[ -n "${VENV:-}" ]] && prefix+=$(printf 'source %q/bin/activate && ' "$VENV")
+[[ -n "${SETUP_COMMAND:-}" ]] && prefix+="$SETUP_COMMAND && "
 if [[ -n "${CONTAINER:-}" ]]; then
   wrap="srun --container-image=${CONTAINER} ${MOUNTS:+--container-mounts=$MOUNTS} --container-workdir=$WORKDIR --no-container-mount-home bash -c $(printf '%q' "$prefix$report_cmd")"
 else
   wrap="exec bash -c $(printf '%q' "$prefix$report_cmd")"   # --wrap scripts run under /bin/sh
 fi
 rjid=$(run sbatch --parsable --nodes=1 --ntasks=1 --dependency="afterany:$dep" --kill-on-invalid-dep=no \
-       --job-name=cmp-report --output="$OUT/slurm-%x-%j.out" "${SBATCH_EXTRA[@]}" --wrap="$wrap")
+       --job-name=cmp-report --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_REPORT[@]}" --wrap="$wrap")
 rjid=${rjid%%;*}
 echo "submitted report: job $rjid (after $dep) -> $OUT/report/report.md"
-printf '%s\n' "${jobs[@]}" "$rjid" >"$OUT/job_ids.txt"
+if (( DRY )); then
+  echo "dry run: nothing submitted, nothing written ($OUT not created)"
+else
+  printf '%s\n' "${jobs[@]}" "$rjid" >"$OUT/job_ids.txt.tmp" && mv -f "$OUT/job_ids.txt.tmp" "$OUT/job_ids.txt"
+fi

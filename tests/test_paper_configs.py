@@ -166,6 +166,10 @@ def load(nemo_rl_src, tmp_path_factory):
     from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
 
     register_omegaconf_resolvers()
+    try:   # the launchers' loader: NeMo-RL's load_config with nemo_rl/upstream/ -> $NEMO_RL_SRC
+        from nemo_granular.nemo_rl.configs import load_config as launcher_load_config
+    except ImportError:
+        launcher_load_config = None
     d = tmp_path_factory.mktemp("configs")
     for p in CONFIGS.glob("*.yaml"):
         shutil.copy(p, d / p.name)
@@ -175,8 +179,12 @@ def load(nemo_rl_src, tmp_path_factory):
 
     def _load(name: str) -> dict:
         if name not in cache:
-            cfg = load_config(d / name)
-            cache[name] = OmegaConf.to_container(cfg, resolve=True)
+            # the documented link next to a copy: NeMo-RL's own loader, nothing in between
+            cfg = OmegaConf.to_container(load_config(d / name), resolve=True)
+            if launcher_load_config is not None:   # and what run_grpo / run_sppo load: the same
+                mine = OmegaConf.to_container(launcher_load_config(CONFIGS / name), resolve=True)
+                assert mine == cfg, f"{name}: nemo_granular.nemo_rl.configs.load_config differs from NeMo-RL's"
+            cache[name] = cfg
         return cache[name]
     return _load
 

@@ -354,6 +354,85 @@ def test_submit_comparison_runs_both_losses_and_builds_the_report(cluster, tmp_p
     assert all("START_RAY=0" in p.read_text() for p in launcher)   # 1-node embedded runs need no Ray
 
 
+NRL_DRIVER = ROOT / "tests" / "nemo_rl_logger_driver.py"
+
+
+def _nemo_rl_config_dir(nemo_rl_src: Path, dest: Path) -> Path:
+    """The cluster configs next to the link nemo_rl/upstream -> NeMo-RL's example configs (the
+    documented set-up), so that NeMo-RL's load_config resolves their `defaults:`."""
+    dest.mkdir(parents=True)
+    for p in (ROOT / "examples" / "configs").glob("*.yaml"):
+        shutil.copy(p, dest / p.name)
+    (dest / "nemo_rl").mkdir()
+    (dest / "nemo_rl" / "upstream").symlink_to(nemo_rl_src / "examples" / "configs", target_is_directory=True)
+    return dest
+
+
+def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, tmp_path):
+    """ESPO vs GSPO on Qwen3-30B-A3B as a user submits it, with the NeMo-RL driver replaced by
+    tests/nemo_rl_logger_driver.py (NEMO_RL_PYTHON): NeMo-RL's own load_config, Logger
+    (TensorBoard) and CheckpointManager write the run directories, plus evals.json; the small
+    afterany report job must turn them into report.md with the benchmark table."""
+    cfgs = _nemo_rl_config_dir(nemo_rl_src, tmp_path / "configs")
+    out = tmp_path / "cmp"
+    env = {**cluster.env, "NEMO_RL_PYTHON": f"{sys.executable} {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
+           "START_RAY": "0"}       # the stand-in driver does not use Ray (the other tests cover Ray)
+    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
+                        "--train-sbatch", "--time=4:00:00 --gres=gpu:2",
+                        str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"), str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml"),
+                        "--", "grpo.max_num_steps=4", "grpo.val_period=2"],
+                       env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    ids = (out / "job_ids.txt").read_text().split()
+    assert len(ids) == 3, r.stdout
+    # the training jobs got the GPUs and the long limit, the report job its own small allocation
+    for job in ids[:2]:
+        f = cluster.job_fields(job)
+        assert f.get("TimeLimit") == "04:00:00" and "gpu:2" in (f.get("TresPerNode", "") + f.get("Gres", "")), f
+    rf = cluster.job_fields(ids[2])
+    assert rf.get("TimeLimit") == "00:30:00" and "gpu" not in rf.get("TresPerNode", "") + rf.get("Gres", ""), rf
+    for job in ids:
+        state = cluster.wait_terminal(job, timeout=420)
+        assert state == "COMPLETED", f"{job}: {state}\n{_explain(cluster, out, job)}"
+    for name in ("espo_qwen3_30b_a3b_megatron", "gspo_qwen3_30b_a3b_megatron"):
+        run = out / name
+        assert list((run / "logs").glob("exp_*/tensorboard/events.out.tfevents.*")), _explain(cluster, out, ids[0])
+        assert (run / "checkpoints" / "step_4" / "config.yaml").is_file()
+        drv = next((out / "slurm-logs").glob(f"cmp-{name}-*/driver.log")).read_text()
+        # the launcher appended the allocation to the NeMo-RL command line
+        assert "cluster.num_nodes=1" in drv and "gpus/node=2" in drv, drv
+    report = (out / "report" / "report.md").read_text()
+    assert "Runs: 2 usable of 2" in report, report[:600]
+    assert "## Benchmark suite" in report and "| AIME24 |" in report and "| HMMT25 |" in report, report
+    rows = [line for line in report.splitlines()
+            if line.startswith(("| espo_qwen3_30b_a3b_megatron | 1 |", "| gspo_qwen3_30b_a3b_megatron | 1 |"))]
+    assert len(rows) == 4, report       # the statistics table and the benchmark table, both runs
+    bench = [line for line in rows if line.rstrip().endswith("| 4 |")]   # scored at the last step
+    assert len(bench) == 2, rows
+    assert any(line.startswith("| ESPO reaches a higher final validation accuracy than GSPO") and "ESPO 0." in line
+               for line in report.splitlines()), report
+    assert "Qwen/Qwen3-30B-A3B-Base" in report
+
+
+def test_submit_comparison_dry_run_writes_nothing_and_keeps_training_resources_off_the_report(tmp_path):
+    local = ROOT / "examples" / "configs" / "local"
+    out = tmp_path / "cmp"
+    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(out),
+                        "--sbatch", "-A acct -p part", "--train-sbatch", "--gres=gpu:8 --time=4:00:00",
+                        str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert not out.exists(), "a dry run created the comparison directory"
+    sbatch = [line for line in r.stderr.splitlines() if line.startswith("sbatch")]
+    assert len(sbatch) == 3, r.stderr
+    assert all("-A acct -p part" in line for line in sbatch)
+    assert all("--gres=gpu:8" in line and "--time=4:00:00" in line for line in sbatch[:2])
+    assert "--gres" not in sbatch[2] and "--time=00:30:00" in sbatch[2] and "--dependency=afterany:" in sbatch[2]
+    bad = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--sbatch", "--gres=gpu:8",
+                          str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert bad.returncode == 2 and "--train-sbatch" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+
 def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
     """Runs LAST among the cluster tests: it leaves node ngt2 dead (down.sh cleans up)."""
     run_dir = tmp_path / "run"

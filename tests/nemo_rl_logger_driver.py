@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Stand-in for a NeMo-RL training driver in the Slurm comparison test (a test fixture).
+
+``slurm/submit_comparison.sh`` starts NeMo-RL drivers as ``$NEMO_RL_PYTHON -m
+nemo_granular.run_grpo --config CFG overrides...``; the test sets ``NEMO_RL_PYTHON="python
+tests/nemo_rl_logger_driver.py"``, so this script receives exactly the arguments Python would.
+Instead of training it produces what a NeMo-RL run leaves behind, with NeMo-RL's own code:
+
+* the config: NeMo-RL's ``load_config`` (``defaults:`` resolved) + ``parse_hydra_overrides``,
+  resolved with NeMo-RL's resolvers;
+* TensorBoard events from NeMo-RL's ``Logger`` in ``get_next_experiment_dir(logger.log_dir)``
+  (``exp_NNN/``), with the metric names and prefixes NeMo-RL's GRPO/PPO loops log
+  (``train/reward``, ``train/mean_gen_tokens_per_sample``, ``train/global_valid_seqs``,
+  ``timing/train/total_step_time``, ``validation/accuracy``, ...), one step per
+  ``step_seconds`` (``NG_FAKE_STEP_SECONDS``, default 0.2);
+* a final checkpoint ``checkpoint_dir/step_N/`` through NeMo-RL's ``CheckpointManager`` (which
+  writes its ``config.yaml``);
+* ``<run>/evals.json`` (run = the parent of ``checkpoint_dir``) in nemo-granular's format
+  (``nemo_granular.evals.results.merge_write``), as ``nemo-granular eval-checkpoints`` writes
+  it after NeMo-RL's eval, for the config's paper suite.
+
+The numbers are synthetic but deterministic in (algorithm, seed, step); ESPO's curves rise a
+little faster than GSPO's so the report has something to compare.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[0] != "-m" or argv[2] != "--config":
+        print("nemo_rl_logger_driver: usage: -m nemo_granular.run_grpo|run_sppo --config CFG [overrides]",
+              file=sys.stderr)
+        return 2
+    module, cfg_path, overrides = argv[1], argv[3], argv[4:]
+    if module not in ("nemo_granular.run_grpo", "nemo_granular.run_sppo"):
+        print(f"nemo_rl_logger_driver: unexpected module {module}", file=sys.stderr)
+        return 2
+    from omegaconf import OmegaConf
+
+    from nemo_rl.utils.checkpoint import CheckpointManager
+    from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
+    from nemo_rl.utils.logger import Logger, get_next_experiment_dir
+
+    register_omegaconf_resolvers()
+    config = load_config(cfg_path)
+    if overrides:
+        config = parse_hydra_overrides(config, overrides)
+    cfg = OmegaConf.to_container(config, resolve=True)
+    section = "ppo" if module.endswith("run_sppo") else "grpo"
+    algo = cfg[section]
+    name = (cfg.get("loss_fn", {}).get("granular", {}) or {}).get("algorithm") or ("sppo" if section == "ppo" else "grpo")
+    seed = int(algo.get("seed", 0))
+    steps = int(algo["max_num_steps"])
+    val_period = int(algo.get("val_period", 0) or 0)
+    samples = int(algo["num_prompts_per_step"]) * int(algo.get("num_generations_per_prompt", 1))
+    dt = float(os.environ.get("NG_FAKE_STEP_SECONDS", "0.2"))
+
+    log_cfg = cfg["logger"]
+    log_cfg["log_dir"] = get_next_experiment_dir(log_cfg["log_dir"])
+    log_cfg.update(wandb_enabled=False, swanlab_enabled=False, mlflow_enabled=False, monitor_gpus=False)
+    logger = Logger(log_cfg)
+    print(f"[{name}] logging to {log_cfg['log_dir']} (nodes={cfg['cluster']['num_nodes']}, "
+          f"gpus/node={cfg['cluster']['gpus_per_node']})", flush=True)
+
+    rate = {"espo": 0.09, "sspo": 0.08, "sppo": 0.07}.get(name, 0.05)
+    noise = lambda s: 0.01 * math.sin(1.7 * s + seed)  # noqa: E731 - deterministic "noise"
+
+    def accuracy(step: int) -> float:
+        return 0.30 + 0.25 * (1 - math.exp(-rate * step)) + noise(step)
+
+    if algo.get("val_at_start"):
+        logger.log_metrics({"accuracy": accuracy(0)}, 0, prefix="validation")
+    for step in range(1, steps + 1):
+        time.sleep(dt)
+        reward = 0.25 + 0.3 * (1 - math.exp(-rate * step)) + noise(step)
+        logger.log_metrics({"reward": reward, "mean_gen_tokens_per_sample": 900.0 + 20 * step,
+                            "global_valid_seqs": float(samples), "loss": -0.01 * reward,
+                            "grad_norm": 0.5 + noise(step), "clip_frac_low": 0.002, "clip_frac_high": 0.003,
+                            "prev_entropy_mean": 0.42 - 0.005 * step}, step, prefix="train")
+        logger.log_metrics({"total_step_time": 30.0 + 5 * noise(step)}, step, prefix="timing/train")
+        if val_period and step % val_period == 0:
+            logger.log_metrics({"accuracy": accuracy(step)}, step, prefix="validation")
+            logger.log_metrics({"total_validation_time": 3.0}, step, prefix="timing/validation")
+
+    ckpt = CheckpointManager(cfg["checkpointing"])
+    # run_config: NeMo-RL passes its pydantic MasterConfig and dumps .model_dump() to config.yaml
+    path = ckpt.init_tmp_checkpoint(steps, {"step": steps, "val_reward": accuracy(steps)},
+                                    run_config=SimpleNamespace(model_dump=lambda: cfg))
+    ckpt.finalize_checkpoint(path)
+
+    from nemo_granular.evals.results import merge_write
+    from nemo_granular.evals.suite import BENCHMARKS, PROTOCOLS
+
+    proto = PROTOCOLS[name if name in PROTOCOLS else "espo"]
+    run = Path(cfg["checkpointing"]["checkpoint_dir"]).parent
+    benches = {k: {"label": BENCHMARKS[k].label, "problems": 30 if k != "math500" else 500,
+                   "samples_per_problem": s.samples, "decoding": s.decoding, "metric": s.metric}
+               for k, s in proto.benchmarks.items()}
+    scores = {steps: {k: round(accuracy(steps) - 0.1 * i, 4) for i, k in enumerate(proto.benchmarks)}}
+    merge_write(run / "evals.json", run.name, "nemo-rl", proto.name,
+                {"description": proto.description, "select": proto.select, "select_note": proto.select_note,
+                 "every": proto.every}, benches, scores)
+    print(f"[{name}] finished {steps} steps; checkpoint {path}; evals {run / 'evals.json'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
