@@ -14,9 +14,18 @@ our hooks in between:
 4. the returned ``loss_fn`` is replaced by ``GranularPolicyLoss(master_config.loss_fn,
    tokenizer=..., vocab_size=...)``.
 
-Refused: ``data_plane.enabled: true`` (TransferQueue moves a fixed field list and drops our
-keys) and the single-controller trainer (``async_rl`` section). Without NeMo-RL installed the
-script prints one line naming the missing package and exits with status 2.
+The config is loaded by :func:`nemo_granular.nemo_rl.configs.load_resolved`: NeMo-RL's own
+``load_config`` with the ``nemo_rl/upstream/`` parents resolved against NeMo-RL's
+``examples/configs`` (``$NEMO_RL_SRC`` or the importable ``nemo_rl``'s checkout; no link needed).
+
+Refused with one line (exit status 2): ``data_plane.enabled: true`` (TransferQueue moves a fixed
+field list and drops our keys); the single-controller trainer (``async_rl`` section); the
+combinations NeMo-RL's ``examples/run_grpo.py`` refuses for async GRPO (dynamic sampling,
+reward scaling, reward shaping, multiple dataloaders — ``async_grpo_train`` does not check
+them itself); settings under which the importance ratio is identically 1
+(``loss_fn.force_on_policy_ratio: true``, one optimizer step per rollout) unless
+``nemo_granular.allow_ratio_always_one: true``; a missing config file or NeMo-RL parent config;
+a missing NeMo-RL.
 """
 
 from __future__ import annotations
@@ -28,10 +37,16 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["main", "parse_args", "check_supported_modes", "runtime_options", "build_loss", "RUNTIME_SECTION"]
+__all__ = ["main", "parse_args", "check_supported_modes", "check_async_grpo", "check_config", "runtime_options",
+           "build_loss", "EstimatorMetricsLogger", "RUNTIME_SECTION"]
 
 RUNTIME_SECTION = "nemo_granular"
 ENTROPY_SOURCES = ("extension", "current_logits")
+ALLOW_RATIO_ONE = "allow_ratio_always_one"
+RUNTIME_KEYS = ("entropy_source", ALLOW_RATIO_ONE)
+# what NeMo-RL's examples/run_grpo.py refuses for async GRPO (async_grpo_train does not check them)
+ASYNC_GRPO_UNSUPPORTED = (("grpo", "use_dynamic_sampling"), ("grpo", "reward_scaling", "enabled"),
+                          ("grpo", "reward_shaping", "enabled"), ("data", "use_multiple_dataloader"))
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -52,15 +67,49 @@ def check_supported_modes(config: Mapping[str, Any]) -> None:
                          "use grpo.async_grpo with this script or the synchronous trainer")
 
 
+def _get(cfg: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    cur: Any = cfg
+    for part in path:
+        if not isinstance(cur, Mapping) or part not in cur:
+            return None
+        cur = cur[part]
+    return cur
+
+
+def check_async_grpo(config: Mapping[str, Any]) -> None:
+    """NeMo-RL's launcher checks for async GRPO (``examples/run_grpo.py``), before any GPU work."""
+    if not bool(_get(config, ("grpo", "async_grpo", "enabled"))):
+        return
+    for path in ASYNC_GRPO_UNSUPPORTED:
+        if bool(_get(config, path)):
+            raise ValueError(f"{'.'.join(path)}: true is not supported with async GRPO (grpo.async_grpo.enabled: true), "
+                             f"as in NeMo-RL's examples/run_grpo.py")
+
+
 def runtime_options(config: Mapping[str, Any]) -> dict[str, Any]:
     """The top-level ``nemo_granular:`` section (our runtime switches), validated."""
     opts = dict(config.get(RUNTIME_SECTION) or {})
-    unknown = set(opts) - {"entropy_source"}
+    unknown = set(opts) - set(RUNTIME_KEYS)
     if unknown:
-        raise ValueError(f"{RUNTIME_SECTION}: unknown key(s) {sorted(unknown)} (allowed: entropy_source)")
+        raise ValueError(f"{RUNTIME_SECTION}: unknown key(s) {sorted(unknown)} (allowed: {', '.join(RUNTIME_KEYS)})")
     src = opts.setdefault("entropy_source", "extension")
     if src not in ENTROPY_SOURCES:
         raise ValueError(f"{RUNTIME_SECTION}.entropy_source: must be one of {list(ENTROPY_SOURCES)}, got {src!r}")
+    allow = opts.setdefault(ALLOW_RATIO_ONE, False)
+    if not isinstance(allow, bool):
+        raise ValueError(f"{RUNTIME_SECTION}.{ALLOW_RATIO_ONE}: must be true or false, got {allow!r}")
+    return opts
+
+
+def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """All start-up checks on the resolved config; returns the runtime options (one-line ``ValueError``)."""
+    from .nemo_rl.configs import check_ratio_is_active
+
+    check_supported_modes(config)
+    check_async_grpo(config)
+    opts = runtime_options(config)
+    if not opts[ALLOW_RATIO_ONE]:
+        check_ratio_is_active(dict(config), "grpo", f"{RUNTIME_SECTION}.{ALLOW_RATIO_ONE}")
     return opts
 
 
@@ -75,6 +124,39 @@ def build_loss(master_config: Any, tokenizer, vocab_size: int | None, entropy_so
 
         return CurrentLogitsEntropyLoss(loss, master_config=master_config)
     return loss
+
+
+class EstimatorMetricsLogger:
+    """NeMo-RL's ``Logger`` plus the advantage estimator's ``last_metrics`` in synchronous runs.
+
+    ``async_grpo_train`` merges ``adv_estimator.last_metrics`` into the step's rollout metrics;
+    ``grpo_train`` never reads them, so ESPO's ``verification_failed_frac`` was never logged in
+    synchronous runs. This wrapper (handed to ``grpo_train`` in place of the logger ``setup``
+    returned) adds the metrics of the estimator our factory built last
+    (:data:`nemo_granular.nemo_rl.estimators.LAST_BUILT`) to the next ``prefix="train"`` call
+    after each ``compute_advantage`` — the step's main train metrics — without overwriting keys
+    already there (async runs keep theirs). Everything else is delegated unchanged."""
+
+    def __init__(self, logger, estimator_source=None):
+        from .nemo_rl import estimators
+
+        self._inner = logger
+        self._source = estimator_source or (lambda: estimators.LAST_BUILT[0] if estimators.LAST_BUILT else None)
+        self._consumed = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def log_metrics(self, metrics, step, prefix="", *args, **kwargs):
+        if prefix == "train":
+            est = self._source()
+            calls = getattr(est, "calls", None)
+            extra = getattr(est, "last_metrics", None)
+            if isinstance(calls, int) and calls > self._consumed:
+                self._consumed = calls
+                if extra:
+                    metrics = {**metrics, **{k: v for k, v in extra.items() if k not in metrics}}
+        return self._inner.log_metrics(metrics, step, prefix, *args, **kwargs)
 
 
 def _model_vocab_size(policy_cfg: Mapping[str, Any], tokenizer) -> int:
@@ -109,32 +191,32 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
               f"environment with nemo_granular on PYTHONPATH (see docs/nemo-rl.md)", file=sys.stderr)
         return 2
 
-    from omegaconf import OmegaConf
+    from pydantic import ValidationError
 
     from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup, shutdown_environments
     from nemo_rl.algorithms.utils import get_tokenizer
     from nemo_rl.data.utils import setup_response_data
     from nemo_rl.distributed.virtual_cluster import init_ray
     from nemo_rl.models.generation import configure_generation_config
-    from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
     from nemo_rl.utils.logger import get_next_experiment_dir
 
     from .nemo_rl import install
+    from .nemo_rl.configs import load_resolved
     from .nemo_rl.environments import register_espo_environment
     from .nemo_rl.policy import make_policy_factory, register_worker_extensions
 
-    register_omegaconf_resolvers()
-    config = load_config(args.config)
-    if overrides:
-        config = parse_hydra_overrides(config, overrides)
-    config = OmegaConf.to_container(config, resolve=True)
     try:
-        check_supported_modes(config)
-        opts = runtime_options(config)
-    except ValueError as err:
-        print(f"nemo_granular.run_grpo: {err}", file=sys.stderr)
+        config = load_resolved(args.config, overrides)
+        opts = check_config(config)
+        master_config = MasterConfig(**config)
+    except (ValueError, FileNotFoundError) as err:   # ConfigFileError is a FileNotFoundError
+        if isinstance(err, ValidationError):
+            first = err.errors()[0]
+            msg = f"{args.config}: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}"
+        else:
+            msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(f"nemo_granular.run_grpo: {msg}", file=sys.stderr)
         return 2
-    master_config = MasterConfig(**config)
     pprint.pprint(master_config)
 
     master_config.logger["log_dir"] = get_next_experiment_dir(master_config.logger["log_dir"])
@@ -164,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
      grpo_state, master_config, teacher_worker_groups, alias_to_group_alias) = setup(
         master_config, tokenizer, dataset, val_dataset, policy_factory=factory)
 
+    logger = EstimatorMetricsLogger(logger)
     try:
         if master_config.grpo.async_grpo.enabled:
             from nemo_rl.algorithms.grpo import async_grpo_train

@@ -13,7 +13,14 @@ Follows NeMo-RL's ``examples/run_ppo.py`` flow (``load_config`` → ``parse_hydr
 3. the value model is wrapped in :class:`nemo_granular.sppo.critic.PromptOnlyValue` (critic
    forwards prompt + 1 token, unique prompts only; logs critic diagnostics each step);
 4. start-up checks: binary rewards (reward scaling / shaping off), estimator name, N and KL
-   warnings, and the same-tokenizer check for a smaller decoupled critic.
+   warnings, the same-tokenizer check for a smaller decoupled critic, the checks NeMo-RL's
+   ``examples/run_ppo.py`` makes for async PPO (all before any GPU work except the FP8
+   KV-scale one, which needs the generation object), and a refusal of settings under which the
+   importance ratio is identically 1 (``loss_fn.force_on_policy_ratio: true``, one optimizer
+   step per rollout) unless ``sppo.allow_ratio_always_one: true``.
+
+The config is loaded by :func:`nemo_granular.nemo_rl.configs.load_resolved` (NeMo-RL's
+``load_config`` with ``nemo_rl/upstream/`` resolved against NeMo-RL's ``examples/configs``).
 
 SPPO's own options live in the top-level ``sppo:`` section (see ``nemo_granular.sppo.validate``).
 Errors a user can fix (missing NeMo-RL, bad config) print one line and exit with code 2.
@@ -51,17 +58,16 @@ def _import_nemo_rl() -> SimpleNamespace:
         from nemo_rl.data.utils import setup_response_data
         from nemo_rl.distributed.virtual_cluster import init_ray
         from nemo_rl.models.generation import configure_generation_config
-        from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
         from nemo_rl.utils.logger import get_next_experiment_dir
+
+        from .nemo_rl.configs import load_resolved
     except ImportError as err:
         raise MissingDependencyError(
             f"NeMo-RL is installed but {err.name or 'one of its modules'!r} cannot be imported ({err}); "
             f"{PROG} needs NeMo-RL's PPO (nemo_rl.algorithms.ppo)") from None
     return SimpleNamespace(OmegaConf=OmegaConf, ppo=ppo_module, get_tokenizer=get_tokenizer,
                            setup_response_data=setup_response_data, init_ray=init_ray,
-                           configure_generation_config=configure_generation_config, load_config=load_config,
-                           parse_hydra_overrides=parse_hydra_overrides,
-                           register_omegaconf_resolvers=register_omegaconf_resolvers,
+                           configure_generation_config=configure_generation_config, load_resolved=load_resolved,
                            get_next_experiment_dir=get_next_experiment_dir)
 
 
@@ -75,28 +81,54 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def prepare_config(nr: SimpleNamespace, path: str, overrides: list[str]):
     """Load + override + resolve + validate. Returns ``(MasterConfig, SPPOOptions)``."""
+    from pydantic import ValidationError
+
+    from .nemo_rl.configs import check_ratio_is_active
     from .sppo.validate import validate_sppo_config
 
-    nr.register_omegaconf_resolvers()
-    cfg = nr.load_config(path)
-    if overrides:
-        cfg = nr.parse_hydra_overrides(cfg, overrides)
-    config = nr.OmegaConf.to_container(cfg, resolve=True)
+    config = nr.load_resolved(path, overrides)
     opts, warnings = validate_sppo_config(config, source=path)
+    if not opts.allow_ratio_always_one:
+        check_ratio_is_active(config, "ppo", "sppo.allow_ratio_always_one")
     for w in warnings:
         print(f"{PROG}: warning: {w}", file=sys.stderr)
-    return nr.ppo.MasterConfig(**config), opts
+    try:
+        return nr.ppo.MasterConfig(**config), opts
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ValueError(f"{path}: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
 
 
-def _check_async(config) -> None:
+def _check_async(config, policy_generation=None) -> None:
+    """NeMo-RL's async-PPO checks (``examples/run_ppo.py`` ``_validate_async_ppo_config``), as one-line
+    ``ValueError``s. Without ``policy_generation`` (before setup) the FP8 KV-scale check is skipped."""
     gen = config.policy["generation"] or {}
     vllm = gen.get("vllm_cfg") or {}
     if gen.get("backend") != "vllm" or not vllm.get("async_engine"):
         raise ValueError("async PPO needs policy.generation.backend=vllm and policy.generation.vllm_cfg.async_engine=true")
-    if (gen.get("colocated") or {}).get("enabled", True):
-        raise ValueError("async PPO needs policy.generation.colocated.enabled=false")
     if not config.loss_fn.use_importance_sampling_correction:
         raise ValueError("async PPO needs loss_fn.use_importance_sampling_correction=true")
+    if config.loss_fn.force_on_policy_ratio:
+        raise ValueError("async PPO needs loss_fn.force_on_policy_ratio=false")
+    if (gen.get("colocated") or {}).get("enabled", True):
+        raise ValueError("async PPO needs policy.generation.colocated.enabled=false")
+    if config.ppo.max_num_epochs != -1:
+        raise ValueError("async PPO does not support an epoch limit: set ppo.max_num_epochs=-1 and use "
+                         "ppo.max_num_steps to control the training length")
+    unsupported = {
+        "ppo.use_dynamic_sampling": config.ppo.use_dynamic_sampling,
+        "ppo.reward_scaling.enabled": config.ppo.reward_scaling.enabled,
+        "ppo.reward_shaping.enabled": config.ppo.reward_shaping.enabled,
+        "data.use_multiple_dataloader": config.data.get("use_multiple_dataloader", False),
+        "env.should_use_nemo_gym (NeMo Gym rollout)": (config.env or {}).get("should_use_nemo_gym", False),
+    }
+    if policy_generation is not None:
+        unsupported["FP8 KV-scale synchronization (policy.generation)"] = getattr(
+            policy_generation, "requires_kv_scale_sync", False)
+    for what, enabled in unsupported.items():
+        if bool(enabled):
+            raise ValueError(f"{what} is not supported with async PPO (ppo.async_ppo.enabled: true), "
+                             f"as in NeMo-RL's examples/run_ppo.py")
 
 
 def _startup(argv: list[str] | None):
@@ -136,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     with sppo_estimator_installed(nr.ppo):
         (policy, policy_generation, value_model, _cluster, dataloader, val_dataloader, loss_fn, _mse_value_loss,
          logger, checkpointer, ppo_state, master_config) = nr.ppo.setup(config, tokenizer, dataset, val_dataset)
+        if config.ppo.async_ppo.enabled:
+            try:
+                _check_async(config, policy_generation)
+            except ValueError as err:
+                print(f"{PROG}: error: {err}", file=sys.stderr)
+                return 2
         value_loss_fn = SequenceValueLoss()
         if opts.prompt_only_critic:
             value_model = PromptOnlyValue(

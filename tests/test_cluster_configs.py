@@ -7,15 +7,16 @@ Checked here, without NeMo-RL installed:
   alpha/beta/gamma per model size);
 * configs of one comparison differ ONLY in loss / advantage keys and run names;
 * the parallel layout fits the allocation and the model (TP | heads, EP | experts, ...);
-* when the NeMo-RL mirror is available: the full inheritance chain resolves (OmegaConf, as
-  NeMo-RL's ``load_config`` does) and every key we set already exists in NeMo-RL's base config,
-  except the plugin's own keys — this catches misspelt keys that NeMo-RL would silently keep.
+* NeMo-RL world (``nemo_rl_src``): the full inheritance chain resolves through NeMo-RL's own
+  ``load_config`` (``nemo_granular.nemo_rl.configs``, no link) and every key we set already exists
+  in NeMo-RL's base config, except the plugin's own keys — this catches misspelt keys that
+  NeMo-RL would silently keep (tests/test_host_configs.py checks the typed dicts as well).
+
+The other tests run in both worlds (they read the YAML files only).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,6 @@ from nemo_granular.config import parse_advantage_config, parse_policy_loss_confi
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"
-MIRROR = Path(os.environ.get("NEMO_RL_MIRROR", "/work/.mirror/NVIDIA-NeMo+RL/repo"))
 
 MOE_PAIR = ("espo_qwen3_30b_a3b_megatron.yaml", "gspo_qwen3_30b_a3b_megatron.yaml")
 MATH = {size: tuple(f"{a}_qwen2.5_math_{size}.yaml" for a in ("sspo", "grpo", "gspo")) for size in ("1.5b", "7b")}
@@ -84,7 +84,8 @@ def test_config_parses_and_meets_contract(name):
     check_supported_modes(cfg)
     runtime_options(cfg)
     header = (CFG / name).read_text().split("\ndefaults:")[0]
-    assert "ln -s" in header and "examples/configs/nemo_rl/upstream" in header, "header must say how to link NeMo-RL"
+    assert "nemo_granular.nemo_rl.configs" in header and "NEMO_RL_SRC" in header, \
+        "header must say how the NeMo-RL parent is found"
     assert "slurm/launch.sh" in header
 
 
@@ -159,48 +160,20 @@ def test_parallel_layout_fits_allocation_and_model(name):
     assert cfg["cluster"]["gpus_per_node"] % vt == 0 and model["kv"] % vt == 0
 
 
-# ----------------------------------------------------------- full inheritance (NeMo-RL mirror) ---
+# ------------------------------------------------------ full inheritance (NeMo-RL world) ---
 
-def _mirror_file(rel: str) -> str | None:
-    r = subprocess.run(["git", "-C", str(MIRROR), "show", f"HEAD:examples/configs/{rel}"],
-                       capture_output=True, text=True)
-    return r.stdout if r.returncode == 0 else None
-
-
-def _load_chain(path_text: str, rel_dir: str):
-    """NeMo-RL's inheritance: parents (``defaults:``, relative to the file) merged first, child last."""
-    from omegaconf import OmegaConf
-
-    cfg = OmegaConf.create(path_text)
-    parents = cfg.pop("defaults", None)
-    if parents is None:
-        return cfg
-    merged = OmegaConf.create({})
-    for parent in [parents] if isinstance(parents, str) else list(parents):
-        rel = os.path.normpath(os.path.join(rel_dir, parent))
-        text = _mirror_file(rel)
-        assert text is not None, f"NeMo-RL has no examples/configs/{rel}"
-        merged = OmegaConf.merge(merged, _load_chain(text, os.path.dirname(rel)))
-    return OmegaConf.merge(merged, cfg)
-
-
-@pytest.mark.skipif(not (MIRROR / "HEAD").exists(), reason="NeMo-RL mirror not available (set NEMO_RL_MIRROR)")
 @pytest.mark.parametrize("name", ALL)
-def test_inheritance_resolves_against_nemo_rl(name):
+def test_inheritance_resolves_against_nemo_rl(name, nemo_rl_src):
+    from nemo_rl.utils.config import load_config as nemo_rl_load_config
     from omegaconf import OmegaConf
 
-    text = (CFG / name).read_text()
-    own = yaml.safe_load(text)
-    own["defaults"] = own["defaults"].removeprefix("nemo_rl/upstream/")   # the link target
-    base_only = _load_chain(yaml.safe_dump({"defaults": own["defaults"]}), "")
-    full = _load_chain(yaml.safe_dump(own), "")
-    for resolver, fn in (("mul", lambda a, b: a * b), ("add", lambda *a: sum(a)),
-                         ("div", lambda a, b: a / b), ("max", lambda *a: max(a))):
-        if not OmegaConf.has_resolver(resolver):
-            OmegaConf.register_new_resolver(resolver, fn)
-    resolved = OmegaConf.to_container(full, resolve=True)
-    base_keys = set(flatten(OmegaConf.to_container(base_only, resolve=False)))
+    from nemo_granular.nemo_rl.configs import load_resolved
+
+    own = load(name)
+    parent = nemo_rl_src / "examples" / "configs" / own["defaults"].removeprefix("nemo_rl/upstream/")
+    base_keys = set(flatten(OmegaConf.to_container(nemo_rl_load_config(parent), resolve=False)))
     base_prefixes = {k.rsplit(".", 1)[0] for k in base_keys}
+    resolved = load_resolved(CFG / name)
     unknown = sorted(k for k in flatten({k: v for k, v in own.items() if k != "defaults"})
                      if k not in base_keys and k not in base_prefixes and k not in OPTIONAL_NEMO_RL_KEYS
                      and not k.startswith(PLUGIN_KEYS))

@@ -1,10 +1,13 @@
-"""The SPPO / GRPO example configs, the sppo: section and the start-up validation."""
+"""The SPPO / GRPO example configs, the sppo: section and the start-up validation.
+
+Worlds: ``test_config_paper_settings[nemo_rl-*]`` runs with the real NeMo-RL checkout
+(``nemo_rl_src``: full inheritance through NeMo-RL's own ``load_config``); everything else reads
+our own files only and runs in both worlds.
+"""
 
 from __future__ import annotations
 
 import copy
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,6 @@ from nemo_granular.sppo.validate import parse_sppo_options, validate_sppo_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
-MIRROR = Path("/work/.mirror/NVIDIA-NeMo+RL/repo")
 SPPO = ["sppo_r1_distill_qwen_1.5b.yaml", "sppo_r1_distill_qwen_7b.yaml", "sppo_r1_distill_qwen_7b_small_critic.yaml"]
 GRPO = ["grpo_r1_distill_qwen_1.5b.yaml", "grpo_r1_distill_qwen_7b.yaml"]
 
@@ -40,36 +42,10 @@ def _load(path: Path, own_keys_only: bool = False) -> DictConfig:
     return OmegaConf.merge(base, cfg)
 
 
-def _mirror_ok() -> bool:
-    if not MIRROR.exists() or shutil.which("git") is None:
-        return False
-    r = subprocess.run(["git", "-C", str(MIRROR), "cat-file", "-e", "HEAD:examples/configs/ppo_math_1B.yaml"],
-                       capture_output=True)
-    return r.returncode == 0
+def _resolved(name):
+    from nemo_granular.nemo_rl.configs import load_resolved
 
-
-@pytest.fixture(scope="module")
-def config_dir(tmp_path_factory):
-    """Our configs next to a ``nemo_rl/`` folder holding NeMo-RL's parents (from the mirror)."""
-    if not _mirror_ok():
-        return None
-    d = tmp_path_factory.mktemp("configs")
-    (d / "nemo_rl" / "upstream").mkdir(parents=True)
-    for name in ("ppo_math_1B.yaml", "grpo_math_1B.yaml"):
-        text = subprocess.run(["git", "-C", str(MIRROR), "show", f"HEAD:examples/configs/{name}"],
-                              capture_output=True, text=True, check=True).stdout
-        (d / "nemo_rl" / "upstream" / name).write_text(text)
-    for name in SPPO + GRPO:
-        shutil.copy(CONFIGS / name, d / name)
-    return d
-
-
-def _resolved(config_dir, name):
-    for r, f in (("add", lambda a, b: a + b), ("mul", lambda a, b: a * b), ("div", lambda a, b: a / b),
-                 ("max", lambda a, b: max(a, b))):
-        if not OmegaConf.has_resolver(r):
-            OmegaConf.register_new_resolver(r, f)
-    return OmegaConf.to_container(_load(config_dir / name), resolve=True)
+    return load_resolved(CONFIGS / name)
 
 
 EXPECT = {  # file: (model, critic, prompts/step, N, policy gbs, critic gbs, actor lr, critic lr, max seq)
@@ -83,13 +59,11 @@ EXPECT = {  # file: (model, critic, prompts/step, N, policy gbs, critic gbs, act
 
 @pytest.mark.parametrize("mode", ["nemo_rl", "own_keys"])
 @pytest.mark.parametrize("name", SPPO + GRPO)
-def test_config_paper_settings(name, mode, config_dir):
-    if mode == "nemo_rl":  # full inheritance into NeMo-RL's own example configs
-        if config_dir is None:
-            pytest.skip("NeMo-RL mirror not reachable: only the own-keys check runs")
-        cfg = _resolved(config_dir, name)
+def test_config_paper_settings(name, mode, request):
+    if mode == "nemo_rl":  # full inheritance into NeMo-RL's own example configs (NeMo-RL world)
+        request.getfixturevalue("nemo_rl_src")
+        cfg = _resolved(name)
     else:  # only our own keys (what a checkout without NeMo-RL can check)
-        config_dir = None
         cfg = OmegaConf.to_container(_load(CONFIGS / name, own_keys_only=True), resolve=False)
     model, critic, prompts, n, gbs, vgbs, lr, vlr, seq = EXPECT[name]
     algo = "ppo" if name.startswith("sppo") else "grpo"
@@ -113,7 +87,7 @@ def test_config_paper_settings(name, mode, config_dir):
             vm == "${policy.model_name}" and critic == model)
     else:
         assert cfg["grpo"]["use_leave_one_out_baseline"] is False and cfg["grpo"]["normalize_rewards"] is True
-    if config_dir is not None:
+    if mode == "nemo_rl":
         # the NeMo-RL parent really provided the rest of a runnable config
         for section in ("cluster", "logger", "checkpointing", "data", "env"):
             assert section in cfg

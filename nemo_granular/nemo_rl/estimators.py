@@ -77,6 +77,7 @@ class _ESPOFromRollout:
 
     def __init__(self, inner):
         self.inner = inner
+        self.calls = 0   # compute_advantage calls: lets the run_grpo logger log last_metrics once per step
 
     @property
     def last_metrics(self) -> dict:
@@ -85,7 +86,9 @@ class _ESPOFromRollout:
     def compute_advantage(self, prompt_ids, rewards, mask, repeated_batch=None, **kwargs):
         if repeated_batch is not None and "verification_failed" not in kwargs:
             attach_verification_flags(repeated_batch, self.inner.cfg.verification_failed_key)
-        return self.inner.compute_advantage(prompt_ids, rewards, mask, repeated_batch=repeated_batch, **kwargs)
+        out = self.inner.compute_advantage(prompt_ids, rewards, mask, repeated_batch=repeated_batch, **kwargs)
+        self.calls += 1
+        return out
 
 
 def build_grpo_estimator(master_config: Any, section: str = "grpo"):
@@ -95,7 +98,13 @@ def build_grpo_estimator(master_config: Any, section: str = "grpo"):
     est = build_advantage_estimator(est_cfg, config_get(master_config, "loss_fn"))
     name = estimator_name(master_config, section)
     print(f"  ✓ Using nemo_granular '{name}' advantage estimator", flush=True)
-    return _ESPOFromRollout(est) if name == "espo" else est
+    built = _ESPOFromRollout(est) if name == "espo" else est
+    LAST_BUILT[:] = [built]
+    return built
+
+
+# the estimator the last ``_create_advantage_estimator`` call built (run_grpo logs its last_metrics)
+LAST_BUILT: list = []
 
 
 def _refuse_sppo(master_config: Any):

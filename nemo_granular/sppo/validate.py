@@ -31,6 +31,8 @@ class SPPOOptions(BaseModel):
     dedup_prompts: forward each distinct prompt once in ``get_values`` (matters for N > 1).
     check_tokenizers: compare the critic's tokenizer with the policy's at start-up.
     log_diagnostics / diagnostics_prefix: log :func:`critic_diagnostics` every step.
+    allow_ratio_always_one: run even when the importance ratio is identically 1
+        (``loss_fn.force_on_policy_ratio: true`` or one optimizer step per rollout); refused otherwise.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -40,6 +42,7 @@ class SPPOOptions(BaseModel):
     check_tokenizers: bool = True
     log_diagnostics: bool = True
     diagnostics_prefix: str = "sppo_critic"
+    allow_ratio_always_one: bool = False
 
     @field_validator("diagnostics_prefix")
     @classmethod
