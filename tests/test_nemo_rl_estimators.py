@@ -105,8 +105,10 @@ def test_install_routes_our_names_and_delegates_the_rest(fake_nemo_rl):
     original_grpo, original_sync = grpo._create_advantage_estimator, grpo_sync._create_advantage_estimator
     handles = est.install()
     assert len(handles) == 2 and est.install() == handles  # idempotent
+    assert isinstance(grpo.grpo_train(_master(grpo, "espo")).inner, ESPOEstimator)
+    with pytest.raises(ValueError, match="'espo' cannot run in nemo_rl.algorithms.grpo_sync"):
+        grpo_sync.grpo_train_sync(_master(grpo, "espo"))  # no message_log reaches its estimator
     for train in (grpo.grpo_train, grpo_sync.grpo_train_sync):
-        assert isinstance(train(_master(grpo, "espo")).inner, ESPOEstimator)
         assert type(train(_master(grpo, "grpo"))).__name__ == "GRPOEstimator"
         other = train(_master(grpo, "reinforce_plus_plus"))
         assert isinstance(other, grpo.OriginalEstimator) and other.name == "reinforce_plus_plus"

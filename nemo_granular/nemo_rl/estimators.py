@@ -119,6 +119,19 @@ GRPO_FACTORIES: dict[str, Callable[[Any], Any]] = {
 }
 
 
+def _refuse_espo_in_grpo_sync(master_config: Any):
+    raise ValueError("grpo.adv_estimator.name: 'espo' cannot run in nemo_rl.algorithms.grpo_sync: its data-plane "
+                     "loop gives the estimator no message_log, so ESPO's verification flags never arrive; use "
+                     "grpo_train / async_grpo_train (python -m nemo_granular.run_grpo)")
+
+
+# per-module replacements of GRPO_FACTORIES entries: grpo_sync builds `repeated_batch` for the
+# estimator from total_reward/baseline/std only (nemo_rl/algorithms/grpo_sync.py at 7ea279ab)
+MODULE_FACTORIES: dict[str, dict[str, Callable[[Any], Any]]] = {
+    "nemo_rl.algorithms.grpo_sync": {"espo": _refuse_espo_in_grpo_sync},
+}
+
+
 @dataclass
 class PatchHandle:
     """One rebinding: ``module.<attr>`` was ``original`` and is now ``wrapper``."""
@@ -177,7 +190,8 @@ def install(modules: Iterable[str] = GRPO_MODULES, names: Iterable[str] | None =
                     raise
                 warnings.warn(f"nemo_granular: {name} not patched ({err})", stacklevel=2)
                 continue
-            _INSTALLED.append(patch_estimator_factory(mod, table))
+            overrides = {k: f for k, f in MODULE_FACTORIES.get(name, {}).items() if k in table}
+            _INSTALLED.append(patch_estimator_factory(mod, {**table, **overrides}))
     except BaseException:
         uninstall()
         raise
