@@ -271,3 +271,36 @@ def test_deliberate_differences_are_documented():
     text = (ROOT / "docs" / "sppo.md").read_text()
     for topic in DELIBERATE:
         assert topic in text, f"docs/sppo.md does not explain the deliberate difference '{topic}'"
+
+
+# ------------------------------------------------------------------ one launch story -------------
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_config_header_gives_the_one_launch_story(name):
+    """Every cluster config's header launches it the way docs/slurm.md ("One launch story") and
+    the README do: NeMo-RL as WORKDIR, `uv run python -m nemo_granular.run_*` through launch.sh,
+    and the comparison through submit_comparison.sh with the training resources in --train-sbatch."""
+    header = (CONFIGS / name).read_text().split("\ndefaults:")[0]
+    driver = "run_sppo" if name.startswith("sppo") else "run_grpo"
+    for needle in ('docs/slurm.md, "One launch story"', "NeMo-RL 7ea279abf", "uv pip install --no-deps -e",
+                   "HF_HUB_OFFLINE=1", "WORKDIR=/lustre/NeMo-RL", "slurm/launch.sh uv run python -m nemo_granular." + driver,
+                   f"--config /lustre/nemo-granular/examples/configs/{name}", "slurm/submit_comparison.sh",
+                   '--train-sbatch "--gres=gpu:'):
+        assert needle in header, f"{name}: header lacks {needle!r}"
+    assert "PYTHONPATH" not in header, f"{name}: the launch story installs nemo-granular, no PYTHONPATH"
+    # the nodes and GPUs of the command are the config's own cluster section
+    from omegaconf import OmegaConf
+    cl = OmegaConf.load(CONFIGS / name).get("cluster") or OmegaConf.load(
+        CONFIGS / str(OmegaConf.load(CONFIGS / name).defaults)).cluster
+    assert f"--nodes={cl.num_nodes} --gres=gpu:{cl.gpus_per_node}" in header, name
+
+
+def test_readme_and_slurm_doc_tell_the_same_launch_story():
+    slurm = (ROOT / "docs" / "slurm.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    for needle in ("7ea279abf", "uv pip install --no-deps -e", "HF_HUB_OFFLINE=1", "huggingface-cli download",
+                   "submit_comparison.sh", "ray.sub", "NEMO_GRANULAR_SLURM_TESTS=0"):
+        assert needle in slurm, f"docs/slurm.md lacks {needle!r}"
+    for needle in ("7ea279abf", "uv pip install --no-deps -e", "HF_HUB_OFFLINE=1", "submit_comparison.sh",
+                   "one-launch-story", "NEMO_GRANULAR_SLURM_TESTS=0", "/etc/hosts"):
+        assert needle in readme, f"README.md lacks {needle!r}"
