@@ -23,7 +23,11 @@ INTERRUPTED_EXIT_CODE = 130
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block) and exit code 2."""
+    """argparse with a one-line error (no usage block) and exit code 2; no abbreviated options."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -39,10 +43,10 @@ def one_line(err: BaseException) -> str:
     """The first line of an error's message, naming the file for OS errors."""
     if isinstance(err, OSError) and err.filename is not None and err.strerror:
         return f"{err.filename}: {err.strerror}"
-    text = str(err).strip()
     if isinstance(err, KeyError) and len(err.args) == 1:
-        text = f"missing key {err.args[0]!r}"
-    return text.strip("'\"").splitlines()[0] if text else type(err).__name__
+        return f"missing key {err.args[0]!r}"
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def main(argv: list[str] | None = None) -> int:

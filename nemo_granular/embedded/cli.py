@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -80,7 +81,22 @@ def compare_main(argv: list[str]) -> int:
     from .compare import CompareInterrupted, RunFailed, compare, report_from_runs
 
     if args.from_runs:
-        report = report_from_runs([Path(p) for p in args.from_runs], Path(args.out))
+        if args.resume:
+            raise ValueError("--resume continues a comparison's runs; --from-runs only builds a report")
+        runs = [Path(p) for p in args.from_runs]
+        for run in runs:   # embedded (metrics.jsonl) or NeMo-RL (TensorBoard events) run directories
+            if not run.is_dir():
+                raise FileNotFoundError(f"--from-runs {run}: no such directory")
+        if (Path(args.out) / "report.md").exists() and not args.force:
+            raise FileExistsError(f"--out {args.out} already holds a report.md: add --force to replace it, "
+                                  "or choose another --out")
+        created = not Path(args.out).exists()
+        try:
+            report = report_from_runs(runs, Path(args.out))
+        except BaseException:
+            if created:  # leave no empty --out behind when no report could be built
+                shutil.rmtree(args.out, ignore_errors=True)
+            raise
     else:
         try:
             report = compare(algorithms=_algorithm_list(args.algorithms), seeds=args.seeds, steps=args.steps,

@@ -162,6 +162,9 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
                 raise ValueError(f"{alg}: {err}") from None
             plan.append({"alg": alg, "seed": s, "run": run, "cfg": cfg, "init": None})
     previous = [n for n in ("report.md", "runs") if (out / n).exists()]
+    if resume and not (out / "runs").is_dir():
+        raise FileNotFoundError(f"--resume: nothing to resume in --out {out} (no runs/); drop --resume to start "
+                                "a comparison")
     if previous and not (force or resume):
         raise FileExistsError(f"--out {out} already holds a comparison ({', '.join(previous)}): add --resume to "
                               "continue it, --force to redo it, or choose another --out")

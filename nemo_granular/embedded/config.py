@@ -28,12 +28,12 @@ class ModelConfig(_Strict):
     num_layers: PositiveInt = 2
     num_heads: PositiveInt = 4
     num_kv_heads: PositiveInt = 2
-    intermediate_size: int = 256
-    max_positions: int = 128
+    intermediate_size: PositiveInt = 256
+    max_positions: PositiveInt = 128
     moe: bool = False
-    num_experts: int = 8
-    experts_per_token: int = 2
-    expert_size: int = 64
+    num_experts: PositiveInt = 8
+    experts_per_token: PositiveInt = 2
+    expert_size: PositiveInt = 64
 
     @model_validator(mode="after")
     def _check(self):
@@ -48,17 +48,17 @@ class ModelConfig(_Strict):
 
 class CriticConfig(_Strict):
     path: Optional[str] = None          # local HF model dir for the critic (same tokenizer as the policy)
-    hidden_size: Optional[int] = None   # null: same as the policy; smaller = a small decoupled critic
-    num_layers: Optional[int] = None
+    hidden_size: Optional[PositiveInt] = None  # null: same as the policy; smaller = a small decoupled critic
+    num_layers: Optional[PositiveInt] = None
     lr: PositiveFloat = 1e-3
-    max_grad_norm: float = 1.0
+    max_grad_norm: PositiveFloat = 1.0
 
 
 class TaskConfig(_Strict):
     kind: Literal["arithmetic", "jsonl"] = "arithmetic"
     path: Optional[str] = None
-    num_terms: int = 4
-    max_term: int = 9
+    num_terms: int = Field(4, ge=2)
+    max_term: PositiveInt = 9
     heldout_size: PositiveInt = 128
     # regex whose first group is the answer (default: the final "A:<int>" line), e.g. "\\boxed\\{([^}]*)\\}"
     answer_pattern: str = r"(?:^|\n)A:\s*(-?\d+)\s*$"
@@ -81,7 +81,7 @@ class WarmstartConfig(_Strict):
     enabled: bool = True
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 3e-3
-    warmup_steps: int = 30
+    warmup_steps: NonNegativeInt = 30
     max_steps: PositiveInt = 600
     target_accuracy: float = 0.5
     eval_every: PositiveInt = 25
@@ -179,26 +179,36 @@ def resolve_config_path(path: str | Path) -> Path:
     return packaged if packaged.is_file() else p
 
 
-def load_yaml_with_defaults(path: str | Path):
+def load_yaml_with_defaults(path: str | Path, _chain: tuple = ()):
     """OmegaConf config of ``path`` with its ``defaults:`` chain merged in (child last)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     path = Path(path)
     if not path.is_file():
         hint = "" if path.parent != Path(".") else f" (packaged configs: {', '.join(packaged_configs())})"
-        raise FileNotFoundError(f"config file not found: {path}{hint}")
+        where = f" (named in defaults: of {_chain[-1]})" if _chain else hint
+        raise FileNotFoundError(f"config file not found: {path}{where}")
+    if path.resolve() in _chain:
+        raise ValueError(f"{path}: defaults: cycle ({' → '.join(p.name for p in (*_chain, path.resolve()))})")
     try:
         cfg = OmegaConf.load(path)
     except Exception as err:  # noqa: BLE001 - yaml errors come in several types
         raise ValueError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if cfg is None or (not isinstance(cfg, DictConfig) and not len(cfg)):
+        return OmegaConf.create({})
+    if not isinstance(cfg, DictConfig):
+        raise ValueError(f"{path}: the top level must be a mapping of keys, not a list")
     parents = cfg.pop("defaults", None) if "defaults" in cfg else None
     if parents is None:
         return cfg
-    parents = [parents] if isinstance(parents, str) else list(parents)
+    parents = [parents] if isinstance(parents, str) else list(parents) if OmegaConf.is_list(parents) else None
+    if parents is None or not all(isinstance(p, str) for p in parents):
+        raise ValueError(f"{path}: defaults: must be a file name or a list of file names")
     merged = OmegaConf.create({})
     for parent in parents:
         p = Path(parent)
-        merged = OmegaConf.merge(merged, load_yaml_with_defaults(p if p.is_absolute() else path.parent / p))
+        merged = OmegaConf.merge(merged, load_yaml_with_defaults(p if p.is_absolute() else path.parent / p,
+                                                                 (*_chain, path.resolve())))
     return OmegaConf.merge(merged, cfg)
 
 
@@ -217,6 +227,8 @@ def apply_overrides(cfg, overrides: list[str]):
         if "=" not in item:
             raise ValueError(f"override {item!r} is not of the form key=value")
         key, value = item.lstrip("+").split("=", 1)
+        if not key or any(not part for part in key.split(".")):
+            raise ValueError(f"override {item!r}: {key!r} is not a key (a.b.c)")
         try:
             parsed = OmegaConf.from_dotlist([f"{key}={value}"])
         except Exception as err:  # noqa: BLE001
@@ -230,8 +242,15 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | Non
     from omegaconf import OmegaConf
 
     cfg = load_yaml_with_defaults(resolve_config_path(path)) if path else OmegaConf.create({})
+    from omegaconf.errors import OmegaConfBaseException
+
     cfg = apply_overrides(cfg, overrides or [])
-    data = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        data = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:  # an interpolation that does not resolve
+        key = getattr(err, "full_key", None)
+        msg = str(err).splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{key}: {msg}" if key else msg) from None
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as err:

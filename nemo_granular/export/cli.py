@@ -18,7 +18,9 @@ __all__ = ["main", "export_checkpoint", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nemo-granular export", description="Export a checkpoint to a Hugging Face model directory, verified by round trip.")
+    from ..cli import ArgumentParser  # one-line usage errors, exit 2
+
+    p = ArgumentParser(prog="nemo-granular export", description="Export a checkpoint to a Hugging Face model directory, verified by round trip.")
     p.add_argument("src", help="run dir, step dir, or NeMo-RL step_N dir")
     p.add_argument("out", help="output directory (must not exist)")
     p.add_argument("--source", choices=("auto", "embedded", "dcp", "megatron"), default="auto")
