@@ -2,7 +2,11 @@
 
 Entropy post-processing as the worker extensions call it (per microbatch, then stacked like
 the logprobs), group ids on the driver batch, the fallback's rollout-split warning, the entry
-script's mode checks and its one-line error when NeMo-RL is missing (a real subprocess).
+script's start-up checks and its one-line error when NeMo-RL is missing (a real subprocess).
+
+Worlds: every test here runs in both worlds (torch only), except
+``test_entry_script_without_nemo_rl_prints_one_line``, which forces the world WITHOUT NeMo-RL
+in its subprocess (``env_without_nemo_rl``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from conftest import env_without_nemo_rl
 from nemo_granular.config import parse_advantage_config, parse_policy_loss_config
 from nemo_granular.distributed import pack_sequences
 from nemo_granular.losses import GranularPolicyLoss
@@ -123,7 +128,7 @@ def test_entry_script_modes_and_loss(monkeypatch):
     with pytest.raises(ValueError, match="single-controller"):
         run_grpo.check_supported_modes({"data_plane": {"enabled": False}, "async_rl": {}})
     run_grpo.check_supported_modes({"data_plane": {"enabled": False}})
-    assert run_grpo.runtime_options({}) == {"entropy_source": "extension"}
+    assert run_grpo.runtime_options({}) == {"entropy_source": "extension", "allow_ratio_always_one": False}
     with pytest.raises(ValueError, match="entropy_source"):
         run_grpo.runtime_options({"nemo_granular": {"entropy_source": "vllm"}})
     with pytest.raises(ValueError, match="unknown key"):
@@ -140,10 +145,11 @@ def test_entry_script_modes_and_loss(monkeypatch):
 
 
 def test_entry_script_without_nemo_rl_prints_one_line(tmp_path):
+    """World without NeMo-RL (forced: the subprocess must not see a NEMO_RL_SRC checkout)."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("grpo: {}\n")
     proc = subprocess.run([sys.executable, "-m", "nemo_granular.run_grpo", "--config", str(cfg), "grpo.x=1"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=env_without_nemo_rl())
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
@@ -156,10 +162,99 @@ def test_example_configs_validate(name):
     assert cfg["defaults"].startswith("upstream/")
     loss = parse_policy_loss_config(cfg["loss_fn"])
     parse_advantage_config(cfg["grpo"]["adv_estimator"])
-    assert run_grpo.runtime_options(cfg)["entropy_source"] == "extension"
+    opts = run_grpo.check_config(cfg)   # includes: the ratio is not identically 1
+    assert opts["entropy_source"] == "extension" and opts["allow_ratio_always_one"] is False
     n = cfg["grpo"]["num_prompts_per_step"] * cfg["grpo"]["num_generations_per_prompt"]
-    assert n <= cfg["policy"]["train_global_batch_size"]  # one optimizer step per rollout
+    assert n // cfg["policy"]["train_global_batch_size"] >= 2  # an off-policy optimizer step per rollout
     assert loss.granular.algorithm == name.split("_")[0]
+
+
+RATIO_BASE = {"grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8},
+              "policy": {"train_global_batch_size": 32}, "loss_fn": {"granular": {"algorithm": "sspo"}}}
+
+
+def _cfg(**sections):
+    import copy
+
+    cfg = copy.deepcopy(RATIO_BASE)
+    for key, value in sections.items():
+        *head, last = key.split("__")
+        cur = cfg
+        for h in head:
+            cur = cur.setdefault(h, {})
+        cur[last] = value
+    return cfg
+
+
+def test_ratio_one_settings_are_refused_unless_allowed():
+    """Issue 11.2: force_on_policy_ratio and one optimizer step per rollout make the ratio 1."""
+    assert run_grpo.check_config(_cfg())["allow_ratio_always_one"] is False
+    with pytest.raises(ValueError, match=r"^loss_fn\.force_on_policy_ratio: true fixes the importance ratio at 1.*"
+                                         r"nemo_granular\.allow_ratio_always_one: true") as err:
+        run_grpo.check_config(_cfg(loss_fn__force_on_policy_ratio=True))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"one optimizer step per rollout \(grpo\.num_prompts_per_step × "
+                                         r"num_generations_per_prompt = 64, policy\.train_global_batch_size=64\)"):
+        run_grpo.check_config(_cfg(policy__train_global_batch_size=64))
+    allowed = run_grpo.check_config(_cfg(policy__train_global_batch_size=64, nemo_granular__allow_ratio_always_one=True))
+    assert allowed["allow_ratio_always_one"] is True
+    run_grpo.check_config(_cfg(loss_fn__force_on_policy_ratio=True, nemo_granular__allow_ratio_always_one=True))
+    with pytest.raises(ValueError, match="allow_ratio_always_one: must be true or false"):
+        run_grpo.check_config(_cfg(nemo_granular__allow_ratio_always_one="yes"))
+    # PPO: epochs multiply the optimizer steps
+    from nemo_granular.nemo_rl.configs import check_ratio_is_active
+
+    ppo = {"ppo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 1, "ppo_epochs": 1},
+           "policy": {"train_global_batch_size": 8}, "loss_fn": {}}
+    with pytest.raises(ValueError, match=r"ppo\.ppo_epochs=1.*sppo\.allow_ratio_always_one"):
+        check_ratio_is_active(ppo, "ppo", "sppo.allow_ratio_always_one")
+    ppo["ppo"]["ppo_epochs"] = 2
+    check_ratio_is_active(ppo, "ppo", "sppo.allow_ratio_always_one")
+
+
+@pytest.mark.parametrize("key", ["grpo__use_dynamic_sampling", "grpo__reward_scaling__enabled",
+                                 "grpo__reward_shaping__enabled", "data__use_multiple_dataloader"])
+def test_async_grpo_refuses_what_nemo_rl_launcher_refuses(key):
+    """Issue 15.3: examples/run_grpo.py's async checks (async_grpo_train does not repeat them)."""
+    run_grpo.check_config(_cfg(**{key: True}))   # synchronous: allowed
+    with pytest.raises(ValueError, match=rf"^{key.replace('__', '.')}: true is not supported with async GRPO") as err:
+        run_grpo.check_config(_cfg(**{key: True, "grpo__async_grpo__enabled": True}))
+    assert "\n" not in str(err.value)
+    run_grpo.check_config(_cfg(grpo__async_grpo__enabled=True))
+
+
+def test_sync_logger_adds_estimator_metrics_once_per_advantage_call():
+    """Issue 15.5: grpo_train never logs adv_estimator.last_metrics; the wrapper adds them to the
+    step's main ``train`` call after each compute_advantage, never to a stale step, never twice,
+    and never over a key the loop already logged (async runs)."""
+    calls = []
+
+    class Recorder:
+        def log_metrics(self, metrics, step, prefix="", step_metric=None, step_finished=False):
+            calls.append((dict(metrics), step, prefix))
+
+        def other(self):
+            return "delegated"
+
+    est = types_ns(calls=0, last_metrics={})
+    log = run_grpo.EstimatorMetricsLogger(Recorder(), estimator_source=lambda: est)
+    assert log.other() == "delegated"
+    log.log_metrics({"reward": 1.0}, 1, prefix="train")               # rollout metrics, before the estimator ran
+    est.calls, est.last_metrics = 1, {"verification_failed_frac": 0.25}
+    log.log_metrics({"t": 1.0}, 1, prefix="timing/train")             # other prefixes untouched
+    log.log_metrics({"loss": 0.5}, 1, prefix="train")                 # the step's main train metrics
+    log.log_metrics({"reward": 2.0}, 2, prefix="train")               # step 2 rollout: estimator not yet run
+    est.calls, est.last_metrics = 2, {"verification_failed_frac": 0.5}
+    log.log_metrics({"verification_failed_frac": 0.75}, 2, prefix="train")   # async: already there
+    assert calls == [({"reward": 1.0}, 1, "train"), ({"t": 1.0}, 1, "timing/train"),
+                     ({"loss": 0.5, "verification_failed_frac": 0.25}, 1, "train"),
+                     ({"reward": 2.0}, 2, "train"), ({"verification_failed_frac": 0.75}, 2, "train")]
+
+
+def types_ns(**kw):
+    import types
+
+    return types.SimpleNamespace(**kw)
 
 
 def test_loss_objects_pickle_like_ray_ships_them(monkeypatch):

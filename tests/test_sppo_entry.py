@@ -1,13 +1,20 @@
-"""Entry script without NeMo-RL, estimator installation, and the decoupled-critic tokenizer check."""
+"""Entry script without NeMo-RL, estimator installation, and the decoupled-critic tokenizer check.
+
+Worlds: the missing-NeMo-RL test forces the world without NeMo-RL in a subprocess
+(``env_without_nemo_rl``); ``test_async_ppo_checks_mirror_nemo_rl`` takes the real checkout
+(``nemo_rl_src``); the rest runs in both worlds.
+"""
 
 from __future__ import annotations
 
-import importlib.util
+import subprocess
+import sys
 import types
 from pathlib import Path
 
 import pytest
 
+from conftest import env_without_nemo_rl
 from nemo_granular.advantages import SPPOEstimator
 from nemo_granular.sppo.install import install_sppo_estimator, sppo_estimator_installed
 from nemo_granular.sppo.validate import check_critic_tokenizer, check_same_tokenizer
@@ -15,20 +22,64 @@ from nemo_granular.sppo.validate import check_critic_tokenizer, check_same_token
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nemo_rl") is not None, reason="NeMo-RL is installed here")
-def test_entry_script_names_missing_nemo_rl_in_one_line(capsys):
-    from nemo_granular.run_sppo import main
-
+def test_entry_script_names_missing_nemo_rl_in_one_line():
+    """World without NeMo-RL (forced in the subprocess)."""
     cfg = ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml"
-    assert main(["--config", str(cfg), "ppo.seed=1"]) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
+    proc = subprocess.run([sys.executable, "-m", "nemo_granular.run_sppo", "--config", str(cfg), "ppo.seed=1"],
+                          capture_output=True, text=True, env=env_without_nemo_rl(), timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("nemo_granular.run_sppo: error: NeMo-RL is not installed")
     assert "'nemo_rl'" in lines[0]
-    with pytest.raises(SystemExit) as ex:
-        main(["--help"])
-    assert ex.value.code == 0 and "--config" in capsys.readouterr().out
+    helped = subprocess.run([sys.executable, "-m", "nemo_granular.run_sppo", "--help"], capture_output=True,
+                            text=True, env=env_without_nemo_rl(), timeout=120)
+    assert helped.returncode == 0 and "--config" in helped.stdout
+
+
+def test_async_ppo_checks_mirror_nemo_rl(nemo_rl_src):
+    """Issue 15.3: the checks of NeMo-RL's examples/run_ppo.py for async PPO, one line each,
+    on NeMo-RL's own MasterConfig of our SPPO config."""
+    import copy
+
+    import nemo_rl.algorithms.ppo as ppo
+
+    from nemo_granular.nemo_rl.configs import load_resolved
+    from nemo_granular.run_sppo import _check_async
+
+    base = load_resolved(ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml")
+    base["ppo"]["async_ppo"]["enabled"] = True
+    base["ppo"]["max_num_epochs"] = -1
+    base["loss_fn"]["use_importance_sampling_correction"] = True
+    gen = base["policy"]["generation"]
+    gen["backend"], gen["vllm_cfg"]["async_engine"], gen["colocated"]["enabled"] = "vllm", True, False
+
+    def check(edit=None, generation=None):
+        cfg = copy.deepcopy(base)
+        if edit:
+            edit(cfg)
+        _check_async(ppo.MasterConfig(**cfg), generation)
+
+    check()
+    cases = [
+        (lambda c: c["policy"]["generation"]["vllm_cfg"].update(async_engine=False), "async_engine=true"),
+        (lambda c: c["loss_fn"].update(use_importance_sampling_correction=False), "use_importance_sampling_correction"),
+        (lambda c: c["loss_fn"].update(force_on_policy_ratio=True), "force_on_policy_ratio=false"),
+        (lambda c: c["policy"]["generation"]["colocated"].update(enabled=True), "colocated.enabled=false"),
+        (lambda c: c["ppo"].update(max_num_epochs=100), "max_num_epochs=-1"),
+        (lambda c: c["ppo"].update(use_dynamic_sampling=True), "^ppo.use_dynamic_sampling is not supported"),
+        (lambda c: c["ppo"]["reward_scaling"].update(enabled=True), "^ppo.reward_scaling.enabled is not supported"),
+        (lambda c: c["ppo"]["reward_shaping"].update(enabled=True), "^ppo.reward_shaping.enabled is not supported"),
+        (lambda c: c["data"].update(use_multiple_dataloader=True), "^data.use_multiple_dataloader is not supported"),
+        (lambda c: c["env"].update(should_use_nemo_gym=True), "NeMo Gym rollout"),
+    ]
+    for edit, match in cases:
+        with pytest.raises(ValueError, match=match) as err:
+            check(edit)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="FP8 KV-scale synchronization"):
+        check(generation=types.SimpleNamespace(requires_kv_scale_sync=True))
+    check(generation=types.SimpleNamespace(requires_kv_scale_sync=False))
 
 
 def _ppo_like():
