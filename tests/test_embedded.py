@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from nemo_granular.contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
-from nemo_granular.embedded.config import load_train_config
+from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCAL = ROOT / "examples" / "configs" / "local"
+LOCAL = LOCAL_CONFIGS  # package data: nemo_granular/configs/local
 TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
         "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
         "rl.micro_batch_size=4", "rl.max_new_tokens=12", "rl.eval_every=1000", "task.heldout_size=8",
@@ -41,6 +41,14 @@ def test_every_local_config_loads(name):
     cfg = load_train_config(LOCAL / f"{name}.yaml")
     assert cfg.loss_fn.granular.algorithm in ("grpo", "gspo", "gspo_token", "sspo", "sspo_no_ec", "espo", "sppo")
     assert cfg.rl.minibatches_per_rollout > 1  # several optimizer steps per rollout, or every ratio is 1
+
+
+def test_examples_local_configs_point_at_the_packaged_ones():
+    """``--config examples/configs/local/X.yaml`` (a clone) and ``--config X`` (a wheel) are the same config."""
+    examples = ROOT / "examples" / "configs" / "local"
+    assert sorted(p.name for p in examples.glob("*.yaml")) == sorted(p.name for p in LOCAL.glob("*.yaml"))
+    for p in LOCAL.glob("*.yaml"):
+        assert load_train_config(examples / p.name) == load_train_config(p) == load_train_config(p.stem)
 
 
 @pytest.mark.parametrize("override, field", [
