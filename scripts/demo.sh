@@ -1,8 +1,30 @@
 #!/usr/bin/env bash
 # Set up the environment and run the main job: GRPO, GSPO, SSPO, ESPO and SPPO side by side
-# on a small Qwen3 on CPU (GPU if present). Writes outputs/compare/report.md and PNG plots.
-# Extra arguments go to `nemo-granular compare` (e.g. --seeds 3, --steps 50, --smoke).
+# on a small Qwen3 on CPU (GPU if present). Writes outputs/compare/report.md and PNG plots
+# (--smoke: outputs/compare-smoke/). Extra arguments go to `nemo-granular compare`
+# (e.g. --seeds 3, --steps 50, --smoke, --out DIR, --resume, --force).
+# An earlier comparison is never overwritten: without --out/--force/--resume the demo writes
+# into the next free directory (outputs/compare-2, -3, ...) and says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
-exec .venv/bin/nemo-granular compare --algorithms grpo,gspo,sspo,espo,sppo --out outputs/compare "$@"
+out=outputs/compare
+own_out=1
+for arg in "$@"; do
+  case "$arg" in
+    --smoke) out=outputs/compare-smoke ;;
+    --out|--out=*|--force|--resume) own_out=0 ;;
+  esac
+done
+args=()
+if (( own_out )); then
+  base=$out
+  n=2
+  while [ -e "$out/report.md" ] || [ -e "$out/runs" ]; do out="$base-$n"; n=$((n + 1)); done
+  if [ "$out" != "$base" ]; then
+    echo "demo: $base already holds a comparison (kept); writing this one to $out" >&2
+    [ -e "$base/report.md" ] || echo "demo: ($base was interrupted: 'bash scripts/demo.sh $* --out $base --resume' continues it)" >&2
+  fi
+  args=(--out "$out")
+fi
+exec .venv/bin/nemo-granular compare --algorithms grpo,gspo,sspo,espo,sppo ${args[@]+"${args[@]}"} "$@"
