@@ -67,6 +67,7 @@ def _files(tmp: Path) -> None:
     (f / "bad.jsonl").write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b"}\n')
     (f / "notjson.jsonl").write_text('{"prompt": "a", "answer": "1"}\nnot json\n')
     (f / "one.jsonl").write_text('{"prompt": "a", "answer": "1"}\n')
+    (f / "nosolutions.jsonl").write_text('{"prompt": "a", "answer": "1"}\n' * 8)
     (f / "notmodel").mkdir()
     (f / "a_file").write_text("x")
     (f / "cmp").mkdir()
@@ -138,6 +139,8 @@ CASES = [
     ("jsonl record without answer", [*T, "task.kind=jsonl", "task.path={f}/bad.jsonl"], "bad.jsonl:2"),
     ("jsonl line not JSON", [*T, "task.kind=jsonl", "task.path={f}/notjson.jsonl"], "notjson.jsonl:2"),
     ("jsonl one record", [*T, "task.kind=jsonl", "task.path={f}/one.jsonl"], "one.jsonl"),
+    ("jsonl without worked solutions", [*T, "task.kind=jsonl", "task.path={f}/nosolutions.jsonl",
+                                        "warmstart.enabled=true"], "warmstart.enabled"),
     ("model.path missing", [*T, "model.path={f}/nomodel"], "model.path"),
     ("model.path not a model", [*T, "model.path={f}/notmodel"], "model.path"),
     ("model.init_from missing", [*T, "model.init_from={f}/nomodel"], "model.init_from"),

@@ -32,7 +32,7 @@ from .checkpoint import CheckpointError, NothingToResume, find_resumable, fsync_
 from .config import TrainConfig, dump_config
 from .rollout import generate, next_token_logprobs, old_policy_pass, to_nemo_batch
 from .task import build_task, verify
-from .warmstart import decode_responses, greedy_accuracy, warm_start
+from .warmstart import check_worked_solutions, decode_responses, greedy_accuracy, warm_start
 
 PREEMPTED_EXIT_CODE = 99
 _EXTREMA = ("probs_ratio_min", "probs_ratio_clamped_min", "probs_ratio_max", "probs_ratio_clamped_max")
@@ -119,6 +119,8 @@ class Trainer:
         tok_src = (latest.path / "tokenizer") if latest else M.tokenizer_dir(model_src)
         self.tokenizer = M.load_tokenizer(str(tok_src)) if tok_src else M.build_tokenizer()
         self.task = build_task(cfg.task, cfg.seed)
+        if not latest and not cfg.model.init_from and cfg.warmstart.enabled:
+            check_worked_solutions(self.task)
         self.sppo = cfg.algorithm == "sppo"
         self.warmstart_info = None
         # 3. the start line; from here a stop signal is honoured (checkpoint, then exit)
@@ -246,13 +248,6 @@ class Trainer:
         self.log(f"{name} received: will save a checkpoint {when} and exit {STOP_EXIT_CODES[signum]}{more}")
 
     # ------------------------------------------------------------------ checkpoints
-    def latest_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint (None when there is none)."""
-        try:
-            return find_resumable(self.ckpt_dir)[0].path
-        except (NothingToResume, CheckpointError):
-            return None
-
     def save_checkpoint(self) -> Path:
         name = f"step_{self.step:06d}"
         final = self.ckpt_dir / name

@@ -52,13 +52,18 @@ def decode_responses(tokenizer, gen) -> list[str]:
     return tokenizer.batch_decode([r[:k] for r, k in zip(resp, n)], skip_special_tokens=True)
 
 
+def check_worked_solutions(task) -> None:
+    """The warm start trains on worked solutions: every task record needs one."""
+    probe = task.sample(8, torch.Generator().manual_seed(0))
+    if not all(p.solution for p in probe):
+        raise ValueError("warmstart.enabled: the warm start needs worked solutions ('solution' in every JSONL "
+                         "record); set warmstart.enabled=false for a model that already solves some problems")
+
+
 def warm_start(model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print, autocast_dtype=None,
                answer_pattern=None) -> dict:
     """Train on worked solutions; returns {'steps', 'accuracy', 'seconds'}."""
-    probe = task.sample(8, torch.Generator().manual_seed(0))
-    if not all(p.solution for p in probe):
-        raise ValueError("warmstart needs worked solutions ('solution' in every JSONL record); "
-                         "set warmstart.enabled=false for a model that already solves some problems")
+    check_worked_solutions(task)
     gen = torch.Generator().manual_seed(seed * 7919 + 1)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, cfg.warmup_steps)))
