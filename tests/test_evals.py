@@ -52,12 +52,12 @@ def test_plan_sspo_every_10_steps_exact_commands(tmp_path):
     data = _data_dir(tmp_path, ["amc23", "minerva_math", "olympiadbench"])
     cmds = ev.plan(run, protocols_for("sspo"), nemo_rl_dir=tmp_path / "nemo-rl", data_dir=data,
                    python="PY", gpus_per_node=4)
-    # steps 10 and 20 (multiples of 10; 25 is not), export only where hf/step_N is missing
-    assert [(c.kind, c.step) for c in cmds if c.kind == "export"] == [("export", 10)]
+    # steps 10 and 20 (multiples of 10) and the last, 25; export only where hf/step_N is missing
+    assert [(c.kind, c.step) for c in cmds if c.kind == "export"] == [("export", 10), ("export", 25)]
     assert cmds[0].argv == ["PY", "-m", "nemo_granular", "export", str(run.resolve() / "checkpoints" / "step_10"),
                             str(run.resolve() / "hf" / "step_10"), "--no-verify"]
     evals = [c for c in cmds if c.kind == "eval"]
-    assert sorted({c.step for c in evals}) == [10, 20]
+    assert sorted({c.step for c in evals}) == [10, 20, 25]
     assert {c.benchmark for c in evals} == {"math500", "amc23", "aime24", "minerva_math", "olympiadbench"}
     math500 = next(c for c in evals if c.step == 10 and c.benchmark == "math500")
     hf = run.resolve() / "hf" / "step_10"
@@ -247,7 +247,7 @@ def test_eval_checkpoints_shimmed_end_to_end(nemo_eval, tmp_path):
     avgs = {s: statistics.mean(_expected(n_problems[k], 1, s) for k in PROTOCOLS["sspo"].benchmarks) for s in (10, 20)}
     best = max(avgs, key=lambda s: (avgs[s], -s))
     row = next(line for line in report.splitlines() if line.startswith("| sspo | 1 |") and line.count("|") == 10)
-    assert row.split("|")[-2].strip() == str(best) and f"{avgs[best]:.3f} (1 seed)" in row
+    assert row.split("|")[-2].strip() == str(best) and f"| {avgs[best]:.3f} |" in row
 
 
 # ---------------------------------------------------------------------------- embedded mechanics

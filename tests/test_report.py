@@ -170,7 +170,7 @@ def test_verdicts_follow_the_noise_threshold():
     assert verdict_below([0.001, 0.002, 0.0015], 0.01)[0] == HOLDS
     assert verdict_below([0.2, 0.3, 0.25], 0.01)[0] == FAILS
     assert verdict_below([0.0, 0.02, 0.01], 0.01)[0] == INCONCLUSIVE
-    assert fmt(0.5, None, 1) == "0.500 (1 seed)" and fmt(0.5, 0.01, 3) == "0.500 ± 0.010"
+    assert fmt(0.5, None, 1) == "0.500" and fmt(0.5, 0.01, 3) == "0.500 ± 0.010"
 
 
 def test_smoothing_and_band_against_naive_loops():

@@ -111,7 +111,21 @@ def _accuracies(run: Path) -> tuple[float | None, float | None]:
 
 
 def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> None:
-    """``nemo-granular eval-checkpoints`` on one finished run (output in ``<run>/evals.log``)."""
+    """``nemo-granular eval-checkpoints`` on one finished run (output in ``<run>/evals.log``); skipped
+    when ``evals.json`` already holds every suite with the run's newest checkpoint (``--resume``)."""
+    from ..evals.suite import protocols_for
+    from .checkpoint import STEP_RE, step_dirs
+
+    done = run / "evals.json"
+    newest = step_dirs(run / "checkpoints")
+    try:
+        have = json.loads(done.read_text()).get("suites", {}) if done.is_file() and newest else {}
+        last = str(int(STEP_RE.fullmatch(newest[0].name).group(1))) if newest else None
+        if have and all(last in have.get(p.name, {}).get("checkpoints", {}) for p in protocols_for(suite)):
+            print(f"[{label}] benchmark suite {suite!r}: already evaluated ({done})", file=sys.stderr, flush=True)
+            return
+    except (OSError, ValueError, AttributeError):
+        pass
     cmd = [sys.executable, "-m", "nemo_granular", "eval-checkpoints", str(run), "--suite", suite]
     if max_samples is not None:
         cmd += ["--max-samples", str(max_samples)]

@@ -148,10 +148,11 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
         raise FileNotFoundError(f"{run}: no checkpoints/step_N and no model.init_from to evaluate")
     steps = sorted(policies)
     cache: dict = {}
+    memo: dict = {}
     data = {}
     for proto in protocols:
         if proto.select == "best":
-            chosen = [s for s in steps if proto.every is None or s % proto.every == 0] or steps
+            chosen = sorted({s for s in steps if proto.every is None or s % proto.every == 0} | {steps[-1]})
         else:
             chosen = sorted({steps[0], steps[-1]})
         setting = proto.default
@@ -167,8 +168,13 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
                 cache.clear()  # one model in memory at a time
                 cache[step] = (load_pretrained_policy(str(path)), load_tokenizer(tokenizer_dir(str(path))))
             model, tok = cache[step]
-            results[step] = {k: score(model, tok, v, setting, new_tokens[k], seed=seed * 1009 + step,
-                                      answer_pattern=task.get("answer_pattern")) for k, v in sets.items()}
+            results[step] = {}
+            for k, v in sets.items():  # a protocol with the same setting (e.g. capped samples) reuses the score
+                memo_key = (step, k, setting)
+                if memo_key not in memo:
+                    memo[memo_key] = score(model, tok, v, setting, new_tokens[k], seed=seed * 1009 + step,
+                                           answer_pattern=task.get("answer_pattern"))
+                results[step][k] = memo[memo_key]
             log(f"[evals {run.name}] {proto.name} step {step}: " +
                 ", ".join(f"{k} {s:.3f}" for k, s in results[step].items()))
         data = merge_write(run / "evals.json", run.name, "embedded", proto.name,

@@ -84,7 +84,7 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
         if steps is not None:
             chosen = [s for s in all_steps if s in steps]
         elif proto.select == "best":
-            chosen = [s for s in all_steps if proto.every is None or s % proto.every == 0] or all_steps
+            chosen = sorted({s for s in all_steps if proto.every is None or s % proto.every == 0} | {all_steps[-1]})
         else:
             chosen = [all_steps[-1]]
         for step in chosen:

@@ -88,7 +88,7 @@ def _sci(values):
     mu, sd, n = mean_sd(values)
     if n == 0:
         return "n/a"
-    return f"{mu:.2e}" + (f" ± {sd:.1e}" if sd is not None else (" (1 seed)" if n == 1 else ""))
+    return f"{mu:.2e}" + (f" ± {sd:.1e}" if sd is not None else "")
 
 
 # ---------------------------------------------------------------------------- plots
@@ -249,8 +249,11 @@ def benchmark_tables(by_name: dict[str, list[Run]]) -> list[str]:
         for run in runs:
             for suite, res in ((run.evals or {}).get("suites") or {}).items():
                 suites.setdefault(suite, {"spec": res, "rows": {}})["rows"].setdefault(name, []).append((run, res))
+    from ..evals.suite import PROTOCOLS
+
+    order = list(PROTOCOLS)
     lines = []
-    for suite, entry in suites.items():
+    for suite, entry in sorted(suites.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else 99, kv[0])):
         spec = entry["spec"]
         benches = list(spec.get("benchmarks", {}))
         proto = spec.get("protocol", {})
@@ -267,6 +270,18 @@ def benchmark_tables(by_name: dict[str, list[Run]]) -> list[str]:
                   "| algorithm | seeds | " + " | ".join(spec["benchmarks"][b].get("label", b) for b in benches)
                   + " | average | checkpoint step(s) |",
                   "|---|---|" + "---|" * (len(benches) + 2)]
+        # the policy every run of a seed started from (embedded: the warm start), as the papers' base row
+        base = {}
+        for items in entry["rows"].values():
+            for run, res in items:
+                scores = res.get("checkpoints", {}).get("0")
+                if scores and all(b in scores for b in benches):
+                    base.setdefault(run.seed, scores)
+        if base:
+            vals = list(base.values())
+            cells = [_stat([v[b] for v in vals]) for b in benches]
+            avg = _stat([sum(v[b] for b in benches) / len(benches) for v in vals])
+            lines.append(f"| start (step 0) | {len(vals)} | " + " | ".join(cells) + f" | {avg} | 0 |")
         for name, items in entry["rows"].items():
             picked = [select_checkpoint(res, select) for _, res in items]
             picked = [(p, run) for p, (run, _) in zip(picked, items) if p is not None]

@@ -51,13 +51,11 @@ def mean_sd(values) -> tuple[float, float | None, int]:
 
 
 def fmt(mu, sd=None, n: int | None = None, digits: int = 3) -> str:
-    """``mean ± sd`` for 2+ seeds, ``mean (1 seed)`` for one, ``n/a`` for none."""
+    """``mean ± sd`` for 2+ seeds, the value alone for one (never ``± 0.000``), ``n/a`` for none."""
     if mu is None or (isinstance(mu, float) and not math.isfinite(mu)):
         return "n/a"
     text = f"{mu:.{digits}f}"
-    if sd is not None:
-        return f"{text} ± {sd:.{digits}f}"
-    return f"{text} (1 seed)" if n == 1 else text
+    return f"{text} ± {sd:.{digits}f}" if sd is not None else text
 
 
 def verdict_greater(diffs) -> tuple[str, str]:
