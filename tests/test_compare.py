@@ -91,6 +91,7 @@ def _compare(C, out, *overrides, algorithms=("grpo",), **kw):
     from nemo_granular.embedded.config import LOCAL_CONFIGS
 
     kw.setdefault("suite", None)  # the benchmark suite is tested by the smoke comparison and tests/test_evals.py
+    kw.setdefault("suite", None)  # the benchmark suite is covered by the smoke comparison and tests/test_evals.py
     return C.compare(algorithms=list(algorithms), seeds=1, steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
                      overrides=[*TINY, *overrides], **kw)
 
