@@ -249,3 +249,13 @@ def test_jsonl_errors_name_the_file_and_line(tmp_path):
         JsonlTask(str(bad))
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
         JsonlTask(str(tmp_path / "missing.jsonl"))
+
+
+def test_version_and_train_help_name_the_packaged_configs(capsys):
+    from nemo_granular import __version__
+    from nemo_granular.cli import main
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"nemo-granular {__version__}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "packaged configs (--config NAME): base, espo, grpo" in " ".join(capsys.readouterr().out.split())
