@@ -5,7 +5,7 @@ Chunking over positions keeps the extra memory at two small float32 blocks: the 
 themselves are never copied to float32 as a whole.
 
 Speed (``benchmarks/peers.py``): the positions of a chunk are further capped so that one block
-holds at most ``CACHE_ELEMENTS`` floats (1 MiB): the five passes over a block (shift, exp, two
+holds at most ``CACHE_ELEMENTS`` floats (1 MiB) per thread: the five passes over a block (shift, exp, two
 sums, product) then run out of cache and the logits are read from memory once, which makes
 the fused logprob+entropy pass faster than a plain ``log_softmax`` + gather (that one writes a
 fresh ``[N, V]`` tensor). Results do not depend on the chunking (every position is reduced
@@ -34,14 +34,15 @@ def _chunk_stats(logits: torch.Tensor, chunk_size: int | None, targets=None, ent
     n, V = flat.shape
     step = n if not chunk_size or chunk_size <= 0 else min(chunk_size, max(n, 1))
     if flat.device.type == "cpu":  # on GPU the kernels stream; larger blocks mean fewer launches
-        step = max(1, min(step, CACHE_ELEMENTS // max(V, 1)))
+        # a block per thread: each of the ~12 ops per block is one parallel region, so more
+        # threads get proportionally larger blocks (fewer regions)
+        step = max(1, min(step, CACHE_ELEMENTS * torch.get_num_threads() // max(V, 1)))
     y_buf = torch.empty(min(step, n), V, dtype=torch.float32, device=flat.device)
     e_buf = torch.empty_like(y_buf) if entropy else None
     for a in range(0, n, max(step, 1)):  # loop over chunks of positions, not tokens
         b = min(a + step, n)
         chunk, y = flat[a:b], y_buf[: b - a]
-        m = chunk.amax(dim=-1, keepdim=True).float()
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        m = chunk.amax(dim=-1, keepdim=True).float().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if chunk.dtype == torch.float32:
             torch.sub(chunk, m, out=y)
         else:  # cast first: z − m must be formed in float32
