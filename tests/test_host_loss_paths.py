@@ -253,11 +253,13 @@ def test_split_step_metric_normalizations(host, preset):
     _split_step_vs_sync(loss_fn, host.MN, data, logp, gvs, gvt)
 
 
-def test_value_loss_through_dtensor_value_post_processing(host, megatron_workers):
+def test_value_loss_through_dtensor_value_post_processing(host, megatron_workers, monkeypatch):
     """``SequenceValueLoss`` behind the DTensor value worker's ``RightShiftLossWrapper`` inside the
     DTensor-v2 ``LossPostProcessor`` (LOGIT input), microbatched, equals a direct call on the
     right-shifted values; metrics rescale by its ``metric_normalizations`` in the split step."""
-    pytest.importorskip("modelopt")  # listed in the nemo-rl-test extra
+    import nemo_automodel.shared.import_utils as iu
+
+    monkeypatch.setattr(iu, "safe_import_te", lambda: (False, None))  # Automodel's TE-absent path (test only)
     from nemo_rl.models.value.workers.dtensor_value_worker_v2 import RightShiftLossWrapper
 
     B, S = 6, 10
