@@ -214,6 +214,7 @@ def test_latest_naming_a_missing_checkpoint_falls_back_with_a_warning(finished_r
     (run / "checkpoints" / "latest").write_text("step_000006\n")
     logs: list[str] = []
     t = _resume(run, logs, steps=6)
+    t.close()
     assert t.step == 4
     assert any("names step_000006, which does not exist" in m and "resuming from step_000004" in m for m in logs)
 

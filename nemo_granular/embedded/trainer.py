@@ -457,7 +457,12 @@ class Trainer:
         try:
             return self._run()
         finally:
-            self._restore_signal_handlers()
+            self.close()
+
+    def close(self) -> None:
+        """Give the signal handlers back and close the metric sinks (``run`` does this itself)."""
+        self._restore_signal_handlers()
+        if self.sinks is not None:
             self.sinks.close()
 
     def _run(self) -> int:
