@@ -8,6 +8,8 @@ groups (``initialize_model_parallel`` over gloo):
   ``DistributedLogprob``, ``from_parallel_logits_to_logprobs`` (plain and chunked) and
   ``ChunkedDistributedEntropy`` (which returns Σ p log p = −H) — values and gradients
   w.r.t. the local vocabulary shard — and the float64 single-process reference.
+* a real tiny Megatron ``GPTModel`` (local layer spec, CPU init) at TP 1 and TP 2 feeding
+  ``megatron_entropy``, against the entropy of the TP-gathered logits;
 * TP 2 × CP 2 with sequence packing: the project's zig-zag layout equals NeMo-RL's
   ``_get_tokens_on_this_cp_rank`` per packed sequence; NeMo-RL's
   ``from_parallel_logits_to_logprobs_packed_sequences`` and the project's ``megatron_entropy``
@@ -163,6 +165,56 @@ def task_cp_packed(rank, world):
             "ref_lp": ref_lp, "ref_ent": ref_ent, "lengths": lengths}
 
 
+def task_gpt_model(rank, world, tp):
+    """A real tiny Megatron GPTModel (local layer spec, CPU init) feeding ``megatron_entropy``.
+
+    CPU shims, in this task only: ``torch.cuda.current_device`` → "cpu" (rotary embedding /
+    mappings ask for it) and the CUDA RNG tracker's ``fork()`` → no-op (dropout is 0)."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    ps = _init_megatron(tp, 1)
+    from megatron.core import tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_granular.nemo_rl.workers import megatron_entropy
+
+    tracker = tensor_parallel.random.get_cuda_rng_tracker()
+    saved = torch.cuda.current_device, tracker.fork
+    torch.cuda.current_device = lambda: "cpu"
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    try:
+        torch.manual_seed(0)
+        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
+                                hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
+                                params_dtype=torch.float32)
+        V, B, S = 32, 3, 8
+        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=V,
+                         max_sequence_length=16)
+        g = torch.Generator().manual_seed(11 + ps.get_data_parallel_rank())
+        ids = torch.randint(0, V, (B, S), generator=g)
+        lengths = torch.tensor([8, 5, 7])
+        mask = torch.ones(S, S, dtype=torch.bool).triu(1)[None, None]
+        with torch.no_grad():
+            local = model(input_ids=ids, position_ids=torch.arange(S)[None].expand(B, S), attention_mask=mask)
+    finally:
+        torch.cuda.current_device, tracker.fork = saved
+    tp_group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(local) for _ in range(tp)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    full = torch.cat(parts, -1).double()
+    ent = megatron_entropy(local, input_lengths=lengths, seq_len=S, tp_group=tp_group)
+    logp = torch.log_softmax(full, -1)
+    h = -(logp.exp() * logp).sum(-1)
+    ref = torch.zeros(B, S, dtype=torch.float64)
+    for i, L in enumerate(lengths.tolist()):
+        ref[i, 1:L] = h[i, :L - 1]
+    return {"local_vocab": local.shape[-1], "ent": ent.double(), "ref": ref}
+
+
 # ----------------------------------------------------------------------------- tests
 def test_tp2_dp2_against_megatron_and_nemo_rl(pool):
     results = pool.run(task_tp_dp)
@@ -198,3 +250,11 @@ def test_cp2_tp2_packed_against_nemo_rl(pool):
             valid[i, :L - 1] = True
         torch.testing.assert_close(r["lp"][valid], r["ref_lp"][valid], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["ent"], r["ref_ent"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_entropy_fed_by_a_real_gpt_model(pool, tp):
+    for r in pool.run(task_gpt_model, tp):
+        assert r["local_vocab"] == 32 // tp
+        assert r["ref"].abs().sum() > 0
+        torch.testing.assert_close(r["ent"], r["ref"], rtol=1e-5, atol=1e-5)
