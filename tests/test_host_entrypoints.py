@@ -197,3 +197,41 @@ def test_missing_config_file_is_one_line_in_both_launchers(nemo_rl_src, tmp_path
 def _foreign(line: str) -> bool:
     """Log lines NeMo-RL's own imports print on this CPU host (torchao / torch warnings)."""
     return line.startswith(("WARNING:", "W1", "I1")) or "torchao" in line or "warn" in line.lower()
+
+
+def test_sync_runs_log_espo_verification_failed_frac(nemo_rl_src, tmp_path):
+    """Issue 15.5: the ESPO estimator built by NeMo-RL's (patched) ``_create_advantage_estimator``
+    from our config, called as ``grpo_train`` calls it, and NeMo-RL's real ``Logger`` wrapped by
+    ``run_grpo``: the step's ``train`` metrics carry ``verification_failed_frac``."""
+    import torch
+    from nemo_rl.algorithms import grpo
+    from nemo_rl.utils.logger import Logger
+
+    from nemo_granular.nemo_rl import installed
+    from nemo_granular.nemo_rl.configs import load_resolved
+    from nemo_granular.nemo_rl.environments import CORRECT_CONTENT, INCORRECT_CONTENT, VERIFICATION_FAILED_CONTENT
+    from nemo_granular.run_grpo import EstimatorMetricsLogger
+
+    master = grpo.MasterConfig(**load_resolved(CFG / "nemo_rl" / "espo_math_1B.yaml"))
+    seen = []
+
+    class Backend:
+        def log_metrics(self, metrics, step, prefix="", step_metric=None, step_finished=False):
+            seen.append((prefix, step, dict(metrics)))
+
+    real = Logger({"log_dir": str(tmp_path), "wandb_enabled": False, "swanlab_enabled": False,
+                   "tensorboard_enabled": False, "mlflow_enabled": False, "monitor_gpus": False})
+    real.loggers.append(Backend())
+    logger = EstimatorMetricsLogger(real)
+    contents = [CORRECT_CONTENT, VERIFICATION_FAILED_CONTENT, INCORRECT_CONTENT, VERIFICATION_FAILED_CONTENT]
+    batch = {"message_log": [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                              {"role": "environment", "content": c}] for c in contents]}
+    with installed():
+        est = grpo._create_advantage_estimator(master)
+        logger.log_metrics({"reward": 0.5}, 1, prefix="train")      # rollout metrics: before the estimator
+        est.compute_advantage(prompt_ids=torch.tensor([[1], [1], [2], [2]]), rewards=torch.tensor([1.0, 0, 0, 0]),
+                              mask=torch.ones(4, 3), repeated_batch=batch)
+        logger.log_metrics({"loss": 0.1}, 1, prefix="train")        # the step's main train metrics
+    train = [m for p, _, m in seen if p == "train"]
+    assert train[0] == {"reward": 0.5}
+    assert train[1]["loss"] == 0.1 and train[1]["verification_failed_frac"] == pytest.approx(0.5)
