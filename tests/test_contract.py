@@ -1,4 +1,4 @@
-"""One batch contract, checked on both hosts.
+"""One batch contract, checked on both hosts (and on the calls NeMo-RL's real wrappers make).
 
 The same checker (`nemo_granular.contract`) wraps the plugin loss (a) inside the embedded
 trainer (tests/test_embedded.py::test_trainer_calls_plugin_with_nemo_rl_contract) and (b) here,
@@ -52,3 +52,27 @@ def test_value_loss_contract_as_the_ppo_loop_calls_it():
     assert rec.calls == 1 and values.grad[:, 3].abs().sum() > 0 and values.grad[:, 4:].abs().sum() == 0
     with pytest.raises(AssertionError, match="binary"):
         check_value_loss_call(values, dict(data, rewards=torch.tensor([0.5, 0, 1, 0])), 4.0, 4.0)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "sspo", "espo"])
+def test_real_nemo_rl_call_paths_satisfy_the_contract(nemo_rl_src, monkeypatch, algorithm):
+    """The calls NeMo-RL's REAL wrappers make (``prepare_loss_input`` per microbatch, and
+    ``SequencePackingLossWrapper`` per packed sequence) satisfy the same contract."""
+    from nemo_rl.algorithms.loss import prepare_loss_input
+    from nemo_rl.algorithms.loss.wrapper import SequencePackingLossWrapper, wrap_loss_fn_with_input_preparation
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # single-device path, test only
+    cfg = {"granular": {"algorithm": algorithm, "espo": {"vocab_size": 12}}}
+    data, _, gvs, gvt = _driver_batch(0, cfg)
+    B, S = data["input_ids"].shape
+    logits = torch.randn(B, S, 12, generator=torch.Generator().manual_seed(1))
+    rec = ContractRecorder(GranularPolicyLoss(cfg), check_policy_loss_call)
+    for a, b in ((0, 4), (4, B)):
+        wrap_loss_fn_with_input_preparation(logits[a:b], BatchedDataDict({k: v[a:b] for k, v in data.items()}),
+                                            gvs, gvt, loss_fn=rec, prepare_fn=prepare_loss_input)
+    lengths = data["input_lengths"]
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
+    packed = torch.cat([logits[i, :L] for i, L in enumerate(lengths.tolist())])[None]
+    SequencePackingLossWrapper(rec, prepare_loss_input, cu_seqlens_q=cu)(packed, BatchedDataDict(data), gvs, gvt)
+    assert rec.calls == 2 + B
