@@ -264,3 +264,43 @@ def test_ppo_train_step_sequence_with_patched_estimator():
     restore()
     with pytest.raises(ValueError, match="Invalid adv_estimator"):
         ppo_module._create_advantage_estimator(master_config)
+
+
+def test_prompt_only_value_inside_real_value_get_values(nemo_rl_src):
+    """``PromptOnlyValue`` around NeMo-RL's REAL ``Value.get_values`` (DP = 2: the real
+    ``BatchedDataDict.shard_by_batch_size``, ``run_all_workers_sharded_data`` keywords,
+    ``from_batches``); each worker shard is answered by the tiny critic as a value worker would.
+    3 unique prompts: the query rows must be padded to a DP multiple or the real sharding refuses."""
+    import inspect
+
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+    from nemo_rl.distributed.worker_groups import RayWorkerGroup
+    from nemo_rl.models.value.lm_value import Value
+
+    model = tiny_critic()
+    worker = LocalValue(model)
+
+    class Group:
+        def run_all_workers_sharded_data(self, method_name, *args, **kwargs):
+            inspect.signature(RayWorkerGroup.run_all_workers_sharded_data).bind(None, method_name, *args, **kwargs)
+            assert method_name == "get_values" and hasattr(Value, method_name)
+            return [getattr(worker, method_name)(dict(shard)) for shard in kwargs["data"]]
+
+        def get_all_worker_results(self, futures):
+            return [BatchedDataDict(f) for f in futures]
+
+    value = object.__new__(Value)
+    value.sharding_annotations = _Sharding(2)
+    value.use_dynamic_batches = value.use_sequence_packing = False
+    value.cfg = {"logprob_batch_size": 1, "train_micro_batch_size": 1}
+    value.worker_group = Group()
+
+    data = make_batch(n_per_prompt=3)
+    data = {k: v[:9] for k, v in data.items()}  # 3 unique prompts, 9 samples
+    out = PromptOnlyValue(value, PAD).get_values(BatchedDataDict(data))["values"]
+    full = LocalValue(model, lbs=1).get_values(data)["values"]
+    cols = prompt_value_columns(data["token_mask"], data["input_lengths"])
+    v_full = full.gather(1, cols[:, None]).squeeze(1)
+    v_out = out.gather(1, cols[:, None]).squeeze(1)
+    assert float((v_out - v_full).abs().max()) <= 1e-5 and float(v_full.abs().max()) > 0.1
+    assert worker.shapes and all(s[0] == 2 for s in worker.shapes)  # 4 query rows (3 + 1 pad) over DP 2
