@@ -1,4 +1,4 @@
-"""Advantage estimators with NeMo-RL's duck-typed interface (spec §6).
+"""Advantage estimators with NeMo-RL's duck-typed interface (docs/algorithms/math.md §6).
 
 ``estimator.compute_advantage(prompt_ids, rewards, mask, **kwargs)`` as NeMo-RL's GRPO and
 PPO loops call it (``nemo_rl/algorithms/advantage_estimator.py``); constructors take

@@ -1,4 +1,4 @@
-"""The user-facing configuration contract (pydantic), and the algorithm presets of spec §8.
+"""The user-facing configuration contract (pydantic), and the algorithm presets of docs/algorithms/math.md §8.
 
 ```yaml
 loss_fn:                     # NeMo-RL's own keys keep their meaning
@@ -45,7 +45,7 @@ RatioForm = Literal["shared", "token_decomposed"]
 ClipKind = Literal["fixed", "sspo_entropy", "espo_entropy"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_group_mean"]
 
-# spec §8 (ε of `fixed` clipping as (low, high); advantage estimator name)
+# docs/algorithms/math.md §8 (ε of `fixed` clipping as (low, high); advantage estimator name)
 PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2),
                  aggregation="token_mean", advantage="grpo"),

@@ -91,7 +91,7 @@ def kl_penalty_per_token(logp, logp_ref, kl_type="k3", input_clamp=20.0, output_
 
 
 class GranularPolicyLoss:
-    """Clipped policy-gradient loss with granular importance ratios (spec §1–§5).
+    """Clipped policy-gradient loss with granular importance ratios (docs/algorithms/math.md §1–§5).
 
     loss = −Agg_i,t[ min(r_it·A_it, clip(r_it, lo_ig, hi_ig)·A_it) ] + β·KL
 
@@ -228,7 +228,7 @@ class GranularPolicyLoss:
             n_groups_row = counts.clamp(max=1).sum(-1)
         c, ratio_clamped, low, high, keep = clip_terms(ratio, adv, lo, hi, cfg.ratio_clip_c)
 
-        # per-token aggregation weight: objective = Σ_t W_t·c_t (spec §5, global denominators)
+        # per-token aggregation weight: objective = Σ_t W_t·c_t (docs/algorithms/math.md §5, global denominators)
         seq_w = group_w = None
         if g.aggregation == "token_mean":
             W = w_tok
@@ -426,7 +426,7 @@ class GranularPolicyLoss:
 
 
 class SequenceValueLoss:
-    """SPPO critic loss (SPPO §3.2; spec §7): BCE-with-logits on V(s_p).
+    """SPPO critic loss (SPPO §3.2; docs/algorithms/math.md §7): BCE-with-logits on V(s_p).
 
     NeMo-RL hands a value loss ``logits`` = the critic's values ``[B, S]`` (or ``[B, S, 1]``),
     already right-shifted by one: column t holds the head output at position t−1. The value

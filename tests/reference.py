@@ -1,4 +1,4 @@
-"""Naive float64 reference of spec §1–§7, written independently of ``nemo_granular.core``.
+"""Naive float64 reference of docs/algorithms/math.md §1–§7, written independently of ``nemo_granular.core``.
 
 Everything here is deliberately plain: Python loops over rows, tokens and groups, scalar
 float64 torch arithmetic (so autograd gives reference gradients), exact rational cut points.
@@ -506,7 +506,7 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
 
 
 PRESET_SPECS = {
-    # spec §8, written out here independently of nemo_granular.config.PRESETS
+    # docs/algorithms/math.md §8, written out here independently of nemo_granular.config.PRESETS
     "grpo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2)),
     "gspo": dict(granularity="sequence", ratio="shared", clip="fixed", aggregation="seq_mean_token_mean",
                  eps=(3e-4, 4e-4)),

@@ -3,7 +3,7 @@
 Checked here, without NeMo-RL installed:
 * every file parses, inherits a NeMo-RL example through ``nemo_rl/upstream/`` and passes our
   config contract (``parse_policy_loss_config``, ``parse_advantage_config``, run_grpo's mode checks);
-* the algorithm settings are the spec's (ESPO 20/80 + adaptive eps, GSPO 3e-4/4e-4, SSPO
+* the algorithm settings are those of docs/algorithms/math.md (ESPO 20/80 + adaptive eps, GSPO 3e-4/4e-4, SSPO
   alpha/beta/gamma per model size);
 * configs of one comparison differ ONLY in loss / advantage keys and run names;
 * the parallel layout fits the allocation and the model (TP | heads, EP | experts, ...);
@@ -106,7 +106,7 @@ def test_algorithm_settings_follow_the_spec():
         assert load(g)["loss_fn"]["token_level_loss"] is True
         gs_ = parse_policy_loss_config(load(gs)["loss_fn"])
         assert (gs_.eps_low, gs_.eps_high) == (3e-4, 4e-4)
-        cfg = load(s)   # the paper's setting (spec §3)
+        cfg = load(s)   # the paper's setting (docs/algorithms/math.md §3)
         assert cfg["grpo"]["num_generations_per_prompt"] == 8 and cfg["grpo"]["num_prompts_per_step"] == 128
         assert cfg["policy"]["generation"]["max_new_tokens"] == 3000
         assert "math_level3to5" in cfg["data"]["train"]["data_path"]

@@ -1,4 +1,4 @@
-"""Advantages (spec §6) and the SPPO critic loss (spec §7) against the reference, NeMo-RL's
+"""Advantages (docs/algorithms/math.md §6) and the SPPO critic loss (docs/algorithms/math.md §7) against the reference, NeMo-RL's
 baseline/std semantics and the official SPPO code's semantics."""
 
 import math

@@ -1,4 +1,4 @@
-"""The three aggregations (spec §5) against the reference, and their microbatch additivity."""
+"""The three aggregations (docs/algorithms/math.md §5) against the reference, and their microbatch additivity."""
 
 import pytest
 import torch

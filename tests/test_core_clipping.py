@@ -1,4 +1,4 @@
-"""Clip bounds (spec §3) and the clipped surrogate with dual clip and indicators (spec §4)."""
+"""Clip bounds (docs/algorithms/math.md §3) and the clipped surrogate with dual clip and indicators (docs/algorithms/math.md §4)."""
 
 import pytest
 import torch

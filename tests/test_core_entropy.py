@@ -1,4 +1,4 @@
-"""Full-vocabulary entropy and next-token logprobs from logits (spec Notation) vs float64 softmax."""
+"""Full-vocabulary entropy and next-token logprobs from logits (docs/algorithms/math.md, Notation) vs float64 softmax."""
 
 import math
 

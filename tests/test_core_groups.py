@@ -1,4 +1,4 @@
-"""Token groups (spec §1) against the reference: token / sequence / segment / entropy_group ids."""
+"""Token groups (docs/algorithms/math.md §1) against the reference: token / sequence / segment / entropy_group ids."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Group log-ratio means and the two ratio forms (spec §2): values and gradients."""
+"""Group log-ratio means and the two ratio forms (docs/algorithms/math.md §2): values and gradients."""
 
 import pytest
 import torch
@@ -59,7 +59,7 @@ def test_ratio_values_and_gradients(seed, form):
     for (i, t), v in rr.items():
         R.assert_close(r[i, t], R._f(v), what=f"r[{i},{t}]")
     R.assert_close(lp.grad, lp64.grad, what="grad")
-    # the closed forms of spec §2
+    # the closed forms of docs/algorithms/math.md §2
     for i, row in enumerate(ids.tolist()):
         for grp in R.groups_of_row(row):
             s = R._f(rr[(i, grp[0])])

@@ -83,7 +83,7 @@ def test_float64_nemo_metrics(preset, nemo_cfg, rtol):
                                              **extra}), logp, data, gvs, gvt)
     rloss, rgrad, rm = R.run_ref(R.nemo_clipped_pg_loss, logp, data, {"reference_policy_kl_penalty": 0.0, **nemo_cfg},
                                  gvs, gvt)
-    # NeMo-RL divides by (count + 1e-8) where the spec (and we) divide by the count: a relative
+    # NeMo-RL divides by (count + 1e-8) where docs/algorithms/math.md (and we) divide by the count: a relative
     # 1e-8/count difference, invisible in float32, ~1e-10 here
     R.assert_close(loss, rloss, rtol=rtol, atol=1e-13, what="loss")
     R.assert_close(grad, rgrad, rtol=rtol, atol=1e-13, what="grad")

@@ -1,4 +1,4 @@
-"""Every preset of `GranularPolicyLoss` against the float64 reference (spec §1–§5, §8):
+"""Every preset of `GranularPolicyLoss` against the float64 reference (docs/algorithms/math.md §1–§5, §8):
 loss value, gradient wrt next_token_logprobs, and the returned metrics."""
 
 import pytest
@@ -31,7 +31,7 @@ def check_preset(name, data, logp, gvs, gvt, **ref_over):
 
 
 def test_preset_table_matches_spec():
-    """config.PRESETS is spec §8 (written out independently in reference.PRESET_SPECS)."""
+    """config.PRESETS is docs/algorithms/math.md §8 (written out independently in reference.PRESET_SPECS)."""
     assert set(PRESETS) == set(R.PRESET_SPECS)
     for name, spec in R.PRESET_SPECS.items():
         for key, value in spec.items():

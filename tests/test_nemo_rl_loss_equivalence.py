@@ -1,7 +1,7 @@
 """The granular loss gives the same result however NeMo-RL's workers cut the global batch.
 
 The loss is called exactly as NeMo-RL calls it (``loss_fn(next_token_logprobs=..., data=...,
-global_valid_seqs=..., global_valid_toks=...)``, integration guide §A): (a) once on the whole
+global_valid_seqs=..., global_valid_toks=...)``): (a) once on the whole
 batch, (b) on microbatch splits (Megatron/DTensor without packing), (c) once per sequence with
 ``data`` a plain dict whose 2-D tensors are sliced to the row's length and ``[1, L_i−1]``
 logprobs (``SequencePackingLossWrapper``). Losses and every metric are combined with NeMo-RL's

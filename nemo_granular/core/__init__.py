@@ -1,4 +1,4 @@
-"""The functional core: pure tensor functions, one per formula of the spec."""
+"""The functional core: pure tensor functions, one per formula of docs/algorithms/math.md."""
 
 from .advantages import *  # noqa: F401,F403
 from .aggregation import *  # noqa: F401,F403

@@ -1,4 +1,4 @@
-"""Advantages (spec §6) and the SPPO critic loss (spec §7) as pure tensor functions."""
+"""Advantages (docs/algorithms/math.md §6) and the SPPO critic loss (docs/algorithms/math.md §7) as pure tensor functions."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def grpo_advantages(
     normalize_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """GRPO advantage (spec §6): A_i = (R_i − mean_G R) / (std_G R + ε) over the prompt's group G.
+    """GRPO advantage (docs/algorithms/math.md §6): A_i = (R_i − mean_G R) / (std_G R + ε) over the prompt's group G.
 
     ``valid`` (bool ``[B]``) selects the responses that enter the statistics; invalid ones get
     A = 0. ``leave_one_out`` uses the mean (and std) of the *other* valid responses (RLOO);
@@ -70,7 +70,7 @@ def espo_advantages(
     verification_failed: torch.Tensor,
     **grpo_options,
 ) -> torch.Tensor:
-    """ESPO advantage (ESPO §3.5; spec §6 Decision): GRPO advantage where responses whose
+    """ESPO advantage (ESPO §3.5; docs/algorithms/math.md §6 Decision): GRPO advantage where responses whose
     verification FAILED (no judgeable answer) get A = 0 and are left out of their prompt's
     mean and std."""
     return grpo_advantages(rewards, prompt_index, valid=~verification_failed.bool(), **grpo_options)
@@ -84,12 +84,12 @@ def first_response_index(mask: torch.Tensor) -> torch.Tensor:
 
 
 def sppo_advantages(rewards: torch.Tensor, value_logits: torch.Tensor) -> torch.Tensor:
-    """SPPO advantage (SPPO eq. 1; spec §6): A_i = R_i − σ(v_i), v_i the critic logit at the
+    """SPPO advantage (SPPO eq. 1; docs/algorithms/math.md §6): A_i = R_i − σ(v_i), v_i the critic logit at the
     last prompt token (V(s_p) = σ(v)). Returns ``[B]``; the caller broadcasts it to tokens."""
     return rewards.float() - torch.sigmoid(value_logits.float().detach())
 
 
 def sppo_critic_bce(value_logits: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
-    """SPPO critic loss (SPPO §3.2; spec §7): per-response BCE-with-logits(v_i, R_i), ``[B]``."""
+    """SPPO critic loss (SPPO §3.2; docs/algorithms/math.md §7): per-response BCE-with-logits(v_i, R_i), ``[B]``."""
     dt = torch.promote_types(value_logits.dtype, torch.float32)  # float64 stays float64
     return F.binary_cross_entropy_with_logits(value_logits.to(dt), rewards.to(dt), reduction="none")

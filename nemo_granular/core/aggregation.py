@@ -1,4 +1,4 @@
-"""Aggregations of a per-token term into the (partial) batch objective (spec §5).
+"""Aggregations of a per-token term into the (partial) batch objective (docs/algorithms/math.md §5).
 
 All three return a *partial sum* normalised by a global count, NeMo-RL style: summing the
 results of every microbatch (or of every single-sequence call under sequence packing)

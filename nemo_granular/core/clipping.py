@@ -1,4 +1,4 @@
-"""Clip bounds and the clipped surrogate (spec §3, §4)."""
+"""Clip bounds and the clipped surrogate (docs/algorithms/math.md §3, §4)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ __all__ = [
 
 
 def fixed_clip_bounds(like: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fixed` bounds (spec §3): lo = 1 − ε_low, hi = 1 + ε_high, broadcast to ``like``."""
+    """`fixed` bounds (docs/algorithms/math.md §3): lo = 1 − ε_low, hi = 1 + ε_high, broadcast to ``like``."""
     lo = torch.full_like(like, 1.0 - eps_low, dtype=torch.float32)
     hi = torch.full_like(like, 1.0 + eps_high, dtype=torch.float32)
     return lo, hi
@@ -25,7 +25,7 @@ def fixed_clip_bounds(like: torch.Tensor, eps_low: float, eps_high: float) -> tu
 def sspo_entropy_clip_bounds(
     group_entropy: torch.Tensor, alpha: float, beta: float, gamma: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sspo_entropy` bounds (SSPO eq. 13–15; spec §3), per group from its mean entropy H̄:
+    """`sspo_entropy` bounds (SSPO eq. 13–15; docs/algorithms/math.md §3), per group from its mean entropy H̄:
 
     hi = min(1 + α + H̄, γ),   lo = max(0, min(1 − H̄, β)).
     """
@@ -38,7 +38,7 @@ def sspo_entropy_clip_bounds(
 def espo_entropy_clip_bounds(
     group_entropy: torch.Tensor, alpha: float, vocab_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`espo_entropy` bounds (ESPO §3.4; spec §3): ε = α · mean_group(H / log|V|); [1 − ε, 1 + ε].
+    """`espo_entropy` bounds (ESPO §3.4; docs/algorithms/math.md §3): ε = α · mean_group(H / log|V|); [1 − ε, 1 + ε].
 
     ``group_entropy`` is the group mean of H, so ε = α · H̄ / log|V| (the mean is linear).
     """
@@ -49,7 +49,7 @@ def espo_entropy_clip_bounds(
 
 
 def calibrate_espo_alpha(mean_entropy: float, vocab_size: int, target_eps: float) -> float:
-    """α such that the initial mean ε equals ``target_eps`` (spec §3: the paper gives no α).
+    """α such that the initial mean ε equals ``target_eps`` (docs/algorithms/math.md §3: the paper gives no α).
 
     E.g. ``target_eps = 3.5e-4`` (the middle of GSPO's 3e-4/4e-4 bounds) and the mean π_old
     entropy of the first rollout.
@@ -66,7 +66,7 @@ def clipped_surrogate(
     hi: torch.Tensor | float,
     dual_clip: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate (PPO; spec §4), to be maximised:
+    """Per-token clipped surrogate (PPO; docs/algorithms/math.md §4), to be maximised:
 
     c = min(r·A, clip(r, lo, hi)·A); with dual clip C > 1 and A < 0: c = max(c, C·A).
 

@@ -1,6 +1,6 @@
 """Full-vocabulary entropy (and next-token logprobs) from logits, chunked over positions (no grad).
 
-H = logsumexp(z) − Σ_v softmax(z)_v · z_v  (spec, Notation), in nats, float32 accumulation.
+H = logsumexp(z) − Σ_v softmax(z)_v · z_v  (docs/algorithms/math.md, Notation), in nats, float32 accumulation.
 Chunking over positions keeps the extra memory at two small float32 blocks: the logits
 themselves are never copied to float32 as a whole.
 

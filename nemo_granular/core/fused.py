@@ -1,4 +1,4 @@
-"""Hot-path forms of the policy loss (spec §2–§5): float masks, weighted sums, analytic gradient.
+"""Hot-path forms of the policy loss (docs/algorithms/math.md §2–§5): float masks, weighted sums, analytic gradient.
 
 Why this shape (profiled on CPU, ``[64, 4095]`` float32, one thread): a comparison that writes
 a ``bool`` tensor costs ~3× one that writes 0/1 floats, ``torch.where`` on a bool mask ~10× a
@@ -74,7 +74,7 @@ def substitute_nonfinite(x: torch.Tensor, fallback: torch.Tensor, valid: torch.T
 
 
 def clip_terms(ratio, adv, lo, hi, dual_clip: float | None = None):
-    """Per-token clipped surrogate (spec §4) and the derivative of it with respect to the ratio.
+    """Per-token clipped surrogate (docs/algorithms/math.md §4) and the derivative of it with respect to the ratio.
 
     c = min(r·A, clip(r, lo, hi)·A), with dual clip C: c = max(c, C·A) where A < 0.
     Returns ``(c, r_clamped, low, high, keep)``: ``low``/``high`` (0/1) mark the tokens whose

@@ -1,4 +1,4 @@
-"""Token groups: which tokens of a response share one importance ratio (spec §1).
+"""Token groups: which tokens of a response share one importance ratio (docs/algorithms/math.md §1).
 
 Every function takes per-token tensors of shape ``[B, T]`` (rows are responses) and a
 boolean ``mask`` of the valid response tokens, and returns int64 ``group_ids`` of the same
@@ -25,14 +25,14 @@ __all__ = [
 
 
 def token_group_ids(mask: torch.Tensor) -> torch.Tensor:
-    """`token` granularity (GRPO, spec §1): every valid token is its own group."""
+    """`token` granularity (GRPO, docs/algorithms/math.md §1): every valid token is its own group."""
     mask = mask.bool()
     ids = torch.cumsum(mask.long(), dim=-1) - 1
     return torch.where(mask, ids, -1)
 
 
 def sequence_group_ids(mask: torch.Tensor) -> torch.Tensor:
-    """`sequence` granularity (GSPO eq. 6, spec §1): one group per response."""
+    """`sequence` granularity (GSPO eq. 6, docs/algorithms/math.md §1): one group per response."""
     mask = mask.bool()
     return torch.where(mask, torch.zeros_like(mask, dtype=torch.long), -1)
 
@@ -40,7 +40,7 @@ def sequence_group_ids(mask: torch.Tensor) -> torch.Tensor:
 def segment_group_ids(
     token_ids: torch.Tensor, mask: torch.Tensor, delimiter_table: torch.Tensor
 ) -> torch.Tensor:
-    """`segment` granularity (SSPO §4.1, spec §1): cut after every delimiter token.
+    """`segment` granularity (SSPO §4.1, docs/algorithms/math.md §1): cut after every delimiter token.
 
     ``delimiter_table[v]`` says whether token v's text contains a delimiter (built once by
     :func:`build_delimiter_table`). The delimiter token closes the segment it ends, tokens
@@ -59,7 +59,7 @@ def segment_group_ids(
 def entropy_group_ids(
     entropy: torch.Tensor, mask: torch.Tensor, top_fraction: float | Sequence[float] = 0.2
 ) -> torch.Tensor:
-    """`entropy_group` granularity (ESPO §3.4, §4.2; spec §1).
+    """`entropy_group` granularity (ESPO §3.4, §4.2; docs/algorithms/math.md §1).
 
     Tokens of a response are ranked by their own π_old entropy, highest first, ties broken
     by position (earlier first). With ``top_fraction=f`` the first ``ceil(f·n_i)`` tokens of
@@ -109,7 +109,7 @@ def num_groups(group_ids: torch.Tensor) -> torch.Tensor:
 
 
 def build_delimiter_table(tokenizer, delimiters: Iterable[str] = ("\n\n",), vocab_size: int | None = None) -> torch.Tensor:
-    """Per-vocabulary lookup ``table[v] = any(d in text(v) for d in delimiters)`` (spec §1 Decision).
+    """Per-vocabulary lookup ``table[v] = any(d in text(v) for d in delimiters)`` (docs/algorithms/math.md §1 Decision).
 
     Built once per tokenizer (one decode per vocabulary entry, at set-up time), so the hot
     path needs only a gather. ``vocab_size`` may exceed the tokenizer's (padded embedding
@@ -138,7 +138,7 @@ def group_ids_for(
     delimiter_table: torch.Tensor | None = None,
     entropy_cut_points: float | Sequence[float] = 0.2,
 ) -> torch.Tensor:
-    """Group ids of the configured granularity (dispatch over the four kinds of spec §1)."""
+    """Group ids of the configured granularity (dispatch over the four kinds of docs/algorithms/math.md §1)."""
     if granularity == "token":
         return token_group_ids(mask)
     if granularity == "sequence":

@@ -1,4 +1,4 @@
-"""Group reductions and group importance ratios (spec §2).
+"""Group reductions and group importance ratios (docs/algorithms/math.md §2).
 
 ``group_sum`` / ``group_mean`` reduce a per-token ``[B, T]`` tensor into a per-group
 ``[B, G]`` tensor with one ``scatter_add`` (autograd flows through it); ``gather_groups``
@@ -113,7 +113,7 @@ def gather_groups(per_group: torch.Tensor, group_ids: torch.Tensor) -> torch.Ten
 def group_log_ratio(
     log_ratio: torch.Tensor, group_ids: torch.Tensor, num_groups: int, counts: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """L_ig = mean over tokens t of group g of ℓ_it (spec §2; GSPO eq. 6, SSPO eq. 9)."""
+    """L_ig = mean over tokens t of group g of ℓ_it (docs/algorithms/math.md §2; GSPO eq. 6, SSPO eq. 9)."""
     return group_mean(log_ratio, group_ids, num_groups, counts)
 
 

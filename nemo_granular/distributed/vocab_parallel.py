@@ -9,7 +9,7 @@ quantities
     E   = Σ_v exp(z_v − m) · z_v             (all-reduce SUM, entropy only)
     z_y = logit of the target y              (all-reduce SUM, one rank holds it)
 
-the outputs are ``log p(y) = z_y − (m + log S)`` and ``H = m + log S − E/S`` (spec,
+the outputs are ``log p(y) = z_y − (m + log S)`` and ``H = m + log S − E/S`` (docs/algorithms/math.md,
 Notation: H = logsumexp(z) − Σ softmax(z)·z, nats). The three sums travel in ONE
 all-reduce, so the fused logprob+entropy pass has the same number of collectives as the
 logprob-only pass (one MAX, one SUM per chunk).

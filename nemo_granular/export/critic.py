@@ -1,6 +1,6 @@
 """The SPPO critic as a Hugging Face sequence classifier, and V(prompt).
 
-SPPO (spec §7): the critic is a causal LM body with a scalar head; only the prompt matters, and
+SPPO (docs/algorithms/math.md §7): the critic is a causal LM body with a scalar head; only the prompt matters, and
 ``V(s_p) = σ(v)`` where ``v`` is the head's logit at the **last prompt token** — an estimate of
 ``P(reward = 1 | prompt)``. Exported as ``*ForSequenceClassification`` with ``num_labels=1``,
 which pools at the last non-pad token, so feeding the prompt alone reproduces the trained

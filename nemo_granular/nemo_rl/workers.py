@@ -7,7 +7,7 @@ receives to the functions below, which return the entropy in NeMo-RL's per-token
 at position i−1), column 0 and columns ≥ ``input_lengths[i]`` = 0 — the same convention as
 the ``logprobs`` the worker returns.
 
-Backend layouts (see docs/nemo-rl.md and the integration guide §B/§C):
+Backend layouts (see docs/nemo-rl.md):
 - Megatron, no packing: ``[B, S', V/TP]`` (CP = 1 without packing).
 - Megatron, packing: ``[1, T/CP, V/TP]``; every packed sequence zig-zag sharded over CP inside
   its ``cu_seqlens_padded`` slot.

@@ -1,4 +1,4 @@
-"""SPPO (sequence-level PPO, spec §6–§7) on NeMo-RL's PPO loop.
+"""SPPO (sequence-level PPO, docs/algorithms/math.md §6–§7) on NeMo-RL's PPO loop.
 
 * :mod:`.critic` — pure, torch-only prompt de-duplication / short-batch / scatter functions
   and :class:`~.critic.PromptOnlyValue`, the wrapper around NeMo-RL's ``Value`` that makes

@@ -1,4 +1,4 @@
-"""Prompt-only, de-duplicated SPPO critic (spec §7; integration guide E.4 ii).
+"""Prompt-only, de-duplicated SPPO critic (docs/algorithms/math.md §7).
 
 SPPO's critic V(s_p) depends on the prompt alone. NeMo-RL's value workers return values
 **right-shifted by one** (``values[:, t] = head(t − 1)``; Megatron

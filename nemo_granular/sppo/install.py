@@ -2,7 +2,7 @@
 
 NeMo-RL has no estimator registry: ``ppo_train`` / ``async_ppo_train`` call the module
 global ``nemo_rl.algorithms.ppo._create_advantage_estimator(master_config)`` (``ppo.py:1269``,
-``:2202``), a hard-coded switch over ``gae`` / ``raw_reward`` (integration guide R.7 item 1).
+``:2202``), a hard-coded switch over ``gae`` / ``raw_reward``.
 The project's generic :func:`nemo_granular.nemo_rl.estimators.patch_estimator_factory` rebinds
 that attribute to a wrapper that builds :class:`nemo_granular.advantages.SPPOEstimator` for
 ``ppo.adv_estimator.name == "sppo"`` and delegates every other name to the saved original.
