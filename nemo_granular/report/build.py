@@ -173,21 +173,21 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
 
     G, GS, SS, ES = (_pick(by_name, a) for a in ("grpo", "gspo", "sspo", "espo"))
     gs_vals = [clip(r) for r in GS]
-    add("GSPO's clip fraction is near zero (< 1 %)", "SSPO §1", f"GSPO {_stat(gs_vals)}",
+    add("GSPO's clip fraction is near zero (< 1 %)", "SSPO §1", f"GSPO {_sci(gs_vals)}",
         verdict_below(gs_vals, 0.01) if GS else (NOT_RUN, ""))
     trip = _paired(SS, GS, lambda r: r.seed)
     if G and GS and SS and trip:
         g_by, gs_by, ss_by = ({r.seed: clip(r) for r in rs} for rs in (G, GS, SS))
         seeds = [s for s in sorted(ss_by) if s in g_by and s in gs_by]
         add("SSPO's clip fraction lies between GRPO's and GSPO's", "SSPO §1, Fig. 1",
-            f"GRPO {_stat([clip(r) for r in G])}, SSPO {_stat([clip(r) for r in SS])}, "
-            f"GSPO {_stat(gs_vals)}",
+            f"GRPO {_sci([clip(r) for r in G])}, SSPO {_sci([clip(r) for r in SS])}, "
+            f"GSPO {_sci(gs_vals)}",
             verdict_between([g_by[s] for s in seeds], [ss_by[s] for s in seeds], [gs_by[s] for s in seeds]))
     else:
         add("SSPO's clip fraction lies between GRPO's and GSPO's", "SSPO §1, Fig. 1", "", (NOT_RUN, ""))
     pairs = _paired(GS, ES, clip)
     add("ESPO clips less than GSPO", "ESPO §1 (gradient underutilization)",
-        f"ESPO {_stat([clip(r) for r in ES])}, GSPO {_stat(gs_vals)}",
+        f"ESPO {_sci([clip(r) for r in ES])}, GSPO {_sci(gs_vals)}",
         verdict_greater([g - e for g, e in pairs]) if pairs else (NOT_RUN, ""))
 
     def decay(r):
@@ -230,7 +230,8 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
                 continue
             target = summary(g_by[r.seed])["reward_last"]
             t_g, t_s = time_to_reward(g_by[r.seed], target), time_to_reward(r, target)
-            per.append(f"seed {r.seed}: target {target:.3f}, GRPO {_fmt_t(t_g)}, SPPO {_fmt_t(t_s)}")
+            shown_s = _fmt_t(t_s) if t_s is not None else f"not within its {summary(r)['wall']:.0f} s"
+            per.append(f"seed {r.seed}: target {target:.3f}, GRPO {_fmt_t(t_g)}, SPPO {shown_s}")
             if t_g is not None:
                 horizon = summary(r)["wall"]
                 diffs.append(t_g - (t_s if t_s is not None else max(horizon, t_g)))
@@ -382,7 +383,9 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
               "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL wall times "
               "exclude validation; runs that share a busy machine are slowed unevenly, so wall-time verdicts are "
               "only as good as the machine was quiet. The SPPO wall-time claim is given at equal samples and at "
-              "equal prompts per step when both were run; the paper's speed-up is the equal-prompts one (N = 1).",
+              "equal prompts per step when both were run; the paper's speed-up is the equal-prompts one (N = 1). "
+              "A run that never reaches the target counts as reaching it at the end of its RL time (censored): "
+              "when that is earlier than GRPO's time the seed cannot tell either way.",
               "", "## Plots", ""]
     lines += [f"![{f}]({f})" for f in files]
     report = out / "report.md"

@@ -126,6 +126,7 @@ def _load_embedded(run: Path) -> Run:
         "steps": rl.get("steps"),
         "batch": (None if prompts is None or G is None else
                   (f"{prompts * G} prompts × 1 sample (SPPO, equal samples)" if sppo and G > 1 else
+                   f"{prompts} prompts × 1 sample (SPPO, equal prompts)" if sppo else
                    f"{prompts} prompts × {G} samples")),
         "samples_per_step": None if prompts is None or G is None else prompts * G,
         "lr": rl.get("lr"),
