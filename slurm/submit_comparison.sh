@@ -18,6 +18,11 @@
 #   --train-sbatch "ARGS"  sbatch arguments for the training jobs only (--gres, --time, ...)
 #   --report-sbatch "ARGS" sbatch arguments for the report job only
 #                          (default "--time=00:30:00 --cpus-per-task=2")
+#   --eval-suite SUITE     after each training job (afterok), an eval job on one node with the
+#                          training resources runs `nemo-granular eval-checkpoints RUN --suite SUITE`
+#                          (sspo | sppo | espo | all) so the report has the benchmark table; the
+#                          report waits for it (default: no eval jobs)
+#   --eval-args "ARGS"     extra eval-checkpoints arguments (e.g. "--data-dir /data/benchmarks")
 #   --dry-run              print the sbatch commands; submit nothing, write nothing
 # Overrides after `--` go to every run. Environment: CONTAINER, MOUNTS, VENV, WORKDIR, ... are
 # passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON (default "uv run python") is how NeMo-RL
@@ -26,8 +31,8 @@ set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 LAUNCH=$HERE/launch.sh
 
-OUT="" SEED=0 NODES=2 DRIVER=auto DRY=0
-SBATCH_ALL=() SBATCH_TRAIN=() SBATCH_REPORT=(--time=00:30:00 --cpus-per-task=2)
+OUT="" SEED=0 NODES=2 DRIVER=auto DRY=0 EVAL_SUITE=""
+EVAL_ARGS=() SBATCH_ALL=() SBATCH_TRAIN=() SBATCH_REPORT=(--time=00:30:00 --cpus-per-task=2)
 CONFIGS=() OVERRIDES=()
 die() { echo "submit_comparison: $*" >&2; exit 2; }
 while (( $# )); do
@@ -39,8 +44,10 @@ while (( $# )); do
     --sbatch) read -r -a SBATCH_ALL <<<"$2"; shift 2 ;;
     --train-sbatch) read -r -a SBATCH_TRAIN <<<"$2"; shift 2 ;;
     --report-sbatch) read -r -a SBATCH_REPORT <<<"$2"; shift 2 ;;
+    --eval-suite) EVAL_SUITE=$2; shift 2 ;;
+    --eval-args) read -r -a EVAL_ARGS <<<"$2"; shift 2 ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     --) shift; OVERRIDES=("$@"); break ;;
     -*) die "unknown option $1" ;;
     *) CONFIGS+=("$1"); shift ;;
@@ -49,6 +56,7 @@ done
 (( ${#CONFIGS[@]} >= 2 )) || die "give at least two configs (they should differ only in the loss)"
 [[ "$SEED" =~ ^[0-9]+$ ]] || die "--seed must be a non-negative integer, got $SEED"
 [[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got $NODES"
+[[ -z "$EVAL_SUITE" || "$EVAL_SUITE" =~ ^(sspo|sppo|espo|all)$ ]] || die "--eval-suite must be sspo, sppo, espo or all, got $EVAL_SUITE"
 [[ "$DRIVER" =~ ^(auto|train|grpo|sppo)$ ]] || die "--driver must be auto, train, grpo or sppo, got $DRIVER"
 for a in "${SBATCH_ALL[@]}"; do
   case "$a" in
@@ -110,18 +118,37 @@ for i in "${!CONFIGS[@]}"; do
   echo "submitted $name (${drivers[$i]}): job $jid -> $rd"
 done
 
+wrapped() {  # wrapped CMD... -> a --wrap script: cd WORKDIR, venv/setup, optional container
+  local cmd prefix
+  cmd=$(printf '%q ' "$@")
+  prefix=$(printf 'cd %q && ' "$WORKDIR")
+  [[ -n "${VENV:-}" ]] && prefix+=$(printf 'source %q/bin/activate && ' "$VENV")
+  [[ -n "${SETUP_COMMAND:-}" ]] && prefix+="$SETUP_COMMAND && "
+  if [[ -n "${CONTAINER:-}" ]]; then
+    echo "srun --container-image=${CONTAINER} ${MOUNTS:+--container-mounts=$MOUNTS} --container-workdir=$WORKDIR --no-container-mount-home bash -c $(printf '%q' "$prefix$cmd")"
+  else
+    echo "exec bash -c $(printf '%q' "$prefix$cmd")"   # --wrap scripts run under /bin/sh
+  fi
+}
+
+# benchmark evaluation: one job per run after its training job succeeded, on one node with the
+# training jobs' resources (run_eval needs the GPUs); the report then also waits for these
+if [[ -n "$EVAL_SUITE" ]]; then
+  train_jobs=("${jobs[@]}")
+  for i in "${!train_jobs[@]}"; do
+    ejid=$(run sbatch --parsable --nodes=1 --dependency="afterok:${train_jobs[$i]}" --kill-on-invalid-dep=yes \
+           --job-name="cmp-eval-${names[$i]}" --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
+           --wrap="$(wrapped nemo-granular eval-checkpoints "${run_dirs[$i]}" --suite "$EVAL_SUITE" "${EVAL_ARGS[@]}")")
+    ejid=${ejid%%;*}
+    jobs+=("$ejid")
+    echo "submitted eval of ${names[$i]} (suite $EVAL_SUITE): job $ejid (after ${train_jobs[$i]})"
+  done
+fi
+
 # the report: afterany, so a failed or cancelled run still gets a report of the others; its own
 # small allocation (one task, no GPUs, a short time limit), not the training jobs' resources
 dep=$(IFS=:; echo "${jobs[*]}")
-report_cmd=$(printf '%q ' nemo-granular compare --from-runs "${run_dirs[@]}" --out "$OUT/report")
-prefix=$(printf 'cd %q && ' "$WORKDIR")
-[[ -n "${VENV:-}" ]] && prefix+=$(printf 'source %q/bin/activate && ' "$VENV")
-[[ -n "${SETUP_COMMAND:-}" ]] && prefix+="$SETUP_COMMAND && "
-if [[ -n "${CONTAINER:-}" ]]; then
-  wrap="srun --container-image=${CONTAINER} ${MOUNTS:+--container-mounts=$MOUNTS} --container-workdir=$WORKDIR --no-container-mount-home bash -c $(printf '%q' "$prefix$report_cmd")"
-else
-  wrap="exec bash -c $(printf '%q' "$prefix$report_cmd")"   # --wrap scripts run under /bin/sh
-fi
+wrap=$(wrapped nemo-granular compare --from-runs "${run_dirs[@]}" --out "$OUT/report")
 rjid=$(run sbatch --parsable --nodes=1 --ntasks=1 --dependency="afterany:$dep" --kill-on-invalid-dep=no \
        --job-name=cmp-report --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_REPORT[@]}" --wrap="$wrap")
 rjid=${rjid%%;*}

@@ -433,6 +433,30 @@ def test_submit_comparison_dry_run_writes_nothing_and_keeps_training_resources_o
     assert bad.returncode == 2 and "--train-sbatch" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
 
 
+
+def test_submit_comparison_eval_jobs_follow_training_and_precede_the_report(tmp_path):
+    """--eval-suite: one eval job per run, afterok on its training job, with the training
+    resources on one node; the report waits for training AND eval jobs."""
+    local = ROOT / "examples" / "configs" / "local"
+    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(tmp_path / "cmp"),
+                        "--train-sbatch", "--gres=gpu:8", "--eval-suite", "espo", "--eval-args", "--data-dir /data",
+                        str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    sbatch = [line for line in r.stderr.splitlines() if line.startswith("sbatch")]
+    assert len(sbatch) == 5, r.stderr
+    train_ids = re.findall(r"job (DRYRUN\d+) ->", r.stdout)[:2]
+    eval_ids = re.findall(r"eval of \S+ \(suite espo\): job (DRYRUN\d+) \(after (DRYRUN\d+)\)", r.stdout)
+    assert [after for _, after in eval_ids] == train_ids, r.stdout
+    for line, tid in zip(sbatch[2:4], train_ids):
+        assert f"--dependency=afterok:{tid}" in line and "--nodes=1" in line and "--gres=gpu:8" in line
+        assert "eval-checkpoints" in line and "--suite" in line and "espo" in line and "--data-dir" in line
+    report_dep = re.search(r"--dependency=afterany:(\S+)", sbatch[4]).group(1).split(":")
+    assert sorted(report_dep) == sorted(train_ids + [e for e, _ in eval_ids])
+    bad = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--eval-suite", "aime",
+                          str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert bad.returncode == 2 and "--eval-suite" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
 def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
     """Runs LAST among the cluster tests: it leaves node ngt2 dead (down.sh cleans up)."""
     run_dir = tmp_path / "run"
