@@ -394,6 +394,9 @@ class GranularPolicyLoss:
         token_is = self.granular.granularity != "sequence" and is_weight is None
         m.update(prob_error_sums(diff, w_tok, self.cfg.reference_policy_kl_type,
                                  LOG_RATIO_BOUND if token_is else None))
+        # GSPO: the mean over responses of one π_old/π_gen weight per response. NeMo-RL's own GSPO
+        # mode multiplies a [B, 1] weight by a [B] mask, which broadcasts to [B, B], so its dashboard
+        # shows Σ_i w_i (about B × ours), not a mean (docs/nemo-rl.md, "Logged metrics").
         if self.granular.granularity == "sequence":  # one weight per response
             w_row = torch.exp(diff.sum(-1).clamp(max=LOG_RATIO_BOUND))
             if is_weight is not None:
