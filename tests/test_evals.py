@@ -24,7 +24,7 @@ from nemo_granular.evals.results import select_checkpoint
 from nemo_granular.evals.suite import BENCHMARKS, PROTOCOLS, Setting, protocols_for
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "examples" / "configs" / "evals"
+CONFIGS = ROOT / "nemo_granular" / "configs" / "evals"  # package data
 
 
 def _fake_run(tmp_path: Path, steps=(10, 20, 25), hf=()) -> Path:

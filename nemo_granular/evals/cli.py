@@ -40,7 +40,7 @@ def build_parser():
                    help="local JSONL benchmarks <key>.jsonl (problem/answer): needed for amc23, minerva_math, "
                         "olympiadbench, hmmt25; also overrides NeMo-RL's loader for aime24/aime25/math500")
     g.add_argument("--launcher", default=DEFAULT_LAUNCHER, help=f"how to start run_eval (default: {DEFAULT_LAUNCHER!r})")
-    g.add_argument("--config-dir", default=str(CONFIG_DIR), help="the benchmark configs (default: examples/configs/evals)")
+    g.add_argument("--config-dir", default=str(CONFIG_DIR), help="the benchmark configs (default: the packaged nemo_granular/configs/evals)")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--num-nodes", type=int, default=1)
     g.add_argument("--tensor-parallel", type=int, default=1, help="vLLM tensor parallel size")

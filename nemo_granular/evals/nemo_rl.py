@@ -4,7 +4,7 @@ For each checkpoint ``<run>/checkpoints/step_N`` the protocol asks for (:mod:`.s
 
 1. export it to Hugging Face format once: ``python -m nemo_granular export <step_N> <run>/hf/step_N
    --no-verify`` (skipped when ``<run>/hf/step_N/config.json`` exists);
-2. per benchmark: ``<launcher> --config examples/configs/evals/<benchmark>.yaml
+2. per benchmark: ``<launcher> --config nemo_granular/configs/evals/<benchmark>.yaml
    generation.model_name=<hf> tokenizer.name=<hf> eval.num_tests_per_prompt=<n> ...
    eval.save_path=<run>/evals/<suite>/step_N/<benchmark>``, in the NeMo-RL checkout (its prompt
    file and ``examples/run_eval.py``); the launcher defaults to ``uv run python examples/run_eval.py``;
@@ -28,7 +28,7 @@ from pathlib import Path
 from .results import merge_write
 from .suite import BENCHMARKS, Protocol
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "configs" / "evals"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "evals"  # package data: found from a wheel too
 DEFAULT_LAUNCHER = "uv run python examples/run_eval.py"
 STEP_RE = re.compile(r"step_(\d+)")
 

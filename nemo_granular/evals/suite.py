@@ -11,7 +11,7 @@ applied to a list of benchmarks:
   (one greedy sample); the paper states no sampling temperature: 0.6 here. Last checkpoint.
 - ``all``: the three above, each with its own settings.
 
-On a cluster every benchmark is a NeMo-RL eval config in ``examples/configs/evals/`` (NeMo-RL's own
+On a cluster every benchmark is a NeMo-RL eval config in ``nemo_granular/configs/evals/`` (package data) (NeMo-RL's own
 loader where it has one — ``AIME2024``, ``AIME2025``, ``math500`` — else a local JSONL file with
 ``problem``/``answer`` keys); in the embedded trainer the same protocols run on local JSONL files
 (held-out synthetic levels by default, see :mod:`nemo_granular.evals.embedded`).
