@@ -289,6 +289,9 @@ def test_prompt_only_value_inside_real_value_get_values(nemo_rl_src):
         def get_all_worker_results(self, futures):
             return [BatchedDataDict(f) for f in futures]
 
+        def shutdown(self, cleanup_method=None):  # Value.__del__ calls it
+            return True
+
     value = object.__new__(Value)
     value.sharding_annotations = _Sharding(2)
     value.use_dynamic_batches = value.use_sequence_packing = False
