@@ -185,14 +185,17 @@ def test_warm_start_key_changes_with_each_input_and_only_those(tmp_path):
 def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_path):
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "nemo_granular", "compare", "--algorithms", "grpo,sspo", "--out", str(out),
-           *TINY, "model.hidden_size=32", "warmstart.enabled=false", "rl.steps=20", "logger.log_every=1"]
+           *TINY, "model.hidden_size=32", "warmstart.enabled=false", "rl.steps=20", "logger.log_every=1", "--jobs", "2"]
     # its own session, as a terminal's foreground job: Ctrl-C reaches the parent and every run
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True, start_new_session=True)
-    seen = []
-    for line in proc.stderr:
+    seen, started = [], set()
+    for line in proc.stderr:  # Ctrl-C once BOTH runs (two jobs at a time) have logged a step
         seen.append(line)
-        if line.startswith(("[grpo seed0] step 2/20", "[sspo seed0] step 2/20")):
+        for alg in ("grpo", "sspo"):
+            if line.startswith(f"[{alg} seed0] step 2/20"):
+                started.add(alg)
+        if len(started) == 2:
             break
     os.killpg(proc.pid, signal.SIGINT)
     rest = proc.stderr.read()
