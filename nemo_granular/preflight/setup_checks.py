@@ -90,9 +90,7 @@ def grpo_setup_checks(master) -> list[Finding]:
 
     src = f"{GRPO}:setup"
     policy, g, loss = master.policy, master.grpo, master.loss_fn
-    gen = policy.get("generation")
-    if gen is None:
-        return [error(src, "policy.generation is required for GRPO")]
+    gen = policy.get("generation") or {}   # None is refused by NeMo-RL's MasterConfig already
     out: list[Finding] = []
     if gen.get("backend") == "dynamo" and g.async_grpo.in_flight_weight_updates:
         out.append(error(src, "grpo.async_grpo.in_flight_weight_updates must be false with policy.generation.backend=dynamo"))
@@ -146,9 +144,7 @@ def ppo_setup_checks(master) -> list[Finding]:
     ``ppo_train``'s reference-logprob check."""
     src = f"{PPO}:setup"
     policy, value, p, loss = master.policy, master.value, master.ppo, master.loss_fn
-    gen = policy.get("generation")
-    if gen is None:
-        return [error(src, "policy.generation is required for PPO")]
+    gen = policy.get("generation") or {}   # None is refused by NeMo-RL's MasterConfig already
     out: list[Finding] = []
     if gen.get("backend") == "vllm" and gen.get("refit_transport") is not None:
         out.append(error(src, f"policy.generation.refit_transport={gen.get('refit_transport')!r} is not supported by "

@@ -130,8 +130,9 @@ def vllm_init_checks(gen: Mapping, world: int) -> list[Finding]:
 def megatron_worker_checks(policy: Mapping) -> list[Finding]:
     """The config checks of the Megatron worker's set-up (``nemo_rl/models/megatron/setup.py``):
     ``validate_and_set_config``, ``setup_model_config`` → ``validate_router_replay_config``,
-    ``_apply_parallelism_config``, ``_apply_performance_config``, ``_validate_optimizer_config``,
-    ``_validate_chunking_config``."""
+    ``_apply_parallelism_config``, ``_apply_performance_config`` (attention backend, activation
+    offloading; its ``recompute_granularity`` check is already NeMo-RL's ``MasterConfig``'s),
+    ``_validate_optimizer_config``, ``_validate_chunking_config``."""
     meg = policy.get("megatron_cfg") or {}
     if not meg.get("enabled", False):
         return []
@@ -180,9 +181,6 @@ def _router_replay(policy: Mapping, meg: Mapping) -> list[Finding]:
 def _performance(meg: Mapping) -> list[Finding]:
     src = f"{MSETUP}:_apply_performance_config"
     out = []
-    if meg.get("activation_checkpointing") and meg.get("recompute_granularity", "full") not in ("full", "selective"):
-        out.append(error(src, f"megatron_cfg.recompute_granularity must be 'full' or 'selective' "
-                              f"(got {meg.get('recompute_granularity')!r})"))
     backend = meg.get("attention_backend")
     if backend is not None and backend not in ATTENTION_BACKENDS:
         out.append(error(src, f"megatron_cfg.attention_backend {backend!r} is not one of {list(ATTENTION_BACKENDS)}"))
