@@ -48,11 +48,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.vocab_size is not None and args.vocab_size <= 0:
         print(f"{PROG}: error: --vocab-size must be > 0, got {args.vocab_size}", file=sys.stderr)
         return 2
+    import contextlib
+
     from .run import PreflightUnavailable, run_preflight
 
-    try:
-        res = run_preflight(config, overrides, driver=args.driver, vocab_size=args.vocab_size,
-                            check_venvs=not args.no_venv_check)
+    try:   # NeMo-RL prints while it loads; stdout carries only the plan (or the JSON)
+        with contextlib.redirect_stdout(sys.stderr):
+            res = run_preflight(config, overrides, driver=args.driver, vocab_size=args.vocab_size,
+                                check_venvs=not args.no_venv_check)
     except PreflightUnavailable as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
@@ -61,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr)
         return 2
     if args.build_venvs:
-        _build(res)
-        res = run_preflight(config, overrides, driver=args.driver, vocab_size=args.vocab_size)
+        with contextlib.redirect_stdout(sys.stderr):
+            _build(res)
+            res = run_preflight(config, overrides, driver=args.driver, vocab_size=args.vocab_size)
     from .report import as_json, plan_text
 
     print(as_json(res, args.strict) if args.json else plan_text(res))
