@@ -131,6 +131,9 @@ def test_config_option_form_and_driver_rule(nemo_rl_src, capsys):
         driver_for("a.yaml", "ppo")
     rc, out, _ = run_main(capsys, "--config", SPPO_7B, "ppo.num_prompts_per_step=256", "--no-venv-check")
     assert rc == 0 and "(driver: run_sppo)" in out and "batches   policy: 256 rows per step" in out
+    rc, out, _ = run_main(capsys, SPPO_7B, "--no-venv-check", "ppo.num_prompts_per_step=128", "--driver", "sppo",
+                          "cluster.num_nodes=2")   # options between the overrides
+    assert rc == 0 and "batches   policy: 128 rows per step" in out and "cluster   2 node(s)" in out
     assert "critic    dtensor_v2" in out
 
 
@@ -295,6 +298,11 @@ def test_build_venvs_runs_nemo_rls_builder_and_preflight_finds_them(nemo_rl_src,
         assert ran == venvs.build_commands(entry, root), (ran, venvs.build_commands(entry, root))
         assert (Path(entry.path) / "bin" / "python").exists()
         assert f"nemo-granular preflight: $ {venvs.build_commands(entry, root)[1]}" in err
+    # NeMo-RL's own switch rebuilds the built ones, with the same commands
+    monkeypatch.setenv("NRL_FORCE_REBUILD_VENVS", "true")
+    before = len(log.read_text().splitlines())
+    rc, out, err = run_main(capsys, MOE, "--vocab-size", "151936", "--build-venvs")
+    assert rc == 0 and len(log.read_text().splitlines()) == before + 3 * len(missing)
 
 
 def test_missing_submodule_sources(tmp_path):

@@ -9,6 +9,7 @@ to stdout (``--json``: one JSON object instead).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main", "build_parser"]
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)   # options may sit between the overrides
     config = args.config_opt or args.config
     overrides = list(args.overrides)
     if args.config_opt and args.config:
@@ -84,8 +85,9 @@ def _build(res) -> None:
     from . import venvs
 
     entries = venvs.venv_plan(venvs.needed_actors(res.resolved, res.driver))
+    force = os.environ.get("NRL_FORCE_REBUILD_VENVS", "false").lower() == "true"
     for e in entries:
-        if e.needs_venv and not e.built:
+        if e.needs_venv and (force or not e.built):
             for cmd in venvs.build_commands(e):
                 print(f"{PROG}: $ {cmd}", file=sys.stderr)
     venvs.build_venvs(entries, log=lambda m: print(f"{PROG}: {m}", file=sys.stderr))

@@ -201,15 +201,17 @@ def missing_sources(root: str | None = None) -> list[str]:
 
 def build_venvs(plan: list[VenvEntry], log=print) -> list[VenvEntry]:
     """Build each missing venv with NeMo-RL's own ``create_local_venv`` (what a job would run on its
-    nodes); returns the entries it built. Needs ``uv`` and network (or a warm uv cache)."""
+    nodes); returns the entries it built. ``NRL_FORCE_REBUILD_VENVS=true`` (NeMo-RL's switch)
+    rebuilds the built ones too. Needs ``uv`` and network (or a warm uv cache)."""
     from nemo_rl.utils.venvs import create_local_venv
 
+    force = os.environ.get("NRL_FORCE_REBUILD_VENVS", "false").lower() == "true"
     built = []
     for entry in plan:
-        if not entry.needs_venv or entry.built:
+        if not entry.needs_venv or (entry.built and not force):
             continue
         log(f"building {entry.path} ({entry.py_executable})")
-        python = create_local_venv(entry.py_executable, entry.fqn)
+        python = create_local_venv(entry.py_executable, entry.fqn, force_rebuild=force)
         entry.built = Path(python).exists()
         built.append(entry)
     return built
