@@ -125,3 +125,21 @@ def install_megatron_writer() -> None:
         return real_finalize(self)
 
     bridge_tc.TransformerConfig.finalize = finalize
+
+
+def install_automodel_writer() -> None:
+    """What Automodel's ``from_pretrained`` (FSDP2) + ``Checkpointer.save_model`` meet on CPU."""
+    # from_pretrained builds torch.device("cuda", torch.cuda.current_device()) for its pipeline
+    # settings (unused: no pipeline) and reads current_device() as the model's device
+    torch.cuda.current_device = lambda: 0
+    from nemo_automodel._transformers import auto_model
+
+    # ... which apply_model_infrastructure then uses to materialise the meta-initialised model and
+    # load the HF weights into it; on CPU the model lives on the CPU (FSDP2 shards over the gloo mesh)
+    real_apply = auto_model.apply_model_infrastructure
+
+    def apply_model_infrastructure(*args, **kwargs):
+        kwargs["device"] = torch.device("cpu")
+        return real_apply(*args, **kwargs)
+
+    auto_model.apply_model_infrastructure = apply_model_infrastructure
