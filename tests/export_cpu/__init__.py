@@ -7,5 +7,5 @@
 * :mod:`.automodel_writer` — a NeMo-RL DTensor-v2 checkpoint written by Automodel's ``Checkpointer``
   from an FSDP2-sharded model over gloo ranks.
 
-The writers run as separate processes (``python -m tests.export_cpu.<writer>``), one per rank.
+The writers run as separate processes (``python tests/export_cpu/<writer>.py``), one per rank.
 """

@@ -1,6 +1,6 @@
 """Write NeMo-RL DTensor-v2 checkpoints of tiny HF models on CPU: one gloo rank per process.
 
-    python -m tests.export_cpu.automodel_writer RANK WORLD PORT JOBS_JSON
+    python tests/export_cpu/automodel_writer.py RANK WORLD PORT JOBS_JSON
 
 ``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "ep", "formats"}``; all ranks run
 every job, saving the model once per ``checkpointing.model_save_format`` in ``formats``

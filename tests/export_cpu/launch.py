@@ -19,8 +19,8 @@ def free_port() -> int:
 
 
 def run_ranks(module: str, jobs: list[dict], world: int, log_dir: Path, timeout: float = 900) -> None:
-    """``python -m tests.export_cpu.<module> RANK WORLD PORT JOBS_JSON`` for every rank; raises with
-    the failing rank's log tail. The environment is the test process's (NeMo-RL sources on PYTHONPATH)."""
+    """``python tests/export_cpu/<module>.py RANK WORLD PORT JOBS_JSON`` for every rank; raises with the
+    failing rank's log tail. The environment is the test process's (NeMo-RL sources on PYTHONPATH)."""
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     logs = [log_dir / f"{module}.rank{r}.log" for r in range(world)]
@@ -28,7 +28,8 @@ def run_ranks(module: str, jobs: list[dict], world: int, log_dir: Path, timeout:
     for r in range(world):
         with open(logs[r], "w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", f"tests.export_cpu.{module}", str(r), str(world), port, json.dumps(jobs)],
+                [sys.executable, str(ROOT / "tests" / "export_cpu" / f"{module}.py"), str(r), str(world), port,
+                 json.dumps(jobs)],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:
         for p in procs:

@@ -1,6 +1,6 @@
 """Write NeMo-RL Megatron checkpoints of tiny HF models on CPU: one gloo rank per process.
 
-    python -m tests.export_cpu.megatron_writer RANK WORLD PORT JOBS_JSON
+    python tests/export_cpu/megatron_writer.py RANK WORLD PORT JOBS_JSON
 
 ``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "tp", "ep", "precision"}``; all
 ranks run every job. Per job, the steps NeMo-RL's Megatron policy worker takes, with its code:
