@@ -27,28 +27,29 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 LOGIT_TOL = 1e-6
 
-# name → (HF source, TP, EP, NeMo-RL precision, export dtype)
+# name → (HF source, TP, PP, EP, NeMo-RL precision, export dtype)
 CASES = {
-    "moe_ep1": ("hf_moe", 1, 1, "float32", "fp32"),
-    "moe_ep2": ("hf_moe", 1, 2, "float32", "fp32"),
-    "moe_tp2ep2_bf16": ("hf_moe", 2, 2, "bfloat16", "bf16"),   # the 30B-A3B recipe's precision and TP×EP shape
-    "dense_tp1": ("hf_dense", 1, 1, "float32", "fp32"),
-    "dense_tp2": ("hf_dense", 2, 1, "float32", "fp32"),
+    "moe_ep1": ("hf_moe", 1, 1, 1, "float32", "fp32"),
+    "moe_ep2": ("hf_moe", 1, 1, 2, "float32", "fp32"),
+    "moe_tp2ep2_bf16": ("hf_moe", 2, 1, 2, "bfloat16", "bf16"),   # the 30B-A3B recipe's precision and TP×EP shape
+    "dense_tp1": ("hf_dense", 1, 1, 1, "float32", "fp32"),
+    "dense_tp2": ("hf_dense", 2, 1, 1, "float32", "fp32"),
+    "dense_pp2": ("hf_dense", 1, 2, 1, "float32", "fp32"),
 }
 STEP = 3
 
 
 @pytest.fixture(scope="module")
 def megatron_checkpoints(megatron_workers, tmp_path_factory):
-    """Every case's ``checkpoint_dir/step_3`` from one 2-rank writer run (≈ 90 s on 2 cores)."""
+    """Every case's ``checkpoint_dir/step_3`` from one 2-rank writer run (≈ 60 CPU-s)."""
     from export_cpu.launch import run_ranks
     from export_cpu.tiny_hf import make_hf_model
 
     root = tmp_path_factory.mktemp("megatron")
     make_hf_model(root / "hf_moe", moe=True, seed=1)
     make_hf_model(root / "hf_dense", moe=False, seed=2)
-    jobs = [{"hf_dir": str(root / hf), "checkpoint_dir": str(root / name), "step": STEP, "tp": tp, "ep": ep,
-             "precision": precision} for name, (hf, tp, ep, precision, _) in CASES.items()]
+    jobs = [{"hf_dir": str(root / hf), "checkpoint_dir": str(root / name), "step": STEP, "tp": tp, "pp": pp,
+             "ep": ep, "precision": precision} for name, (hf, tp, pp, ep, precision, _) in CASES.items()]
     run_ranks("megatron_writer", jobs, world=2, log_dir=root)
     return root
 
@@ -86,7 +87,7 @@ def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec
     from nemo_granular.export.source import read_yaml
     from export_cpu.tiny_hf import max_logit_diff
 
-    hf, tp, ep, precision, dtype = CASES[case]
+    hf, tp, pp, ep, precision, dtype = CASES[case]
     ckpt_dir = megatron_checkpoints / case
     step = ckpt_dir / f"step_{STEP}"
     # the layout NeMo-RL writes
@@ -97,7 +98,8 @@ def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec
     iter_dir = weights / "iter_0000000"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "run_config.yaml"} <= set(os.listdir(iter_dir))
     run_cfg = read_yaml(iter_dir / "run_config.yaml")["model"]
-    assert (run_cfg["tensor_model_parallel_size"], run_cfg["expert_model_parallel_size"]) == (tp, ep)
+    assert (run_cfg["tensor_model_parallel_size"], run_cfg["pipeline_model_parallel_size"],
+            run_cfg["expert_model_parallel_size"]) == (tp, pp, ep)
     assert run_cfg["transformer_layer_spec"]["_target_"].endswith("gpt_provider.default_layer_spec")
     assert read_yaml(step / "config.yaml")["policy"]["model_name"] == str(megatron_checkpoints / hf)
     if ep == 2:  # experts really sharded: rank 0's file holds experts {0, 1}, rank 1's {2, 3}
@@ -109,7 +111,7 @@ def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec
     rep = json.loads(stdout)  # Bridge's own progress output must not reach stdout
     assert rep["source"] == "megatron" and rep["step_dir"] == str(step)
     assert rep["verification"]["exact_max_abs_diff"] <= 1e-5
-    saved = "×".join(f"{k}{v}" for k, v in (("TP", tp), ("EP", ep)) if v > 1) or "no model parallelism"
+    saved = "×".join(f"{k}{v}" for k, v in (("TP", tp), ("PP", pp), ("EP", ep)) if v > 1) or "no model parallelism"
     assert any(f"saved with {saved};" in n for n in rep["notes"]), rep["notes"]
 
     source = AutoModelForCausalLM.from_pretrained(str(megatron_checkpoints / hf), dtype=torch.float32).eval()
@@ -133,13 +135,14 @@ def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM" if hf == "hf_moe" else "Qwen3ForCausalLM"]
 
 
-def test_upstream_single_process_moe_build_needs_cuda(megatron_checkpoints, local_spec):
+def test_upstream_single_process_moe_build_needs_cuda(megatron_checkpoints, local_spec, monkeypatch):
     """Why a CPU-only single-process export of a Qwen3-MoE checkpoint stopped (at any EP): Bridge's
     ``load_megatron_model`` keeps the recorded ``alltoall`` dispatcher, whose constructor creates a
     CUDA stream. The export sets ``allgather`` for its build; this pins the upstream behaviour."""
     from megatron.bridge import AutoBridge
     from megatron.bridge.training.model_load_save import temporary_distributed_context
 
+    monkeypatch.setattr(torch.cuda, "Stream", torch.cuda.streams.Stream)  # torch's own, whatever else ran
     bridge = AutoBridge.from_hf_pretrained(str(megatron_checkpoints / "hf_moe"))
     iter_dir = megatron_checkpoints / "moe_ep2" / f"step_{STEP}" / "policy" / "weights" / "iter_0000000"
     with temporary_distributed_context(backend="gloo"):

@@ -16,7 +16,8 @@ re-written by our writer (dtype, shards, card, verification against the Bridge's
 checkpoint stores every tensor under its global shape with each rank's chunk offsets (for MoE
 experts the global expert index is one axis), and ``load_megatron_model`` builds the model at
 TP = PP = EP = 1 and loads it through ``torch.distributed.checkpoint``, which reassembles the
-chunks. Executed here on CPU for Qwen3-MoE checkpoints saved at EP1, EP2 and TP2×EP2.
+chunks. Executed on CPU (tests/test_export_megatron.py) for Qwen3-MoE checkpoints saved at EP1, EP2
+and TP2×EP2 and dense ones at TP1, TP2 and PP2.
 
 One setting is changed for that build: the MoE token dispatcher becomes ``allgather``. Qwen3-MoE
 checkpoints record ``alltoall``, whose constructor creates a CUDA stream

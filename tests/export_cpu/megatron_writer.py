@@ -2,8 +2,8 @@
 
     python tests/export_cpu/megatron_writer.py RANK WORLD PORT JOBS_JSON
 
-``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "tp", "ep", "precision"}``; all
-ranks run every job. Per job, the steps NeMo-RL's Megatron policy worker takes, with its code:
+``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "tp", "pp", "ep", "precision"}``;
+all ranks run every job. Per job, the steps NeMo-RL's Megatron policy worker takes, with its code:
 
 1. HF → Megatron import, once per HF model: ``community_import.import_model_from_hf_name`` with
    the job's ``megatron_cfg`` (what ``setup.handle_model_import`` runs, collectively);
@@ -47,6 +47,7 @@ def policy_config(job: dict) -> dict:
     p.precision = job["precision"]
     m = p.megatron_cfg
     m.tensor_model_parallel_size = job["tp"]
+    m.pipeline_model_parallel_size = job["pp"]
     m.expert_model_parallel_size = job["ep"]
     m.expert_tensor_parallel_size = 1
     m.train_iters = 10                       # set by GRPO's setup in a real run
@@ -112,7 +113,7 @@ def main(argv: list[str]) -> None:
         model_cfg.initialize_model_parallel(seed=0)
         model = model_cfg.provide_distributed_model(wrap_with_ddp=False)
         _load_model_weights_from_checkpoint(os.path.join(pretrained, "iter_0000000"), model)
-        progress(f"built TP{job['tp']} EP{job['ep']} {job['precision']}")
+        progress(f"built TP{job['tp']} PP{job['pp']} EP{job['ep']} {job['precision']}")
 
         manager = CheckpointManager(config["checkpointing"])
         tmp = Path(job["checkpoint_dir"]) / f"tmp_step_{job['step']}"
