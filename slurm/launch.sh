@@ -176,7 +176,8 @@ if (( $# > 0 )); then
 elif [[ -n "${COMMAND:-}" ]]; then
   # a plain list of words is taken as the command's arguments (so the launcher can add to them and
   # find the Python and config of a NeMo-RL driver); shell syntax (or NAME=value first) runs under bash -c
-  if [[ "$COMMAND" =~ [\;\&\|\<\>\$\`\"\'\\\(\)\*\?\#~] || "$COMMAND" =~ ^[[:space:]]*[A-Za-z_][A-Za-z0-9_]*= ]]; then
+  if [[ "$COMMAND" =~ [\;\&\|\<\>\$\`\"\'\\\(\)\*\?\#~] || "$COMMAND" =~ ^[[:space:]]*[A-Za-z_][A-Za-z0-9_]*= \
+        || "$COMMAND" == *$'\n'* ]]; then
     CMD=(bash -c "$COMMAND")
   else
     read -r -a CMD <<<"$COMMAND"

@@ -785,7 +785,9 @@ def test_failing_preflight_stops_the_job_before_ray(cluster, tmp_path):
     problem = "policy.megatron_cfg.expert_model_parallel_size: 16 does not divide 2 GPUs"
     env = {"NG_FAKE_PREFLIGHT_PROBLEMS": problem, "NG_FAKE_PREFLIGHT_LOG": str(log)}
     cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", "--config", str(cfg), "grpo.seed=3"]
-    job = _submit(cluster, tmp_path / "on", "ng-pf", cmd, nodes=1, env=env)
+    # given as a COMMAND string: plain words are the command's arguments, so the launcher finds
+    # the driver's Python and config and appends the cluster overrides to them
+    job = _submit(cluster, tmp_path / "on", "ng-pf", [], nodes=1, env={**env, "COMMAND": " ".join(cmd)})
     # skipped: the driver itself then runs (and stops at once here: it is given no config file)
     off = _submit(cluster, tmp_path / "off", "ng-pf-off", cmd[:-2], nodes=1,
                   env={**env, "PREFLIGHT": "0", "START_RAY": "0", "CLUSTER_OVERRIDES": "0"})
