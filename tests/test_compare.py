@@ -67,7 +67,7 @@ def inprocess_runs(monkeypatch):
     import io
 
     from nemo_granular.cli import main
-    from nemo_granular.embedded import compare as C
+    from nemo_granular import compare as C
 
     def train(config, args, log, label, append=False):
         buf = io.StringIO()
@@ -146,7 +146,7 @@ def test_compare_refuses_an_existing_comparison_and_resume_continues_it(inproces
     (["base"], "unknown 'base'"),
 ])
 def test_algorithms_are_checked_before_any_work(tmp_path, algorithms, message):
-    from nemo_granular.embedded.compare import compare
+    from nemo_granular.compare import compare
     from nemo_granular.embedded.config import LOCAL_CONFIGS
 
     with pytest.raises(ValueError) as err:

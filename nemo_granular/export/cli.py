@@ -18,7 +18,7 @@ __all__ = ["main", "export_checkpoint", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser  # one-line usage errors, exit 2
+    from ..cli_common import ArgumentParser  # one-line usage errors, exit 2
 
     p = ArgumentParser(prog="nemo-granular export", description="Export a checkpoint to a Hugging Face model directory, verified by round trip.")
     p.add_argument("src", help="run dir, step dir, or NeMo-RL step_N dir")

@@ -16,15 +16,16 @@ NeMo-RL run directories: ``compare --from-runs``, used by ``slurm/submit_compari
 from __future__ import annotations
 
 import json
-import math
 import os
+import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser
 
 SMOKE = ["warmstart.max_steps=150", "rl.steps=10", "rl.prompts_per_step=8", "rl.generations_per_prompt=4",
          "rl.minibatches_per_rollout=2", "rl.eval_every=5", "logger.log_every=5"]
@@ -87,7 +88,7 @@ def _run_all(jobs: int, calls: list) -> None:
 
 def _cached_warmstart(d: Path, key: str) -> Path | None:
     """The policy of a complete warm start with this key in ``d``, or None."""
-    from .checkpoint import CheckpointError, find_resumable
+    from .embedded.checkpoint import CheckpointError, find_resumable
 
     try:
         if json.loads((d / "key.json").read_text()).get("key") != key:
@@ -113,8 +114,8 @@ def _accuracies(run: Path) -> tuple[float | None, float | None]:
 def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> None:
     """``nemo-granular eval-checkpoints`` on one finished run (output in ``<run>/evals.log``); skipped
     when ``evals.json`` already holds every suite with the run's newest checkpoint (``--resume``)."""
-    from ..evals.suite import protocols_for
-    from .checkpoint import STEP_RE, step_dirs
+    from .evals.suite import protocols_for
+    from .embedded.checkpoint import STEP_RE, step_dirs
 
     done = run / "evals.json"
     newest = step_dirs(run / "checkpoints")
@@ -141,9 +142,9 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
             jobs: int | None = None, smoke: bool = False, overrides: list[str] | None = None,
             force: bool = False, resume: bool = False, suite: str | None = "all",
             eval_max_samples: int | None = 8) -> Path:
-    from .checkpoint import step_dirs
-    from .config import load_train_config
-    from .warmstart import warmstart_key
+    from .embedded.checkpoint import step_dirs
+    from .embedded.config import load_train_config
+    from .embedded.warmstart import warmstart_key
 
     # 1. every argument and every run's config checked before anything is written or run
     if not config_dir.is_dir():
@@ -252,6 +253,8 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
               "total wall (s)": total, "jobs": jobs}
     if cache_notes:
         timing["warm-start cache key"] = "; ".join(cache_notes)
+    from .report import report_from_runs
+
     report = report_from_runs([item["run"] for item in plan], out, timing=timing)
     for item in plan:
         acc0, acc = _accuracies(item["run"])
@@ -260,5 +263,69 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
     return report
 
 
-# the report lives in nemo_granular.report (also reads NeMo-RL run directories); kept importable here
-from ..report import report_from_runs  # noqa: E402,F401
+# ---------------------------------------------------------------------------- the command
+def _algorithm_list(text: str) -> list[str]:
+    names = []
+    for name in (a.strip() for a in text.split(",")):
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+def main(argv: list[str]) -> int:
+    """``nemo-granular compare``."""
+    from .embedded.config import LOCAL_CONFIGS
+
+    ap = ArgumentParser(prog="nemo-granular compare",
+                        description="Run algorithms side by side (same data, seed and sample budget) "
+                                    "and write report.md with plots.")
+    ap.add_argument("--algorithms", default="grpo,gspo,sspo,espo,sppo",
+                    help="comma-separated config names from --config-dir")
+    ap.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1)")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
+    ap.add_argument("--out", default="outputs/compare")
+    ap.add_argument("--config-dir", default=str(LOCAL_CONFIGS), help="where <algorithm>.yaml live")
+    ap.add_argument("--jobs", type=int, default=None, help="parallel runs (default: number of cores, max 2)")
+    ap.add_argument("--smoke", action="store_true", help="tiny budget (CI): smoke.yaml settings for every run")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--force", action="store_true", help="redo a comparison whose --out already holds one")
+    mode.add_argument("--resume", action="store_true",
+                      help="continue an interrupted comparison in --out (runs resume from their checkpoints)")
+    ap.add_argument("--from-runs", nargs="+", default=None, metavar="RUN_DIR",
+                    help="only build the report from finished run directories")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    args = ap.parse_args(argv)
+    from .report import report_from_runs
+
+    if args.from_runs:
+        if args.resume:
+            raise ValueError("--resume continues a comparison's runs; --from-runs only builds a report")
+        runs = [Path(p) for p in args.from_runs]
+        for run in runs:   # embedded (metrics.jsonl) or NeMo-RL (TensorBoard events) run directories
+            if not run.is_dir():
+                raise FileNotFoundError(f"--from-runs {run}: no such directory")
+        if (Path(args.out) / "report.md").exists() and not args.force:
+            raise FileExistsError(f"--out {args.out} already holds a report.md: add --force to replace it, "
+                                  "or choose another --out")
+        created = not Path(args.out).exists()
+        try:
+            report = report_from_runs(runs, Path(args.out))
+        except BaseException:
+            if created:  # leave no empty --out behind when no report could be built
+                shutil.rmtree(args.out, ignore_errors=True)
+            raise
+    else:
+        try:
+            report = compare(algorithms=_algorithm_list(args.algorithms), seeds=args.seeds, steps=args.steps,
+                             out=Path(args.out), config_dir=Path(args.config_dir), jobs=args.jobs,
+                             smoke=args.smoke, overrides=args.overrides, force=args.force, resume=args.resume)
+        except CompareInterrupted as err:
+            again = [a for a in argv if a not in ("--force", "--resume")] + ["--resume"]
+            print(f"nemo-granular compare: {err}; continue with: nemo-granular compare {shlex.join(again)}",
+                  file=sys.stderr)
+            return INTERRUPTED_EXIT_CODE
+        except RunFailed as err:
+            print(f"nemo-granular compare: error: {err}", file=sys.stderr)
+            return 1
+    print(f"report: {report}", file=sys.stderr)
+    return 0
