@@ -25,7 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser
+from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser, check_writable_dir
 
 SMOKE = ["warmstart.max_steps=150", "rl.steps=10", "rl.prompts_per_step=8", "rl.generations_per_prompt=4",
          "rl.minibatches_per_rollout=2", "rl.eval_every=5", "logger.log_every=5"]
@@ -161,6 +161,7 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     if steps is not None and steps < 0:
         raise ValueError(f"--steps must be >= 0, got {steps}")
+    check_writable_dir(out, "--out")
     jobs = jobs or max(1, min(2, os.cpu_count() or 1))
     extra = (SMOKE if smoke else []) + list(overrides or [])
     if steps is not None:
@@ -304,6 +305,7 @@ def main(argv: list[str]) -> int:
         for run in runs:   # embedded (metrics.jsonl) or NeMo-RL (TensorBoard events) run directories
             if not run.is_dir():
                 raise FileNotFoundError(f"--from-runs {run}: no such directory")
+        check_writable_dir(args.out, "--out")
         if (Path(args.out) / "report.md").exists() and not args.force:
             raise FileExistsError(f"--out {args.out} already holds a report.md: add --force to replace it, "
                                   "or choose another --out")

@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 
 from ..advantages import build_advantage_estimator
+from ..cli_common import check_writable_dir
 from ..core.clipping import calibrate_espo_alpha
 from ..core.groups import group_ids_for
 from ..losses import GranularPolicyLoss, SequenceValueLoss
 from . import models as M
-from .checkpoint import CheckpointError, NothingToResume, find_resumable, fsync_dir, step_dirs, write_manifest
+from .checkpoint import (CheckpointError, CheckpointWriteError, NothingToResume, find_resumable, fsync_dir,
+                         is_write_failure, ordinary_file_modes, step_dirs, write_failure_reason, write_manifest)
 from .config import TrainConfig, dump_config
 from .rollout import generate, next_token_logprobs, old_policy_pass, to_nemo_batch
 from .task import build_task, verify
@@ -107,7 +109,8 @@ class Trainer:
         self._saved_step: int | None = None
         self.sinks = None
 
-        # 1. what to start from: only reads, so a refusal leaves everything as it was
+        # 1. where to write and what to start from: only reads, so a refusal leaves everything as it was
+        check_writable_dir(self.out, "output_dir")
         latest, self._unusable = self._plan_start(resume, force)
         self.resumed = latest is not None
         self.force = force and not self.resumed
@@ -249,6 +252,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_N`` atomically. A write that fails (disk full, quota, I/O error) removes
+        its temporary directory and raises :class:`CheckpointWriteError`: one line naming the checkpoint."""
+        final = self.ckpt_dir / f"step_{self.step:06d}"
+        try:
+            return self._save_checkpoint()
+        except BaseException as err:  # a second Ctrl-C mid-write too: no half-written directory left behind
+            reason = write_failure_reason(err, self.ckpt_dir) if is_write_failure(err) else None
+            shutil.rmtree(self.ckpt_dir / f".tmp_{final.name}_{os.getpid()}", ignore_errors=True)
+            if reason is None:
+                raise
+            kept = (f"the newest complete checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                    else "no checkpoint of this run was written")
+            raise CheckpointWriteError(f"cannot write checkpoint {final}: {reason} ({kept})") from err
+
+    def _save_checkpoint(self) -> Path:
         name = f"step_{self.step:06d}"
         final = self.ckpt_dir / name
         if self._saved_step == self.step and final.is_dir():
@@ -260,6 +278,7 @@ class Trainer:
         self.tokenizer.save_pretrained(str(tmp / "tokenizer"))
         if self.critic is not None:
             self.critic.save_pretrained(str(tmp / "critic"), safe_serialization=True)
+        ordinary_file_modes(tmp)  # safetensors creates its files 0600; every other file is 0666 - umask
         if os.environ.get("NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"):  # test hook: widen the write window
             time.sleep(float(os.environ["NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"]))
         torch.save({"policy": self.opt.state_dict(),

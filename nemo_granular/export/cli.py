@@ -133,7 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if isinstance(err, FileNotFoundError):
             raise
         # disk full, permission denied, ...: the export was rolled back; report it on one line
-        raise ValueError(f"{type(err).__name__}: {err}") from err
+        what = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
+        raise ValueError(what) from err
     finally:
         if bars:
             hf_logging.enable_progress_bar()
