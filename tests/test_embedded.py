@@ -259,3 +259,19 @@ def test_version_and_train_help_name_the_packaged_configs(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "packaged configs (--config NAME): base, espo, grpo" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("steps, every, said", [
+    (5, 10, "checkpoint at the end)"),                     # the 5-step run that announced "every 10 steps"
+    (10, 10, "checkpoint at the end)"),
+    (0, 10, "checkpoint at the end)"),
+    (5, 0, "checkpoint at the end)"),
+    (20, 10, "checkpoints every 10 steps)"),
+    (25, 10, "checkpoints every 10 steps and at the end)"),
+])
+def test_start_line_announces_the_checkpoints_that_will_be_written(tmp_path, steps, every, said):
+    from nemo_granular.embedded.trainer import Trainer
+
+    logs = []
+    Trainer(_cfg("grpo", tmp_path, f"rl.steps={steps}", f"checkpoint.every={every}"), log=logs.append).close()
+    assert logs[0].endswith(f"(metrics.jsonl; {said}"), logs[0]

@@ -76,6 +76,14 @@ def existing_run_artifacts(out: Path) -> list[str]:
     return found
 
 
+def checkpoint_plan(start: int, steps: int, every: int) -> str:
+    """What the checkpoints of steps ``start+1..steps`` will be, as the start line says it: a run
+    shorter than ``checkpoint.every`` writes one checkpoint, at the end."""
+    if not every or (start // every + 1) * every >= steps:  # no multiple of ``every`` before the last step
+        return "checkpoint at the end"
+    return f"checkpoints every {every} steps" + ("" if steps % every == 0 else " and at the end")
+
+
 class Trainer:
     """One run. ``resume``: False (fresh; refuses a directory holding a run unless ``force``),
     True (continue from the newest complete checkpoint; error when there is none) or ``"auto"``
@@ -199,14 +207,15 @@ class Trainer:
     def _start_line(self, latest) -> str:
         cfg = self.cfg
         dev = self.device.type + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else "")
-        every = f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "at the end"
         head = f"train {cfg.algorithm} (seed {cfg.seed}) on {dev}"
         if latest:
-            return (f"{head}: resuming at step {int(latest.state['step'])} of {cfg.rl.steps} from {latest.path} "
-                    f"→ {self.out}/ (metrics.jsonl; checkpoints {every})")
+            start = int(latest.state["step"])
+            return (f"{head}: resuming at step {start} of {cfg.rl.steps} from {latest.path} "
+                    f"→ {self.out}/ (metrics.jsonl; {checkpoint_plan(start, cfg.rl.steps, cfg.checkpoint.every)})")
         warm = ("warm start, then " if not cfg.model.init_from and cfg.warmstart.enabled else "")
         steps = f"{cfg.rl.steps} RL step{'s' if cfg.rl.steps != 1 else ''}"
-        return f"{head}: {warm}{steps} → {self.out}/ (metrics.jsonl; checkpoints {every})"
+        return (f"{head}: {warm}{steps} → {self.out}/ (metrics.jsonl; "
+                f"{checkpoint_plan(0, cfg.rl.steps, cfg.checkpoint.every)})")
 
     def _prepare_output_dir(self):
         self.out.mkdir(parents=True, exist_ok=True)
