@@ -4,7 +4,8 @@ Every run of a seed starts from the SAME warm-started policy, sees the same prom
 data stream is a function of (seed, step)) and the same sample budget per step (SPPO: one
 sample for each of G× more prompts). Runs are separate processes (``nemo-granular train``),
 ``jobs`` at a time, one torch thread each; their output is echoed line by line with a
-``[run]`` prefix and kept in each run's ``train.log``. Warm starts are cached under
+``[run]`` prefix on stderr (progress) and kept in each run's ``train.log``; the summary (every run's
+held-out accuracy, the report's path) goes to stdout. Warm starts are cached under
 ``<out>/warmstart/seed<S>-<key>``, the key a hash of everything that determines the policy
 (:func:`warmstart.warmstart_key`), so a changed override never reuses a stale one.
 After training, every run's checkpoints are evaluated on the benchmark suite
@@ -45,7 +46,10 @@ def available_algorithms(config_dir: Path) -> list[str]:
 
 
 def _train(config: Path, args: list[str], log: Path, label: str, append: bool = False) -> None:
-    """``nemo-granular train`` in a child process; its output goes to ``log`` and, prefixed, to stderr."""
+    """``nemo-granular train`` in a child process; its output goes to ``log`` and, prefixed, to stderr
+    (all but its own ``resume with:`` line: a comparison continues with ``compare --resume``)."""
+    from .embedded.cli import RESUME_HINT
+
     cmd = [sys.executable, "-m", "nemo_granular", "train", "--config", str(config), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
     last = ""
@@ -55,7 +59,8 @@ def _train(config: Path, args: list[str], log: Path, label: str, append: bool = 
             fh.write(line)
             fh.flush()
             last = line.strip() or last
-            print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
+            if not line.startswith(RESUME_HINT):
+                print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
         rc = proc.wait()
     if rc in (130, 99):
         raise CompareInterrupted(f"run {label} stopped (exit {rc}) after saving a checkpoint")
@@ -260,7 +265,7 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
     for item in plan:
         acc0, acc = _accuracies(item["run"])
         shown = "n/a" if acc is None else f"{acc0:.3f} → {acc:.3f}"
-        print(f"{item['alg']} seed {item['seed']}: held-out accuracy {shown} ({item['run']})", file=sys.stderr)
+        print(f"{item['alg']} seed {item['seed']}: held-out accuracy {shown} ({item['run']})", flush=True)
     return report
 
 
@@ -329,5 +334,5 @@ def main(argv: list[str]) -> int:
         except RunFailed as err:
             print(f"nemo-granular compare: error: {err}", file=sys.stderr)
             return 1
-    print(f"report: {report}", file=sys.stderr)
+    print(f"report: {report}")
     return 0

@@ -9,6 +9,10 @@ from ..cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser
 from .config import load_train_config, packaged_configs
 
 
+# the line that tells how to continue a stopped run (``compare`` leaves it out of its echo: it has its own)
+RESUME_HINT = "resume with: "
+
+
 def train_main(argv: list[str]) -> int:
     ap = ArgumentParser(prog="nemo-granular train", description="Train with the embedded trainer.",
                         epilog=f"packaged configs (--config NAME): {', '.join(packaged_configs())}")
@@ -36,7 +40,8 @@ def train_main(argv: list[str]) -> int:
 
     resume = "auto" if args.auto_resume else args.resume
     try:
-        trainer = Trainer(cfg, resume=resume, force=args.force)
+        # progress (every other line) on stderr, the closing summary on stdout
+        trainer = Trainer(cfg, resume=resume, force=args.force, summary=lambda msg: print(msg, flush=True))
         rc = trainer.run()
     except KeyboardInterrupt:
         print("nemo-granular train: aborted by a second Ctrl-C: the steps since the last checkpoint are lost",
@@ -44,5 +49,5 @@ def train_main(argv: list[str]) -> int:
         return INTERRUPTED_EXIT_CODE
     if rc in (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE):
         again = [a for a in argv if a not in ("--force", "--resume", "--auto-resume")] + ["--resume"]
-        print(f"resume with: nemo-granular train {shlex.join(again)}", file=sys.stderr)
+        print(f"{RESUME_HINT}nemo-granular train {shlex.join(again)}", file=sys.stderr)
     return rc

@@ -89,9 +89,10 @@ class Trainer:
     True (continue from the newest complete checkpoint; error when there is none) or ``"auto"``
     (continue when there is a checkpoint, else start fresh: for requeueing launchers)."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool | str = False, log=None, force: bool = False):
+    def __init__(self, cfg: TrainConfig, resume: bool | str = False, log=None, force: bool = False, summary=None):
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.summary = summary or self.log  # the closing `done:` line (the CLI prints it on stdout)
         if resume is True and force:
             raise ValueError("--resume and --force exclude each other (--force starts over)")
         torch.set_num_threads(max(1, cfg.threads))
@@ -524,16 +525,16 @@ class Trainer:
         acc0, acc = self.sinks.first_accuracy, self.sinks.last_accuracy
         accuracy = ("n/a" if acc is None else f"{acc:.3f}" if acc0 is None or self.step == 0
                     else f"{acc0:.3f} → {acc:.3f}")
-        self.log(f"done: {cfg.algorithm} step {self.step}/{cfg.rl.steps} ({self.samples} samples, "
-                 f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
-                 f"metrics {self.sinks.path}")
+        self.summary(f"done: {cfg.algorithm} step {self.step}/{cfg.rl.steps} ({self.samples} samples, "
+                     f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
+                     f"metrics {self.sinks.path}")
         return 0
 
     def _stop(self) -> int:
         self.save_checkpoint()
         name = signal.Signals(self._stop_signal).name
-        self.log(f"stopped by {name} at step {self.step}/{self.cfg.rl.steps}: checkpoint {self.last_checkpoint} "
-                 "(continue with --resume)")
+        # how to continue is the launcher's to say (train: one `resume with:` line; compare: `compare --resume`)
+        self.log(f"stopped by {name} at step {self.step}/{self.cfg.rl.steps}: checkpoint {self.last_checkpoint}")
         return STOP_EXIT_CODES[self._stop_signal]
 
 
