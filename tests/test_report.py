@@ -250,3 +250,38 @@ def test_incomplete_embedded_run_is_listed(tmp_path):
     report = report_from_runs([a, b], tmp_path / "rep").read_text()
     assert "`gspo_seed0` (embedded, incomplete): stopped at step 7 of 20" in report
     assert "non-finite loss" in report and math.isfinite(len(report))
+
+
+def _suite(run: Path, suite: str, description: str, samples: int, scores: dict, note: str) -> None:
+    from nemo_granular.evals.results import merge_write
+
+    bench = {k: {"label": k, "problems": 64, "samples_per_problem": samples, "decoding": "T=0.6, top-p 1",
+                 "metric": f"avg@{samples}"} for k in ("sum3", "sum5")}
+    merge_write(run / "evals.json", run.name, "embedded", suite,
+                {"description": description, "select": "last", "select_note": note}, bench, scores)
+
+
+def test_suites_that_measure_the_same_thing_here_are_one_table_that_says_so(tmp_path):
+    """Capped at 8 samples per problem, the SPPO (avg@16) and ESPO (avg@32) protocols are one measurement:
+    the report says so once, with what was measured, instead of two identical tables under headings
+    that claim avg@16 and avg@32."""
+    runs = []
+    for alg, seed in (("grpo", 0), ("sspo", 0)):
+        run = _embedded_run(tmp_path, alg, seed, [0.5, 0.6, 0.7])
+        scores = {0: {"sum3": 0.25, "sum5": 0.125}, 20: {"sum3": 0.5 if alg == "grpo" else 0.625, "sum5": 0.25}}
+        _suite(run, "sppo", "SPPO §4.1: avg@16 at temperature 0.6, final checkpoint", 8, scores, "the last")
+        _suite(run, "espo", "ESPO Table 1: AIME/HMMT avg@32, final checkpoint", 8, scores, "the last; T=0.6 here")
+        runs.append(run)
+    report = report_from_runs(runs, tmp_path / "rep").read_text()
+    bench = report.split("## Benchmark suite")[1].split("## The papers")[0]
+    assert bench.count("| grpo | 1 |") == 1 and bench.count("| sspo | 1 |") == 1, bench  # one table, not two
+    assert "### Suites `sppo` and `espo`: one measurement here" in bench, bench
+    assert "avg@8" in bench.split("| benchmark |")[0]  # said before the table: what was measured
+    for claim in ("SPPO §4.1: avg@16", "ESPO Table 1: AIME/HMMT avg@32"):  # each protocol still named
+        assert claim in bench
+    # a suite that differs (other samples) keeps its own table
+    for run in runs:
+        _suite(run, "espo", "ESPO Table 1: AIME/HMMT avg@32, final checkpoint", 32,
+               {0: {"sum3": 0.5, "sum5": 0.5}, 20: {"sum3": 0.5, "sum5": 0.5}}, "the last")
+    bench = report_from_runs(runs, tmp_path / "rep2").read_text().split("## Benchmark suite")[1]
+    assert "### Suite `sppo`" in bench and "### Suite `espo`" in bench and "one measurement here" not in bench

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from .runs import Run, load_run
+from .suites import benchmark_tables
 from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, fmt, mean_sd, moving_average, seed_band, verdict_below,
                     verdict_between, verdict_greater)
 
@@ -238,63 +239,6 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
         add(text, "SPPO §4.3, Fig. 5", "; ".join(per) or "no common seed",
             verdict_greater(diffs) if diffs else (NOT_RUN, ""))
     return rows
-
-
-# ---------------------------------------------------------------------------- benchmark suite
-def benchmark_tables(by_name: dict[str, list[Run]]) -> list[str]:
-    """Paper-style tables: one per suite found in the runs' evals.json (see nemo_granular.evals)."""
-    from ..evals.results import select_checkpoint
-
-    suites: dict[str, dict] = {}
-    for name, runs in by_name.items():
-        for run in runs:
-            for suite, res in ((run.evals or {}).get("suites") or {}).items():
-                suites.setdefault(suite, {"spec": res, "rows": {}})["rows"].setdefault(name, []).append((run, res))
-    from ..evals.suite import PROTOCOLS
-
-    order = list(PROTOCOLS)
-    lines = []
-    for suite, entry in sorted(suites.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else 99, kv[0])):
-        spec = entry["spec"]
-        benches = list(spec.get("benchmarks", {}))
-        proto = spec.get("protocol", {})
-        lines += [f"### Suite `{suite}`: {proto.get('description', '')}", ""]
-        lines.append("| benchmark | problems | samples/problem | decoding | metric |")
-        lines.append("|---|---|---|---|---|")
-        for b in benches:
-            info = spec["benchmarks"][b]
-            lines.append(f"| {info.get('label', b)} | {info.get('problems', '?')} | {info.get('samples_per_problem', '?')} "
-                         f"| {info.get('decoding', '?')} | {info.get('metric', 'mean accuracy over samples')} |")
-        select = proto.get("select", "last")
-        lines += ["", f"Checkpoint reported: **{'the best by suite average' if select == 'best' else 'the last'}** "
-                  f"({proto.get('select_note', '')}). Cells: mean ± sd over seeds (1 seed: no spread).", "",
-                  "| algorithm | seeds | " + " | ".join(spec["benchmarks"][b].get("label", b) for b in benches)
-                  + " | average | checkpoint step(s) |",
-                  "|---|---|" + "---|" * (len(benches) + 2)]
-        # the policy every run of a seed started from (embedded: the warm start), as the papers' base row
-        base = {}
-        for items in entry["rows"].values():
-            for run, res in items:
-                scores = res.get("checkpoints", {}).get("0")
-                if scores and all(b in scores for b in benches):
-                    base.setdefault(run.seed, scores)
-        if base:
-            vals = list(base.values())
-            cells = [_stat([v[b] for v in vals]) for b in benches]
-            avg = _stat([sum(v[b] for b in benches) / len(benches) for v in vals])
-            lines.append(f"| start (step 0) | {len(vals)} | " + " | ".join(cells) + f" | {avg} | 0 |")
-        for name, items in entry["rows"].items():
-            picked = [select_checkpoint(res, select) for _, res in items]
-            picked = [(p, run) for p, (run, _) in zip(picked, items) if p is not None]
-            if not picked:
-                lines.append(f"| {name} | 0 | " + " | ".join("n/a" for _ in benches) + " | n/a | none evaluated |")
-                continue
-            cells = [_stat([p[1].get(b, float("nan")) for p, _ in picked]) for b in benches]
-            avg = _stat([p[2] for p, _ in picked])
-            steps = ", ".join(f"{p[0]}" for p, _ in picked)
-            lines.append(f"| {name} | {len(picked)} | " + " | ".join(cells) + f" | {avg} | {steps} |")
-        lines.append("")
-    return lines
 
 
 # ---------------------------------------------------------------------------- the report
