@@ -192,7 +192,8 @@ def test_smoothing_and_band_against_naive_loops():
 
 
 # ---------------------------------------------------------------------------- embedded runs + evals.json
-def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int = 20, suite_scores=None) -> Path:
+def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int = 20, suite_scores=None,
+                  clip: float = 0.01, per_step=None) -> Path:
     run = root / f"{alg}_seed{seed}"
     run.mkdir(parents=True)
     cfg = {"name": alg, "seed": seed, "loss_fn": {"granular": {"algorithm": alg}},
@@ -203,8 +204,9 @@ def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int
     recs = [{"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": accs[0]}]
     for s in range(1, steps + 1):
         rec = {"step": s, "samples": 128 * s, "wall_time": 1.5 * s, "train/reward": 0.4 + 0.01 * s + 0.001 * seed,
-               "train/clip_frac_low": 0.01, "train/clip_frac_high": 0.005, "train/prev_entropy": 0.5 - 0.01 * s,
-               "train/response_length": 27.0, "train/groups_per_response": 4.0}
+               "train/clip_frac_low": clip * (1 + 0.2 * math.sin(s)), "train/clip_frac_high": clip / 2,
+               "train/prev_entropy": 0.5 - 0.01 * s, "train/response_length": 27.0, "train/groups_per_response": 4.0}
+        rec.update(per_step(s) if per_step else {})
         if s % 10 == 0:
             rec["validation/accuracy"] = accs[s // 10]
         recs.append(rec)
@@ -285,3 +287,24 @@ def test_suites_that_measure_the_same_thing_here_are_one_table_that_says_so(tmp_
                {0: {"sum3": 0.5, "sum5": 0.5}, 20: {"sum3": 0.5, "sum5": 0.5}}, "the last")
     bench = report_from_runs(runs, tmp_path / "rep2").read_text().split("## Benchmark suite")[1]
     assert "### Suite `sppo`" in bench and "### Suite `espo`" in bench and "one measurement here" not in bench
+
+
+def test_an_absolute_claim_is_judged_on_one_seed_against_the_runs_own_spread(tmp_path):
+    """'GSPO's clip fraction is near zero (< 1 %)' is a claim about one number, not a comparison: one seed
+    measuring 22.6 % refutes it; one seed clearly below 1 % supports it (noise: the step-to-step spread)."""
+    from nemo_granular.report.stats import verdict_below
+
+    assert verdict_below([0.226], 0.01, within=[0.20, 0.25, 0.22, 0.23])[0] == FAILS
+    assert verdict_below([0.002], 0.01, within=[0.001, 0.003, 0.002])[0] == HOLDS
+    assert verdict_below([0.009], 0.01, within=[0.0, 0.018])[0].startswith(INCONCLUSIVE)  # within the spread
+    assert verdict_below([0.009], 0.01)[0].startswith(INCONCLUSIVE)  # nothing to judge the noise by
+
+    def verdict(clip, name):
+        run = _embedded_run(tmp_path / name, "gspo", 0, [0.5, 0.6, 0.7], clip=clip)
+        report = report_from_runs([run], tmp_path / name / "rep").read_text()
+        row = next(line for line in report.splitlines() if line.startswith("| GSPO's clip fraction is near zero"))
+        return row.split("|")[4].strip(), row.split("|")[5].strip()
+
+    high, note = verdict(0.15, "high")  # ≈ 22.5 % clipped per step
+    assert high == FAILS and "1 seed" in note and "step-to-step" in note, note
+    assert verdict(0.002, "low")[0] == HOLDS
