@@ -146,6 +146,11 @@ def test_trainer_calls_plugin_with_nemo_rl_contract(tmp_path, algorithm):
     assert last["train/nonfinite_tokens"] == 0
     for key in ("train/clip_frac_low", "train/clip_frac_high", "train/prev_entropy", "train/groups_per_response"):
         assert key in last
+    # what the report needs to tell whether runs shared the CPU equally: CPU seconds and when each step ended
+    steps = rec[1:]
+    assert all(0 < r["timing/train/cpu_time"] for r in steps)
+    ends = [r["timing/train/step_end_unix"] for r in steps]
+    assert ends == sorted(ends) and ends[-1] - ends[0] >= steps[-1]["timing/train/total_step_time"] - 1e-6
 
 
 def test_moe_policy_trains(tmp_path):

@@ -308,3 +308,46 @@ def test_an_absolute_claim_is_judged_on_one_seed_against_the_runs_own_spread(tmp
     high, note = verdict(0.15, "high")  # ≈ 22.5 % clipped per step
     assert high == FAILS and "1 seed" in note and "step-to-step" in note, note
     assert verdict(0.002, "low")[0] == HOLDS
+
+
+def _timed(t0: float, cpu_per_s: float = 0.97):
+    """Per-step timing as the embedded trainer records it: 1.5 s steps ending at t0 + 1.5·s (and a flat
+    reward, so that every run reaches GRPO's final reward and the wall-time claim has a measurement)."""
+    return lambda s: {"timing/train/total_step_time": 1.5, "timing/train/cpu_time": 1.5 * cpu_per_s,
+                      "timing/train/step_end_unix": t0 + 1.5 * s, "train/reward": 0.5}
+
+
+def _wall_verdict(report: str, setting: str = "equal samples") -> tuple[str, str]:
+    row = next(line for line in report.splitlines()
+               if line.startswith("| SPPO reaches GRPO's final reward sooner") and setting in line)
+    return row.split("|")[4].strip(), row.split("|")[5].strip()
+
+
+def test_wall_time_verdict_is_unusable_when_the_runs_did_not_get_equal_cpu(tmp_path):
+    """The demo's 5 runs, 2 at a time: GRPO trains beside GSPO, SPPO trains last, alone. Their wall times
+    are not comparable, and the report says so instead of judging the claim on them."""
+    from nemo_granular.report.stats import UNUSABLE
+
+    def runs(root, sppo_t0, sppo_cpu=0.97):
+        return [_embedded_run(root, "grpo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.0)),
+                _embedded_run(root, "gspo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.5)),
+                _embedded_run(root, "sppo", 0, [0.5, 0.6, 0.7], per_step=_timed(sppo_t0, sppo_cpu))]
+
+    alone = report_from_runs(runs(tmp_path / "a", sppo_t0=5000.0), tmp_path / "a" / "rep").read_text()
+    verdict, note = _wall_verdict(alone)
+    assert verdict == UNUSABLE, (verdict, note)
+    assert "grpo 0.98 other runs alongside" in note.lower() and "sppo 0.00 other runs alongside" in note.lower()
+
+    # SPPO beside GRPO and GSPO the whole time, the same CPU per wall second: an ordinary verdict
+    together = report_from_runs(runs(tmp_path / "b", sppo_t0=1000.2), tmp_path / "b" / "rep").read_text()
+    assert _wall_verdict(together)[0].startswith(INCONCLUSIVE)  # one seed: a comparison stays inconclusive
+
+    # beside them, but it got half the CPU per wall second (another job on the machine): unusable too
+    starved = report_from_runs(runs(tmp_path / "c", 1000.2, sppo_cpu=0.45), tmp_path / "c" / "rep").read_text()
+    assert _wall_verdict(starved)[0] == UNUSABLE and "0.45 cpu s per wall s" in _wall_verdict(starved)[1].lower()
+
+    # runs that recorded no timing (older runs, NeMo-RL runs): judged as before, and the note says so
+    flat = lambda s: {"train/reward": 0.5}  # noqa: E731
+    plain = [_embedded_run(tmp_path / "d", a, 0, [0.5, 0.6, 0.7], per_step=flat) for a in ("grpo", "sppo")]
+    verdict, note = _wall_verdict(report_from_runs(plain, tmp_path / "d" / "rep").read_text())
+    assert verdict.startswith(INCONCLUSIVE) and "CPU sharing not recorded" in note

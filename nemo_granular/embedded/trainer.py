@@ -429,7 +429,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg.rl
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         batch = self.rollout(self.step)
         t_gen = time.time() - t0
         if self.step == 0 and self.cfg.rl.calibrate_espo_alpha_to and self.espo_alpha is None:
@@ -441,11 +441,14 @@ class Trainer:
             m, cm = self.optimizer_step(batch, slice(k * per, (k + 1) * per))
             per_step.append(m)
             per_critic.append(cm)
-        t_all = time.time() - t0
+        t_all, cpu = time.time() - t0, time.process_time() - cpu0
         self.step += 1
         self.samples += B
         self.wall += t_all
-        return self._step_record(batch, per_step, per_critic, t_gen, t_all)
+        rec = self._step_record(batch, per_step, per_critic, t_gen, t_all)
+        # whether runs shared the CPU equally, for the report's wall-time verdicts (report/cpu.py)
+        rec["timing/train/cpu_time"], rec["timing/train/step_end_unix"] = cpu, t0 + t_all
+        return rec
 
     def _calibrate_espo(self, batch):
         mask = batch["token_mask"] > 0
@@ -637,7 +640,9 @@ class MetricSinks:
         self.fh.write(json.dumps(rec) + "\n")
         self.fh.flush()
         self._track(rec)
-        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
+        # a Unix time is no curve (and float32 TensorBoard scalars would round it to minutes): metrics.jsonl only
+        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)
+                   and not k.endswith("_unix")}
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, rec["step"])

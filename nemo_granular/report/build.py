@@ -6,10 +6,11 @@ import math
 import os
 from pathlib import Path
 
+from .cpu import cpu_usage, equal_cpu
 from .runs import Run, load_run
+from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, UNUSABLE, fmt, mean_sd, moving_average, seed_band,
+                    verdict_below, verdict_between, verdict_greater)
 from .suites import benchmark_tables
-from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, fmt, mean_sd, moving_average, seed_band, verdict_below,
-                    verdict_between, verdict_greater)
 
 PAPERS = {
     "grpo": "GRPO: Shao et al., *DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language "
@@ -221,7 +222,9 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
             f"{alg.upper()} {_stat([final_acc(r) for r in A])}, {other.upper()} {_stat([final_acc(r) for r in B])}",
             verdict_greater([a - b for a, b in pairs]))
 
-    # SPPO's wall-time claim: per seed, the RL wall time each run needs to reach GRPO's final reward
+    # SPPO's wall-time claim: per seed, the RL wall time each run needs to reach GRPO's final reward;
+    # unusable when the two runs of a seed did not get the same CPU (report/cpu.py)
+    usage = cpu_usage([r for rs in by_name.values() for r in rs])
     for label, name in (("equal samples per step (SPPO: G× more prompts, one sample each)", "sppo"),
                         ("equal prompts per step (SPPO: N = 1, G× fewer samples; the paper's setting)",
                          "sppo_equal_prompts")):
@@ -230,11 +233,16 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
         if not S or not G:
             add(text, "SPPO §4.3, Fig. 5", "", (NOT_RUN, ""))
             continue
-        per, diffs = [], []
+        per, diffs, unequal, unrecorded = [], [], [], False
         g_by = {r.seed: r for r in G}
         for r in sorted(S, key=lambda r: r.seed):
             if r.seed not in g_by:
                 continue
+            same = equal_cpu(usage[g_by[r.seed].dir], usage[r.dir])
+            unrecorded |= same is None
+            if same is False:
+                unequal.append(f"seed {r.seed}: GRPO {usage[g_by[r.seed].dir].describe()}, "
+                               f"SPPO {usage[r.dir].describe()}")
             target = summary(g_by[r.seed])["reward_last"]
             t_g, t_s = time_to_reward(g_by[r.seed], target), time_to_reward(r, target)
             shown_s = _fmt_t(t_s) if t_s is not None else f"not within its {summary(r)['wall']:.0f} s"
@@ -242,8 +250,13 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
             if t_g is not None:
                 horizon = summary(r)["wall"]
                 diffs.append(t_g - (t_s if t_s is not None else max(horizon, t_g)))
-        add(text, "SPPO §4.3, Fig. 5", "; ".join(per) or "no common seed",
-            verdict_greater(diffs) if diffs else (NOT_RUN, ""))
+        verdict = verdict_greater(diffs) if diffs else (NOT_RUN, "")
+        if unequal and diffs:
+            verdict = (UNUSABLE, "the runs did not get equal CPU, so their wall times do not compare: "
+                       + "; ".join(unequal))
+        elif unrecorded and diffs:
+            verdict = (verdict[0], verdict[1] + " (CPU sharing not recorded)")
+        add(text, "SPPO §4.3, Fig. 5", "; ".join(per) or "no common seed", verdict)
     return rows
 
 
@@ -333,8 +346,11 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
               "| claim | paper | measured | verdict | effect vs noise |", "|---|---|---|---|---|",
               *claims(by_name), "",
               "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL wall times "
-              "exclude validation; runs that share a busy machine are slowed unevenly, so wall-time verdicts are "
-              "only as good as the machine was quiet. The SPPO wall-time claim is given at equal samples and at "
+              "exclude validation. Runs that share a machine unequally (one trains beside another, one alone; "
+              f"another job takes CPU from one) are slowed unequally: a wall-time verdict is **{UNUSABLE}** "
+              "when the runs of a seed differ by more than a quarter of a run in the other runs training "
+              "alongside them, or by more than 10 % in CPU seconds per wall second (both recorded by the "
+              "embedded trainer per step; not recorded for NeMo-RL runs). The SPPO wall-time claim is given at equal samples and at "
               "equal prompts per step when both were run; the paper's speed-up is the equal-prompts one (N = 1). "
               "A run that never reaches the target counts as reaching it at the end of its RL time (censored): "
               "when that is earlier than GRPO's time the seed cannot tell either way.",

@@ -16,6 +16,7 @@ import math
 import numpy as np
 
 HOLDS, FAILS, INCONCLUSIVE, NOT_RUN = "holds", "does NOT hold", "inconclusive", "n/a (not run)"
+UNUSABLE = "unusable (unequal CPU)"  # a wall-time claim whose runs did not get the same CPU (report/cpu.py)
 
 
 def moving_average(y, window: int) -> np.ndarray:
