@@ -110,7 +110,7 @@ def test_disk_full_while_checkpointing_is_one_line_and_leaves_no_temp_dir(tmpfs,
 
 
 # ---------------------------------------------------------------- file modes
-@pytest.mark.parametrize("umask", [0o022, 0o002])
+@pytest.mark.parametrize("umask", [0o022, 0o002], ids=["umask022", "umask002"])
 def test_checkpoint_files_have_the_modes_of_ordinary_files(tmp_path, capsys, umask):
     """Every file of a checkpoint (policy and critic weights included) gets 0666 minus the umask."""
     old = os.umask(umask)
