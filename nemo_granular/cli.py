@@ -7,31 +7,23 @@ line and exit with code 2; Ctrl-C exits 130 (``train`` checkpoints first).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
 
+# ArgumentParser is re-exported for code written before cli_common existed; new code imports cli_common
+from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser  # noqa: F401
+
+# name → (module, function, help); the modules are imported only when their command runs. They import
+# nemo_granular.cli_common for what commands share, never this module (tests/test_layering.py).
 COMMANDS = {
     "train": ("nemo_granular.embedded.cli", "train_main", "train a policy with the embedded trainer"),
-    "compare": ("nemo_granular.embedded.cli", "compare_main", "run several algorithms side by side, write report.md"),
+    "compare": ("nemo_granular.compare", "main", "run several algorithms side by side, write report.md"),
     "export": ("nemo_granular.export.cli", "main", "export a checkpoint to Hugging Face format"),
     "eval-checkpoints": ("nemo_granular.evals.cli", "main",
                          "evaluate every checkpoint of runs on a paper benchmark suite (evals.json)"),
     "preflight": ("nemo_granular.preflight.cli", "main", "check a run_grpo/run_sppo config offline, print the plan"),
 }
-INTERRUPTED_EXIT_CODE = 130
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block) and exit code 2; no abbreviated options."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def version() -> str:

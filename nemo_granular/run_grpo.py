@@ -49,9 +49,18 @@ ASYNC_GRPO_UNSUPPORTED = (("grpo", "use_dynamic_sampling"), ("grpo", "reward_sca
                           ("grpo", "reward_shaping", "enabled"), ("data", "use_multiple_dataloader"))
 
 
+# the same sentences in run_sppo (tests/test_user_text.py)
+OVERRIDES_HELP = "Unknown arguments are Hydra overrides (a.b=v, +a.b=v, ++a.b=v, ~a.b)."
+INSTALL_HINT = ("run it inside NeMo-RL's environment (commit 7ea279ab) with nemo-granular installed into it: "
+                "`cd <NeMo-RL> && uv pip install --no-deps -e <nemo-granular>`, then `uv run python -m {prog} "
+                "--config ...` (docs/nemo-rl.md §1)")
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m nemo_granular.run_grpo",
-                                     description="GRPO-family training with nemo_granular on NeMo-RL")
+                                     usage="%(prog)s [-h] --config CONFIG [key=value ...]",
+                                     description="GRPO-family training (SSPO, ESPO, GSPO, GRPO) with nemo_granular "
+                                                 "on NeMo-RL. " + OVERRIDES_HELP)
     parser.add_argument("--config", type=str, required=True, help="YAML config (may inherit NeMo-RL examples)")
     return parser.parse_known_args(argv)
 
@@ -190,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
     args, overrides = parse_args(argv)
     missing = _missing_nemo_rl()
     if missing is not None:
-        print(f"nemo_granular.run_grpo: missing package '{missing}': run inside a NeMo-RL (commit 7ea279ab) "
-              f"environment with nemo_granular on PYTHONPATH (see docs/nemo-rl.md)", file=sys.stderr)
+        print(f"nemo_granular.run_grpo: missing package '{missing}': "
+              + INSTALL_HINT.format(prog="nemo_granular.run_grpo"), file=sys.stderr)
         return 2
 
     from pydantic import ValidationError

@@ -32,6 +32,8 @@ import argparse
 import sys
 from types import SimpleNamespace
 
+from .run_grpo import INSTALL_HINT, OVERRIDES_HELP
+
 __all__ = ["main", "prepare_config", "MissingDependencyError"]
 
 PROG = "nemo_granular.run_sppo"
@@ -47,9 +49,8 @@ def _import_nemo_rl() -> SimpleNamespace:
         import nemo_rl  # noqa: F401
     except ImportError as err:
         raise MissingDependencyError(
-            f"NeMo-RL is not installed (cannot import {err.name or 'nemo_rl'!r}); run this inside NeMo-RL's "
-            f"environment, e.g. `uv run python -m {PROG} --config ...` from a NeMo-RL checkout with "
-            f"nemo-granular on PYTHONPATH") from None
+            f"NeMo-RL is not installed (cannot import {err.name or 'nemo_rl'!r}); "
+            + INSTALL_HINT.format(prog=PROG)) from None
     try:
         from omegaconf import OmegaConf
 
@@ -72,9 +73,9 @@ def _import_nemo_rl() -> SimpleNamespace:
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog=f"python -m {PROG}",
+    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", usage="%(prog)s [-h] --config CONFIG [key=value ...]",
                                      description="SPPO (sequence-level PPO, scalar BCE critic) on NeMo-RL's PPO loop. "
-                                                 "Unknown arguments are Hydra overrides (a.b=v, +a.b=v, ~a.b).")
+                                                 + OVERRIDES_HELP)
     parser.add_argument("--config", required=True, help="YAML config (NeMo-RL PPO config + sppo: section)")
     return parser.parse_known_args(argv)
 

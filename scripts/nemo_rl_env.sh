@@ -12,11 +12,15 @@
 # installs the `nemo-rl-test` extra into .venv with torch held at the installed version.
 # tests/conftest.py reads the variables; nothing else in the project depends on them.
 
+# `return 1 2>/dev/null || exit 1` below: return when sourced, exit when run; shellcheck cannot know which
+# shellcheck disable=SC2317
 _ng_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-_ng_extract() {  # _ng_extract PATTERN -> prints the extracted top folder
-  local tarball name dest
-  tarball=$(ls "$NEMO_RL_VENDOR"/$1 2>/dev/null | head -n 1)
+_ng_extract() {  # _ng_extract NAME -> extracts NEMO_RL_VENDOR/NAME-*.tar.gz (the first), prints its top folder
+  local tarball="" candidate name dest
+  for candidate in "$NEMO_RL_VENDOR/$1"-*.tar.gz; do
+    [ -f "$candidate" ] && { tarball=$candidate; break; }
+  done
   [ -n "$tarball" ] || return 0
   name=$(basename "$tarball" .tar.gz)
   dest="$_ng_root/.vendor/$name"
@@ -31,10 +35,10 @@ _ng_extract() {  # _ng_extract PATTERN -> prints the extracted top folder
 
 if [ -z "${NEMO_RL_SRC:-}" ] && [ -n "${NEMO_RL_VENDOR:-}" ]; then
   [ -d "$NEMO_RL_VENDOR" ] || { echo "nemo_rl_env: NEMO_RL_VENDOR=$NEMO_RL_VENDOR is not a folder" >&2; return 1 2>/dev/null || exit 1; }
-  NEMO_RL_SRC=$(_ng_extract 'nemo-rl-*.tar.gz')
-  _d=$(_ng_extract 'megatron-lm-*.tar.gz'); [ -n "$_d" ] && export MEGATRON_LM_SRC=${MEGATRON_LM_SRC:-$_d}
-  _d=$(_ng_extract 'megatron-bridge-*.tar.gz'); [ -n "$_d" ] && export MEGATRON_BRIDGE_SRC=${MEGATRON_BRIDGE_SRC:-$_d/src}
-  _d=$(_ng_extract 'automodel-*.tar.gz'); [ -n "$_d" ] && export AUTOMODEL_SRC=${AUTOMODEL_SRC:-$_d}
+  NEMO_RL_SRC=$(_ng_extract nemo-rl)
+  _d=$(_ng_extract megatron-lm); [ -n "$_d" ] && export MEGATRON_LM_SRC=${MEGATRON_LM_SRC:-$_d}
+  _d=$(_ng_extract megatron-bridge); [ -n "$_d" ] && export MEGATRON_BRIDGE_SRC=${MEGATRON_BRIDGE_SRC:-$_d/src}
+  _d=$(_ng_extract automodel); [ -n "$_d" ] && export AUTOMODEL_SRC=${AUTOMODEL_SRC:-$_d}
 fi
 
 if [ -n "${NEMO_RL_SRC:-}" ]; then
@@ -52,7 +56,7 @@ if [ -n "${NEMO_RL_SRC:-}" ]; then
     _torch=$("$_ng_root/.venv/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
     echo "torch==$_torch" > "$_ng_root/.venv/torch-constraint.txt"
     "$_ng_root/.venv/bin/pip" install --quiet --disable-pip-version-check -c "$_ng_root/.venv/torch-constraint.txt" \
-      -e "$_ng_root[nemo-rl-test]" 2>&1 | grep -v "^WARNING: Location" || true
+      -e "${_ng_root}[nemo-rl-test]" 2>&1 | grep -v "^WARNING: Location" || true
     "$_ng_root/.venv/bin/python" -W ignore -c "import torch, ray, hydra, transformers, megatron.core" 2>/dev/null \
       || { echo "nemo_rl_env: installing the nemo-rl-test extra failed" >&2; return 1 2>/dev/null || exit 1; }
     touch "$_stamp"

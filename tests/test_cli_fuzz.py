@@ -55,6 +55,10 @@ def _files(tmp: Path) -> None:
     f = tmp / "f"
     f.mkdir()
     (f / "invalid.yaml").write_text("rl: [1, 2\n")
+    (f / "bad_indent.yaml").write_text("rl:\n  steps: 3\n   lr: 2\n")
+    (f / "empty.yaml").write_text("")
+    (f / "comments.yaml").write_text("# nothing here yet\n\n")
+    (f / "empty_parent.yaml").write_text("defaults: empty.yaml\nseed: 1\n")
     (f / "list.yaml").write_text("- a\n- b\n")
     (f / "scalar.yaml").write_text("5\n")
     (f / "binary.yaml").write_bytes(b"\xff\xfe\x00\x01rl:\x00")
@@ -82,9 +86,13 @@ T = ["train", "--config", "{cfg}", *TINY, "output_dir={t}/out"]
 CASES = [
     # ---- train: the config file
     ("train: missing config file", ["train", "--config", "{f}/absent.yaml"], "absent.yaml"),
-    ("train: config is a directory", ["train", "--config", "{f}/notmodel"], "notmodel"),
+    ("train: config is a directory", ["train", "--config", "{f}/notmodel"], "{f}/notmodel: is a directory"),
+    ("train: empty config file", ["train", "--config", "{f}/empty.yaml"], "empty.yaml: the config file is empty"),
+    ("train: config of comments only", ["train", "--config", "{f}/comments.yaml"], "comments.yaml: the config file is"),
+    ("train: empty parent config", ["train", "--config", "{f}/empty_parent.yaml"], "empty.yaml: the config file is"),
     ("train: unknown packaged name", ["train", "--config", "nosuchalgo"], "packaged configs: base, espo"),
-    ("train: invalid YAML", ["train", "--config", "{f}/invalid.yaml"], "invalid.yaml: not valid YAML"),
+    ("train: invalid YAML", ["train", "--config", "{f}/invalid.yaml"], "invalid.yaml:2:1: not valid YAML"),
+    ("train: YAML indentation", ["train", "--config", "{f}/bad_indent.yaml"], "bad_indent.yaml:3:6: not valid YAML"),
     ("train: YAML list", ["train", "--config", "{f}/list.yaml"], "list.yaml: the top level must be a mapping"),
     ("train: YAML scalar", ["train", "--config", "{f}/scalar.yaml"], "scalar.yaml"),
     ("train: binary file", ["train", "--config", "{f}/binary.yaml"], "binary.yaml"),
@@ -145,6 +153,8 @@ CASES = [
     ("model.path not a model", [*T, "model.path={f}/notmodel"], "model.path"),
     ("model.init_from missing", [*T, "model.init_from={f}/nomodel"], "model.init_from"),
     # ---- train: the output directory and the flags
+    ("output_dir is a file", [*T, "output_dir={f}/a_file"], "output_dir {f}/a_file: is a file, not a directory"),
+    ("output_dir under a file", [*T, "output_dir={f}/a_file/run"], "output_dir {f}/a_file/run: is under"),
     ("fresh run into an existing run", ["train", "--config", "{cfg}", "output_dir={s}/run"], "already holds a run"),
     ("resume with nothing to resume", [*T, "--resume"], "nothing to resume"),
     ("resume from an unusable checkpoint", ["train", "--config", "{cfg}", "output_dir={s}/brokenrun", "--resume"],
@@ -170,6 +180,8 @@ CASES = [
     ("compare: bad override", ["compare", "--algorithms", "grpo", "--out", "{t}/c", "rl.temperature=0"],
      "grpo: rl.temperature"),
     ("compare: unknown key", ["compare", "--algorithms", "sspo", "--out", "{t}/c", "rl.stepz=3"], "rl.stepz"),
+    ("compare: out is a file", ["compare", "--algorithms", "grpo", "--out", "{f}/a_file"],
+     "--out {f}/a_file: is a file, not a directory"),
     ("compare: out holds a report", ["compare", "--algorithms", "grpo", "--out", "{f}/cmp"],
      "already holds a comparison"),
     ("compare: out holds runs", ["compare", "--algorithms", "grpo", "--out", "{f}/cmp_runs"],

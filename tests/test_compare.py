@@ -26,9 +26,10 @@ def test_smoke_comparison_writes_report_and_plots(tmp_path):
     elapsed = time.time() - t0
     print(f"smoke comparison of {len(ALGS)} algorithms: {elapsed:.0f} s")  # recorded by CI's -rA/-s output
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for alg in ALGS:  # progress people can see: per-run lines, then one summary line per run
+    for alg in ALGS:  # progress people can see (stderr): per-run lines; the summary (stdout): one line per run
         assert f"[{alg} seed0] step 5/10: reward" in proc.stderr
-        assert f"{alg} seed 0: held-out accuracy" in proc.stderr
+        assert f"{alg} seed 0: held-out accuracy" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == f"report: {out / 'report.md'}"
     assert "warm-start cache key seed0-" in (out / "report.md").read_text()
     report = (out / "report.md").read_text()
     for alg in ALGS:
@@ -67,11 +68,11 @@ def inprocess_runs(monkeypatch):
     import io
 
     from nemo_granular.cli import main
-    from nemo_granular.embedded import compare as C
+    from nemo_granular import compare as C
 
     def train(config, args, log, label, append=False):
-        buf = io.StringIO()
-        with contextlib.redirect_stderr(buf):
+        buf = io.StringIO()  # the child's stdout and stderr, as the real _train merges them into train.log
+        with contextlib.redirect_stderr(buf), contextlib.redirect_stdout(buf):
             rc = main(["train", "--config", str(config), *args])
         with log.open("a" if append else "w") as fh:
             fh.write(buf.getvalue())
@@ -140,13 +141,30 @@ def test_compare_refuses_an_existing_comparison_and_resume_continues_it(inproces
     assert '"step": 2' in (run / "metrics.jsonl").read_text()
 
 
+def test_summary_goes_to_stdout_and_progress_to_stderr(inprocess_runs, tmp_path, monkeypatch, capsys):
+    """Pipeable output: the per-run accuracies and the report's path on stdout, nothing else there."""
+    from nemo_granular.cli import main
+
+    C, out = inprocess_runs, tmp_path / "cmp"
+    monkeypatch.setattr(C, "_evaluate", lambda *a, **k: None)  # the benchmark suite: tests/test_evals.py
+    capsys.readouterr()
+    assert main(["compare", "--algorithms", "grpo", "--out", str(out), "--jobs", "1", *TINY,
+                 "model.hidden_size=32"]) == 0
+    cap = capsys.readouterr()
+    stdout = cap.out.strip().splitlines()
+    assert len(stdout) == 2, cap.out
+    assert stdout[0].startswith("grpo seed 0: held-out accuracy ") and str(out / "runs" / "grpo_seed0") in stdout[0]
+    assert stdout[1] == f"report: {out / 'report.md'}"
+    assert "warm starts done" in cap.err and "held-out accuracy" not in cap.err
+
+
 @pytest.mark.parametrize("algorithms, message", [
     ([], "--algorithms is empty (valid: espo, grpo, gspo"),
     (["grpo", "nope"], "--algorithms: unknown 'nope' (valid: espo, grpo"),
     (["base"], "unknown 'base'"),
 ])
 def test_algorithms_are_checked_before_any_work(tmp_path, algorithms, message):
-    from nemo_granular.embedded.compare import compare
+    from nemo_granular.compare import compare
     from nemo_granular.embedded.config import LOCAL_CONFIGS
 
     with pytest.raises(ValueError) as err:
@@ -202,6 +220,9 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
     assert proc.wait(timeout=120) == 130, "".join(seen) + rest
     last = rest.strip().splitlines()[-1]
     assert "continue with: nemo-granular compare" in last and last.endswith("--resume"), rest
+    # one way to continue: compare's own command, not one per run as well
+    hints = [line for line in rest.splitlines() if "--resume" in line]
+    assert hints == [last], hints
     assert "Traceback" not in rest and not (out / "report.md").exists()
     for alg in ("grpo", "sspo"):
         run = out / "runs" / f"{alg}_seed0"

@@ -146,6 +146,11 @@ def test_trainer_calls_plugin_with_nemo_rl_contract(tmp_path, algorithm):
     assert last["train/nonfinite_tokens"] == 0
     for key in ("train/clip_frac_low", "train/clip_frac_high", "train/prev_entropy", "train/groups_per_response"):
         assert key in last
+    # what the report needs to tell whether runs shared the CPU equally: CPU seconds and when each step ended
+    steps = rec[1:]
+    assert all(0 < r["timing/train/cpu_time"] for r in steps)
+    ends = [r["timing/train/step_end_unix"] for r in steps]
+    assert ends == sorted(ends) and ends[-1] - ends[0] >= steps[-1]["timing/train/total_step_time"] - 1e-6
 
 
 def test_moe_policy_trains(tmp_path):
@@ -259,3 +264,19 @@ def test_version_and_train_help_name_the_packaged_configs(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     assert "packaged configs (--config NAME): base, espo, grpo" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("steps, every, said", [
+    (5, 10, "checkpoint at the end)"),                     # the 5-step run that announced "every 10 steps"
+    (10, 10, "checkpoint at the end)"),
+    (0, 10, "checkpoint at the end)"),
+    (5, 0, "checkpoint at the end)"),
+    (20, 10, "checkpoints every 10 steps)"),
+    (25, 10, "checkpoints every 10 steps and at the end)"),
+])
+def test_start_line_announces_the_checkpoints_that_will_be_written(tmp_path, steps, every, said):
+    from nemo_granular.embedded.trainer import Trainer
+
+    logs = []
+    Trainer(_cfg("grpo", tmp_path, f"rl.steps={steps}", f"checkpoint.every={every}"), log=logs.append).close()
+    assert logs[0].endswith(f"(metrics.jsonl; {said}"), logs[0]

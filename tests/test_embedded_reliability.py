@@ -88,7 +88,7 @@ def test_ctrl_c_checkpoints_exits_130_with_a_resume_line_and_resume_continues(tm
     more = _cli("rl.steps=" + str(state["step"] + 2), "checkpoint.every=1000", f"output_dir={run}", "--resume")
     assert more.returncode == 0, more.stderr[-2000:]
     assert _steps(run) == list(range(state["step"] + 3))
-    assert "done: grpo step" in more.stderr and "checkpoint" in more.stderr.splitlines()[-1]
+    assert more.stdout.startswith("done: grpo step") and "checkpoint" in more.stdout
 
 
 def test_second_ctrl_c_aborts_at_once_and_then_resume_refuses_a_fresh_start(tmp_path):
@@ -296,8 +296,9 @@ def test_start_line_progress_lines_and_closing_summary(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     lines = [line for line in res.stderr.splitlines() if line.startswith(("train ", "step ", "done:"))]
     assert lines[0].startswith("train grpo (seed 0) on cpu: 3 RL steps") and str(run) in lines[0]
-    assert [line.split(":")[0] for line in lines[1:4]] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert [line.split(":")[0] for line in lines[1:]] == ["step 1/3", "step 2/3", "step 3/3"]  # progress: stderr
     assert "acc" in lines[1] and "nan" not in res.stderr  # the last known accuracy, never a placeholder
-    done = lines[-1]
+    (done,) = res.stdout.strip().splitlines()  # the summary: stdout, alone
+    assert done.startswith("done: grpo step 3/3")
     assert "held-out accuracy" in done and str(run / "checkpoints" / "step_000003") in done
     assert str(run / "metrics.jsonl") in done

@@ -192,7 +192,8 @@ def test_smoothing_and_band_against_naive_loops():
 
 
 # ---------------------------------------------------------------------------- embedded runs + evals.json
-def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int = 20, suite_scores=None) -> Path:
+def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int = 20, suite_scores=None,
+                  clip: float = 0.01, per_step=None) -> Path:
     run = root / f"{alg}_seed{seed}"
     run.mkdir(parents=True)
     cfg = {"name": alg, "seed": seed, "loss_fn": {"granular": {"algorithm": alg}},
@@ -203,8 +204,9 @@ def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int
     recs = [{"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": accs[0]}]
     for s in range(1, steps + 1):
         rec = {"step": s, "samples": 128 * s, "wall_time": 1.5 * s, "train/reward": 0.4 + 0.01 * s + 0.001 * seed,
-               "train/clip_frac_low": 0.01, "train/clip_frac_high": 0.005, "train/prev_entropy": 0.5 - 0.01 * s,
-               "train/response_length": 27.0, "train/groups_per_response": 4.0}
+               "train/clip_frac_low": clip * (1 + 0.2 * math.sin(s)), "train/clip_frac_high": clip / 2,
+               "train/prev_entropy": 0.5 - 0.01 * s, "train/response_length": 27.0, "train/groups_per_response": 4.0}
+        rec.update(per_step(s) if per_step else {})
         if s % 10 == 0:
             rec["validation/accuracy"] = accs[s // 10]
         recs.append(rec)
@@ -250,3 +252,102 @@ def test_incomplete_embedded_run_is_listed(tmp_path):
     report = report_from_runs([a, b], tmp_path / "rep").read_text()
     assert "`gspo_seed0` (embedded, incomplete): stopped at step 7 of 20" in report
     assert "non-finite loss" in report and math.isfinite(len(report))
+
+
+def _suite(run: Path, suite: str, description: str, samples: int, scores: dict, note: str) -> None:
+    from nemo_granular.evals.results import merge_write
+
+    bench = {k: {"label": k, "problems": 64, "samples_per_problem": samples, "decoding": "T=0.6, top-p 1",
+                 "metric": f"avg@{samples}"} for k in ("sum3", "sum5")}
+    merge_write(run / "evals.json", run.name, "embedded", suite,
+                {"description": description, "select": "last", "select_note": note}, bench, scores)
+
+
+def test_suites_that_measure_the_same_thing_here_are_one_table_that_says_so(tmp_path):
+    """Capped at 8 samples per problem, the SPPO (avg@16) and ESPO (avg@32) protocols are one measurement:
+    the report says so once, with what was measured, instead of two identical tables under headings
+    that claim avg@16 and avg@32."""
+    runs = []
+    for alg, seed in (("grpo", 0), ("sspo", 0)):
+        run = _embedded_run(tmp_path, alg, seed, [0.5, 0.6, 0.7])
+        scores = {0: {"sum3": 0.25, "sum5": 0.125}, 20: {"sum3": 0.5 if alg == "grpo" else 0.625, "sum5": 0.25}}
+        _suite(run, "sppo", "SPPO §4.1: avg@16 at temperature 0.6, final checkpoint", 8, scores, "the last")
+        _suite(run, "espo", "ESPO Table 1: AIME/HMMT avg@32, final checkpoint", 8, scores, "the last; T=0.6 here")
+        runs.append(run)
+    report = report_from_runs(runs, tmp_path / "rep").read_text()
+    bench = report.split("## Benchmark suite")[1].split("## The papers")[0]
+    assert bench.count("| grpo | 1 |") == 1 and bench.count("| sspo | 1 |") == 1, bench  # one table, not two
+    assert "### Suites `sppo` and `espo`: one measurement here" in bench, bench
+    assert "avg@8" in bench.split("| benchmark |")[0]  # said before the table: what was measured
+    for claim in ("SPPO §4.1: avg@16", "ESPO Table 1: AIME/HMMT avg@32"):  # each protocol still named
+        assert claim in bench
+    # a suite that differs (other samples) keeps its own table
+    for run in runs:
+        _suite(run, "espo", "ESPO Table 1: AIME/HMMT avg@32, final checkpoint", 32,
+               {0: {"sum3": 0.5, "sum5": 0.5}, 20: {"sum3": 0.5, "sum5": 0.5}}, "the last")
+    bench = report_from_runs(runs, tmp_path / "rep2").read_text().split("## Benchmark suite")[1]
+    assert "### Suite `sppo`" in bench and "### Suite `espo`" in bench and "one measurement here" not in bench
+
+
+def test_an_absolute_claim_is_judged_on_one_seed_against_the_runs_own_spread(tmp_path):
+    """'GSPO's clip fraction is near zero (< 1 %)' is a claim about one number, not a comparison: one seed
+    measuring 22.6 % refutes it; one seed clearly below 1 % supports it (noise: the step-to-step spread)."""
+    from nemo_granular.report.stats import verdict_below
+
+    assert verdict_below([0.226], 0.01, within=[0.20, 0.25, 0.22, 0.23])[0] == FAILS
+    assert verdict_below([0.002], 0.01, within=[0.001, 0.003, 0.002])[0] == HOLDS
+    assert verdict_below([0.009], 0.01, within=[0.0, 0.018])[0].startswith(INCONCLUSIVE)  # within the spread
+    assert verdict_below([0.009], 0.01)[0].startswith(INCONCLUSIVE)  # nothing to judge the noise by
+
+    def verdict(clip, name):
+        run = _embedded_run(tmp_path / name, "gspo", 0, [0.5, 0.6, 0.7], clip=clip)
+        report = report_from_runs([run], tmp_path / name / "rep").read_text()
+        row = next(line for line in report.splitlines() if line.startswith("| GSPO's clip fraction is near zero"))
+        return row.split("|")[4].strip(), row.split("|")[5].strip()
+
+    high, note = verdict(0.15, "high")  # ≈ 22.5 % clipped per step
+    assert high == FAILS and "1 seed" in note and "step-to-step" in note, note
+    assert verdict(0.002, "low")[0] == HOLDS
+
+
+def _timed(t0: float, cpu_per_s: float = 0.97):
+    """Per-step timing as the embedded trainer records it: 1.5 s steps ending at t0 + 1.5·s (and a flat
+    reward, so that every run reaches GRPO's final reward and the wall-time claim has a measurement)."""
+    return lambda s: {"timing/train/total_step_time": 1.5, "timing/train/cpu_time": 1.5 * cpu_per_s,
+                      "timing/train/step_end_unix": t0 + 1.5 * s, "train/reward": 0.5}
+
+
+def _wall_verdict(report: str, setting: str = "equal samples") -> tuple[str, str]:
+    row = next(line for line in report.splitlines()
+               if line.startswith("| SPPO reaches GRPO's final reward sooner") and setting in line)
+    return row.split("|")[4].strip(), row.split("|")[5].strip()
+
+
+def test_wall_time_verdict_is_unusable_when_the_runs_did_not_get_equal_cpu(tmp_path):
+    """The demo's 5 runs, 2 at a time: GRPO trains beside GSPO, SPPO trains last, alone. Their wall times
+    are not comparable, and the report says so instead of judging the claim on them."""
+    from nemo_granular.report.stats import UNUSABLE
+
+    def runs(root, sppo_t0, sppo_cpu=0.97):
+        return [_embedded_run(root, "grpo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.0)),
+                _embedded_run(root, "gspo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.5)),
+                _embedded_run(root, "sppo", 0, [0.5, 0.6, 0.7], per_step=_timed(sppo_t0, sppo_cpu))]
+
+    alone = report_from_runs(runs(tmp_path / "a", sppo_t0=5000.0), tmp_path / "a" / "rep").read_text()
+    verdict, note = _wall_verdict(alone)
+    assert verdict == UNUSABLE, (verdict, note)
+    assert "grpo 0.98 other runs alongside" in note.lower() and "sppo 0.00 other runs alongside" in note.lower()
+
+    # SPPO beside GRPO and GSPO the whole time, the same CPU per wall second: an ordinary verdict
+    together = report_from_runs(runs(tmp_path / "b", sppo_t0=1000.2), tmp_path / "b" / "rep").read_text()
+    assert _wall_verdict(together)[0].startswith(INCONCLUSIVE)  # one seed: a comparison stays inconclusive
+
+    # beside them, but it got half the CPU per wall second (another job on the machine): unusable too
+    starved = report_from_runs(runs(tmp_path / "c", 1000.2, sppo_cpu=0.45), tmp_path / "c" / "rep").read_text()
+    assert _wall_verdict(starved)[0] == UNUSABLE and "0.45 cpu s per wall s" in _wall_verdict(starved)[1].lower()
+
+    # runs that recorded no timing (older runs, NeMo-RL runs): judged as before, and the note says so
+    flat = lambda s: {"train/reward": 0.5}  # noqa: E731
+    plain = [_embedded_run(tmp_path / "d", a, 0, [0.5, 0.6, 0.7], per_step=flat) for a in ("grpo", "sppo")]
+    verdict, note = _wall_verdict(report_from_runs(plain, tmp_path / "d" / "rep").read_text())
+    assert verdict.startswith(INCONCLUSIVE) and "CPU sharing not recorded" in note

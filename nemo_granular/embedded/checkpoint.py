@@ -15,9 +15,11 @@ the file that broke the newest one.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,10 @@ MANIFEST = "manifest.json"
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message is one line naming the file."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (disk full, ...); the message is one line naming it."""
 
 
 class NothingToResume(FileNotFoundError):
@@ -200,3 +206,36 @@ def write_manifest(root: Path) -> None:
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
     os.replace(tmp, root / MANIFEST)
+
+
+def ordinary_file_modes(root: Path) -> None:
+    """Give every file under ``root`` the mode an ordinary new file gets: 0666 minus the umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in root.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~mask)
+
+
+_NO_SPACE_FREE_BYTES = 16 << 20
+
+
+def is_write_failure(err: BaseException) -> bool:
+    """An error raised by writing files: an OSError, safetensors' own error type, or torch.save's
+    RuntimeError (its zip writer reports a failed write without the errno)."""
+    return isinstance(err, (OSError, RuntimeError)) or type(err).__name__ == "SafetensorError"
+
+
+def write_failure_reason(err: BaseException, where: Path) -> str:
+    """One line saying why a write under ``where`` failed: the OS's words when the error carries an
+    errno, "No space left on device" when the file system is (nearly) full, else the error's first line."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    text = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    try:
+        full = shutil.disk_usage(where).free < _NO_SPACE_FREE_BYTES
+    except OSError:
+        full = False
+    if full or "os error 28" in text:
+        return os.strerror(errno.ENOSPC)
+    return text

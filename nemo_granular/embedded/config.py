@@ -184,18 +184,22 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple = ()):
     from omegaconf import DictConfig, OmegaConf
 
     path = Path(path)
+    where = f" (named in defaults: of {_chain[-1]})" if _chain else ""
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: is a directory, not a config file{where}")
     if not path.is_file():
         hint = "" if path.parent != Path(".") else f" (packaged configs: {', '.join(packaged_configs())})"
-        where = f" (named in defaults: of {_chain[-1]})" if _chain else hint
-        raise FileNotFoundError(f"config file not found: {path}{where}")
+        raise FileNotFoundError(f"config file not found: {path}{where or hint}")
     if path.resolve() in _chain:
         raise ValueError(f"{path}: defaults: cycle ({' → '.join(p.name for p in (*_chain, path.resolve()))})")
     try:
         cfg = OmegaConf.load(path)
     except Exception as err:  # noqa: BLE001 - yaml errors come in several types
-        raise ValueError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
-    if cfg is None or (not isinstance(cfg, DictConfig) and not len(cfg)):
-        return OmegaConf.create({})
+        raise ValueError(_yaml_error(path, err)) from None
+    if cfg is None or (isinstance(cfg, DictConfig) and not len(cfg)):
+        # an empty file would silently train a whole default run
+        raise ValueError(f"{path}: the config file is empty (no keys){where}: give it keys, or use a packaged "
+                         "config (--config grpo)")
     if not isinstance(cfg, DictConfig):
         raise ValueError(f"{path}: the top level must be a mapping of keys, not a list")
     parents = cfg.pop("defaults", None) if "defaults" in cfg else None
@@ -210,6 +214,15 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple = ()):
         merged = OmegaConf.merge(merged, load_yaml_with_defaults(p if p.is_absolute() else path.parent / p,
                                                                  (*_chain, path.resolve())))
     return OmegaConf.merge(merged, cfg)
+
+
+def _yaml_error(path: Path, err: Exception) -> str:
+    """``file:line:column: not valid YAML (what)`` for a YAML syntax error (line and column from 1)."""
+    mark = getattr(err, "problem_mark", None)
+    what = "; ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x)
+    if mark is None or not what:
+        return f"{path}: not valid YAML ({(str(err).splitlines() or [type(err).__name__])[0]})"
+    return f"{path}:{mark.line + 1}:{mark.column + 1}: not valid YAML ({what})"
 
 
 def apply_overrides(cfg, overrides: list[str]):

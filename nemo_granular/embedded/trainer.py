@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 
 from ..advantages import build_advantage_estimator
+from ..cli_common import check_writable_dir
 from ..core.clipping import calibrate_espo_alpha
 from ..core.groups import group_ids_for
 from ..losses import GranularPolicyLoss, SequenceValueLoss
 from . import models as M
-from .checkpoint import CheckpointError, NothingToResume, find_resumable, fsync_dir, step_dirs, write_manifest
+from .checkpoint import (CheckpointError, CheckpointWriteError, NothingToResume, find_resumable, fsync_dir,
+                         is_write_failure, ordinary_file_modes, step_dirs, write_failure_reason, write_manifest)
 from .config import TrainConfig, dump_config
 from .rollout import generate, next_token_logprobs, old_policy_pass, to_nemo_batch
 from .task import build_task, verify
@@ -74,14 +76,23 @@ def existing_run_artifacts(out: Path) -> list[str]:
     return found
 
 
+def checkpoint_plan(start: int, steps: int, every: int) -> str:
+    """What the checkpoints of steps ``start+1..steps`` will be, as the start line says it: a run
+    shorter than ``checkpoint.every`` writes one checkpoint, at the end."""
+    if not every or (start // every + 1) * every >= steps:  # no multiple of ``every`` before the last step
+        return "checkpoint at the end"
+    return f"checkpoints every {every} steps" + ("" if steps % every == 0 else " and at the end")
+
+
 class Trainer:
     """One run. ``resume``: False (fresh; refuses a directory holding a run unless ``force``),
     True (continue from the newest complete checkpoint; error when there is none) or ``"auto"``
     (continue when there is a checkpoint, else start fresh: for requeueing launchers)."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool | str = False, log=None, force: bool = False):
+    def __init__(self, cfg: TrainConfig, resume: bool | str = False, log=None, force: bool = False, summary=None):
         self.cfg = cfg
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.summary = summary or self.log  # the closing `done:` line (the CLI prints it on stdout)
         if resume is True and force:
             raise ValueError("--resume and --force exclude each other (--force starts over)")
         torch.set_num_threads(max(1, cfg.threads))
@@ -107,7 +118,8 @@ class Trainer:
         self._saved_step: int | None = None
         self.sinks = None
 
-        # 1. what to start from: only reads, so a refusal leaves everything as it was
+        # 1. where to write and what to start from: only reads, so a refusal leaves everything as it was
+        check_writable_dir(self.out, "output_dir")
         latest, self._unusable = self._plan_start(resume, force)
         self.resumed = latest is not None
         self.force = force and not self.resumed
@@ -196,14 +208,15 @@ class Trainer:
     def _start_line(self, latest) -> str:
         cfg = self.cfg
         dev = self.device.type + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else "")
-        every = f"every {cfg.checkpoint.every} steps" if cfg.checkpoint.every else "at the end"
         head = f"train {cfg.algorithm} (seed {cfg.seed}) on {dev}"
         if latest:
-            return (f"{head}: resuming at step {int(latest.state['step'])} of {cfg.rl.steps} from {latest.path} "
-                    f"→ {self.out}/ (metrics.jsonl; checkpoints {every})")
+            start = int(latest.state["step"])
+            return (f"{head}: resuming at step {start} of {cfg.rl.steps} from {latest.path} "
+                    f"→ {self.out}/ (metrics.jsonl; {checkpoint_plan(start, cfg.rl.steps, cfg.checkpoint.every)})")
         warm = ("warm start, then " if not cfg.model.init_from and cfg.warmstart.enabled else "")
         steps = f"{cfg.rl.steps} RL step{'s' if cfg.rl.steps != 1 else ''}"
-        return f"{head}: {warm}{steps} → {self.out}/ (metrics.jsonl; checkpoints {every})"
+        return (f"{head}: {warm}{steps} → {self.out}/ (metrics.jsonl; "
+                f"{checkpoint_plan(0, cfg.rl.steps, cfg.checkpoint.every)})")
 
     def _prepare_output_dir(self):
         self.out.mkdir(parents=True, exist_ok=True)
@@ -249,6 +262,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_N`` atomically. A write that fails (disk full, quota, I/O error) removes
+        its temporary directory and raises :class:`CheckpointWriteError`: one line naming the checkpoint."""
+        final = self.ckpt_dir / f"step_{self.step:06d}"
+        try:
+            return self._save_checkpoint()
+        except BaseException as err:  # a second Ctrl-C mid-write too: no half-written directory left behind
+            reason = write_failure_reason(err, self.ckpt_dir) if is_write_failure(err) else None
+            shutil.rmtree(self.ckpt_dir / f".tmp_{final.name}_{os.getpid()}", ignore_errors=True)
+            if reason is None:
+                raise
+            kept = (f"the newest complete checkpoint is {self.last_checkpoint}" if self.last_checkpoint
+                    else "no checkpoint of this run was written")
+            raise CheckpointWriteError(f"cannot write checkpoint {final}: {reason} ({kept})") from err
+
+    def _save_checkpoint(self) -> Path:
         name = f"step_{self.step:06d}"
         final = self.ckpt_dir / name
         if self._saved_step == self.step and final.is_dir():
@@ -260,6 +288,7 @@ class Trainer:
         self.tokenizer.save_pretrained(str(tmp / "tokenizer"))
         if self.critic is not None:
             self.critic.save_pretrained(str(tmp / "critic"), safe_serialization=True)
+        ordinary_file_modes(tmp)  # safetensors creates its files 0600; every other file is 0666 - umask
         if os.environ.get("NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"):  # test hook: widen the write window
             time.sleep(float(os.environ["NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"]))
         torch.save({"policy": self.opt.state_dict(),
@@ -400,7 +429,7 @@ class Trainer:
 
     def train_step(self) -> dict:
         cfg = self.cfg.rl
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         batch = self.rollout(self.step)
         t_gen = time.time() - t0
         if self.step == 0 and self.cfg.rl.calibrate_espo_alpha_to and self.espo_alpha is None:
@@ -412,11 +441,14 @@ class Trainer:
             m, cm = self.optimizer_step(batch, slice(k * per, (k + 1) * per))
             per_step.append(m)
             per_critic.append(cm)
-        t_all = time.time() - t0
+        t_all, cpu = time.time() - t0, time.process_time() - cpu0
         self.step += 1
         self.samples += B
         self.wall += t_all
-        return self._step_record(batch, per_step, per_critic, t_gen, t_all)
+        rec = self._step_record(batch, per_step, per_critic, t_gen, t_all)
+        # whether runs shared the CPU equally, for the report's wall-time verdicts (report/cpu.py)
+        rec["timing/train/cpu_time"], rec["timing/train/step_end_unix"] = cpu, t0 + t_all
+        return rec
 
     def _calibrate_espo(self, batch):
         mask = batch["token_mask"] > 0
@@ -496,16 +528,16 @@ class Trainer:
         acc0, acc = self.sinks.first_accuracy, self.sinks.last_accuracy
         accuracy = ("n/a" if acc is None else f"{acc:.3f}" if acc0 is None or self.step == 0
                     else f"{acc0:.3f} → {acc:.3f}")
-        self.log(f"done: {cfg.algorithm} step {self.step}/{cfg.rl.steps} ({self.samples} samples, "
-                 f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
-                 f"metrics {self.sinks.path}")
+        self.summary(f"done: {cfg.algorithm} step {self.step}/{cfg.rl.steps} ({self.samples} samples, "
+                     f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
+                     f"metrics {self.sinks.path}")
         return 0
 
     def _stop(self) -> int:
         self.save_checkpoint()
         name = signal.Signals(self._stop_signal).name
-        self.log(f"stopped by {name} at step {self.step}/{self.cfg.rl.steps}: checkpoint {self.last_checkpoint} "
-                 "(continue with --resume)")
+        # how to continue is the launcher's to say (train: one `resume with:` line; compare: `compare --resume`)
+        self.log(f"stopped by {name} at step {self.step}/{self.cfg.rl.steps}: checkpoint {self.last_checkpoint}")
         return STOP_EXIT_CODES[self._stop_signal]
 
 
@@ -608,7 +640,9 @@ class MetricSinks:
         self.fh.write(json.dumps(rec) + "\n")
         self.fh.flush()
         self._track(rec)
-        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)}
+        # a Unix time is no curve (and float32 TensorBoard scalars would round it to minutes): metrics.jsonl only
+        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)
+                   and not k.endswith("_unix")}
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, rec["step"])

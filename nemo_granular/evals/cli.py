@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import ArgumentParser
+from ..cli_common import ArgumentParser
 from .suite import SUITES, protocols_for
 
 
@@ -56,7 +56,7 @@ def build_parser():
 
 
 def main(argv: list[str]) -> int:
-    from ..report.runs import detect
+    from ..rundir import detect
     from . import embedded, nemo_rl
 
     args = build_parser().parse_args(argv)

@@ -18,7 +18,7 @@ __all__ = ["main", "export_checkpoint", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser  # one-line usage errors, exit 2
+    from ..cli_common import ArgumentParser  # one-line usage errors, exit 2
 
     p = ArgumentParser(prog="nemo-granular export", description="Export a checkpoint to a Hugging Face model directory, verified by round trip.")
     p.add_argument("src", help="run dir, step dir, or NeMo-RL step_N dir")
@@ -133,7 +133,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if isinstance(err, FileNotFoundError):
             raise
         # disk full, permission denied, ...: the export was rolled back; report it on one line
-        raise ValueError(f"{type(err).__name__}: {err}") from err
+        what = f"{err.filename}: {err.strerror}" if err.filename and err.strerror else str(err)
+        raise ValueError(what) from err
     finally:
         if bars:
             hf_logging.enable_progress_bar()

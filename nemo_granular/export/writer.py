@@ -121,14 +121,24 @@ def atomic_output_dir(out: str | os.PathLike) -> Iterator[Path]:
     out = Path(out).absolute()
     if out.exists():
         raise ValueError(f"output {out} already exists (remove it or choose another path)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as err:  # read-only, no permission, a file on the way: name the output the user gave
+        raise OSError(err.errno, err.strerror, str(out)) from None
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the export is an ordinary directory
         yield tmp
         if out.exists():
             raise ValueError(f"output {out} appeared while exporting; not overwriting it")
         os.rename(tmp, out)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        name = Path(err.filename) if isinstance(err.filename, str) else None
+        if name is not None and err.strerror and (name == tmp or tmp in name.parents):
+            # a file of the temporary directory: say it as the file of the output it was to become
+            raise OSError(err.errno, err.strerror, str(out / name.relative_to(tmp))) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

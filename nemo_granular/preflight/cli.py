@@ -18,7 +18,7 @@ PROG = "nemo-granular preflight"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli import ArgumentParser
+    from ..cli_common import ArgumentParser
 
     p = ArgumentParser(prog=PROG, description="Offline checks of a run_grpo/run_sppo config: NeMo-RL's own "
                                               "set-up and worker-init checks, nemo-granular's, and the plan.")

@@ -6,9 +6,11 @@ import math
 import os
 from pathlib import Path
 
+from .cpu import cpu_usage, equal_cpu
 from .runs import Run, load_run
-from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, fmt, mean_sd, moving_average, seed_band, verdict_below,
-                    verdict_between, verdict_greater)
+from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, UNUSABLE, fmt, mean_sd, moving_average, seed_band,
+                    verdict_below, verdict_between, verdict_greater)
+from .suites import benchmark_tables
 
 PAPERS = {
     "grpo": "GRPO: Shao et al., *DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language "
@@ -171,10 +173,16 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
     def clip(r):
         return summary(r)["clip"]
 
+    def clip_per_step(r):
+        return [rec["train/clip_frac_low"] + rec["train/clip_frac_high"] for rec in r.recs
+                if rec["step"] > 0 and "train/clip_frac_low" in rec and "train/clip_frac_high" in rec]
+
     G, GS, SS, ES = (_pick(by_name, a) for a in ("grpo", "gspo", "sspo", "espo"))
     gs_vals = [clip(r) for r in GS]
+    # an absolute claim: one seed is judged against its own step-to-step spread
     add("GSPO's clip fraction is near zero (< 1 %)", "SSPO §1", f"GSPO {_sci(gs_vals)}",
-        verdict_below(gs_vals, 0.01) if GS else (NOT_RUN, ""))
+        verdict_below(gs_vals, 0.01, within=clip_per_step(GS[0]) if len(GS) == 1 else None) if GS
+        else (NOT_RUN, ""))
     trip = _paired(SS, GS, lambda r: r.seed)
     if G and GS and SS and trip:
         g_by, gs_by, ss_by = ({r.seed: clip(r) for r in rs} for rs in (G, GS, SS))
@@ -214,7 +222,9 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
             f"{alg.upper()} {_stat([final_acc(r) for r in A])}, {other.upper()} {_stat([final_acc(r) for r in B])}",
             verdict_greater([a - b for a, b in pairs]))
 
-    # SPPO's wall-time claim: per seed, the RL wall time each run needs to reach GRPO's final reward
+    # SPPO's wall-time claim: per seed, the RL wall time each run needs to reach GRPO's final reward;
+    # unusable when the two runs of a seed did not get the same CPU (report/cpu.py)
+    usage = cpu_usage([r for rs in by_name.values() for r in rs])
     for label, name in (("equal samples per step (SPPO: G× more prompts, one sample each)", "sppo"),
                         ("equal prompts per step (SPPO: N = 1, G× fewer samples; the paper's setting)",
                          "sppo_equal_prompts")):
@@ -223,11 +233,16 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
         if not S or not G:
             add(text, "SPPO §4.3, Fig. 5", "", (NOT_RUN, ""))
             continue
-        per, diffs = [], []
+        per, diffs, unequal, unrecorded = [], [], [], False
         g_by = {r.seed: r for r in G}
         for r in sorted(S, key=lambda r: r.seed):
             if r.seed not in g_by:
                 continue
+            same = equal_cpu(usage[g_by[r.seed].dir], usage[r.dir])
+            unrecorded |= same is None
+            if same is False:
+                unequal.append(f"seed {r.seed}: GRPO {usage[g_by[r.seed].dir].describe()}, "
+                               f"SPPO {usage[r.dir].describe()}")
             target = summary(g_by[r.seed])["reward_last"]
             t_g, t_s = time_to_reward(g_by[r.seed], target), time_to_reward(r, target)
             shown_s = _fmt_t(t_s) if t_s is not None else f"not within its {summary(r)['wall']:.0f} s"
@@ -235,66 +250,14 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
             if t_g is not None:
                 horizon = summary(r)["wall"]
                 diffs.append(t_g - (t_s if t_s is not None else max(horizon, t_g)))
-        add(text, "SPPO §4.3, Fig. 5", "; ".join(per) or "no common seed",
-            verdict_greater(diffs) if diffs else (NOT_RUN, ""))
+        verdict = verdict_greater(diffs) if diffs else (NOT_RUN, "")
+        if unequal and diffs:
+            verdict = (UNUSABLE, "the runs did not get equal CPU, so their wall times do not compare: "
+                       + "; ".join(unequal))
+        elif unrecorded and diffs:
+            verdict = (verdict[0], verdict[1] + " (CPU sharing not recorded)")
+        add(text, "SPPO §4.3, Fig. 5", "; ".join(per) or "no common seed", verdict)
     return rows
-
-
-# ---------------------------------------------------------------------------- benchmark suite
-def benchmark_tables(by_name: dict[str, list[Run]]) -> list[str]:
-    """Paper-style tables: one per suite found in the runs' evals.json (see nemo_granular.evals)."""
-    from ..evals.results import select_checkpoint
-
-    suites: dict[str, dict] = {}
-    for name, runs in by_name.items():
-        for run in runs:
-            for suite, res in ((run.evals or {}).get("suites") or {}).items():
-                suites.setdefault(suite, {"spec": res, "rows": {}})["rows"].setdefault(name, []).append((run, res))
-    from ..evals.suite import PROTOCOLS
-
-    order = list(PROTOCOLS)
-    lines = []
-    for suite, entry in sorted(suites.items(), key=lambda kv: (order.index(kv[0]) if kv[0] in order else 99, kv[0])):
-        spec = entry["spec"]
-        benches = list(spec.get("benchmarks", {}))
-        proto = spec.get("protocol", {})
-        lines += [f"### Suite `{suite}`: {proto.get('description', '')}", ""]
-        lines.append("| benchmark | problems | samples/problem | decoding | metric |")
-        lines.append("|---|---|---|---|---|")
-        for b in benches:
-            info = spec["benchmarks"][b]
-            lines.append(f"| {info.get('label', b)} | {info.get('problems', '?')} | {info.get('samples_per_problem', '?')} "
-                         f"| {info.get('decoding', '?')} | {info.get('metric', 'mean accuracy over samples')} |")
-        select = proto.get("select", "last")
-        lines += ["", f"Checkpoint reported: **{'the best by suite average' if select == 'best' else 'the last'}** "
-                  f"({proto.get('select_note', '')}). Cells: mean ± sd over seeds (1 seed: no spread).", "",
-                  "| algorithm | seeds | " + " | ".join(spec["benchmarks"][b].get("label", b) for b in benches)
-                  + " | average | checkpoint step(s) |",
-                  "|---|---|" + "---|" * (len(benches) + 2)]
-        # the policy every run of a seed started from (embedded: the warm start), as the papers' base row
-        base = {}
-        for items in entry["rows"].values():
-            for run, res in items:
-                scores = res.get("checkpoints", {}).get("0")
-                if scores and all(b in scores for b in benches):
-                    base.setdefault(run.seed, scores)
-        if base:
-            vals = list(base.values())
-            cells = [_stat([v[b] for v in vals]) for b in benches]
-            avg = _stat([sum(v[b] for b in benches) / len(benches) for v in vals])
-            lines.append(f"| start (step 0) | {len(vals)} | " + " | ".join(cells) + f" | {avg} | 0 |")
-        for name, items in entry["rows"].items():
-            picked = [select_checkpoint(res, select) for _, res in items]
-            picked = [(p, run) for p, (run, _) in zip(picked, items) if p is not None]
-            if not picked:
-                lines.append(f"| {name} | 0 | " + " | ".join("n/a" for _ in benches) + " | n/a | none evaluated |")
-                continue
-            cells = [_stat([p[1].get(b, float("nan")) for p, _ in picked]) for b in benches]
-            avg = _stat([p[2] for p, _ in picked])
-            steps = ", ".join(f"{p[0]}" for p, _ in picked)
-            lines.append(f"| {name} | {len(picked)} | " + " | ".join(cells) + f" | {avg} | {steps} |")
-        lines.append("")
-    return lines
 
 
 # ---------------------------------------------------------------------------- the report
@@ -377,12 +340,17 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
               "Verdict rule: the noise threshold is the seed-to-seed spread (sample sd over seeds of the per-seed "
               "paired difference, or of the value for a threshold claim). An effect within it is "
               f"**{INCONCLUSIVE}**; **{HOLDS}** / **{FAILS}** need the effect beyond it. One seed gives no "
-              "spread: every verdict is inconclusive and only the direction is shown.", "",
+              "spread: a comparison is then inconclusive and only its direction is shown, while a threshold "
+              "claim (one quantity against a fixed bound) is judged against the run's own step-to-step "
+              "spread.", "",
               "| claim | paper | measured | verdict | effect vs noise |", "|---|---|---|---|---|",
               *claims(by_name), "",
               "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL wall times "
-              "exclude validation; runs that share a busy machine are slowed unevenly, so wall-time verdicts are "
-              "only as good as the machine was quiet. The SPPO wall-time claim is given at equal samples and at "
+              "exclude validation. Runs that share a machine unequally (one trains beside another, one alone; "
+              f"another job takes CPU from one) are slowed unequally: a wall-time verdict is **{UNUSABLE}** "
+              "when the runs of a seed differ by more than a quarter of a run in the other runs training "
+              "alongside them, or by more than 10 % in CPU seconds per wall second (both recorded by the "
+              "embedded trainer per step; not recorded for NeMo-RL runs). The SPPO wall-time claim is given at equal samples and at "
               "equal prompts per step when both were run; the paper's speed-up is the equal-prompts one (N = 1). "
               "A run that never reaches the target counts as reaching it at the end of its RL time (censored): "
               "when that is earlier than GRPO's time the seed cannot tell either way.",

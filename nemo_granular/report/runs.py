@@ -28,6 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..rundir import detect, event_files
+from ..rundir import read_yaml as _read_yaml
+
 # canonical key <- NeMo-RL TensorBoard tags, first present wins
 NEMO_RL_METRICS = {
     "train/reward": ("train/reward",),
@@ -77,16 +80,6 @@ def _first(cfg: dict, *keys, default=None):
         if v is not None:
             return v
     return default
-
-
-def _read_yaml(path: Path) -> dict:
-    import yaml
-
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _failure_hint(run: Path) -> str | None:
@@ -173,10 +166,6 @@ def _check_complete(out: Run, planned, unreadable: int = 0) -> None:
 
 
 # ---------------------------------------------------------------------------- NeMo-RL
-def event_files(run: Path) -> list[Path]:
-    return sorted(run.rglob("events.out.tfevents.*"))
-
-
 def read_scalars(run: Path) -> dict[str, dict[int, tuple[float, float]]]:
     """tag → step → (event wall time, value) from every TensorBoard event file under ``run``;
     for a step written twice (a resumed job) the later write wins. A file cut short by a kill is
@@ -287,17 +276,6 @@ def nemo_rl_records(tags: dict, samples_per_step: int | None) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------- entry
-def detect(run: Path) -> str:
-    if (run / "metrics.jsonl").is_file():
-        return "embedded"
-    cfg = _read_yaml(run / "config.yaml") if (run / "config.yaml").is_file() else {}
-    if "rl" in cfg and "policy" not in cfg:
-        return "embedded"
-    if event_files(run) or "policy" in cfg or (run / "checkpoints").is_dir() or (run / "logs").is_dir():
-        return "nemo-rl"
-    return "unknown"
-
-
 def load_run(path) -> Run:
     """The run in ``path`` (embedded or NeMo-RL), with status and problem; evals attached
     from ``<run>/evals.json`` when present."""

@@ -4,7 +4,9 @@ The noise threshold of a comparison is the seed-to-seed spread: the sample stand
 (ddof=1) over seeds of the per-seed quantity (for a paired comparison of two algorithms, of the
 per-seed DIFFERENCE, the runs of one seed sharing warm start and prompts). A measured effect no
 larger than that spread is "inconclusive"; with one seed there is no spread to compare with,
-so every verdict is "inconclusive (1 seed)" and the measured direction is shown alone.
+so a comparison is "inconclusive (1 seed)" and the measured direction is shown alone. An absolute
+claim (one quantity against a fixed threshold) is judged on one seed against the run's own
+step-to-step spread (:func:`verdict_below`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import numpy as np
 
 HOLDS, FAILS, INCONCLUSIVE, NOT_RUN = "holds", "does NOT hold", "inconclusive", "n/a (not run)"
+UNUSABLE = "unusable (unequal CPU)"  # a wall-time claim whose runs did not get the same CPU (report/cpu.py)
 
 
 def moving_average(y, window: int) -> np.ndarray:
@@ -77,14 +80,27 @@ def verdict_greater(diffs) -> tuple[str, str]:
     return INCONCLUSIVE, note + " (|Δ| ≤ sd)"
 
 
-def verdict_below(values, threshold: float) -> tuple[str, str]:
+def verdict_below(values, threshold: float, within=None) -> tuple[str, str]:
     """Claim "value < threshold" from per-seed values: holds when mean + sd < threshold, does
-    NOT hold when mean − sd > threshold, else inconclusive."""
+    NOT hold when mean − sd > threshold, else inconclusive.
+
+    An absolute claim (one number against a fixed threshold, unlike a comparison of two runs) can be
+    judged on one seed: ``within`` = that run's per-step values, whose step-to-step sd then stands in
+    for the seed-to-seed sd (it is the larger of the two for a mean over many steps: conservative)."""
     mu, sd, n = mean_sd(values)
     if n == 0:
         return NOT_RUN, ""
     if sd is None:
-        return f"{INCONCLUSIVE} (1 seed)", f"{mu:.3g} in the one seed (threshold {threshold:g})"
+        _, step_sd, steps = mean_sd(within or [])
+        if step_sd is None:
+            return f"{INCONCLUSIVE} (1 seed)", f"{mu:.3g} in the one seed (threshold {threshold:g})"
+        note = (f"{mu:.3g} (1 seed); noise: the run's step-to-step sd {step_sd:.3g} over {steps} steps "
+                f"(threshold {threshold:g})")
+        if mu + step_sd < threshold:
+            return HOLDS, note
+        if mu - step_sd > threshold:
+            return FAILS, note
+        return f"{INCONCLUSIVE} (1 seed)", note + " (threshold within the spread)"
     note = f"{mu:.3g} ± {sd:.3g} over {n} seeds (threshold {threshold:g})"
     if mu + sd < threshold:
         return HOLDS, note

@@ -4,7 +4,8 @@ Every run of a seed starts from the SAME warm-started policy, sees the same prom
 data stream is a function of (seed, step)) and the same sample budget per step (SPPO: one
 sample for each of G× more prompts). Runs are separate processes (``nemo-granular train``),
 ``jobs`` at a time, one torch thread each; their output is echoed line by line with a
-``[run]`` prefix and kept in each run's ``train.log``. Warm starts are cached under
+``[run]`` prefix on stderr (progress) and kept in each run's ``train.log``; the summary (every run's
+held-out accuracy, the report's path) goes to stdout. Warm starts are cached under
 ``<out>/warmstart/seed<S>-<key>``, the key a hash of everything that determines the policy
 (:func:`warmstart.warmstart_key`), so a changed override never reuses a stale one.
 After training, every run's checkpoints are evaluated on the benchmark suite
@@ -16,15 +17,16 @@ NeMo-RL run directories: ``compare --from-runs``, used by ``slurm/submit_compari
 from __future__ import annotations
 
 import json
-import math
 import os
+import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser, check_writable_dir
 
 SMOKE = ["warmstart.max_steps=150", "rl.steps=10", "rl.prompts_per_step=8", "rl.generations_per_prompt=4",
          "rl.minibatches_per_rollout=2", "rl.eval_every=5", "logger.log_every=5"]
@@ -44,7 +46,10 @@ def available_algorithms(config_dir: Path) -> list[str]:
 
 
 def _train(config: Path, args: list[str], log: Path, label: str, append: bool = False) -> None:
-    """``nemo-granular train`` in a child process; its output goes to ``log`` and, prefixed, to stderr."""
+    """``nemo-granular train`` in a child process; its output goes to ``log`` and, prefixed, to stderr
+    (all but its own ``resume with:`` line: a comparison continues with ``compare --resume``)."""
+    from .embedded.cli import RESUME_HINT
+
     cmd = [sys.executable, "-m", "nemo_granular", "train", "--config", str(config), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
     last = ""
@@ -54,7 +59,8 @@ def _train(config: Path, args: list[str], log: Path, label: str, append: bool = 
             fh.write(line)
             fh.flush()
             last = line.strip() or last
-            print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
+            if not line.startswith(RESUME_HINT):
+                print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
         rc = proc.wait()
     if rc in (130, 99):
         raise CompareInterrupted(f"run {label} stopped (exit {rc}) after saving a checkpoint")
@@ -87,7 +93,7 @@ def _run_all(jobs: int, calls: list) -> None:
 
 def _cached_warmstart(d: Path, key: str) -> Path | None:
     """The policy of a complete warm start with this key in ``d``, or None."""
-    from .checkpoint import CheckpointError, find_resumable
+    from .embedded.checkpoint import CheckpointError, find_resumable
 
     try:
         if json.loads((d / "key.json").read_text()).get("key") != key:
@@ -113,8 +119,8 @@ def _accuracies(run: Path) -> tuple[float | None, float | None]:
 def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> None:
     """``nemo-granular eval-checkpoints`` on one finished run (output in ``<run>/evals.log``); skipped
     when ``evals.json`` already holds every suite with the run's newest checkpoint (``--resume``)."""
-    from ..evals.suite import protocols_for
-    from .checkpoint import STEP_RE, step_dirs
+    from .evals.suite import protocols_for
+    from .embedded.checkpoint import STEP_RE, step_dirs
 
     done = run / "evals.json"
     newest = step_dirs(run / "checkpoints")
@@ -141,9 +147,9 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
             jobs: int | None = None, smoke: bool = False, overrides: list[str] | None = None,
             force: bool = False, resume: bool = False, suite: str | None = "all",
             eval_max_samples: int | None = 8) -> Path:
-    from .checkpoint import step_dirs
-    from .config import load_train_config
-    from .warmstart import warmstart_key
+    from .embedded.checkpoint import step_dirs
+    from .embedded.config import load_train_config
+    from .embedded.warmstart import warmstart_key
 
     # 1. every argument and every run's config checked before anything is written or run
     if not config_dir.is_dir():
@@ -160,6 +166,7 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
     if steps is not None and steps < 0:
         raise ValueError(f"--steps must be >= 0, got {steps}")
+    check_writable_dir(out, "--out")
     jobs = jobs or max(1, min(2, os.cpu_count() or 1))
     extra = (SMOKE if smoke else []) + list(overrides or [])
     if steps is not None:
@@ -252,13 +259,80 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
               "total wall (s)": total, "jobs": jobs}
     if cache_notes:
         timing["warm-start cache key"] = "; ".join(cache_notes)
+    from .report import report_from_runs
+
     report = report_from_runs([item["run"] for item in plan], out, timing=timing)
     for item in plan:
         acc0, acc = _accuracies(item["run"])
         shown = "n/a" if acc is None else f"{acc0:.3f} → {acc:.3f}"
-        print(f"{item['alg']} seed {item['seed']}: held-out accuracy {shown} ({item['run']})", file=sys.stderr)
+        print(f"{item['alg']} seed {item['seed']}: held-out accuracy {shown} ({item['run']})", flush=True)
     return report
 
 
-# the report lives in nemo_granular.report (also reads NeMo-RL run directories); kept importable here
-from ..report import report_from_runs  # noqa: E402,F401
+# ---------------------------------------------------------------------------- the command
+def _algorithm_list(text: str) -> list[str]:
+    names = []
+    for name in (a.strip() for a in text.split(",")):
+        if name and name not in names:
+            names.append(name)
+    return names
+
+
+def main(argv: list[str]) -> int:
+    """``nemo-granular compare``."""
+    from .embedded.config import LOCAL_CONFIGS
+
+    ap = ArgumentParser(prog="nemo-granular compare",
+                        description="Run algorithms side by side (same data, seed and sample budget) "
+                                    "and write report.md with plots.")
+    ap.add_argument("--algorithms", default="grpo,gspo,sspo,espo,sppo",
+                    help="comma-separated config names from --config-dir")
+    ap.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1)")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
+    ap.add_argument("--out", default="outputs/compare")
+    ap.add_argument("--config-dir", default=str(LOCAL_CONFIGS), help="where <algorithm>.yaml live")
+    ap.add_argument("--jobs", type=int, default=None, help="parallel runs (default: number of cores, max 2)")
+    ap.add_argument("--smoke", action="store_true", help="tiny budget (CI): smoke.yaml settings for every run")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--force", action="store_true", help="redo a comparison whose --out already holds one")
+    mode.add_argument("--resume", action="store_true",
+                      help="continue an interrupted comparison in --out (runs resume from their checkpoints)")
+    ap.add_argument("--from-runs", nargs="+", default=None, metavar="RUN_DIR",
+                    help="only build the report from finished run directories")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    args = ap.parse_args(argv)
+    from .report import report_from_runs
+
+    if args.from_runs:
+        if args.resume:
+            raise ValueError("--resume continues a comparison's runs; --from-runs only builds a report")
+        runs = [Path(p) for p in args.from_runs]
+        for run in runs:   # embedded (metrics.jsonl) or NeMo-RL (TensorBoard events) run directories
+            if not run.is_dir():
+                raise FileNotFoundError(f"--from-runs {run}: no such directory")
+        check_writable_dir(args.out, "--out")
+        if (Path(args.out) / "report.md").exists() and not args.force:
+            raise FileExistsError(f"--out {args.out} already holds a report.md: add --force to replace it, "
+                                  "or choose another --out")
+        created = not Path(args.out).exists()
+        try:
+            report = report_from_runs(runs, Path(args.out))
+        except BaseException:
+            if created:  # leave no empty --out behind when no report could be built
+                shutil.rmtree(args.out, ignore_errors=True)
+            raise
+    else:
+        try:
+            report = compare(algorithms=_algorithm_list(args.algorithms), seeds=args.seeds, steps=args.steps,
+                             out=Path(args.out), config_dir=Path(args.config_dir), jobs=args.jobs,
+                             smoke=args.smoke, overrides=args.overrides, force=args.force, resume=args.resume)
+        except CompareInterrupted as err:
+            again = [a for a in argv if a not in ("--force", "--resume")] + ["--resume"]
+            print(f"nemo-granular compare: {err}; continue with: nemo-granular compare {shlex.join(again)}",
+                  file=sys.stderr)
+            return INTERRUPTED_EXIT_CODE
+        except RunFailed as err:
+            print(f"nemo-granular compare: error: {err}", file=sys.stderr)
+            return 1
+    print(f"report: {report}")
+    return 0

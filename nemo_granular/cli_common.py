@@ -1,0 +1,48 @@
+"""What every ``nemo-granular`` command shares: argparse with one-line errors, the exit codes, and
+the check that an output directory can be written before any work starts.
+
+A leaf module (it imports nothing else of the package): the commands import it, never the
+dispatcher ``nemo_granular.cli`` above them (tests/test_layering.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+INTERRUPTED_EXIT_CODE = 130
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block) and exit code 2; no abbreviated options."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def check_writable_dir(path: str | Path, option: str) -> None:
+    """Refuse, in one line naming ``option``, an output directory that cannot be created or written:
+    a file (or a path under one), a read-only file system, a folder without write permission.
+
+    Only reads: the nearest existing ancestor decides whether the missing folders can be created.
+    """
+    path = Path(path)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is under {existing}, which is a file"
+        raise NotADirectoryError(f"{option} {path}: {where}, not a directory")
+    try:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        raise PermissionError(f"{option} {path}: {existing} is on a read-only file system")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"{option} {path}: no permission to write in {existing}")

@@ -1,0 +1,87 @@
+"""What a new user reads before anything runs: the shell scripts they run pass shellcheck, both
+NeMo-RL launchers explain their overrides the same way, the install story is one story (the
+README, docs/nemo-rl.md §1–§2 and the launchers' missing-NeMo-RL messages), and the README says
+how long the full demo takes."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import env_without_nemo_rl
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALL = "uv pip install --no-deps -e"
+OVERRIDES = "Unknown arguments are Hydra overrides (a.b=v, +a.b=v, ++a.b=v, ~a.b)"
+
+
+def _shellcheck() -> str | None:
+    """shellcheck's path; installed with apt-get when missing and root (as tests/test_slurm.py does)."""
+    if shutil.which("shellcheck") is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "shellcheck"], env=env,
+                       capture_output=True)
+    return shutil.which("shellcheck")
+
+
+def test_scripts_pass_shellcheck():
+    exe = _shellcheck()
+    if exe is None:
+        pytest.skip("shellcheck missing (not root, or apt-get cannot install it)")
+    scripts = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "scripts").glob("*.sh"))
+    assert "scripts/nemo_rl_env.sh" in scripts and len(scripts) >= 4, scripts
+    r = subprocess.run([exe, "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("launcher", ["run_grpo", "run_sppo"])
+def test_both_launchers_help_explains_the_overrides(launcher):
+    r = subprocess.run([sys.executable, "-m", f"nemo_granular.{launcher}", "--help"], capture_output=True,
+                       text=True, env=env_without_nemo_rl(), cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert OVERRIDES in text, text
+    assert "[key=value ...]" in text.split("options:")[0], text  # in the usage line itself
+
+
+@pytest.mark.parametrize("launcher", ["run_grpo", "run_sppo"])
+def test_missing_nemo_rl_message_tells_the_install_story(launcher, tmp_path):
+    cfg = tmp_path / "x.yaml"
+    cfg.write_text("grpo: {}\n")
+    r = subprocess.run([sys.executable, "-m", f"nemo_granular.{launcher}", "--config", str(cfg)],
+                       capture_output=True, text=True, env=env_without_nemo_rl(), cwd=tmp_path, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "nemo_rl" in lines[0] and INSTALL in lines[0] and "docs/nemo-rl.md" in lines[0], lines[0]
+    assert "PYTHONPATH" not in lines[0], lines[0]  # the documented story installs the package
+
+
+def _section(text: str, number: int) -> str:
+    return text.split(f"\n## {number}. ")[1].split("\n## ")[0]
+
+
+def test_nemo_rl_doc_tells_the_install_story_of_the_readme():
+    """§1's set-up installs the package (driver and CLI) and exports the checkout once for NeMo-RL's Ray
+    workers; §2's launches follow §1 instead of telling a second, PYTHONPATH-only story."""
+    doc = (ROOT / "docs" / "nemo-rl.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    s1, s2 = _section(doc, 1), _section(doc, 2)
+    setup = s1.split("```bash")[1].split("```")[0]
+    assert INSTALL in setup and "export PYTHONPATH=" in setup, setup
+    launches = [b.split("```")[0] for b in s2.split("```bash")[1:]]
+    assert launches and all("nemo_granular.run_" in b and "PYTHONPATH" not in b for b in launches), launches
+    assert INSTALL in readme and "PYTHONPATH" in readme.split("## Using it")[0]  # the README says what it is for
+
+
+def test_readme_says_how_long_the_full_demo_takes():
+    quick = (ROOT / "README.md").read_text().split("## Using it")[0]
+    said = re.search(r"full demo[^.]*?(\d+)\s*[–-]\s*(\d+)\s*min", quick)
+    assert said, "README's quick start gives no duration for the full demo"
+    assert int(said.group(1)) < int(said.group(2))
