@@ -11,7 +11,7 @@ loss_fn:                     # NeMo-RL's own keys keep their meaning
     entropy_top_fraction: 0.2
     clip: sspo_entropy       # fixed | sspo_entropy | espo_entropy
     sspo: {alpha: 0.0, beta: 0.8, gamma: 1.75}
-    espo: {alpha: 1.0, vocab_size: null}
+    espo: {alpha: auto, vocab_size: null}   # auto: 3.5e-4·log|V|/H̄₀ from the first rollout
     aggregation: seq_mean_token_mean
 grpo:
   adv_estimator: {name: espo}
@@ -93,9 +93,13 @@ class SSPOClipConfig(_Strict):
 
 
 class ESPOClipConfig(_Strict):
-    """ESPO §3.4: ε = α · mean_group(H / log|V|); |V| = vocab_size (null: taken from the model)."""
+    """ESPO §3.4: ε = α · mean_group(H / log|V|); |V| = vocab_size (null: taken from the model).
 
-    alpha: NonNegativeFloat = 1.0
+    ``alpha: auto`` is the project's rule α = 3.5e-4·log|V|/H̄₀ (docs/algorithms/espo.md), H̄₀
+    the mean π_old entropy of the first rollout: the trainers set it from their first π_old pass
+    and keep it in the checkpoint."""
+
+    alpha: Union[NonNegativeFloat, Literal["auto"]] = 1.0
     vocab_size: Optional[Annotated[int, Field(ge=2)]] = None
 
 
@@ -144,7 +148,7 @@ class GranularConfig(_Strict):
             object.__setattr__(self, "eps_low", preset["eps"][0])
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", preset["eps"][1])
-        if self.clip == "espo_entropy" and self.espo.alpha == 0:
+        if self.clip == "espo_entropy" and self.espo.alpha != "auto" and self.espo.alpha == 0:
             raise ValueError("loss_fn.granular.espo.alpha: 0 freezes the policy (every ratio clipped at 1)")
         return self
 
@@ -235,7 +239,8 @@ class PolicyLossConfig(BaseModel):
         if wanted is not None:
             if "surrogate" in g.model_fields_set and g.surrogate != wanted:
                 key = "use_cispo" if self.use_cispo else "disable_ppo_ratio"
-                raise ValueError(f"loss_fn.{key}: true contradicts granular.surrogate {g.surrogate!r}; drop one of the two")
+                raise ValueError(f"loss_fn.{key}: true contradicts granular.surrogate {g.surrogate!r}; "
+                                 "drop one of the two")
             object.__setattr__(g, "surrogate", wanted)
         if self.force_on_policy_ratio and g.surrogate == "reinforce":  # the preset's: as above
             object.__setattr__(g, "surrogate", "clipped")
@@ -445,7 +450,8 @@ NEMO_RL_ESTIMATOR_KEYS: dict[str, tuple[str, Any, str, str]] = {
              "every other name is NeMo-RL's own estimator"),
     "normalize_rewards": ("bool", True, "NeMo-RL", "divide by the group's std (+1e-6) where it is > 0"),
     "use_leave_one_out_baseline": ("bool", True, "NeMo-RL", "RLOO baseline: mean and std of the other responses"),
-    "reward_weights": ("list[float] | None", None, "NeMo-RL", "GDPO's; not read by `grpo` / `espo` (nor by NeMo-RL's grpo)"),
+    "reward_weights": ("list[float] | None", None, "NeMo-RL",
+                       "GDPO's; not read by `grpo` / `espo` (nor by NeMo-RL's grpo)"),
     "minus_baseline": ("bool", True, "NeMo-RL", "Reinforce++'s; not read by `grpo` / `espo` (nor by NeMo-RL's grpo)"),
 }
 

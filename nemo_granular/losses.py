@@ -22,7 +22,8 @@ import torch
 from .config import PolicyLossConfig, parse_policy_loss_config
 from .core.advantages import first_response_index, sppo_critic_bce
 from .core.aggregation import safe_divide
-from .core.clipping import espo_entropy_clip_bounds, sspo_entropy_clip_bounds
+from .core.clipping import (ESPO_AUTO_TARGET_EPS, calibrate_espo_alpha, espo_entropy_clip_bounds,
+                            sspo_entropy_clip_bounds)
 from .core.fused import (LinearizedLoss, RowIndex, compute_dtype, finite_valid, indicator, masked_values,
                          substitute_nonfinite)
 from .core.groups import build_delimiter_table, group_ids_for
@@ -182,6 +183,31 @@ class GranularPolicyLoss:
         """Build the delimiter lookup table (segment granularity) once from ``tokenizer``."""
         self.delimiter_table = build_delimiter_table(tokenizer, self.granular.segment_delimiters, vocab_size)
 
+    # ------------------------------------------------------------------ ESPO's α: auto
+    @property
+    def espo_alpha_pending(self) -> bool:
+        """``espo.alpha: auto`` with the `espo_entropy` clip, not set yet from a π_old pass."""
+        return self.granular.clip == "espo_entropy" and self.granular.espo.alpha == "auto"
+
+    def calibrate_espo_alpha(self, prev_entropy: torch.Tensor, mask: torch.Tensor,
+                             target_eps: float = ESPO_AUTO_TARGET_EPS) -> float:
+        """Set α = target_eps·log|V|/H̄₀ (docs/algorithms/espo.md), H̄₀ the mean of the π_old entropy
+        ``prev_entropy`` over the valid response tokens ``mask`` (same shape), and return it."""
+        ent = prev_entropy.detach()
+        valid = (mask.detach().to(ent.device) > 0) & torch.isfinite(ent)
+        if not bool(valid.any()):
+            raise ValueError("loss_fn.granular.espo.alpha: auto needs a rollout with response tokens to set α")
+        if self.vocab_size is None:
+            raise ValueError("loss_fn.granular.espo.vocab_size is unset and no model vocabulary size was given")
+        mean_h = ent[valid].mean().item()
+        alpha = calibrate_espo_alpha(mean_h, self.vocab_size, target_eps)
+        self.set_espo_alpha(alpha)
+        return alpha
+
+    def set_espo_alpha(self, alpha: float) -> None:
+        """Use ``alpha`` (a resumed run restores the α of its first rollout)."""
+        self.granular.espo.alpha = float(alpha)
+
     def __call__(self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs,
                  global_valid_toks, **kwargs) -> tuple[torch.Tensor, dict]:
         cfg, g = self.cfg, self.granular
@@ -263,6 +289,9 @@ class GranularPolicyLoss:
             return sspo_entropy_clip_bounds(mean_entropy, g.sspo.alpha, g.sspo.beta, g.sspo.gamma)
         if self.vocab_size is None:
             raise ValueError("loss_fn.granular.espo.vocab_size is unset and no model vocabulary size was given")
+        if self.espo_alpha_pending:
+            raise ValueError("loss_fn.granular.espo.alpha is 'auto' but no π_old pass has set it: call "
+                             "GranularPolicyLoss.calibrate_espo_alpha on the first rollout (the trainers do)")
         return espo_entropy_clip_bounds(mean_entropy, g.espo.alpha, self.vocab_size)
 
     def _importance_weights(self, b: PolicyBatch, index, metrics) -> torch.Tensor:

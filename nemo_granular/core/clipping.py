@@ -14,7 +14,11 @@ __all__ = [
     "cispo_surrogate",
     "reinforce_surrogate",
     "calibrate_espo_alpha",
+    "ESPO_AUTO_TARGET_EPS",
 ]
+
+# `espo.alpha: auto`: the mean ε of the first rollout is the middle of GSPO's 3e-4 / 4e-4 (math.md §3)
+ESPO_AUTO_TARGET_EPS = 3.5e-4
 
 
 def fixed_clip_bounds(like: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
