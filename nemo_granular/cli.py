@@ -18,6 +18,7 @@ COMMANDS = {
     "export": ("nemo_granular.export.cli", "main", "export a checkpoint to Hugging Face format"),
     "eval-checkpoints": ("nemo_granular.evals.cli", "main",
                          "evaluate every checkpoint of runs on a paper benchmark suite (evals.json)"),
+    "preflight": ("nemo_granular.preflight.cli", "main", "check a run_grpo/run_sppo config offline, print the plan"),
 }
 INTERRUPTED_EXIT_CODE = 130
 

@@ -188,6 +188,9 @@ def _missing_nemo_rl() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body needs NeMo-RL and GPUs
+    from .nemo_rl.time_limit import StopWatch, install_stop_signal
+
+    install_stop_signal()   # first: SIGUSR1 (slurm/launch.sh's "save and stop") must never kill the driver
     args, overrides = parse_args(argv)
     missing = _missing_nemo_rl()
     if missing is not None:
@@ -251,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
         master_config, tokenizer, dataset, val_dataset, policy_factory=factory)
 
     logger = EstimatorMetricsLogger(logger)
+    watch = StopWatch(sys.modules["nemo_rl.algorithms.grpo"]).start()   # NeMo-RL's time limit, SIGUSR1
     try:
         if master_config.grpo.async_grpo.enabled:
             from nemo_rl.algorithms.grpo import async_grpo_train
@@ -266,12 +270,15 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
                 grpo_train(policy, policy_generation, dataloader, val_dataloader, tokenizer, loss_fn, task_to_env,
                            val_task_to_env, logger, checkpointer, grpo_state, master_config)
     finally:
+        watch.stop()
         shutdown_environments(task_to_env, val_task_to_env)
         try:
             policy_generation.shutdown()
         except Exception as err:  # noqa: BLE001
             print(f"error shutting down generation: {err}", file=sys.stderr)
-    return 0
+    # 99 when NeMo-RL stopped at its time limit (or after SIGUSR1) before the end: slurm/launch.sh requeues
+    return watch.exit_code(grpo_state, master_config.grpo, master_config.checkpointing,
+                           None if master_config.grpo.async_grpo.enabled else dataloader)
 
 
 if __name__ == "__main__":

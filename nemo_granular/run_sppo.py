@@ -145,6 +145,9 @@ def _startup(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .nemo_rl.time_limit import StopWatch, install_stop_signal
+
+    install_stop_signal()   # first: SIGUSR1 (slurm/launch.sh's "save and stop") must never kill the driver
     try:
         nr, args, config, opts = _startup(argv)
     except (MissingDependencyError, ValueError, FileNotFoundError) as err:
@@ -183,10 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                 start_step=int(ppo_state["total_steps"]), diagnostics_prefix=opts.diagnostics_prefix)
         train = nr.ppo.async_ppo_train if config.ppo.async_ppo.enabled else nr.ppo.ppo_train
         print(f"🚀 Running SPPO ({'async' if config.ppo.async_ppo.enabled else 'sync'} PPO loop)", flush=True)
-        with checkpointer:
+        with checkpointer, StopWatch(nr.ppo) as watch:   # NeMo-RL's time limit, SIGUSR1
             train(policy, policy_generation, value_model, dataloader, val_dataloader, tokenizer, loss_fn,
                   value_loss_fn, task_to_env, val_task_to_env, logger, checkpointer, ppo_state, master_config)
-    return 0
+    # 99 when NeMo-RL stopped at its time limit (or after SIGUSR1) before the end: slurm/launch.sh requeues
+    return watch.exit_code(ppo_state, master_config.ppo, master_config.checkpointing,
+                           None if config.ppo.async_ppo.enabled else dataloader)
 
 
 if __name__ == "__main__":

@@ -16,17 +16,23 @@
 # (or COMMAND="..." instead of arguments). Submit from any directory: the driver runs in WORKDIR
 # (default: the submit directory), so relative config paths mean what they meant where you typed
 # sbatch. Full reference: docs/slurm.md. What it does:
+#   0. for `run_grpo` / `run_sppo`: `nemo-granular preflight` on the final command line (PREFLIGHT=0
+#      skips it), so a config NeMo-RL would reject fails the job before any node starts Ray;
 #   1. a Ray head on the first node and one Ray worker per other node (srun steps), each with the
-#      node's CPUs and GPUs (GPU count from the node's GRES), inside CONTAINER (pyxis) or VENV;
+#      node's CPUs and GPUs (GPU count from the node's GRES), inside CONTAINER (pyxis; the head's
+#      steps share the named container `ray-head`, as in NeMo-RL's ray.sub) or VENV, with one Ray
+#      token-auth mode and token for every Ray process, ray.sub's fixed ports and `ulimit -n`;
 #   2. waits until every node has joined (`ray.nodes()` count printed and saved), then runs the
 #      driver on the head node with RAY_ADDRESS set;
 #   3. watches Ray and every srun step: a lost node, a dead Ray step or a dead driver fails the job
 #      within seconds with one clear ERROR line (no hang);
 #   4. USR1 (sent by Slurm --signal=B:USR1@300 before the time limit, or by
 #      `scancel --signal=USR1 --batch JOBID`) is forwarded to the driver, which saves a checkpoint
-#      and exits 99; the launcher then requeues the job, and the requeued job resumes.
+#      and exits 99; the launcher then requeues the job, and the requeued job resumes. A driver
+#      that stops early by itself with exit 99 (run_grpo/run_sppo at NeMo-RL's time limit,
+#      checkpointing.checkpoint_must_save_by) is requeued the same way.
 # Logs: $BASE_LOG_DIR/<job name>-<job id>/ (launcher.log, ray-head.log, ray-worker-<node>.log,
-# driver.log, watch.log, ray_nodes.json, status.json), appended across requeues.
+# driver.log, watch.log, preflight.log, ray_nodes.json, status.json), appended across requeues.
 set -euo pipefail
 
 # ------------------------------------------------------------------ settings (environment) ------
@@ -38,7 +44,20 @@ VENV=${VENV:-}                      # virtual environment activated on every nod
 SETUP_COMMAND=${SETUP_COMMAND:-}    # shell run on every node before Ray starts
 GPUS_PER_NODE=${GPUS_PER_NODE:-}    # default: the node's GRES gpu count (0 without GRES)
 CPUS_PER_NODE=${CPUS_PER_NODE:-}    # CPUs each Ray node advertises; default: Slurm's CPUs on the node
-RAY_PORT=${RAY_PORT:-6379}
+# Ray's ports as NeMo-RL's ray.sub pins them, all below 9000: the kernel hands out ephemeral source
+# ports from 9000 up on some clusters, and a Ray port picked at random can collide with one
+RAY_PORT=${RAY_PORT:-1200}          # GCS of the head
+RAY_CLIENT_SERVER_PORT=${RAY_CLIENT_SERVER_PORT:-1201}
+NODE_MANAGER_PORT=${NODE_MANAGER_PORT:-1301}
+OBJECT_MANAGER_PORT=${OBJECT_MANAGER_PORT:-1303}
+RUNTIME_ENV_AGENT_PORT=${RUNTIME_ENV_AGENT_PORT:-1305}
+DASHBOARD_AGENT_GRPC_PORT=${DASHBOARD_AGENT_GRPC_PORT:-1307}
+METRICS_EXPORT_PORT=${METRICS_EXPORT_PORT:-1309}
+DASHBOARD_AGENT_LISTEN_PORT=${DASHBOARD_AGENT_LISTEN_PORT:-1311}
+MIN_WORKER_PORT=${MIN_WORKER_PORT:-2000}
+MAX_WORKER_PORT=${MAX_WORKER_PORT:-2999}
+NOFILE_LIMIT=${NOFILE_LIMIT:-65535} # soft `ulimit -n` on every node (Ray's large-cluster advice, as ray.sub)
+UV_CACHE_DIR_OVERRIDE=${UV_CACHE_DIR_OVERRIDE:-}  # CONTAINER: a shared uv cache, mounted at /root/.cache/uv
 RAY_TMP_BASE=${RAY_TMP_BASE:-/tmp}  # Ray's --temp-dir is $RAY_TMP_BASE/rayng<jobid>_<node>
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
 WATCH_INTERVAL=${WATCH_INTERVAL:-5}
@@ -47,8 +66,11 @@ AUTO_RESUME=${AUTO_RESUME:-1}       # add --auto-resume to `nemo-granular train`
 CLUSTER_OVERRIDES=${CLUSTER_OVERRIDES:-1}  # add cluster.num_nodes/gpus_per_node to run_grpo/run_sppo
 MAX_RESTARTS=${MAX_RESTARTS:-20}    # stop requeueing after this many restarts
 START_RAY=${START_RAY:-auto}        # 1/0; auto: 0 only for `nemo-granular train` on one node
+PREFLIGHT=${PREFLIGHT:-1}           # 0: skip `nemo-granular preflight` before a run_grpo/run_sppo job
 PREEMPT_SIGNAL=${PREEMPT_SIGNAL:-USR1}  # what the driver receives when the job is preempted
-PREEMPT_EXIT_CODE=99                # the driver's "preempted, checkpoint saved" exit code
+DRIVER_HANDLES_PREEMPT=${DRIVER_HANDLES_PREEMPT:-auto}  # 1/0; auto: 1 for nemo-granular train, run_grpo, run_sppo
+PREEMPT_RESEND=${PREEMPT_RESEND:-10}  # seconds between repeats of PREEMPT_SIGNAL until the driver stops
+PREEMPT_EXIT_CODE=99                # the driver's "stopped early, checkpoint saved: requeue me" exit code
 
 # ------------------------------------------------------------------ helpers ---------------------
 ts() { date -u '+%Y-%m-%dT%H:%M:%SZ'; }
@@ -129,15 +151,20 @@ fail() {  # fail REASON [RC=1]  -> one clear ERROR line, exit RC (cleanup stops 
   exit "$FINAL_RC"
 }
 
-# shellcheck disable=SC2317  # run by the signal traps
-on_signal() {  # forward the preemption / time-limit signal to the driver once
-  local sig=$1
-  [[ -n "$SIGNALED" ]] && return 0
-  SIGNALED=$sig
-  log "received SIG$sig: sending SIG$PREEMPT_SIGNAL to the driver (save a checkpoint and stop)"
+NEXT_RESEND=0
+forward_preempt() {  # PREEMPT_SIGNAL to the driver step (srun hands it to every process of the step)
   if [[ -n "$DRIVER_PID" ]] && kill -0 "$DRIVER_PID" 2>/dev/null; then
-    kill "-$PREEMPT_SIGNAL" "$DRIVER_PID" 2>/dev/null || true   # srun forwards it to the task
+    kill "-$PREEMPT_SIGNAL" "$DRIVER_PID" 2>/dev/null || true
   fi
+  NEXT_RESEND=$((SECONDS + PREEMPT_RESEND))
+}
+
+# shellcheck disable=SC2317  # run by the signal traps
+on_signal() {  # forward the preemption / time-limit signal to the driver (every time it comes)
+  local sig=$1
+  [[ -n "$SIGNALED" ]] || SIGNALED=$sig
+  log "received SIG$sig: sending SIG$PREEMPT_SIGNAL to the driver (save a checkpoint and stop)"
+  forward_preempt
 }
 trap 'on_signal USR1' USR1
 trap 'on_signal TERM' TERM
@@ -147,7 +174,14 @@ trap 'on_signal INT' INT
 if (( $# > 0 )); then
   CMD=("$@")
 elif [[ -n "${COMMAND:-}" ]]; then
-  CMD=(bash -c "$COMMAND")
+  # a plain list of words is taken as the command's arguments (so the launcher can add to them and
+  # find the Python and config of a NeMo-RL driver); shell syntax (or NAME=value first) runs under bash -c
+  if [[ "$COMMAND" =~ [\;\&\|\<\>\$\`\"\'\\\(\)\*\?\#~] || "$COMMAND" =~ ^[[:space:]]*[A-Za-z_][A-Za-z0-9_]*= \
+        || "$COMMAND" == *$'\n'* ]]; then
+    CMD=(bash -c "$COMMAND")
+  else
+    read -r -a CMD <<<"$COMMAND"
+  fi
 else
   fail "no driver command: pass it after the script (sbatch slurm/launch.sh python -m ...) or set COMMAND" 2
 fi
@@ -156,11 +190,36 @@ IS_TRAIN=0; IS_NEMO_RL=0
 if [[ "$joined" =~ (nemo-granular|nemo_granular)[[:space:]]+train[[:space:]] ]]; then IS_TRAIN=1; fi
 if [[ "$joined" =~ nemo_granular\.run_(grpo|sppo) ]]; then IS_NEMO_RL=1; fi
 if [[ "$START_RAY" == auto ]]; then START_RAY=1; (( IS_TRAIN && SLURM_JOB_NUM_NODES == 1 )) && START_RAY=0; fi
+if [[ "$DRIVER_HANDLES_PREEMPT" == auto ]]; then DRIVER_HANDLES_PREEMPT=$(( IS_TRAIN || IS_NEMO_RL )); fi
+add_args() {  # add_args ARG...: append to the driver's command line (inside a bash -c string too)
+  if [[ "${CMD[0]}" == bash && "${CMD[1]:-}" == -c && ${#CMD[@]} -eq 3 ]]; then
+    CMD[2]+=$(printf ' %q' "$@")
+  else
+    CMD+=("$@")
+  fi
+}
 # `train --resume` is strict (an error without a checkpoint); --auto-resume starts fresh on the first
 # attempt and resumes on a requeued one
 if (( IS_TRAIN && AUTO_RESUME )) && [[ "$joined" != *" --resume "* && "$joined" != *" --auto-resume "* && "$joined" != *" --force "* ]]; then
-  CMD+=(--auto-resume)
+  add_args --auto-resume
 fi
+# run_grpo / run_sppo: the Python that starts them (`uv run python`, `python`, ...), their config
+# and overrides, for the preflight
+PY_PREFIX=(); PF_CONFIG=""; PF_OVERRIDES=(); PF_DRIVER=""
+for ((i = 0; i + 1 < ${#CMD[@]}; i++)); do
+  if [[ "${CMD[i]}" == -m && "${CMD[i+1]}" =~ ^nemo_granular\.run_(grpo|sppo)$ ]]; then
+    PY_PREFIX=("${CMD[@]:0:i}"); PF_DRIVER=${BASH_REMATCH[1]}
+    for ((j = i + 2; j < ${#CMD[@]}; j++)); do
+      case "${CMD[j]}" in
+        --config) PF_CONFIG=${CMD[j+1]:-}; j=$((j + 1)) ;;
+        --config=*) PF_CONFIG=${CMD[j]#--config=} ;;
+        -*) ;;
+        *=*) PF_OVERRIDES+=("${CMD[j]}") ;;
+      esac
+    done
+    break
+  fi
+done
 
 # ------------------------------------------------------------------ nodes, CPUs, GPUs -----------
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
@@ -197,7 +256,37 @@ RAY_ADDRESS_HEAD="$HEAD_IP:$RAY_PORT"
 log "nodes=${NODES[*]} head=$HEAD ($RAY_ADDRESS_HEAD) gpus_per_node=$GPUS_PER_NODE (gres='${GRES:-none}') cpus_per_node=$CPUS_PER_NODE"
 log "container=${CONTAINER:-none} venv=${VENV:-none} workdir=$WORKDIR ng_root=$NG_ROOT"
 
+# ------------------------------------------------------------------ Ray token authentication -----
+# Ray 2.60 picks the auth mode per process when RAY_AUTH_MODE is unset: `ray start --head` and
+# `ray.init()` without an address switch to token auth when ~/.ray/auth_token exists (any plain
+# `ray.init()` writes it; homes are shared across nodes), `ray start --address` and
+# `ray.init(address=...)` do not, so head and the rest disagreed (InvalidAuthToken). Decide once:
+# RAY_AUTH_MODE (default token) and one token for the job, exported to every step.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+case "$RAY_AUTH_MODE" in
+  token)
+    if [[ -n "${RAY_AUTH_TOKEN:-}" ]]; then
+      AUTH_NOTE="token from RAY_AUTH_TOKEN"
+    elif [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]]; then
+      [[ -r "$RAY_AUTH_TOKEN_PATH" ]] || fail "RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH is not a readable file" 2
+      AUTH_NOTE="token from RAY_AUTH_TOKEN_PATH=$RAY_AUTH_TOKEN_PATH"
+    else
+      # a fresh token per attempt, readable by the job's user only, on the shared log directory
+      export RAY_AUTH_TOKEN_PATH=$LOG_DIR/ray_auth_token
+      (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d ' \n' >"$RAY_AUTH_TOKEN_PATH.tmp" \
+        && mv -f "$RAY_AUTH_TOKEN_PATH.tmp" "$RAY_AUTH_TOKEN_PATH") || fail "cannot write $RAY_AUTH_TOKEN_PATH"
+      AUTH_NOTE="the job's own token in $RAY_AUTH_TOKEN_PATH"
+    fi ;;
+  disabled) AUTH_NOTE="no token" ;;
+  *) fail "RAY_AUTH_MODE=$RAY_AUTH_MODE: must be token or disabled" 2 ;;
+esac
+log "Ray auth: RAY_AUTH_MODE=$RAY_AUTH_MODE ($AUTH_NOTE)"
+
 # ------------------------------------------------------------------ per-node environment --------
+hard_nofile=$(ulimit -Hn)
+if [[ "$hard_nofile" != unlimited ]] && (( hard_nofile < NOFILE_LIMIT )); then
+  log "WARNING: the hard limit on open files is $hard_nofile < $NOFILE_LIMIT (Ray's advice for large clusters); raising the soft limit to $hard_nofile only. Ask the cluster admins if Ray runs out of file descriptors"
+fi
 NODE_ENV=$LOG_DIR/node_env.sh
 {
   echo "# generated by slurm/launch.sh for job $SLURM_JOB_ID (sourced by every step)"
@@ -207,21 +296,56 @@ NODE_ENV=$LOG_DIR/node_env.sh
   printf 'export PYTHONPATH=%q${PYTHONPATH:+:$PYTHONPATH}\n' "$NG_ROOT"
   printf 'export NG_NUM_NODES=%q NG_GPUS_PER_NODE=%q NG_LOG_DIR=%q\n' "$NNODES" "$GPUS_PER_NODE" "$LOG_DIR"
   echo 'export RAY_DISABLE_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0'
-  [[ -n "$SETUP_COMMAND" ]] && printf '%s\n' "$SETUP_COMMAND"
+  # ray.sub: Ray builds no uv venv per task (NeMo-RL builds its worker venvs itself, once per node)
+  echo 'export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0'
+  printf 'export RAY_AUTH_MODE=%q\n' "$RAY_AUTH_MODE"
+  [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]] && printf 'export RAY_AUTH_TOKEN_PATH=%q\n' "$RAY_AUTH_TOKEN_PATH"
+  # the soft `ulimit -n` up to NOFILE_LIMIT, at most the node's hard limit (srun copies the batch
+  # shell's soft limit into every step)
+  # shellcheck disable=SC2016  # expanded on the node, not here
+  printf 'ng_h=$(ulimit -Hn); ng_s=$(ulimit -Sn); ng_w=%q\n' "$NOFILE_LIMIT"
+  # shellcheck disable=SC2016
+  echo '[[ $ng_h == unlimited ]] || (( ng_h >= ng_w )) || ng_w=$ng_h'
+  # shellcheck disable=SC2016
+  echo '[[ $ng_s == unlimited ]] || (( ng_s >= ng_w )) || ulimit -Sn "$ng_w"'
+  # a host uv cache path means nothing inside the container (ray.sub); UV_CACHE_DIR_OVERRIDE is mounted instead
+  [[ -n "$CONTAINER" ]] && echo 'unset UV_CACHE_DIR'
+  if [[ -n "$SETUP_COMMAND" ]]; then   # must succeed on every node: a failure ends that step, and the job
+    # shellcheck disable=SC2016  # expanded on the node, not here
+    printf 'if ! {\n%s\n}; then echo "ERROR: SETUP_COMMAND failed on $(hostname)" >&2; exit 3; fi\n' "$SETUP_COMMAND"
+  fi
   echo ':'
 } >"$NODE_ENV"
 
 SRUN_COMMON=(--overlap --ntasks-per-node=1 --kill-on-bad-exit=1 "${GRES_ARGS[@]}")
+HEAD_CONTAINER=(); WORKER_CONTAINER=()
 if [[ -n "$CONTAINER" ]]; then
+  if [[ -n "$UV_CACHE_DIR_OVERRIDE" ]]; then
+    mkdir -p "$UV_CACHE_DIR_OVERRIDE"
+    MOUNTS=${MOUNTS:+$MOUNTS,}$UV_CACHE_DIR_OVERRIDE:/root/.cache/uv
+  fi
   SRUN_COMMON+=("--container-image=$CONTAINER" "--container-workdir=$WORKDIR" --no-container-mount-home)
   [[ -n "$MOUNTS" ]] && SRUN_COMMON+=("--container-mounts=$MOUNTS")
+  # the head's steps (Ray head, preflight, probe, watchdog, driver) share one named container on the
+  # head node, as ray.sub runs its driver in the head's: what the driver builds in the container
+  # (NeMo-RL's worker venvs) is there for the head's Ray workers too
+  HEAD_CONTAINER=(--container-name=ray-head)
+  WORKER_CONTAINER=(--container-name=ray-worker)
 fi
 RAY_TMP=$RAY_TMP_BASE/rayng${SLURM_JOB_ID}
-RAY_COMMON="--block --disable-usage-stats --num-cpus=$CPUS_PER_NODE --num-gpus=$GPUS_PER_NODE"
+RAY_COMMON="--block --disable-usage-stats --num-cpus=$CPUS_PER_NODE --num-gpus=$GPUS_PER_NODE \
+--node-manager-port=$NODE_MANAGER_PORT --object-manager-port=$OBJECT_MANAGER_PORT \
+--runtime-env-agent-port=$RUNTIME_ENV_AGENT_PORT --dashboard-agent-grpc-port=$DASHBOARD_AGENT_GRPC_PORT \
+--dashboard-agent-listen-port=$DASHBOARD_AGENT_LISTEN_PORT --metrics-export-port=$METRICS_EXPORT_PORT \
+--min-worker-port=$MIN_WORKER_PORT --max-worker-port=$MAX_WORKER_PORT"
+
+last_error() {  # last_error LOG...: the last "ERROR: " line of the logs, without the prefix
+  sed -n 's/^ERROR: //p' "$@" 2>/dev/null | tail -n1
+}
 
 # a step is "up" while its srun client lives; any dead step is fatal unless we are stopping anyway
 check_steps() {
-  local name pid rc
+  local name pid rc logs why
   for name in "${!STEP_PIDS[@]}"; do
     pid=${STEP_PIDS[$name]}
     if ! kill -0 "$pid" 2>/dev/null; then
@@ -229,25 +353,59 @@ check_steps() {
       unset "STEP_PIDS[$name]"
       [[ -n "$SIGNALED" ]] && continue
       case "$name" in
-        watch)
-          fail "$(grep -h 'ERROR' "$LOG_DIR/watch.log" 2>/dev/null | tail -n1 | sed 's/^.*ERROR: //' || true) (Ray watchdog exit $rc; see $LOG_DIR/watch.log)" ;;
-        *)
-          fail "the $name step exited (code $rc): a node or its Ray process died; see $LOG_DIR/$name.log" ;;
+        watch) logs=("$LOG_DIR/watch.log") ;;
+        ray-workers) logs=("$LOG_DIR"/ray-worker-*.log) ;;
+        *) logs=("$LOG_DIR/$name.log") ;;
       esac
+      why=$(last_error "${logs[@]}")
+      if [[ "$name" == watch ]]; then
+        fail "${why:-the Ray watchdog stopped} (Ray watchdog exit $rc; see $LOG_DIR/watch.log)"
+      fi
+      fail "the $name step exited (code $rc): ${why:-a node or its Ray process died}; see ${logs[*]}"
     fi
   done
 }
 
 nap() { sleep "$1" & wait $! 2>/dev/null || true; }  # interruptible by traps
 
-# one task on the head node (readiness probe, watchdog, driver)
-PROBE=(srun "${SRUN_COMMON[@]}" --nodes=1 --ntasks=1 -w "$HEAD")
+# one task on the head node, in the head's container (preflight, readiness probe, watchdog, driver)
+ON_HEAD=(srun "${SRUN_COMMON[@]}" "${HEAD_CONTAINER[@]}" --nodes=1 --ntasks=1 -w "$HEAD")
+
+# ------------------------------------------------------------------ 0. preflight ----------------
+if (( IS_NEMO_RL && CLUSTER_OVERRIDES )) && [[ "$joined" != *"cluster.num_nodes="* ]]; then
+  extra=("cluster.num_nodes=$NNODES")
+  (( GPUS_PER_NODE > 0 )) && [[ "$joined" != *"cluster.gpus_per_node="* ]] && extra+=("cluster.gpus_per_node=$GPUS_PER_NODE")
+  add_args "${extra[@]}"
+  PF_OVERRIDES+=("${extra[@]}")
+fi
+if (( IS_NEMO_RL )); then
+  if [[ "$PREFLIGHT" == 0 ]]; then
+    log "preflight skipped (PREFLIGHT=0)"
+  elif (( ${#PY_PREFIX[@]} == 0 )) || [[ -z "$PF_CONFIG" ]]; then
+    log "preflight skipped: no '<python> -m nemo_granular.run_grpo|run_sppo --config FILE' in the driver command"
+  else
+    PF_ERR=$LOG_DIR/preflight-$ATTEMPT.err
+    PF_CMD=("${PY_PREFIX[@]}" -m nemo_granular preflight --driver "$PF_DRIVER" "$PF_CONFIG" "${PF_OVERRIDES[@]}")
+    log "preflight: ${PF_CMD[*]}"
+    pf_rc=0
+    "${ON_HEAD[@]}" --output="$LOG_DIR/preflight.log" --error="$PF_ERR" --open-mode=append \
+      bash -c "source '$NODE_ENV' && exec$(printf ' %q' "${PF_CMD[@]}")" || pf_rc=$?
+    if (( pf_rc != 0 )); then
+      [[ -s "$PF_ERR" ]] && sed 's/^/[preflight] /' "$PF_ERR"
+      # one line per problem on stderr; its warnings are on stderr too: the errors, if marked
+      problems=$(grep -i 'error' "$PF_ERR" 2>/dev/null || grep -v '^[[:space:]]*$' "$PF_ERR" 2>/dev/null || true)
+      problems=$(tail -n 10 <<<"$problems" | paste -sd';' - | sed 's/;/; /g' | cut -c1-800)
+      fail "preflight of $PF_CONFIG: ${problems:-exit $pf_rc, see $LOG_DIR/preflight.log} (PREFLIGHT=0 skips the check)" 2
+    fi
+    log "preflight: no problems"
+  fi
+fi
 
 start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
   # ------------------------------------------------------------------ 1. Ray head -----------------
-  srun "${SRUN_COMMON[@]}" --nodes=1 --ntasks=1 -w "$HEAD" --output="$LOG_DIR/ray-head.log" --open-mode=append \
+  srun "${SRUN_COMMON[@]}" "${HEAD_CONTAINER[@]}" --nodes=1 --ntasks=1 -w "$HEAD" --output="$LOG_DIR/ray-head.log" --open-mode=append \
     bash -c "source '$NODE_ENV' && exec ray start --head --node-ip-address=$HEAD_IP --port=$RAY_PORT \
-      --include-dashboard=false --temp-dir=${RAY_TMP}_head $RAY_COMMON" &
+      --ray-client-server-port=$RAY_CLIENT_SERVER_PORT --include-dashboard=false --temp-dir=${RAY_TMP}_head $RAY_COMMON" &
   STEP_PIDS[ray-head]=$!
   log "starting the Ray head on $HEAD (srun pid ${STEP_PIDS[ray-head]})"
   deadline=$((SECONDS + RAY_WAIT_TIMEOUT))
@@ -262,18 +420,20 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
   # ------------------------------------------------------------------ 2. Ray workers --------------
   if (( NNODES > 1 )); then
     wlist=$(IFS=,; echo "${WORKERS[*]}")
-    srun "${SRUN_COMMON[@]}" --nodes=$((NNODES - 1)) --ntasks=$((NNODES - 1)) -w "$wlist" \
+    # the head is listening already: a few tries ride out a slow GCS; a node that cannot start Ray
+    # ends its step (and so the job) within seconds
+    srun "${SRUN_COMMON[@]}" "${WORKER_CONTAINER[@]}" --nodes=$((NNODES - 1)) --ntasks=$((NNODES - 1)) -w "$wlist" \
       --output="$LOG_DIR/ray-worker-%N.log" --open-mode=append \
-      bash -c "source '$NODE_ENV' && for i in \$(seq 1 20); do
+      bash -c "source '$NODE_ENV' && for i in 1 2 3 4 5; do
           ray start --address=$RAY_ADDRESS_HEAD --temp-dir=${RAY_TMP}_\$(hostname) $RAY_COMMON && exit 0
-          echo \"ray start failed (try \$i), retrying\"; sleep 3
-        done; exit 1" &
+          echo \"ray start failed (try \$i of 5), retrying\"; sleep 3
+        done; echo \"ERROR: ray start --address=$RAY_ADDRESS_HEAD failed 5 times on \$(hostname)\"; exit 1" &
     STEP_PIDS[ray-workers]=$!
     log "starting Ray workers on ${WORKERS[*]} (srun pid ${STEP_PIDS[ray-workers]})"
   fi
 
   # ------------------------------------------------------------------ 3. wait for every node ------
-  "${PROBE[@]}" --output="$LOG_DIR/ray-wait.log" --open-mode=append bash -c "source '$NODE_ENV' && exec python '$NG_ROOT/slurm/ray_cluster.py' wait \
+  "${ON_HEAD[@]}" --output="$LOG_DIR/ray-wait.log" --open-mode=append bash -c "source '$NODE_ENV' && exec python '$NG_ROOT/slurm/ray_cluster.py' wait \
     --address=$RAY_ADDRESS_HEAD --expected=$NNODES --timeout=$RAY_WAIT_TIMEOUT --out='$LOG_DIR/ray_nodes.json'" &
   wait_pid=$!
   while kill -0 "$wait_pid" 2>/dev/null; do
@@ -282,11 +442,14 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
     nap 1
   done
   wait_rc=0; wait "$wait_pid" || wait_rc=$?
-  (( wait_rc == 0 )) || fail "$(grep -h 'ERROR' "$LOG_DIR/ray-wait.log" | tail -n1 || echo "Ray readiness probe failed") (exit $wait_rc; see $LOG_DIR/ray-wait.log)"
+  if (( wait_rc != 0 )); then
+    why=$(last_error "$LOG_DIR/ray-wait.log")
+    fail "${why:-Ray readiness probe failed: $(grep -v '^[[:space:]]*$' "$LOG_DIR/ray-wait.log" | tail -n1 | cut -c1-300)} (exit $wait_rc; see $LOG_DIR/ray-wait.log)"
+  fi
   log "$(grep -h '^RAY_NODES' "$LOG_DIR/ray-wait.log" | tail -n1)"
 
   # ------------------------------------------------------------------ 4. watchdog -----------------
-  "${PROBE[@]}" --output="$LOG_DIR/watch.log" --open-mode=append bash -c "source '$NODE_ENV' && exec python '$NG_ROOT/slurm/ray_cluster.py' watch \
+  "${ON_HEAD[@]}" --output="$LOG_DIR/watch.log" --open-mode=append bash -c "source '$NODE_ENV' && exec python '$NG_ROOT/slurm/ray_cluster.py' watch \
     --address=$RAY_ADDRESS_HEAD --expected=$NNODES --interval=$WATCH_INTERVAL" &
   STEP_PIDS[watch]=$!
 }
@@ -298,26 +461,30 @@ else
 fi
 
 # ------------------------------------------------------------------ 5. driver -------------------
-if (( IS_NEMO_RL && CLUSTER_OVERRIDES )) && [[ "$joined" != *"cluster.num_nodes="* ]]; then
-  CMD+=("cluster.num_nodes=$NNODES")
-  (( GPUS_PER_NODE > 0 )) && [[ "$joined" != *"cluster.gpus_per_node="* ]] && CMD+=("cluster.gpus_per_node=$GPUS_PER_NODE")
-fi
 DRIVER_SH=$LOG_DIR/driver.sh
 {
   echo "# generated by slurm/launch.sh for job $SLURM_JOB_ID attempt $ATTEMPT"
   printf 'source %q\n' "$NODE_ENV"
   (( START_RAY )) && printf 'export RAY_ADDRESS=%q\n' "$RAY_ADDRESS_HEAD"
   printf 'export NG_SLURM_ATTEMPT=%q\n' "$ATTEMPT"
+  if (( DRIVER_HANDLES_PREEMPT )) && [[ "$PREEMPT_SIGNAL" == USR[12] ]]; then
+    # ignored (inherited through exec by uv run and python) until the driver installs its own
+    # handler: one that comes earlier must not kill it; the launcher repeats the signal
+    printf "trap '' %s\n" "$PREEMPT_SIGNAL"
+  fi
   printf 'exec'; printf ' %q' "${CMD[@]}"; printf '\n'
 } >"$DRIVER_SH"
 { echo "=== job $SLURM_JOB_ID attempt $ATTEMPT $(ts): ${CMD[*]}"; } >>"$LOG_DIR/driver.log"
 log "driver: ${CMD[*]}"
-"${PROBE[@]}" --output="$LOG_DIR/driver.log" --open-mode=append bash "$DRIVER_SH" &
+"${ON_HEAD[@]}" --output="$LOG_DIR/driver.log" --open-mode=append bash "$DRIVER_SH" &
 DRIVER_PID=$!
 
 while kill -0 "$DRIVER_PID" 2>/dev/null; do
   check_steps
-  nap 2
+  if [[ -n "$SIGNALED" ]] && (( DRIVER_HANDLES_PREEMPT && PREEMPT_RESEND > 0 && SECONDS >= NEXT_RESEND )); then
+    forward_preempt   # it may have come before the driver's handler was in place
+  fi
+  nap 1
 done
 DRIVER_RC=0; wait "$DRIVER_PID" || DRIVER_RC=$?
 DRIVER_PID=""
@@ -335,14 +502,15 @@ if (( DRIVER_RC == PREEMPT_EXIT_CODE )) || [[ "$SIGNALED" == "USR1" ]]; then
     exit 0
   fi
   if (( DRIVER_RC != PREEMPT_EXIT_CODE )); then
-    # e.g. the signal came before the driver installed its handler: the time limit is near anyway,
-    # so come back and resume from whatever checkpoint the driver has
-    err "the driver did not confirm a checkpoint after SIGUSR1 (exit $DRIVER_RC); requeueing to resume from its latest checkpoint"
+    # e.g. a driver without a handler, killed by the signal: the time limit is near anyway, so
+    # come back and resume from whatever checkpoint the driver has
+    err "the driver did not confirm a checkpoint after SIG$SIGNALED (exit $DRIVER_RC); requeueing to resume from its latest checkpoint"
   fi
   if (( ATTEMPT >= MAX_RESTARTS )); then
-    fail "preempted but MAX_RESTARTS=$MAX_RESTARTS reached; not requeueing"
+    fail "stopped early but MAX_RESTARTS=$MAX_RESTARTS reached; not requeueing"
   fi
-  FINAL_RC=0; FINAL_REASON="preempted (driver exit $DRIVER_RC): requeued, attempt $((ATTEMPT + 1)) will resume from the latest checkpoint"
+  why=${SIGNALED:+preempted by SIG$SIGNALED}
+  FINAL_RC=0; FINAL_REASON="${why:-stopped before the end of the run} (driver exit $DRIVER_RC): requeued, attempt $((ATTEMPT + 1)) will resume from the latest checkpoint"
   log "stopping the Ray steps"
   for name in "${!STEP_PIDS[@]}"; do stop_pid "${STEP_PIDS[$name]}" 5; unset "STEP_PIDS[$name]"; done
   write_status 0 "$FINAL_REASON"

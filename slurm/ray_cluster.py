@@ -2,13 +2,21 @@
 """Ray cluster readiness and liveness probes used by ``slurm/launch.sh`` (runs on the head node).
 
 ``wait``  — connect to the Ray head and wait until ``--expected`` nodes are alive; print
-            ``RAY_NODES alive=K expected=N`` and write ``--out`` (JSON: the ``ray.nodes()`` count
-            and each node's host, IP and resources). Exit 0 when ready, 3 on timeout.
+            ``RAY_NODES alive=K expected=N`` and write ``--out`` (JSON: the ``ray.nodes()`` count,
+            the GCS address, this process's Ray auth mode, and each node's host, IP, resources
+            and ports). Exit 0 when ready, 3 on timeout.
 ``watch`` — poll ``ray.nodes()`` every ``--interval`` seconds; the moment fewer than
             ``--expected`` nodes are alive, print one ``ERROR`` line naming the lost node(s) and
             exit 4 (exit 5 when the head itself stops answering). The launcher fails the job on it.
 
-Both connect with ``ray.init(address=...)``; nothing here schedules work on the cluster.
+Both connect with ``ray.init(address=...)``; nothing here schedules work on the cluster. When Ray
+refuses the connection (exit 6) or cannot be imported (exit 7), the one ``ERROR:`` line carries
+Ray's own reason: ``ray.init`` raises a bare ``ConnectionError("Failed to connect to Ray cluster
+at ...")`` (from a ``RuntimeError`` whose message is a traceback, or an ``AuthenticationError``,
+depending on the auth mode); the reason is the last line Ray's C++ core wrote to stderr while it
+retried (``Failed to get cluster ID from GCS server: Unauthenticated: RPC error:
+InvalidAuthToken: ...``; stderr is captured during ``ray.init`` and passed on unchanged), else the
+first line of the exception the error was raised from.
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
+import tempfile
 import time
 
 
@@ -24,11 +34,68 @@ def _log(msg: str) -> None:
     print(f"[ray_cluster {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _connect(address: str):
-    import ray  # lazy: only the head node's environment needs ray
+# a log line of Ray's C++ core: "[2026-11-25 01:52:45,547 W 29834 29834] gcs_client.cc:210: <message>"
+_RAY_CORE_LINE = re.compile(r"^\[[^\]]*\] [\w.]+:\d+: (.+)$")
 
-    ray.init(address=address, log_to_driver=False, logging_level="ERROR", namespace="nemo_granular_probe")
+
+class ProbeError(Exception):
+    """Ray could not be reached; ``str()`` is the one-line reason, ``code`` the exit status."""
+
+    def __init__(self, reason: str, code: int):
+        super().__init__(reason)
+        self.code = code
+
+
+def _first_line(err: BaseException, limit: int = 400) -> str:
+    text = str(err).strip()
+    line = f"{type(err).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def _root_cause(err: BaseException) -> BaseException | None:
+    cause, seen = err.__cause__ or err.__context__, set()
+    while cause is not None and id(cause) not in seen and (cause.__cause__ or cause.__context__) is not None:
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return cause
+
+
+def _connect(address: str, what: str):
+    try:
+        import ray  # lazy: only the head node's environment needs ray
+    except ImportError as err:
+        raise ProbeError(f"{what}: cannot import ray with {sys.executable} ({_first_line(err)})", 7) from None
+    with tempfile.TemporaryFile(mode="w+") as captured:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(captured.fileno(), 2)
+        try:
+            ray.init(address=address, log_to_driver=False, logging_level="ERROR", namespace="nemo_granular_probe")
+            failure = None
+        except Exception as err:  # ConnectionError, AuthenticationError, RuntimeError (version mismatch), ...
+            failure = err
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        captured.seek(0)
+        text = captured.read()
+    sys.stderr.write(text)           # Ray's own lines stay in the log
+    if failure is not None:
+        cause = _root_cause(failure)
+        said = [m.group(1) for m in map(_RAY_CORE_LINE.match, text.splitlines()) if m]
+        reason = said[-1] if said else _first_line(cause) if cause is not None else None
+        reason = f"{reason} ({_first_line(failure)})" if reason else _first_line(failure)
+        raise ProbeError(f"{what}: cannot connect to the Ray head at {address}: {reason}", 6)
     return ray
+
+
+def _auth_mode() -> str:
+    try:
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+    except ImportError:          # a Ray without token authentication
+        return "none"
+    return "token" if get_authentication_mode() == AuthenticationMode.TOKEN else "disabled"
 
 
 def _snapshot(ray) -> tuple[list[dict], list[dict]]:
@@ -44,6 +111,8 @@ def _describe(n: dict) -> dict:
         "ip": n.get("NodeManagerAddress"),
         "node_id": n.get("NodeID"),
         "resources": n.get("Resources", {}),
+        "ports": {"node_manager": n.get("NodeManagerPort"), "object_manager": n.get("ObjectManagerPort"),
+                  "metrics_export": n.get("MetricsExportPort")},
     }
 
 
@@ -55,7 +124,7 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def cmd_wait(args) -> int:
-    ray = _connect(args.address)
+    ray = _connect(args.address, "Ray readiness probe")
     deadline = time.monotonic() + args.timeout
     last = -1
     while True:
@@ -69,7 +138,8 @@ def cmd_wait(args) -> int:
             print(f"ERROR: only {len(alive)} of {args.expected} Ray nodes joined within {args.timeout:.0f} s", flush=True)
             return 3
         time.sleep(1.0)
-    info = {"alive": len(alive), "expected": args.expected, "nodes": [_describe(n) for n in alive]}
+    info = {"alive": len(alive), "expected": args.expected, "address": args.address, "auth_mode": _auth_mode(),
+            "nodes": [_describe(n) for n in alive]}
     if args.out:
         _write_json(args.out, info)
     print(f"RAY_NODES alive={len(alive)} expected={args.expected} "
@@ -78,13 +148,13 @@ def cmd_wait(args) -> int:
 
 
 def cmd_watch(args) -> int:
-    ray = _connect(args.address)
+    ray = _connect(args.address, "Ray watchdog")
     known: dict[str, str] = {}
     while True:
         try:
             alive, dead = _snapshot(ray)
         except Exception as err:  # the GCS (head) stopped answering
-            print(f"ERROR: lost contact with the Ray head at {args.address}: {type(err).__name__}: {err}", flush=True)
+            print(f"ERROR: lost contact with the Ray head at {args.address}: {_first_line(err)}", flush=True)
             return 5
         for n in alive:
             known[n["NodeID"]] = f"{n.get('NodeManagerHostname')} ({n.get('NodeManagerAddress')})"
@@ -113,7 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.expected < 1:
         print("ERROR: --expected must be >= 1", file=sys.stderr)
         return 2
-    return cmd_wait(args) if args.cmd == "wait" else cmd_watch(args)
+    try:
+        return cmd_wait(args) if args.cmd == "wait" else cmd_watch(args)
+    except ProbeError as err:
+        print(f"ERROR: {err}", flush=True)
+        return err.code
 
 
 if __name__ == "__main__":

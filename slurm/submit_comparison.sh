@@ -23,15 +23,22 @@
 #                          (sspo | sppo | espo | all) so the report has the benchmark table; the
 #                          report waits for it (default: no eval jobs)
 #   --eval-args "ARGS"     extra eval-checkpoints arguments (e.g. "--data-dir /data/benchmarks")
+#   --nemo-rl DIR          the NeMo-RL checkout in which the eval jobs run NeMo-RL's run_eval
+#                          (default: $NEMO_RL_SRC, else WORKDIR when it is one, as in the launch story)
+#   --no-preflight         do not run `nemo-granular preflight` on the NeMo-RL configs before
+#                          submitting (also PREFLIGHT=0, which the training jobs then get too)
 #   --dry-run              print the sbatch commands; submit nothing, write nothing
-# Overrides after `--` go to every run. Environment: CONTAINER, MOUNTS, VENV, WORKDIR, ... are
-# passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON (default "uv run python") is how NeMo-RL
-# drivers start Python (docs/slurm.md, "One launch story"). Prints the job ids and the report path.
+# Overrides after `--` go to every run. Before anything is submitted, each NeMo-RL config is checked
+# with `$NEMO_RL_PYTHON -m nemo_granular preflight` (in WORKDIR, with the run's overrides and
+# allocation); a problem stops the submission (exit 1, one line per problem). Environment:
+# CONTAINER, MOUNTS, VENV, WORKDIR, ... are passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON
+# (default "uv run python") is how NeMo-RL drivers start Python (docs/slurm.md, "One launch
+# story"). Prints the job ids and the report path.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 LAUNCH=$HERE/launch.sh
 
-OUT="" SEED=0 NODES=2 DRIVER=auto DRY=0 EVAL_SUITE=""
+OUT="" SEED=0 NODES=2 DRIVER=auto DRY=0 EVAL_SUITE="" NEMO_RL_DIR=${NEMO_RL_SRC:-} PREFLIGHT=${PREFLIGHT:-1}
 EVAL_ARGS=() SBATCH_ALL=() SBATCH_TRAIN=() SBATCH_REPORT=(--time=00:30:00 --cpus-per-task=2)
 CONFIGS=() OVERRIDES=()
 die() { echo "submit_comparison: $*" >&2; exit 2; }
@@ -46,8 +53,10 @@ while (( $# )); do
     --report-sbatch) read -r -a SBATCH_REPORT <<<"$2"; shift 2 ;;
     --eval-suite) EVAL_SUITE=$2; shift 2 ;;
     --eval-args) read -r -a EVAL_ARGS <<<"$2"; shift 2 ;;
+    --nemo-rl) NEMO_RL_DIR=$2; shift 2 ;;
+    --no-preflight) PREFLIGHT=0; shift ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
     --) shift; OVERRIDES=("$@"); break ;;
     -*) die "unknown option $1" ;;
     *) CONFIGS+=("$1"); shift ;;
@@ -89,6 +98,59 @@ if [[ -z "$OUT" ]]; then
   OUT=$PWD/comparisons/$(IFS=-; echo "${names[*]}")-$(date +%Y%m%d-%H%M%S)
 fi
 [[ "$OUT" = /* ]] || OUT=$PWD/$OUT
+
+# the eval jobs of NeMo-RL runs run NeMo-RL's run_eval in its checkout: find it now, not in the job
+NRL_RUNS=0
+for d in "${drivers[@]}"; do [[ "$d" == train ]] || NRL_RUNS=1; done
+if [[ -n "$EVAL_SUITE" ]] && (( NRL_RUNS )); then
+  if [[ -z "$NEMO_RL_DIR" && -f "$WORKDIR/examples/run_eval.py" && -d "$WORKDIR/nemo_rl" ]]; then NEMO_RL_DIR=$WORKDIR; fi
+  [[ -n "$NEMO_RL_DIR" ]] || die "--eval-suite: the eval jobs run NeMo-RL's run_eval and need its checkout: give --nemo-rl DIR (or set NEMO_RL_SRC, or WORKDIR to the checkout)"
+  [[ "$NEMO_RL_DIR" = /* ]] || NEMO_RL_DIR=$PWD/$NEMO_RL_DIR
+  [[ -f "$NEMO_RL_DIR/examples/run_eval.py" ]] || die "--nemo-rl $NEMO_RL_DIR: not a NeMo-RL checkout (no examples/run_eval.py)"
+fi
+
+# the allocation every training job will have, for the preflight (launch.sh adds the same overrides)
+TRAIN_GPUS=""
+for a in "${SBATCH_TRAIN[@]}"; do
+  if [[ "$a" =~ ^--gres=(.*,)?gpu(:[A-Za-z0-9_.-]+)?:([0-9]+) ]]; then TRAIN_GPUS=${BASH_REMATCH[3]}
+  elif [[ "$a" =~ ^--gpus-per-node=([0-9]+)$ ]]; then TRAIN_GPUS=${BASH_REMATCH[1]}; fi
+done
+run_args() {  # run_args I -> the driver command of config I, one word per line in RUN_CMD
+  local i=$1 rd=$OUT/${names[$1]} section=grpo
+  case "${drivers[$i]}" in
+    train)
+      RUN_CMD=(nemo-granular train --config "${CONFIGS[$i]}" "output_dir=$rd" "seed=$SEED" "${OVERRIDES[@]}") ;;
+    grpo|sppo)
+      [[ "${drivers[$i]}" == sppo ]] && section=ppo
+      RUN_CMD=("${NRL_PY[@]}" -m "nemo_granular.run_${drivers[$i]}" --config "${CONFIGS[$i]}" "$section.seed=$SEED"
+               "checkpointing.checkpoint_dir=$rd/checkpoints" "logger.log_dir=$rd/logs"
+               logger.tensorboard_enabled=true "${OVERRIDES[@]}") ;;
+  esac
+}
+
+# preflight: every NeMo-RL config checked before anything is submitted
+if (( NRL_RUNS )) && [[ "$PREFLIGHT" != 0 ]]; then
+  bad=0
+  for i in "${!CONFIGS[@]}"; do
+    [[ "${drivers[$i]}" == train ]] && continue
+    run_args "$i"
+    extra=()
+    [[ " ${OVERRIDES[*]} " == *" cluster.num_nodes="* ]] || extra+=("cluster.num_nodes=$NODES")
+    [[ -n "$TRAIN_GPUS" && " ${OVERRIDES[*]} " != *" cluster.gpus_per_node="* ]] && extra+=("cluster.gpus_per_node=$TRAIN_GPUS")
+    pf_err=$(cd "$WORKDIR" && "${NRL_PY[@]}" -m nemo_granular preflight --driver "${drivers[$i]}" "${CONFIGS[$i]}" \
+             "${RUN_CMD[@]:${#NRL_PY[@]}+4}" "${extra[@]}" 2>&1 >/dev/null) && continue
+    bad=1
+    # one line per problem; its warnings are on stderr too: the errors, if marked
+    lines=$(grep -i 'error' <<<"$pf_err" || grep -v '^[[:space:]]*$' <<<"$pf_err" || true)
+    while IFS= read -r line; do
+      [[ -n "$line" ]] && echo "submit_comparison: preflight: ${CONFIGS[$i]}: $line" >&2
+    done <<<"$lines"
+  done
+  if (( bad )); then
+    echo "submit_comparison: nothing submitted; fix the configs (nemo-granular preflight CONFIG shows the plan) or pass --no-preflight" >&2
+    exit 1
+  fi
+fi
 (( DRY )) || mkdir -p "$OUT"
 
 run() {  # run CMD... -> prints the job id (or, with --dry-run, the command and a placeholder id)
@@ -98,34 +160,29 @@ run() {  # run CMD... -> prints the job id (or, with --dry-run, the command and 
 
 jobs=() run_dirs=()
 for i in "${!CONFIGS[@]}"; do
-  name=${names[$i]} cfg=${CONFIGS[$i]} rd=$OUT/${names[$i]}
+  name=${names[$i]} rd=$OUT/${names[$i]}
   run_dirs+=("$rd")
   (( DRY )) || mkdir -p "$rd"   # exists even if the job dies before its driver writes anything
-  case "${drivers[$i]}" in
-    train)
-      cmd=(nemo-granular train --config "$cfg" "output_dir=$rd" "seed=$SEED" "${OVERRIDES[@]}") ;;
-    grpo|sppo)
-      section=grpo; [[ "${drivers[$i]}" == sppo ]] && section=ppo
-      cmd=("${NRL_PY[@]}" -m "nemo_granular.run_${drivers[$i]}" --config "$cfg" "$section.seed=$SEED"
-           "checkpointing.checkpoint_dir=$rd/checkpoints" "logger.log_dir=$rd/logs"
-           logger.tensorboard_enabled=true "${OVERRIDES[@]}") ;;
-  esac
-  jid=$(WORKDIR=$WORKDIR BASE_LOG_DIR=${BASE_LOG_DIR:-$OUT/slurm-logs} run sbatch --parsable --nodes="$NODES" \
-        --job-name="cmp-$name" --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
-        "$LAUNCH" "${cmd[@]}")
+  run_args "$i"
+  jid=$(WORKDIR=$WORKDIR PREFLIGHT=$PREFLIGHT BASE_LOG_DIR=${BASE_LOG_DIR:-$OUT/slurm-logs} run sbatch --parsable \
+        --nodes="$NODES" --job-name="cmp-$name" --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
+        "$LAUNCH" "${RUN_CMD[@]}")
   jid=${jid%%;*}
   jobs+=("$jid")
   echo "submitted $name (${drivers[$i]}): job $jid -> $rd"
 done
 
 wrapped() {  # wrapped CMD... -> a --wrap script: cd WORKDIR, venv/setup, optional container
-  local cmd prefix
+  local cmd prefix mounts=${MOUNTS:-}
   cmd=$(printf '%q ' "$@")
   prefix=$(printf 'cd %q && ' "$WORKDIR")
   [[ -n "${VENV:-}" ]] && prefix+=$(printf 'source %q/bin/activate && ' "$VENV")
   [[ -n "${SETUP_COMMAND:-}" ]] && prefix+="$SETUP_COMMAND && "
   if [[ -n "${CONTAINER:-}" ]]; then
-    echo "srun --container-image=${CONTAINER} ${MOUNTS:+--container-mounts=$MOUNTS} --container-workdir=$WORKDIR --no-container-mount-home bash -c $(printf '%q' "$prefix$cmd")"
+    # as launch.sh: no host uv cache path inside the container; UV_CACHE_DIR_OVERRIDE mounted instead
+    prefix="unset UV_CACHE_DIR && $prefix"
+    [[ -n "${UV_CACHE_DIR_OVERRIDE:-}" ]] && mounts=${mounts:+$mounts,}$UV_CACHE_DIR_OVERRIDE:/root/.cache/uv
+    echo "srun --container-image=${CONTAINER} ${mounts:+--container-mounts=$mounts} --container-workdir=$WORKDIR --no-container-mount-home bash -c $(printf '%q' "$prefix$cmd")"
   else
     echo "exec bash -c $(printf '%q' "$prefix$cmd")"   # --wrap scripts run under /bin/sh
   fi
@@ -136,9 +193,11 @@ wrapped() {  # wrapped CMD... -> a --wrap script: cd WORKDIR, venv/setup, option
 if [[ -n "$EVAL_SUITE" ]]; then
   train_jobs=("${jobs[@]}")
   for i in "${!train_jobs[@]}"; do
+    nrl=()
+    [[ "${drivers[$i]}" == train ]] || nrl=(--nemo-rl "$NEMO_RL_DIR")
     ejid=$(run sbatch --parsable --nodes=1 --dependency="afterok:${train_jobs[$i]}" --kill-on-invalid-dep=yes \
            --job-name="cmp-eval-${names[$i]}" --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
-           --wrap="$(wrapped nemo-granular eval-checkpoints "${run_dirs[$i]}" --suite "$EVAL_SUITE" "${EVAL_ARGS[@]}")")
+           --wrap="$(wrapped nemo-granular eval-checkpoints "${run_dirs[$i]}" --suite "$EVAL_SUITE" "${nrl[@]}" "${EVAL_ARGS[@]}")")
     ejid=${ejid%%;*}
     jobs+=("$ejid")
     echo "submitted eval of ${names[$i]} (suite $EVAL_SUITE): job $ejid (after ${train_jobs[$i]})"

@@ -21,6 +21,10 @@ Instead of training it produces what a NeMo-RL run leaves behind, with NeMo-RL's
 
 The numbers are synthetic but deterministic in (algorithm, seed, step); ESPO's curves rise a
 little faster than GSPO's so the report has something to compare.
+
+``-m nemo_granular preflight CONFIG [overrides]`` (how the launchers call the preflight with the
+driver's Python) runs :func:`fake_preflight`, a stand-in for ``nemo-granular preflight`` with its
+interface: one line per problem on stderr and a non-zero exit, exit 0 when clean.
 """
 
 from __future__ import annotations
@@ -33,7 +37,30 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
+def fake_preflight(argv: list[str]) -> int:
+    """Stand-in for ``nemo-granular preflight [--driver grpo|sppo] CONFIG [key=value ...]``: appends
+    its command line (without ``--driver``) to ``$NG_FAKE_PREFLIGHT_LOG`` (when set) and reports a
+    missing CONFIG plus the problems listed in ``$NG_FAKE_PREFLIGHT_PROBLEMS`` (separated by ``;``),
+    one line each on stderr, exit 1; exit 0 without any."""
+    if argv[:1] == ["--driver"]:          # --driver grpo|sppo (what the launchers pass)
+        argv = argv[2:]
+    log = os.environ.get("NG_FAKE_PREFLIGHT_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(" ".join(argv) + "\n")
+    problems = [p for p in os.environ.get("NG_FAKE_PREFLIGHT_PROBLEMS", "").split(";") if p.strip()]
+    if not argv or not Path(argv[0]).is_file():
+        problems.insert(0, f"{argv[0] if argv else 'CONFIG'}: no such config file")
+    for p in problems:
+        print(p.strip(), file=sys.stderr)
+    if not problems:
+        print(f"preflight: {argv[0]}: no problems", flush=True)
+    return 1 if problems else 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:3] == ["-m", "nemo_granular", "preflight"]:
+        return fake_preflight(argv[3:])
     if len(argv) < 4 or argv[0] != "-m" or argv[2] != "--config":
         print("nemo_rl_logger_driver: usage: -m nemo_granular.run_grpo|run_sppo --config CFG [overrides]",
               file=sys.stderr)

@@ -10,7 +10,9 @@ Checked here, without NeMo-RL installed:
 * NeMo-RL world (``nemo_rl_src``): the full inheritance chain resolves through NeMo-RL's own
   ``load_config`` (``nemo_granular.nemo_rl.configs``, no link) and every key we set already exists
   in NeMo-RL's base config, except the plugin's own keys — this catches misspelt keys that
-  NeMo-RL would silently keep (tests/test_host_configs.py checks the typed dicts as well).
+  NeMo-RL would silently keep (tests/test_host_configs.py checks the typed dicts as well);
+* NeMo-RL world: the MoE pair inherits NeMo-RL's router-replay recipe and keeps every key it sets
+  except the deliberate differences its header states.
 
 The other tests run in both worlds (they read the YAML files only).
 """
@@ -43,7 +45,9 @@ LOSS_PREFIXES = ("loss_fn.", "grpo.adv_estimator.")
 PLUGIN_KEYS = ("loss_fn.granular", "grpo.adv_estimator.verification_failed_key", "nemo_granular.",
                "env.espo_math.", "data.default.env_name", "data.train.", "data.validation.")
 # NeMo-RL keys that are read with .get() and absent from the example configs
-OPTIONAL_NEMO_RL_KEYS = {"policy.generation.vllm_cfg.enable_prefix_caching"}   # vllm_worker.py:84
+OPTIONAL_NEMO_RL_KEYS = {"policy.generation.vllm_cfg.enable_prefix_caching",   # vllm_worker.py:84
+                         # a GRPOConfig field (grpo.py) that NeMo-RL's example YAMLs leave at its default
+                         "grpo.skip_reference_policy_logprobs_calculation"}
 
 
 def load(name: str) -> dict:
@@ -194,3 +198,50 @@ def test_math_data_preparation_extracts_the_last_boxed_answer():
     assert prep.last_boxed(r"\boxed{ \{1, 2\} }") == r"\{1, 2\}"
     assert prep.last_boxed(r"answer \fbox{7}") == "7"
     assert prep.last_boxed("no box") is None and prep.last_boxed(r"\boxed{unclosed") is None
+
+
+# ------------------------------------------- NeMo-RL's router-replay recipe (NeMo-RL world) ---
+
+R3_RECIPE = "recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron-cp2-r3.yaml"
+# keys NeMo-RL's router-replay recipe sets that the MoE pair sets differently, and the word of the
+# header's "Deliberate differences" list that explains each
+R3_DELIBERATE = {
+    "grpo.num_prompts_per_step": "batch", "policy.train_global_batch_size": "batch",
+    "grpo.val_period": "schedule", "policy.generation.max_new_tokens": "length",
+    "policy.generation.vllm_cfg.max_model_len": "length", "data.max_input_seq_length": "length",
+    "policy.megatron_cfg.expert_model_parallel_size": "experts",
+}
+
+
+@pytest.mark.parametrize("name", MOE_PAIR)
+def test_moe_pair_keeps_nemo_rl_router_replay_recipe(name, nemo_rl_src):
+    """Every key NeMo-RL's R3 recipe sets has the recipe's value in our resolved config, except the
+    deliberate differences, each of which the header states; run names aside."""
+    from nemo_rl.utils.config import load_config as nemo_rl_load_config
+    from nemo_rl.utils.config import register_omegaconf_resolvers
+    from omegaconf import OmegaConf
+
+    from nemo_granular.nemo_rl.configs import load_resolved
+
+    register_omegaconf_resolvers()
+    own = load(name)
+    assert own["defaults"] == f"nemo_rl/upstream/{R3_RECIPE}"
+    recipe_file = nemo_rl_src / "examples" / "configs" / R3_RECIPE
+    recipe_keys = {k for k in flatten(yaml.safe_load(recipe_file.read_text())) if k != "defaults"}
+    recipe = OmegaConf.to_container(nemo_rl_load_config(recipe_file), resolve=True)
+    ours = load_resolved(CFG / name)
+    header = (CFG / name).read_text().split("\ndefaults:")[0]
+    kept, differ = [], []
+    for key in sorted(recipe_keys - RUN_NAME_KEYS):
+        if key in R3_DELIBERATE:
+            assert get(ours, key) != get(recipe, key), f"{key} is listed as deliberate but equals the recipe"
+            assert f"#   {R3_DELIBERATE[key]}" in header, f"header does not state the '{R3_DELIBERATE[key]}' difference"
+            differ.append(key)
+        else:
+            assert get(ours, key) == get(recipe, key), f"{key}: ours {get(ours, key)!r}, recipe {get(recipe, key)!r}"
+            kept.append(key)
+    assert "policy.generation.vllm_kwargs.enable_chunked_prefill" in kept and "policy.router_replay.enabled" in kept
+    assert set(differ) == set(R3_DELIBERATE)
+    # the router-replay vLLM keys are written in our file too (not only inherited)
+    assert own["policy"]["generation"]["vllm_kwargs"]["enable_chunked_prefill"] is False
+    assert own["policy"]["router_replay"]["enabled"] is True

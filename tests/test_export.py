@@ -544,26 +544,33 @@ def _megatron_step(root: Path, run_config: str, model_name: str) -> Path:
     return step
 
 
-def test_megatron_qwen3_moe_ep_refused_and_missing_bridge(tmp_path, capsys):
-    moe = _megatron_step(tmp_path / "moe", "model:\n  _target_: megatron.bridge.models.qwen.qwen_provider."
-                         "Qwen3MoEModelProvider\n  num_moe_experts: 128\n  expert_model_parallel_size: 8\n"
-                         "  tensor_model_parallel_size: 1\n", "Qwen/Qwen3-30B-A3B")
+def test_megatron_refusals_and_missing_bridge(tmp_path, capsys):
+    """What the Megatron path refuses in one line: a checkpoint format Bridge's loader cannot read,
+    and (in a world without Megatron-Bridge) the missing package. Saved EP/TP layouts are NOT refused:
+    tests/test_export_megatron.py exports EP1, EP2 and TP2×EP2 Qwen3-MoE checkpoints."""
+    import subprocess
+    import sys
+
+    from conftest import env_without_nemo_rl
+
+    fsdp = _megatron_step(tmp_path / "fsdp", "checkpoint:\n  ckpt_format: fsdp_dtensor\nmodel:\n"
+                          "  expert_model_parallel_size: 8\n", "Qwen/Qwen3-30B-A3B")
     out = tmp_path / "o1"
-    rc, _, err = run_cli([moe, out], capsys)
-    assert rc == 2 and "expert_model_parallel_size=8" in err and "convert_megatron_to_hf_gpu.py" in err
+    rc, _, err = run_cli([fsdp, out], capsys)
+    assert rc == 2 and "ckpt_format='fsdp_dtensor'" in err and "reads only torch_dist" in err
     assert len(err.strip().splitlines()) == 1
     assert_clean(out)
 
-    dense = _megatron_step(tmp_path / "dense", "model:\n  _target_: megatron.bridge.models.qwen.qwen_provider."
-                           "Qwen3ModelProvider\n  expert_model_parallel_size: 1\n", "Qwen/Qwen3-0.6B")
+    moe = _megatron_step(tmp_path / "moe", "model:\n  _target_: megatron.bridge.models.qwen.qwen_provider."
+                         "Qwen3MoEModelProvider\n  num_moe_experts: 128\n  expert_model_parallel_size: 8\n"
+                         "  tensor_model_parallel_size: 2\n", "Qwen/Qwen3-30B-A3B")
     out = tmp_path / "o2"
-    try:
-        import megatron.bridge  # noqa: F401
-        pytest.skip("megatron-bridge is installed; the missing-package message cannot be checked")
-    except ImportError:
-        pass
-    rc, _, err = run_cli([dense, out], capsys)
-    assert rc == 2 and "megatron-bridge" in err and len(err.strip().splitlines()) == 1
+    code = "import sys; from nemo_granular.cli import main; sys.exit(main(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", code, "export", str(moe), str(out)], capture_output=True,
+                          text=True, env=env_without_nemo_rl(), timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "needs Megatron-Bridge (package megatron-bridge" in err[0], err
     assert_clean(out)
 
 

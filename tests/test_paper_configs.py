@@ -138,6 +138,31 @@ PAPER = {
                                          "loss_fn.granular.entropy_top_fraction": 0.2,
                                          "grpo.adv_estimator.name": "espo", "loss_fn.token_level_loss": False},
 }
+# NeMo-RL's router-replay (R3) recipe for Qwen3-30B-A3B, recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron-cp2-r3.yaml:
+# the MoE pair keeps its router-replay and parallel settings (tests/test_cluster_configs.py compares
+# every key of the recipe; the deliberate differences are in the configs' headers)
+R3_RECIPE = {
+    "policy.router_replay.enabled": True, "policy.generation.vllm_kwargs.enable_chunked_prefill": False,
+    "policy.generation.vllm_cfg.enable_prefix_caching": False, "policy.generation.vllm_cfg.precision": "bfloat16",
+    "policy.generation.vllm_cfg.expert_parallel_size": 4, "policy.megatron_cfg.tensor_model_parallel_size": 4,
+    "policy.megatron_cfg.pipeline_model_parallel_size": 2, "policy.megatron_cfg.context_parallel_size": 2,
+    "policy.sequence_packing.enabled": True, "policy.logprob_batch_size": 1,
+    "policy.make_sequence_length_divisible_by": 16,
+}
+for _name in ("espo_qwen3_30b_a3b_megatron.yaml", "gspo_qwen3_30b_a3b_megatron.yaml"):
+    PAPER[_name].update(R3_RECIPE)
+# What NeMo-RL itself requires of these settings (not a paper value): with no KL the reference
+# log-probs are skipped (grpo/ppo.skip_reference_policy_logprobs_calculation), and a Megatron policy
+# with logprob_chunk_size needs defer_fp32_logits (NeMo-RL rejects it at worker init otherwise:
+# models/megatron/setup.py:_validate_chunking_config; tests/test_preflight_nemo_rl.py).
+for _name, _row in PAPER.items():
+    _algo = "ppo" if _name.startswith("sppo") else "grpo"
+    if _row.get("loss_fn.reference_policy_kl_penalty", 0.0) == 0.0:
+        _row[f"{_algo}.skip_reference_policy_logprobs_calculation"] = True
+MEGATRON_CHUNKED = ("espo_qwen3_30b_a3b_megatron.yaml", "gspo_qwen3_30b_a3b_megatron.yaml",
+                    *(f"{a}_qwen2.5_math_{s}.yaml" for a in ("sspo", "grpo", "gspo") for s in ("1.5b", "7b")))
+for _name in MEGATRON_CHUNKED:
+    PAPER[_name].update({"policy.megatron_cfg.enabled": True, "policy.megatron_cfg.defer_fp32_logits": True})
 
 # Deliberate differences from the official scripts (NeMo-RL conventions), documented in docs/sppo.md.
 DELIBERATE = {
@@ -201,6 +226,20 @@ def _same(a, b) -> bool:
     if isinstance(b, float) and isinstance(a, (int, float)) and not isinstance(a, bool):
         return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
     return a == b
+
+
+def test_nemo_rl_requirements_hold_for_every_config(load):
+    """Independently of the rows above: every config with KL 0 skips the reference log-probs, and every
+    Megatron config with a logprob chunk defers the fp32 logits (the pair NeMo-RL's worker demands)."""
+    for name in sorted(PAPER):
+        cfg = load(name)
+        algo = "ppo" if "ppo" in cfg and "grpo" not in cfg else "grpo"
+        if _get(cfg, "loss_fn.reference_policy_kl_penalty") == 0:
+            assert _get(cfg, f"{algo}.skip_reference_policy_logprobs_calculation") is True, name
+        meg = cfg["policy"].get("megatron_cfg") or {}
+        if meg.get("enabled") and (cfg["policy"].get("logprob_chunk_size") or 0) > 0:
+            assert meg.get("defer_fp32_logits") is True, name
+    assert {n for n in PAPER if PAPER[n].get("policy.megatron_cfg.defer_fp32_logits")} == set(MEGATRON_CHUNKED)
 
 
 def test_every_paper_config_is_in_the_table():

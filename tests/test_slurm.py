@@ -8,20 +8,29 @@ from a directory outside the repository and must
    checkpoint, and end COMPLETED — after, on a USR1 to the batch shell (what
    ``--signal=B:USR1@T`` sends before the time limit), having made the driver save a checkpoint
    and exit 99, requeued the job, and resumed it with no step lost or repeated (one job for
-   both: each Ray start costs ~30 s on the 2-core CI machine);
-2. fail within a bounded time, with a message naming the node, when a worker node dies (every
-   process in its namespace — slurmd, slurmstepd, raylet — is SIGKILLed).
+   both: each Ray start costs ~30 s on the 2-core CI machine). The same job is launched as on a
+   pyxis cluster (``CONTAINER``, through ``tests/pyxis_srun_shim.sh``: the exact srun command
+   lines are recorded, the pyxis options dropped) from a home where an earlier ``ray.init()``
+   left ``~/.ray/auth_token``: Ray token auth, ray.sub's fixed ports, ``ulimit -n`` and
+   ``UV_CACHE_DIR`` are checked on the way;
+2. requeue and resume a NeMo-RL run (the real ``run_grpo`` / ``run_sppo`` around
+   ``tests/nemo_rl_loop_driver.py``'s stand-in loop) that stopped at NeMo-RL's own time limit,
+   and one sent USR1 while starting up and again in the middle of a (slow) checkpoint save;
+3. fail within a bounded time, with a message naming the node, when a worker node dies (every
+   process in its namespace — slurmd, slurmstepd, raylet — is SIGKILLed), when a worker's srun
+   fails, when Ray's readiness probe is refused (Ray's own reason), and before Ray when the
+   preflight finds a problem.
 
-The driver is the real ``nemo-granular train --config examples/configs/local/smoke.yaml`` when
-``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_driver.py`` (same
+The driver of (1) is the real ``nemo-granular train --config examples/configs/local/smoke.yaml``
+when ``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_driver.py`` (same
 signal / exit-code / resume contract) otherwise; ``NG_SLURM_TEST_DRIVER=stub|train`` forces one.
-What it does to the machine (as root): apt-installs the Debian packages slurmctld, slurmd,
-slurm-client, munge and shellcheck when missing, adds tagged node-name lines to ``/etc/hosts``,
-creates a bridge, veths and network namespaces on a private 10.231.78.0/24 subnet (no outside
-network), and starts munged, slurmctld and two slurmd; the teardown (``down.sh``) removes all of
-it. ``NEMO_GRANULAR_SLURM_TESTS=0`` opts out: the cluster tests and the shellcheck test then skip
-(a failure under CI, which allows no skips). Also skipped (with the reason) when not root or when
-apt cannot install the packages.
+Every job runs with a private ``HOME`` (never the real one). What it does to the machine (as
+root): apt-installs the Debian packages slurmctld, slurmd, slurm-client, munge and shellcheck when
+missing, adds tagged node-name lines to ``/etc/hosts``, creates a bridge, veths and network
+namespaces on a private 10.231.78.0/24 subnet (no outside network), and starts munged, slurmctld
+and two slurmd; the teardown (``down.sh``) removes all of it. ``NEMO_GRANULAR_SLURM_TESTS=0``
+opts out: the cluster tests and the shellcheck test then skip (a failure under CI, which allows
+no skips). Also skipped (with the reason) when not root or when apt cannot install the packages.
 
 When a cluster test fails, the cluster's own logs (slurmctld, every slurmd, munged) are copied
 next to the job's logs into the test's ``tmp_path`` (``cluster-logs/``, kept by pytest after the
@@ -46,10 +55,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "slurm"
 LAUNCH = SLURM / "launch.sh"
 STUB = ROOT / "tests" / "slurm_stub_driver.py"
+NRL_DRIVER = ROOT / "tests" / "nemo_rl_logger_driver.py"
+LOOP_DRIVER = ROOT / "tests" / "nemo_rl_loop_driver.py"
+SRUN_SHIM = ROOT / "tests" / "pyxis_srun_shim.sh"
 SMOKE = ROOT / "examples" / "configs" / "local" / "smoke.yaml"
 PKGS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge",
         "ip": "iproute2", "shellcheck": "shellcheck"}
 FAKE_GPUS = 2
+# the ports launch.sh pins (NeMo-RL ray.sub's layout, all below 9000): GCS, node/object manager, metrics
+PINNED = {"gcs": 1200, "node_manager": 1301, "object_manager": 1303, "metrics_export": 1309}
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -145,14 +159,16 @@ def cluster(tmp_path_factory):
     prefix = "ngt"
     state = Path("/tmp/ngt-slurm")
     ray_tmp = Path("/tmp/ngt-ray")   # short: Ray's socket paths must stay < 108 chars
-    env = {**os.environ, "NG_SLURM_DIR": str(state), "NG_SLURM_PREFIX": prefix, "NG_SLURM_SUBNET": "10.231.78",
+    home = tmp_path_factory.mktemp("home")   # never the real HOME: Ray 2.60 writes ~/.ray/auth_token there
+    env = {**os.environ, "HOME": str(home), "NG_SLURM_DIR": str(state), "NG_SLURM_PREFIX": prefix, "NG_SLURM_SUBNET": "10.231.78",
            "NG_SLURM_CTLD_PORT": "16827", "NG_SLURM_SLURMD_PORT": "16828", "NG_SLURM_NODES": "2",
            "NG_SLURM_FAKE_GPUS": str(FAKE_GPUS),   # GRES gpu:2 per node (device-less) -> GRES detection
            "SLURM_CONF": str(state / "slurm.conf"), "RAY_TMP_BASE": str(ray_tmp), "VENV": sys.prefix,
            "OMP_NUM_THREADS": "1", "WATCH_INTERVAL": "2", "RAY_WAIT_TIMEOUT": "180",
            # faster dead-node detection by Ray's GCS (defaults: 3000 ms x 5)
            "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"}
-    env.pop("SLURM_JOB_ID", None)
+    for var in ("SLURM_JOB_ID", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
+        env.pop(var, None)
     # a previous run that crashed may have left its cluster behind: remove it first
     subprocess.run(["bash", str(SLURM / "local_cluster" / "down.sh")], env=env, capture_output=True, timeout=120)
     shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -183,12 +199,41 @@ def _driver_cmd(run_dir: Path, steps: int, every: int, slow: bool) -> list[str]:
             f"step_seconds={0.3 if slow else 0.05}", "--auto-resume"]
 
 
-def _submit(cluster: Cluster, workdir: Path, name: str, cmd: list[str]) -> str:
+def _submit(cluster: Cluster, workdir: Path, name: str, cmd: list[str], *, nodes: int = 2, env: dict | None = None,
+            soft_nofile: int | None = None) -> str:
+    """sbatch launch.sh from a directory outside the repository (script by absolute path), with
+    ``env`` on top of the cluster's; ``soft_nofile``: submit with that soft ``ulimit -n``
+    (Slurm propagates the submitting shell's soft limits to the job)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    # submitted from a directory outside the repository, script by absolute path
-    out = cluster.run("sbatch", "--parsable", "--nodes=2", f"--job-name={name}", f"--output={workdir}/slurm-%j.out",
-                      str(LAUNCH), *cmd, cwd=workdir)
+    argv = ["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={name}", f"--output={workdir}/slurm-%j.out",
+            str(LAUNCH), *cmd]
+    if soft_nofile is not None:
+        argv = ["bash", "-c", f'ulimit -Sn {soft_nofile} && exec "$@"', "_", *argv]
+    out = subprocess.run(argv, env={**cluster.env, **(env or {})}, capture_output=True, text=True, check=True,
+                         cwd=workdir)
     return out.stdout.strip().split(";")[0]
+
+
+def _home(path: Path, token: str | None = None) -> Path:
+    """A private HOME for a job; with ``token``, the ``~/.ray/auth_token`` a plain ``ray.init()``
+    of Ray 2.60 leaves in a (shared) home."""
+    (path / ".ray").mkdir(parents=True)
+    if token is not None:
+        (path / ".ray" / "auth_token").write_text(token)
+    return path
+
+
+def _signal_usr1(cluster: Cluster, job: str) -> None:
+    """What ``--signal=B:USR1@T`` sends before the time limit: USR1 to the batch shell only."""
+    cluster.run("scancel", "--signal=USR1", "--batch", job)
+
+
+def _wait_for(what, cond, cluster: Cluster, job: str, workdir: Path, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), \
+            f"waiting for {what}\n" + _explain(cluster, workdir, job)
+        time.sleep(0.2)
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -240,19 +285,56 @@ def _assert_checkpoint(run_dir: Path) -> str:
 
 # -------------------------------------------------------------------------------------- tests ---
 
+def _srun_lines(log: Path) -> dict[str, list[list[str]]]:
+    """The srun command lines the launcher built (recorded by the pyxis shim), by step kind."""
+    kinds: dict[str, list[list[str]]] = {}
+    # the shim wrote each call with bash's %q (ANSI-C $'...' quoting for multi-line arguments): bash reads it back
+    out = subprocess.run(["bash", "-c", 'while IFS= read -r line; do eval "a=($line)"; printf "%s\\0" "${a[@]}"; '
+                          'printf "\\1\\0"; done <"$1"', "_", str(log)], capture_output=True, check=True).stdout
+    calls = [c.split(b"\0")[:-1] for c in out.split(b"\1\0") if c]
+    for argv in ([a.decode() for a in c] for c in calls):
+        cmd = argv[-1] if argv else ""
+        kind = ("head" if "ray start --head" in cmd else "workers" if "ray start --address" in cmd
+                else "probe" if "ray_cluster.py' wait" in cmd else "watch" if "ray_cluster.py' watch" in cmd
+                else "driver" if cmd.endswith("driver.sh") else "preflight" if "preflight" in cmd else "other")
+        kinds.setdefault(kind, []).append(argv)
+    return kinds
+
+
+def _pinned_ports(nodes: dict) -> None:
+    assert nodes["address"].endswith(f":{PINNED['gcs']}"), nodes
+    for n in nodes["nodes"]:
+        assert {k: n["ports"][k] for k in ("node_manager", "object_manager", "metrics_export")} == \
+            {k: PINNED[k] for k in ("node_manager", "object_manager", "metrics_export")}, n
+
+
 def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, tmp_path):
-    """Success + preemption in one job (each Ray start costs ~30 s on the CI machine)."""
+    """Success + preemption in one job (each Ray start costs ~30 s on the CI machine), launched as
+    on a pyxis cluster (CONTAINER, MOUNTS, a host UV_CACHE_DIR, UV_CACHE_DIR_OVERRIDE, a low soft
+    ``ulimit -n``) from a home that holds the ``~/.ray/auth_token`` an earlier ``ray.init()`` left
+    (Ray 2.60): the head and the joining nodes agreed on the auth mode only by chance before."""
     train = _driver_kind() == "train"
     run_dir, steps = tmp_path / "run", (8 if train else 30)
-    job = _submit(cluster, tmp_path, "ng-pre", _driver_cmd(run_dir, steps, every=100, slow=True))
+    token = "token-an-earlier-ray-init-left-in-home-0123456789abcdef"
+    home = _home(tmp_path / "home", token=token)
+    shim = tmp_path / "pyxis"
+    shim.mkdir()
+    (shim / "srun").symlink_to(SRUN_SHIM)
+    srun_log, facts, uv_cache = tmp_path / "srun.log", tmp_path / "node_facts.txt", tmp_path / "uv-cache"
+    env = {"HOME": str(home), "PATH": f"{shim}:{cluster.env['PATH']}", "NG_SRUN_LOG": str(srun_log),
+           "NG_REAL_SRUN": shutil.which("srun", path=cluster.env["PATH"]),
+           "CONTAINER": "/images/nemo-rl-7ea279abf.sqsh", "MOUNTS": "/data:/data",
+           "UV_CACHE_DIR": "/host/only/uv-cache", "UV_CACHE_DIR_OVERRIDE": str(uv_cache),
+           # what every step sees on its node once the launcher's environment is applied
+           "SETUP_COMMAND": f'echo "$(hostname) $(ulimit -Sn) $(ulimit -Hn) ${{UV_CACHE_DIR-unset}}" >>{facts}',
+           "PREEMPT_RESEND": "2", "DRIVER_HANDLES_PREEMPT": "1"}
+    job = _submit(cluster, tmp_path, "ng-pre", _driver_cmd(run_dir, steps, every=100, slow=True), env=env,
+                  soft_nofile=1024)
     logs = tmp_path / "slurm-logs" / f"ng-pre-{job}"
     # wait for the driver to make progress, then send what `--signal=B:USR1@T` sends before the limit
-    deadline = time.monotonic() + 240
-    while len(_steps(run_dir)) < 2:
-        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), _explain(cluster, tmp_path, job)
-        time.sleep(0.5)
+    _wait_for("2 steps of the first attempt", lambda: len(_steps(run_dir)) >= 2, cluster, job, tmp_path, 240)
     first = json.loads((logs / "ray_nodes.json").read_text())     # ray.nodes() seen before the driver
-    cluster.run("scancel", "--signal=USR1", "--batch", job)
+    _signal_usr1(cluster, job)
 
     # Slurm holds the requeued job for the credential lifetime (up.sh: cred_expire=30 s) and then
     # starts it by itself. Releasing it earlier (`scontrol update StartTime=now`, what this test
@@ -276,10 +358,36 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, tmp_p
         assert len({n["ip"] for n in nodes["nodes"]}) == 2, nodes    # two distinct node IPs
         # the GRES gpu count reached Ray on every node
         assert [n["resources"].get("GPU") for n in nodes["nodes"]] == [float(FAKE_GPUS)] * 2, nodes
+        # one auth mode for head, workers and probe (the job's own token), ray.sub's fixed ports
+        assert nodes["auth_mode"] == "token", nodes
+        _pinned_ports(nodes)
+    # the home's token left alone, nothing else written there
+    assert sorted(p.name for p in (home / ".ray").iterdir()) == ["auth_token"]
+    assert (home / ".ray" / "auth_token").read_text() == token
     launcher = (logs / "launcher.log").read_text()
     assert launcher.count("RAY_NODES alive=2 expected=2") == 2, info
     if not train:
         assert json.loads((run_dir / "driver_ray_nodes.json").read_text())["alive"] == 2
+    # container mode: the exact srun lines. Every step in the image with the mounts (+ the uv
+    # cache at the container's uv cache) and the workdir; the head's steps (probe, watchdog,
+    # driver) join the head's named container, as ray.sub runs its driver in it
+    steps_by_kind = _srun_lines(srun_log)
+    assert {k: len(v) >= 2 for k, v in steps_by_kind.items()} == dict.fromkeys(
+        ("head", "workers", "probe", "watch", "driver"), True), steps_by_kind.keys()
+    for kind, lines in steps_by_kind.items():
+        name = "ray-worker" if kind == "workers" else "ray-head"
+        for argv in lines:
+            assert {"--container-image=/images/nemo-rl-7ea279abf.sqsh", f"--container-name={name}",
+                    f"--container-mounts=/data:/data,{uv_cache}:/root/.cache/uv", f"--container-workdir={tmp_path}",
+                    "--no-container-mount-home"} <= set(argv), (kind, argv)
+    assert uv_cache.is_dir()
+    # every step on both nodes: the soft file limit raised (ray.sub: 65535, at most the hard limit),
+    # no host UV_CACHE_DIR inside the container
+    rows = [line.split() for line in facts.read_text().splitlines()]
+    assert {r[0] for r in rows} == {"ngt1", "ngt2"} and len(rows) >= 8, rows
+    for host, soft, hard, uv in rows:
+        assert int(soft) == (65535 if hard == "unlimited" or int(hard) >= 65535 else int(hard)) > 1024, rows
+        assert uv == "unset", rows
     # preempted: checkpoint confirmed (exit 99), requeued once, resumed with no step lost or repeated
     assert int(cluster.job_fields(job)["Restarts"]) == 1, info
     assert "driver exited with code 99 after SIGUSR1" in launcher, info
@@ -316,13 +424,22 @@ def test_launcher_refuses_to_run_outside_slurm(tmp_path):
     assert r.returncode == 2 and "not inside a Slurm job" in r.stderr
 
 
+def test_probe_that_cannot_import_ray_says_so_in_one_line():
+    """(No cluster.) The probe's Python without ray (``-S``: no site-packages): one ERROR line, exit 7."""
+    r = subprocess.run([sys.executable, "-S", str(SLURM / "ray_cluster.py"), "wait", "--address=10.0.0.1:1200",
+                        "--expected=1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 7, r.stdout + r.stderr
+    assert r.stdout.splitlines() == [f"ERROR: Ray readiness probe: cannot import ray with {sys.executable} "
+                                     "(ModuleNotFoundError: No module named 'ray')"], r.stdout
+
+
 def test_scripts_pass_shellcheck():
     if shutil.which("shellcheck") is None:
         reason = _ensure_debian_packages()
         if reason or shutil.which("shellcheck") is None:
             pytest.skip(reason or "shellcheck not installable")
-    scripts = sorted(str(p) for p in SLURM.rglob("*.sh"))
-    assert len(scripts) >= 4, scripts
+    scripts = sorted(str(p) for p in SLURM.rglob("*.sh")) + [str(SRUN_SHIM)]
+    assert len(scripts) >= 5, scripts
     r = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
 
@@ -368,32 +485,59 @@ def _nemo_rl_config_dir(nemo_rl_src: Path, dest: Path) -> Path:
     return dest
 
 
+def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
+    """A NeMo-RL checkout as the launch story has one (WORKDIR): its package, examples and project."""
+    dest.mkdir(parents=True)
+    for name in ("nemo_rl", "examples", "pyproject.toml"):
+        (dest / name).symlink_to(nemo_rl_src / name)
+    return dest
+
+
 def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, tmp_path):
-    """ESPO vs GSPO on Qwen3-30B-A3B as a user submits it, with the NeMo-RL driver replaced by
+    """ESPO vs GSPO on Qwen3-30B-A3B as a user submits it (WORKDIR = the NeMo-RL checkout, no
+    NEMO_RL_SRC in the environment), with the NeMo-RL driver replaced by
     tests/nemo_rl_logger_driver.py (NEMO_RL_PYTHON): NeMo-RL's own load_config, Logger
-    (TensorBoard) and CheckpointManager write the run directories, plus evals.json; the small
-    afterany report job must turn them into report.md with the benchmark table."""
+    (TensorBoard) and CheckpointManager write the run directories, plus evals.json; each run's
+    eval job (--eval-suite) must find the NeMo-RL checkout (here with eval-checkpoints --dry-run:
+    the evaluation itself needs GPUs); the small afterany report job must turn them into
+    report.md with the benchmark table. The (stand-in) preflight checks every config before
+    anything is submitted, and again in each training job."""
     cfgs = _nemo_rl_config_dir(nemo_rl_src, tmp_path / "configs")
-    out = tmp_path / "cmp"
+    checkout = _nemo_rl_checkout(nemo_rl_src, tmp_path / "NeMo-RL")
+    out, preflight, bench = tmp_path / "cmp", tmp_path / "preflight.log", tmp_path / "benchmarks"
+    bench.mkdir()   # the launch story's --data-dir: HMMT25 has no NeMo-RL loader
+    (bench / "hmmt25.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     env = {**cluster.env, "NEMO_RL_PYTHON": f"{sys.executable} {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
+           "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT_LOG": str(preflight),
            "START_RAY": "0"}       # the stand-in driver does not use Ray (the other tests cover Ray)
+    env.pop("NEMO_RL_SRC", None)   # (NeMo-RL stays importable through PYTHONPATH)
     r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
-                        "--train-sbatch", "--time=4:00:00 --gres=gpu:2",
+                        "--train-sbatch", "--time=4:00:00 --gres=gpu:2", "--eval-suite", "espo",
+                        "--eval-args", f"--dry-run --data-dir {bench}",
                         str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"), str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml"),
                         "--", "grpo.max_num_steps=4", "grpo.val_period=2"],
                        env=env, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     ids = (out / "job_ids.txt").read_text().split()
-    assert len(ids) == 3, r.stdout
+    assert len(ids) == 5, r.stdout        # 2 training jobs, 2 eval jobs, the report
+    # the preflight ran for both configs before any submission (the submit host), with the runs'
+    # overrides and the allocation
+    checked = preflight.read_text().splitlines()
+    assert [c.split()[0] for c in checked[:2]] == [str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
+                                                    str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml")], checked
+    assert all("grpo.seed=3" in c and "cluster.num_nodes=1" in c and "cluster.gpus_per_node=2" in c
+               for c in checked[:2]), checked
     # the training jobs got the GPUs and the long limit, the report job its own small allocation
-    for job in ids[:2]:
+    for job in ids[:4]:
         f = cluster.job_fields(job)
         assert f.get("TimeLimit") == "04:00:00" and "gpu:2" in (f.get("TresPerNode", "") + f.get("Gres", "")), f
-    rf = cluster.job_fields(ids[2])
+    rf = cluster.job_fields(ids[4])
     assert rf.get("TimeLimit") == "00:30:00" and "gpu" not in rf.get("TresPerNode", "") + rf.get("Gres", ""), rf
     for job in ids:
         state = cluster.wait_terminal(job, timeout=420)
         assert state == "COMPLETED", f"{job}: {state}\n{_explain(cluster, out, job)}"
+    # each training job ran the preflight again on its node, before its driver
+    assert len(preflight.read_text().splitlines()) == 4
     for name in ("espo_qwen3_30b_a3b_megatron", "gspo_qwen3_30b_a3b_megatron"):
         run = out / name
         assert list((run / "logs").glob("exp_*/tensorboard/events.out.tfevents.*")), _explain(cluster, out, ids[0])
@@ -401,6 +545,9 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
         drv = next((out / "slurm-logs").glob(f"cmp-{name}-*/driver.log")).read_text()
         # the launcher appended the allocation to the NeMo-RL command line
         assert "cluster.num_nodes=1" in drv and "gpus/node=2" in drv, drv
+        # the eval job planned NeMo-RL's run_eval in the checkout (not: "--nemo-rl: give the NeMo-RL checkout")
+        ev = next(out.glob(f"slurm-cmp-eval-{name}-*.out")).read_text()
+        assert f"cd {checkout} && uv run python examples/run_eval.py --config" in ev and "aime24" in ev, ev
     report = (out / "report" / "report.md").read_text()
     assert "Runs: 2 usable of 2" in report, report[:600]
     assert "## Benchmark suite" in report and "| AIME24 |" in report and "| HMMT25 |" in report, report
@@ -412,6 +559,26 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     assert any(line.startswith("| ESPO reaches a higher final validation accuracy than GSPO") and "ESPO 0." in line
                for line in report.splitlines()), report
     assert "Qwen/Qwen3-30B-A3B-Base" in report
+
+
+def test_submit_comparison_runs_the_preflight_before_submitting_anything(tmp_path):
+    """A config the (stand-in) preflight finds problems in: nothing submitted, one line per
+    problem naming the config, exit 1; ``--no-preflight`` (experts) skips it."""
+    cfgs = [str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo")]
+    env = {**os.environ, "NEMO_RL_PYTHON": f"{sys.executable} {NRL_DRIVER}",
+           "NG_FAKE_PREFLIGHT_PROBLEMS": "policy.megatron_cfg.expert_model_parallel_size: 16 does not divide 8 GPUs"}
+    args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(tmp_path / "cmp"), "--nodes", "8",
+            "--train-sbatch", "--gres=gpu:8", *cfgs]
+    bad = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 1 and "sbatch" not in bad.stderr, bad.stderr
+    lines = bad.stderr.splitlines()
+    assert len(lines) == 3, lines     # one problem per config, then what to do
+    for cfg, line in zip(cfgs, lines):
+        assert line == f"submit_comparison: preflight: {cfg}: policy.megatron_cfg.expert_model_parallel_size: " \
+                       "16 does not divide 8 GPUs", line
+    assert "--no-preflight" in lines[2]
+    ok = subprocess.run(args[:2] + ["--no-preflight"] + args[2:], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert ok.returncode == 0 and len([x for x in ok.stderr.splitlines() if x.startswith("sbatch")]) == 3, ok.stderr
 
 
 def test_submit_comparison_dry_run_writes_nothing_and_keeps_training_resources_off_the_report(tmp_path):
@@ -457,6 +624,187 @@ def test_submit_comparison_eval_jobs_follow_training_and_precede_the_report(tmp_
                          cwd=tmp_path)
     assert bad.returncode == 2 and "--eval-suite" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
 
+def _nemo_rl_world(d: Path) -> dict[str, Path]:
+    """A tiny tokenizer+config model folder, a JSONL dataset, and children of the repo's GRPO
+    (SSPO) and SPPO configs on them, as ``run_grpo`` / ``run_sppo`` load them on a cluster."""
+    import tokenizers
+    import transformers
+
+    words = ["what", "is", "1", "2", "3", "+", "=", "answer", "\\boxed{", "}"]
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + words)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    model = d / "model"
+    fast.save_pretrained(str(model))
+    transformers.Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(str(model))
+    data = d / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"what is {a} + {b}", "answer": str(a + b)}) + "\n"
+                            for a in (1, 2) for b in (1, 2, 3)))
+    ds = f"{{dataset_name: ResponseDataset, data_path: {data}, input_key: problem, output_key: answer}}"
+    common = (f"policy: {{model_name: {model}, tokenizer: {{name: {model}}}}}\n"
+              "data:\n  _override_: true\n  max_input_seq_length: 64\n  shuffle: false\n  num_workers: 0\n"
+              f"  use_multiple_dataloader: false\n  train: {ds}\n  validation: {ds}\n"
+              "  default: {prompt_file: null, system_prompt_file: null, processor: math_hf_data_processor, "
+              "env_name: math}\nenv: {math: {num_workers: 1}}\n"
+              "checkpointing: {enabled: true, metric_name: null, keep_top_k: 1000, checkpoint_must_save_by: null}\n")
+    cfgs = {"grpo": d / "grpo.yaml", "sppo": d / "sppo.yaml"}
+    cfgs["grpo"].write_text(f"defaults: {ROOT / 'examples/configs/nemo_rl/sspo_math_1B.yaml'}\n" + common)
+    cfgs["sppo"].write_text(f"defaults: {ROOT / 'examples/configs/sppo_r1_distill_qwen_1.5b.yaml'}\n" + common
+                            + f"value: {{model_name: {model}}}\n")
+    return cfgs
+
+
+def _nemo_rl_steps(run: Path) -> list[tuple[int, int]]:
+    p = run / "steps.jsonl"
+    return [(r["step"], r["attempt"]) for r in map(json.loads, p.read_text().splitlines())] if p.exists() else []
+
+
+def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src, tmp_path):
+    """Two one-node NeMo-RL jobs side by side (a Ray head each; NeMo-RL's own ``init_ray`` attaches
+    to it), the real ``run_grpo`` / ``run_sppo`` with tests/nemo_rl_loop_driver.py's loop:
+
+    * SPPO stopped by NeMo-RL's own time limit (``checkpointing.checkpoint_must_save_by``): NeMo-RL
+      saves and returns normally, as at the last step; the run must still be requeued and resume;
+    * SSPO sent USR1 while the driver starts (no handler yet: here a sleep before the driver, as
+      ``uv run`` syncing its environment) and again in the middle of a slow checkpoint save: the
+      save must complete, NeMo-RL must stop at the end of the step with a checkpoint, exit 99, and
+      the requeued job resume from it. Its home holds an earlier ``ray.init()``'s token, the SPPO
+      job's home none: NeMo-RL's ``init_ray`` must attach with the job's token either way."""
+    cfgs = _nemo_rl_world(tmp_path / "world")
+    usr1_run, limit_run = tmp_path / "usr1", tmp_path / "limit"
+    homes = {"usr1": _home(tmp_path / "home-usr1", token="a-token-left-by-an-earlier-ray-init-0123"),
+             "limit": _home(tmp_path / "home-limit")}
+    base = {"START_RAY": "1", "PREEMPT_RESEND": "1", "NG_FAKE_STEP_SECONDS": "0.5", "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "NG_FAKE_PREFLIGHT_LOG": str(tmp_path / "preflight.log")}
+
+    def cmd(module: str, cfg: Path, run: Path, *extra: str) -> list[str]:
+        return [sys.executable, str(LOOP_DRIVER), "-m", module, "--config", str(cfg), *extra,
+                f"checkpointing.checkpoint_dir={run}/checkpoints", f"logger.log_dir={run}/logs"]
+
+    usr1 = _submit(cluster, tmp_path / "w-usr1", "ng-usr1",
+                   cmd("nemo_granular.run_grpo", cfgs["grpo"], usr1_run, "grpo.max_num_steps=6",
+                       "checkpointing.save_period=2"), nodes=1,
+                   env={**base, "HOME": str(homes["usr1"]), "NG_FAKE_STARTUP_SECONDS": "6",
+                        "NG_FAKE_SAVE_SECONDS": "4"})
+    limit = _submit(cluster, tmp_path / "w-limit", "ng-limit",
+                    cmd("nemo_granular.run_sppo", cfgs["sppo"], limit_run, "ppo.max_num_steps=6",
+                        "checkpointing.save_period=100", "checkpointing.checkpoint_must_save_by=00:00:00:03"),
+                    nodes=1, env={**base, "HOME": str(homes["limit"])})
+    w = tmp_path / "w-usr1"
+    _wait_for("the driver's start", lambda: (usr1_run / "startup.0").exists(), cluster, usr1, w)
+    _signal_usr1(cluster, usr1)
+    ckpt = usr1_run / "checkpoints"
+    _wait_for("a checkpoint save", lambda: any(ckpt.glob("tmp_step_*")), cluster, usr1, w, 400)
+    saving = sorted(p.name for p in ckpt.glob("tmp_step_*"))
+    _signal_usr1(cluster, usr1)
+    states = {job: cluster.wait_terminal(job, timeout=480) for job in (usr1, limit)}
+    for job, run, name in ((usr1, usr1_run, "usr1"), (limit, limit_run, "limit")):
+        wd = tmp_path / f"w-{name}"
+        info = _explain(cluster, wd, job)
+        logs = wd / "slurm-logs" / f"ng-{name}-{job}"
+        launcher, driver = (logs / "launcher.log").read_text(), (logs / "driver.log").read_text()
+        assert states[job] == "COMPLETED" and int(cluster.job_fields(job)["Restarts"]) == 1, info
+        status = json.loads((logs / "status.json").read_text())
+        assert status["exit_code"] == 0 and status["reason"] == "driver finished" and status["attempt"] == 1, status
+        # every step exactly once over the two attempts, resumed from NeMo-RL's checkpoint
+        steps = _nemo_rl_steps(run)
+        assert [s for s, _ in steps] == list(range(1, 7)), (steps, info)
+        assert not list((run / "checkpoints").glob("tmp_step_*")), info     # no half-written save left
+        first = [s for s, a in steps if a == 0]
+        assert first and 1 <= max(first) < 6 and {a for s, a in steps if s > max(first)} == {1}, steps
+        # the second attempt's loop started from the first one's last checkpoint (NeMo-RL's setup
+        # found it; its retention later removes an off-period step_N once a newer one exists)
+        section = "ppo" if name == "limit" else "grpo"
+        assert f"stand-in {section} loop: from step 0," in driver, info
+        assert f"stand-in {section} loop: from step {max(first)}," in driver, info
+        assert "driver exited with code 99" in launcher and "requeued, attempt 1" in launcher, info
+        nodes = json.loads((logs / "ray_nodes.json").read_text())
+        assert nodes["auth_mode"] == "token" and nodes["alive"] == 1, nodes
+        _pinned_ports(nodes)
+        if name == "limit":
+            assert "Timeout has been reached, stopping training early" in driver, info
+            assert f"stopped at NeMo-RL's time limit (checkpointing.checkpoint_must_save_by) after step " \
+                   f"{max(first)} of 6" in driver, info
+        else:
+            assert saving, "no save was in progress when the second USR1 was sent"
+            assert "driver exited with code 99 after SIGUSR1" in launcher, info
+            assert f"stopped by SIGUSR1 after step {max(first)} of 6" in driver, info
+    assert sorted(p.name for p in (homes["usr1"] / ".ray").iterdir()) == ["auth_token"]
+    assert (homes["usr1"] / ".ray" / "auth_token").read_text().startswith("a-token-left")
+    assert not list((homes["limit"] / ".ray").iterdir())     # NeMo-RL's ray.init wrote no token into the home
+    # the preflight checked each attempt's command line, with the launcher's cluster overrides
+    checked = (tmp_path / "preflight.log").read_text().splitlines()
+    assert len(checked) == 4 and all("cluster.num_nodes=1" in c and "cluster.gpus_per_node=2" in c for c in checked)
+
+
+def test_failed_readiness_probe_prints_rays_own_reason(cluster, tmp_path):
+    """Token auth chosen by the user (RAY_AUTH_MODE, RAY_AUTH_TOKEN), and a node environment that
+    hands the steps after the head a different token (here a SETUP_COMMAND): Ray refuses the
+    readiness probe, and the job's one ERROR line must be Ray's reason, not a line of source."""
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "the-token-the-head-starts-with-0123456789",
+           "SETUP_COMMAND": '[[ $SLURM_STEP_ID == 0 ]] || export RAY_AUTH_TOKEN=a-different-token-9876543210'}
+    job = _submit(cluster, tmp_path, "ng-probe", ["true"], nodes=1, env=env)
+    state = cluster.wait_terminal(job, timeout=240)
+    info = _explain(cluster, tmp_path, job)
+    assert state == "FAILED", info
+    errors = [line for line in (tmp_path / f"slurm-{job}.out").read_text().splitlines() if "ERROR:" in line]
+    assert len(errors) == 1, (errors, info)
+    assert "Ray readiness probe" in errors[0] and "InvalidAuthToken" in errors[0], errors[0]
+    assert "ray.init(" not in errors[0] and "logging_level" not in errors[0], errors[0]
+    status = json.loads((tmp_path / "slurm-logs" / f"ng-probe-{job}" / "status.json").read_text())
+    assert "InvalidAuthToken" in status["reason"], status
+
+
+def test_worker_that_cannot_start_fails_the_job_at_once(cluster, tmp_path):
+    """A worker node whose set-up fails (its srun step exits): the job fails within seconds, naming
+    the node, instead of waiting RAY_WAIT_TIMEOUT (600 s here) for a node that never joins."""
+    env = {"RAY_WAIT_TIMEOUT": "600",
+           "SETUP_COMMAND": '[[ $(hostname) != ngt2 ]] || { echo "no /scratch on $(hostname)"; false; }'}
+    t0 = time.monotonic()
+    job = _submit(cluster, tmp_path, "ng-wfail", ["true"], env=env)
+    state = cluster.wait_terminal(job, timeout=240)
+    took = time.monotonic() - t0
+    info = _explain(cluster, tmp_path, job)
+    assert state == "FAILED" and took < 200, (took, info)
+    status = json.loads((tmp_path / "slurm-logs" / f"ng-wfail-{job}" / "status.json").read_text())
+    assert "ray-workers" in status["reason"] and "SETUP_COMMAND failed on ngt2" in status["reason"], status
+    assert "RAY_NODES" not in (tmp_path / f"slurm-{job}.out").read_text()
+    print(f"worker set-up failure: job ended {took:.0f} s after submission")
+
+
+def test_failing_preflight_stops_the_job_before_ray(cluster, tmp_path):
+    """The (stand-in) preflight of a NeMo-RL command finds a problem: the job fails before Ray
+    starts, with the problem as its reason; ``PREFLIGHT=0`` (experts) skips the check."""
+    cfg = ROOT / "examples" / "configs" / "espo_qwen3_30b_a3b_megatron.yaml"
+    log = tmp_path / "preflight.log"
+    problem = "policy.megatron_cfg.expert_model_parallel_size: 16 does not divide 2 GPUs"
+    env = {"NG_FAKE_PREFLIGHT_PROBLEMS": problem, "NG_FAKE_PREFLIGHT_LOG": str(log)}
+    cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", "--config", str(cfg), "grpo.seed=3"]
+    # given as a COMMAND string: plain words are the command's arguments, so the launcher finds
+    # the driver's Python and config and appends the cluster overrides to them
+    job = _submit(cluster, tmp_path / "on", "ng-pf", [], nodes=1, env={**env, "COMMAND": " ".join(cmd)})
+    # skipped: the driver itself then runs (and stops at once here: it is given no config file)
+    off = _submit(cluster, tmp_path / "off", "ng-pf-off", cmd[:-2], nodes=1,
+                  env={**env, "PREFLIGHT": "0", "START_RAY": "0", "CLUSTER_OVERRIDES": "0"})
+    assert cluster.wait_terminal(job, timeout=120) == "FAILED"
+    info = _explain(cluster, tmp_path / "on", job)
+    out = (tmp_path / "on" / f"slurm-{job}.out").read_text()
+    assert f"ERROR: preflight of {cfg}: {problem}" in out, info
+    assert "starting the Ray head" not in out and "driver:" not in out, out
+    status = json.loads((tmp_path / "on" / "slurm-logs" / f"ng-pf-{job}" / "status.json").read_text())
+    assert status["exit_code"] == 2 and problem in status["reason"], status
+    assert log.read_text().splitlines() == [f"{cfg} grpo.seed=3 cluster.num_nodes=1 cluster.gpus_per_node=2"]
+    assert cluster.wait_terminal(off, timeout=120) == "FAILED"
+    launcher = (tmp_path / "off" / "slurm-logs" / f"ng-pf-off-{off}" / "launcher.log").read_text()
+    assert "preflight skipped (PREFLIGHT=0)" in launcher and "driver exited with code 2" in launcher, launcher
+    assert len(log.read_text().splitlines()) == 1
+
+
 def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
     """Runs LAST among the cluster tests: it leaves node ngt2 dead (down.sh cleans up)."""
     run_dir = tmp_path / "run"
@@ -485,6 +833,7 @@ def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
     assert "ngt2" in status["reason"] and ("lost" in status["reason"] or "died" in status["reason"]), status
     err = (tmp_path / f"slurm-{job}.out").read_text()
     assert "ERROR:" in err and "ngt2" in err, info
+    assert not list((Path(cluster.env["HOME"]) / ".ray").glob("*"))     # no Ray token written into the home
     # the batch script has ended; Slurm finishes the record once it declares the node down
     assert cluster.state(job) in ("COMPLETING", "FAILED", "NODE_FAIL"), info
     print(f"node failure detected after {time.monotonic() - t_kill:.0f} s (reason: {status['reason']})")

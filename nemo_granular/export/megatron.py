@@ -1,29 +1,50 @@
-"""Reader for NeMo-RL Megatron checkpoints, through Megatron-Bridge when it is installed.
+"""Reader for NeMo-RL Megatron checkpoints, through Megatron-Bridge.
 
-Layout: ``step_N/policy/weights/iter_XXXXXXX/`` (Megatron-Bridge distributed checkpoint with its
-``run_config.yaml``), ``step_N/config.yaml`` (``policy.model_name``, ``policy.hf_overrides``),
-``step_N/policy/tokenizer/``. The conversion is Megatron-Bridge's public API
-(``AutoBridge.from_hf_pretrained(model_name)`` → ``load_megatron_model(iter_dir)`` →
-``save_hf_pretrained``) run single-process on CPU under a gloo context, into a scratch directory;
-the result is then read like any HF directory and re-written by our writer (dtype, shards, card,
-verification against the Bridge's output).
+Layout (what NeMo-RL's Megatron policy worker writes through Megatron-Bridge's ``save_checkpoint``)::
 
-Refused up front, before anything heavy is imported: a Qwen3-MoE checkpoint saved with expert
-parallelism > 1 (``expert_model_parallel_size`` in ``run_config.yaml``) — single-process export of
-those is a known upstream failure; NeMo-RL's ``examples/converters/convert_megatron_to_hf_gpu.py``
-with ``--ep`` is the supported route.
+    step_N/config.yaml                          policy.model_name (+ policy.hf_overrides)
+    step_N/policy/weights/latest_checkpointed_iteration.txt
+    step_N/policy/weights/iter_0000000/         torch_dist checkpoint: .metadata, __<rank>_0.distcp,
+                                                metadata.json, common state, run_config.yaml
+
+The conversion is Megatron-Bridge's public API (``AutoBridge.from_hf_pretrained(model_name)`` →
+``load_megatron_model(iter_dir)`` → ``save_hf_pretrained``) in ONE process on CPU under a
+one-rank gloo group, into a scratch directory; the result is then read like any HF directory and
+re-written by our writer (dtype, shards, card, verification against the Bridge's output).
+
+**Any saved parallel layout is read in that one process** (TP, PP, EP, ETP): a torch_dist
+checkpoint stores every tensor under its global shape with each rank's chunk offsets (for MoE
+experts the global expert index is one axis), and ``load_megatron_model`` builds the model at
+TP = PP = EP = 1 and loads it through ``torch.distributed.checkpoint``, which reassembles the
+chunks. Executed on CPU (tests/test_export_megatron.py) for Qwen3-MoE checkpoints saved at EP1, EP2
+and TP2×EP2 and dense ones at TP1, TP2 and PP2.
+
+One setting is changed for that build: the MoE token dispatcher becomes ``allgather``. Qwen3-MoE
+checkpoints record ``alltoall``, whose constructor creates a CUDA stream
+(``MoEAlltoAllTokenDispatcher.__init__``), so on a host without a GPU the single-process build
+stops there for every EP; the dispatcher only acts in a forward pass, which the export never runs.
+
+Refused up front, before anything heavy is imported: checkpoint formats other than
+``torch_dist`` (Megatron-Bridge's single-process loader reads only that one) and the value model.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from .source import ExportSource, algorithm_of, read_yaml
 
-__all__ = ["find_iter_dir", "check_megatron_supported", "load_megatron"]
+__all__ = ["find_iter_dir", "saved_parallelism", "check_megatron_supported", "load_megatron"]
+
+PARALLEL_KEYS = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
+                 "context_parallel_size": "CP", "expert_model_parallel_size": "EP",
+                 "expert_tensor_parallel_size": "ETP"}
 
 
 def find_iter_dir(weights: Path) -> Path:
@@ -40,33 +61,23 @@ def find_iter_dir(weights: Path) -> Path:
     return iters[-1]
 
 
-def _find(d: Any, key: str) -> Any:
-    """First value of ``key`` anywhere in a nested mapping (run_config.yaml nests it under ``model``)."""
-    if isinstance(d, dict):
-        if key in d:
-            return d[key]
-        for v in d.values():
-            found = _find(v, key)
-            if found is not None:
-                return found
-    return None
+def saved_parallelism(run_cfg: dict) -> dict[str, int]:
+    """{TP, PP, CP, EP, ETP} the checkpoint was saved with (``model`` section of run_config.yaml)."""
+    model = run_cfg.get("model") if isinstance(run_cfg.get("model"), dict) else {}
+    out = {}
+    for key, short in PARALLEL_KEYS.items():
+        value = model.get(key)
+        out[short] = int(value) if isinstance(value, (int, float)) or (isinstance(value, str) and value.isdigit()) else 1
+    return out
 
 
-def check_megatron_supported(run_cfg: dict, model_name: str | None, origin: str) -> None:
-    """Refuse Qwen3-MoE with expert parallelism > 1 (known upstream single-process export failure)."""
-    model = run_cfg.get("model") if isinstance(run_cfg.get("model"), dict) else run_cfg
-    ep = model.get("expert_model_parallel_size", _find(run_cfg, "expert_model_parallel_size")) or 1
-    target = str(model.get("_target_", ""))
-    experts = model.get("num_moe_experts") or 0
-    name = str(model_name or "")
-    is_qwen3_moe = ("qwen3moe" in target.lower().replace("_", "")
-                    or (bool(experts) and "qwen3" in (target + name).lower())
-                    or bool(re.search(r"qwen3.*(moe|-a\d+(\.\d+)?b)", name, re.I)))
-    if is_qwen3_moe and int(ep) > 1:
-        raise ValueError(
-            f"{origin}: Qwen3-MoE checkpoint saved with expert_model_parallel_size={ep}; single-process "
-            "Megatron→HF export fails upstream for EP>1 — use NeMo-RL's examples/converters/"
-            f"convert_megatron_to_hf_gpu.py --ep {ep} (torchrun on GPUs), then `nemo-granular export` the HF dir")
+def check_megatron_supported(run_cfg: dict, origin: str) -> None:
+    """Refuse what Megatron-Bridge's single-process loader cannot read (one line, naming why)."""
+    ckpt = run_cfg.get("checkpoint") if isinstance(run_cfg.get("checkpoint"), dict) else {}
+    fmt = ckpt.get("ckpt_format", "torch_dist")
+    if fmt not in (None, "torch_dist"):
+        raise ValueError(f"{origin}: checkpoint.ckpt_format={fmt!r}; Megatron-Bridge's load_megatron_model "
+                         "reads only torch_dist checkpoints")
 
 
 def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config: str | None = None) -> ExportSource:
@@ -81,29 +92,28 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
     run_cfg_path = iter_dir / "run_config.yaml"
     if not run_cfg_path.exists():
         raise FileNotFoundError(f"{run_cfg_path} not found (incomplete Megatron checkpoint)")
+    run_cfg = read_yaml(run_cfg_path)
+    check_megatron_supported(run_cfg, str(iter_dir))
     model_name = model_config or policy.get("model_name")
-    check_megatron_supported(read_yaml(run_cfg_path), model_name, str(iter_dir))
     if not model_name:
         raise ValueError(f"{step_dir / 'config.yaml'}: policy.model_name is needed for the Megatron→HF mapping")
     try:
         from megatron.bridge import AutoBridge
         from megatron.bridge.training.model_load_save import temporary_distributed_context
-    except ImportError:
+    except ImportError as err:
         raise ImportError("exporting a Megatron checkpoint needs Megatron-Bridge (package megatron-bridge, "
-                          "NeMo-RL's `mcore` extra), which is not installed") from None
+                          f"NeMo-RL's `mcore` extra); importing it failed: {err}") from None
 
     scratch = Path(tempfile.mkdtemp(prefix=".megatron-hf-", dir=scratch_parent))
     out = scratch / "hf"
-    bridge = AutoBridge.from_hf_pretrained(model_name, **(policy.get("hf_overrides") or {}))
-    with temporary_distributed_context(backend="gloo"):
-        try:
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-            model_parallel_cuda_manual_seed(0)
-        except Exception:  # CPU-only hosts: seeding the CUDA RNG tracker is optional here
-            pass
-        megatron_model = bridge.load_megatron_model(str(iter_dir), skip_temp_dist_context=True)
-        bridge.save_hf_pretrained(megatron_model, str(out))
+    log = io.StringIO()
+    try:  # Bridge prints progress to stdout; keep the CLI's stdout for its own report (--json)
+        with contextlib.redirect_stdout(log):
+            _convert(AutoBridge, temporary_distributed_context, model_name, policy.get("hf_overrides") or {},
+                     iter_dir, out)
+    except BaseException:
+        sys.stderr.write(log.getvalue()[-4000:])
+        raise
     config, sd, reference = load_hf_dir(out, critic=False, origin=str(iter_dir))
     tok = step_dir / "policy" / "tokenizer"
     step = int(step_dir.name[5:]) if step_dir.name.startswith("step_") and step_dir.name[5:].isdigit() else None
@@ -111,5 +121,24 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
                        tokenizer_dir=tok if tok.is_dir() else (out if (out / "tokenizer_config.json").exists() else None),
                        generation_config_dir=out if (out / "generation_config.json").exists() else None,
                        train_config=train_cfg, algorithm=algorithm_of(train_cfg), step=step)
+    layout = "×".join(f"{k}{v}" for k, v in saved_parallelism(run_cfg).items() if v > 1) or "no model parallelism"
+    src.notes.append(f"Megatron checkpoint saved with {layout}; read in one process by Megatron-Bridge "
+                     "(torch_dist resharding)")
     src.notes.append("verified against Megatron-Bridge's HF conversion of the checkpoint")
     return src
+
+
+def _convert(AutoBridge: Any, temporary_distributed_context: Any, model_name: str, hf_overrides: dict,
+             iter_dir: Path, out: Path) -> None:
+    bridge = AutoBridge.from_hf_pretrained(model_name, **hf_overrides)
+    with temporary_distributed_context(backend="gloo"):
+        try:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(0)
+        except Exception:  # CPU-only hosts: nothing is initialised randomly (weights come from the checkpoint)
+            pass
+        # alltoall's constructor needs a CUDA stream; no forward runs here, so allgather is equivalent
+        megatron_model = bridge.load_megatron_model(str(iter_dir),
+                                                    mp_overrides={"moe_token_dispatcher_type": "allgather"})
+        bridge.save_hf_pretrained(megatron_model, str(out))

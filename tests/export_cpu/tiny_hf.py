@@ -1,0 +1,63 @@
+"""Tiny Qwen3 / Qwen3-MoE checkpoints written by transformers (weights ~N(0, 0.2), fp32)."""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+PROMPTS = ["The capital of France is", "12 * 7 =", "def f(x):\n    return"]
+
+
+def make_tokenizer(path: Path):
+    """Character-level WordLevel tokenizer (103 ids) wrapped in PreTrainedTokenizerFast."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2}
+    for c in string.printable:
+        vocab.setdefault(c, len(vocab))
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def tiny_config(moe: bool):
+    """Qwen3(-MoE) with hidden 32, 2 layers, 4 heads / 2 KV heads (TP2 divides both), vocab 112;
+    MoE: 4 experts, top-2, normalised top-k (the Qwen3-30B-A3B routing)."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=112, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=8, max_position_embeddings=128, pad_token_id=0, eos_token_id=2, tie_word_embeddings=False)
+    if moe:
+        return Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                              norm_topk_prob=True, **common)
+    return Qwen3Config(intermediate_size=64, **common)
+
+
+def make_hf_model(path: Path, *, moe: bool, seed: int):
+    """``save_pretrained`` dir (fp32 weights + char tokenizer) at ``path``; returns the model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(moe), dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the default init so logits are far from zero
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+    model.eval().save_pretrained(str(path))
+    make_tokenizer(path)
+    return model
+
+
+@torch.no_grad()
+def max_logit_diff(a, b, tokenizer, prompts=PROMPTS) -> float:
+    """max |logits_a - logits_b| over the prompts (one unpadded forward each, fp32)."""
+    diffs = []
+    for p in prompts:
+        ids = torch.tensor([tokenizer(p)["input_ids"]])
+        diffs.append(float((a(input_ids=ids).logits.float() - b(input_ids=ids).logits.float()).abs().max()))
+    return max(diffs)

@@ -1,0 +1,151 @@
+"""``nemo-granular export`` of NeMo-RL Megatron checkpoints, executed on CPU.
+
+The checkpoints are written by NeMo-RL's and Megatron-Bridge's own code (HF import,
+``setup_model_config`` on NeMo-RL's Qwen3-30B-A3B recipe, Bridge's ``save_checkpoint``,
+``CheckpointManager``) over 2 gloo processes, from tiny HF Qwen3 / Qwen3-MoE models
+(``tests/export_cpu/megatron_writer.py``). Each export is reloaded with transformers and compared
+with the HF source: the exported tensors must be bit-equal to the source's (rounded to bf16 for
+the bf16 run) and the logits within 1e-6 (fp32 end to end, so any difference could only come from
+a kernel; measured: 0.0 in every case).
+
+The only CPU stand-in the export itself needs is Megatron's local layer spec in place of Transformer
+Engine's (``tests/export_cpu/stand_ins.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_granular.cli import main as top_main
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+LOGIT_TOL = 1e-6
+
+# name → (HF source, TP, PP, EP, NeMo-RL precision, export dtype)
+CASES = {
+    "moe_ep1": ("hf_moe", 1, 1, 1, "float32", "fp32"),
+    "moe_ep2": ("hf_moe", 1, 1, 2, "float32", "fp32"),
+    "moe_tp2ep2_bf16": ("hf_moe", 2, 1, 2, "bfloat16", "bf16"),   # the 30B-A3B recipe's precision and TP×EP shape
+    "dense_tp1": ("hf_dense", 1, 1, 1, "float32", "fp32"),
+    "dense_tp2": ("hf_dense", 2, 1, 1, "float32", "fp32"),
+    "dense_pp2": ("hf_dense", 1, 2, 1, "float32", "fp32"),
+}
+STEP = 3
+
+
+@pytest.fixture(scope="module")
+def megatron_checkpoints(megatron_workers, tmp_path_factory):
+    """Every case's ``checkpoint_dir/step_3`` from one 2-rank writer run (≈ 60 CPU-s)."""
+    from export_cpu.launch import run_ranks
+    from export_cpu.tiny_hf import make_hf_model
+
+    root = tmp_path_factory.mktemp("megatron")
+    make_hf_model(root / "hf_moe", moe=True, seed=1)
+    make_hf_model(root / "hf_dense", moe=False, seed=2)
+    jobs = [{"hf_dir": str(root / hf), "checkpoint_dir": str(root / name), "step": STEP, "tp": tp, "pp": pp,
+             "ep": ep, "precision": precision} for name, (hf, tp, pp, ep, precision, _) in CASES.items()]
+    run_ranks("megatron_writer", jobs, world=2, log_dir=root)
+    return root
+
+
+@pytest.fixture
+def local_spec(megatron_workers, monkeypatch):
+    from export_cpu.stand_ins import use_local_layer_spec
+
+    use_local_layer_spec(monkeypatch.setattr)
+
+
+def run_cli(argv, capsys):
+    capsys.readouterr()
+    rc = top_main(["export", *map(str, argv)])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _expert_ranges_per_file(iter_dir: Path) -> dict[str, set[int]]:
+    """{.distcp file: global expert indices whose fc1 chunks it holds} from the DCP metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(iter_dir)).read_metadata()
+    out: dict[str, set[int]] = {}
+    for index, info in meta.storage_data.items():
+        if index.fqn == "decoder.layers.mlp.experts.experts.linear_fc1.weight":
+            out.setdefault(info.relative_path, set()).add(int(index.offset[1]))  # (layer, expert, row, col)
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nemo_granular.export.source import read_yaml
+    from export_cpu.tiny_hf import max_logit_diff
+
+    hf, tp, pp, ep, precision, dtype = CASES[case]
+    ckpt_dir = megatron_checkpoints / case
+    step = ckpt_dir / f"step_{STEP}"
+    # the layout NeMo-RL writes
+    assert sorted(os.listdir(ckpt_dir)) == [f"step_{STEP}"]
+    assert {"config.yaml", "training_info.json", "policy"} <= set(os.listdir(step))
+    weights = step / "policy" / "weights"
+    assert (weights / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
+    iter_dir = weights / "iter_0000000"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "run_config.yaml"} <= set(os.listdir(iter_dir))
+    run_cfg = read_yaml(iter_dir / "run_config.yaml")["model"]
+    assert (run_cfg["tensor_model_parallel_size"], run_cfg["pipeline_model_parallel_size"],
+            run_cfg["expert_model_parallel_size"]) == (tp, pp, ep)
+    assert run_cfg["transformer_layer_spec"]["_target_"].endswith("gpt_provider.default_layer_spec")
+    assert read_yaml(step / "config.yaml")["policy"]["model_name"] == str(megatron_checkpoints / hf)
+    if ep == 2:  # experts really sharded: rank 0's file holds experts {0, 1}, rank 1's {2, 3}
+        assert _expert_ranges_per_file(iter_dir) == {"__0_0.distcp": {0, 1}, "__1_0.distcp": {2, 3}}
+
+    out = tmp_path / "hf"
+    rc, stdout, err = run_cli([ckpt_dir, out, "--dtype", dtype, "--json"], capsys)
+    assert rc == 0, err
+    rep = json.loads(stdout)  # Bridge's own progress output must not reach stdout
+    assert rep["source"] == "megatron" and rep["step_dir"] == str(step)
+    assert rep["verification"]["exact_max_abs_diff"] <= 1e-5
+    saved = "×".join(f"{k}{v}" for k, v in (("TP", tp), ("PP", pp), ("EP", ep)) if v > 1) or "no model parallelism"
+    assert any(f"saved with {saved};" in n for n in rep["notes"]), rep["notes"]
+
+    source = AutoModelForCausalLM.from_pretrained(str(megatron_checkpoints / hf), dtype=torch.float32).eval()
+    if dtype == "bf16":  # the run trained in bf16: its weights are the source rounded to bf16
+        for p in source.parameters():
+            p.data = p.data.to(torch.bfloat16).float()
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    src_sd, exp_sd = source.state_dict(), exported.state_dict()
+    assert set(src_sd) == set(exp_sd)
+    for k in src_sd:
+        assert torch.equal(src_sd[k], exp_sd[k]), k
+    tok = AutoTokenizer.from_pretrained(str(out))
+    diff = max_logit_diff(source, exported, tok)
+    note = ""
+    if dtype == "bf16":  # the cost of the run's bf16, for the docs (not an export error)
+        full = AutoModelForCausalLM.from_pretrained(str(megatron_checkpoints / hf), dtype=torch.float32).eval()
+        note = f"; vs the unrounded fp32 source {max_logit_diff(full, exported, tok):.3g}"
+    print(f"max |logit diff| vs source, {case}: {diff:.3g}{note}")  # shown with -s
+    assert diff <= LOGIT_TOL
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM" if hf == "hf_moe" else "Qwen3ForCausalLM"]
+
+
+def test_upstream_single_process_moe_build_needs_cuda(megatron_checkpoints, local_spec, monkeypatch):
+    """Why a CPU-only single-process export of a Qwen3-MoE checkpoint stopped (at any EP): Bridge's
+    ``load_megatron_model`` keeps the recorded ``alltoall`` dispatcher, whose constructor creates a
+    CUDA stream. The export sets ``allgather`` for its build; this pins the upstream behaviour."""
+    from megatron.bridge import AutoBridge
+    from megatron.bridge.training.model_load_save import temporary_distributed_context
+
+    monkeypatch.setattr(torch.cuda, "Stream", torch.cuda.streams.Stream)  # torch's own, whatever else ran
+    bridge = AutoBridge.from_hf_pretrained(str(megatron_checkpoints / "hf_moe"))
+    iter_dir = megatron_checkpoints / "moe_ep2" / f"step_{STEP}" / "policy" / "weights" / "iter_0000000"
+    with temporary_distributed_context(backend="gloo"):
+        with pytest.raises(RuntimeError, match=r"torch\.cuda\.Stream requires CUDA support"):
+            bridge.load_megatron_model(str(iter_dir))
+
