@@ -3,32 +3,41 @@
 ```yaml
 loss_fn:                     # NeMo-RL's own keys keep their meaning
   granular:
-    algorithm: sspo          # grpo | gspo | gspo_token | sspo | sspo_no_ec | espo | sppo
+    algorithm: sspo          # grpo | gspo | gspo_token | sspo | sspo_no_ec | espo | sppo | cispo | reinforce
     granularity: segment     # token | sequence | segment | entropy_group (overrides the preset)
     ratio: shared            # shared | token_decomposed
+    surrogate: clipped       # clipped | cispo | reinforce
     segment_delimiters: ["\\n\\n"]
     entropy_top_fraction: 0.2
     clip: sspo_entropy       # fixed | sspo_entropy | espo_entropy
     sspo: {alpha: 0.0, beta: 0.8, gamma: 1.75}
-    espo: {alpha: 1.0, vocab_size: null}
+    espo: {alpha: auto, vocab_size: null}   # auto: 3.5e-4·log|V|/H̄₀ from the first rollout
     aggregation: seq_mean_token_mean
 grpo:
   adv_estimator: {name: espo}
 ```
 
-A preset fills only the fields the user did not set. NeMo-RL's ``ratio_clip_min`` /
-``ratio_clip_max``, when present in ``loss_fn``, are the ε of ``fixed`` clipping and override
-the preset's ε. Every validation error is a one-line ``ValueError`` naming the field.
+A preset fills only what the config leaves unset — its ``granular`` fields and the NeMo-RL keys
+it implies (``token_level_loss`` through ``aggregation``, ``ratio_clip_min/max`` through ε);
+every NeMo-RL key left out otherwise gets NeMo-RL's default, so with the default preset
+(``grpo``) an empty config is NeMo-RL's default ``ClippedPGLossConfig``. A NeMo-RL key that
+is given keeps NeMo-RL's meaning and wins over the preset; one that contradicts an explicit
+``granular`` field is refused. :data:`NEMO_RL_LOSS_KEYS` says, key by key, how each composes
+with ``granular`` (docs/nemo-rl.md §3 is rendered from it). Every validation error is a
+one-line ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError, field_validator, model_validator
 
 __all__ = [
     "PRESETS",
+    "NEMO_RL_LOSS_KEYS",
+    "NEMO_RL_ESTIMATOR_KEYS",
     "SSPOClipConfig",
     "ESPOClipConfig",
     "GranularConfig",
@@ -37,30 +46,37 @@ __all__ = [
     "format_validation_error",
     "parse_policy_loss_config",
     "parse_advantage_config",
+    "render_key_table",
 ]
 
-Algorithm = Literal["grpo", "gspo", "gspo_token", "sspo", "sspo_no_ec", "espo", "sppo"]
+Algorithm = Literal["grpo", "gspo", "gspo_token", "sspo", "sspo_no_ec", "espo", "sppo", "cispo", "reinforce"]
 Granularity = Literal["token", "sequence", "segment", "entropy_group"]
 RatioForm = Literal["shared", "token_decomposed"]
 ClipKind = Literal["fixed", "sspo_entropy", "espo_entropy"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_group_mean"]
+Surrogate = Literal["clipped", "cispo", "reinforce"]
 
 # docs/algorithms/math.md §8 (ε of `fixed` clipping as (low, high); advantage estimator name)
 PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2),
+    "grpo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
                  aggregation="token_mean", advantage="grpo"),
-    "gspo": dict(granularity="sequence", ratio="shared", clip="fixed", eps=(3e-4, 4e-4),
+    "gspo": dict(granularity="sequence", ratio="shared", clip="fixed", eps=(3e-4, 4e-4), surrogate="clipped",
                  aggregation="seq_mean_token_mean", advantage="grpo"),
     "gspo_token": dict(granularity="sequence", ratio="token_decomposed", clip="fixed", eps=(3e-4, 4e-4),
-                       aggregation="seq_mean_token_mean", advantage="grpo"),
-    "sspo": dict(granularity="segment", ratio="shared", clip="sspo_entropy", eps=(0.2, 0.2),
+                       surrogate="clipped", aggregation="seq_mean_token_mean", advantage="grpo"),
+    "sspo": dict(granularity="segment", ratio="shared", clip="sspo_entropy", eps=(0.2, 0.2), surrogate="clipped",
                  aggregation="seq_mean_token_mean", advantage="grpo"),
-    "sspo_no_ec": dict(granularity="segment", ratio="shared", clip="fixed", eps=(0.2, 0.2),
+    "sspo_no_ec": dict(granularity="segment", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
                        aggregation="seq_mean_token_mean", advantage="grpo"),
     "espo": dict(granularity="entropy_group", ratio="token_decomposed", clip="espo_entropy", eps=(0.2, 0.2),
-                 aggregation="seq_mean_group_mean", advantage="espo"),
-    "sppo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2),
+                 surrogate="clipped", aggregation="seq_mean_group_mean", advantage="espo"),
+    "sppo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
                  aggregation="token_mean", advantage="sppo"),
+    # NeMo-RL's use_cispo / disable_ppo_ratio as presets: at token granularity they ARE those modes
+    "cispo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="cispo",
+                  aggregation="token_mean", advantage="grpo"),
+    "reinforce": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="reinforce",
+                      aggregation="token_mean", advantage="grpo"),
 }
 
 
@@ -77,9 +93,13 @@ class SSPOClipConfig(_Strict):
 
 
 class ESPOClipConfig(_Strict):
-    """ESPO §3.4: ε = α · mean_group(H / log|V|); |V| = vocab_size (null: taken from the model)."""
+    """ESPO §3.4: ε = α · mean_group(H / log|V|); |V| = vocab_size (null: taken from the model).
 
-    alpha: NonNegativeFloat = 1.0
+    ``alpha: auto`` is the project's rule α = 3.5e-4·log|V|/H̄₀ (docs/algorithms/espo.md), H̄₀
+    the mean π_old entropy of the first rollout: the trainers set it from their first π_old pass
+    and keep it in the checkpoint."""
+
+    alpha: Union[NonNegativeFloat, Literal["auto"]] = 1.0
     vocab_size: Optional[Annotated[int, Field(ge=2)]] = None
 
 
@@ -89,6 +109,7 @@ class GranularConfig(_Strict):
     algorithm: Algorithm = "grpo"
     granularity: Optional[Granularity] = None
     ratio: Optional[RatioForm] = None
+    surrogate: Optional[Surrogate] = None
     segment_delimiters: list[str] = Field(default_factory=lambda: ["\n\n"])
     entropy_top_fraction: Union[float, list[float]] = 0.2
     clip: Optional[ClipKind] = None
@@ -120,14 +141,14 @@ class GranularConfig(_Strict):
     def _fill_preset(self):
         preset = PRESETS[self.algorithm]
         # object.__setattr__: filling defaults must not re-trigger validate_assignment
-        for name in ("granularity", "ratio", "clip", "aggregation"):
+        for name in ("granularity", "ratio", "clip", "surrogate", "aggregation"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset[name])
         if self.eps_low is None:
             object.__setattr__(self, "eps_low", preset["eps"][0])
         if self.eps_high is None:
             object.__setattr__(self, "eps_high", preset["eps"][1])
-        if self.clip == "espo_entropy" and self.espo.alpha == 0:
+        if self.clip == "espo_entropy" and self.espo.alpha != "auto" and self.espo.alpha == 0:
             raise ValueError("loss_fn.granular.espo.alpha: 0 freezes the policy (every ratio clipped at 1)")
         return self
 
@@ -146,56 +167,136 @@ class GranularConfig(_Strict):
 
 
 class PolicyLossConfig(BaseModel):
-    """The subset of NeMo-RL's ``ClippedPGLossConfig`` the granular loss reads, plus ``granular``.
+    """NeMo-RL's ``ClippedPGLossConfig`` keys (NeMo-RL's defaults and validation), plus ``granular``.
 
-    Extra keys are allowed (NeMo-RL's config carries more); the unsupported modes are refused.
+    Extra keys are allowed (NeMo-RL's config carries more). ``None`` on ``token_level_loss`` and
+    ``ratio_clip_min/max`` means "left out": the preset decides (for ``grpo``, NeMo-RL's
+    default). After validation ``granular`` holds the effective choices; :meth:`nemo_rl_view`
+    gives the effective value of every NeMo-RL key.
     """
 
     model_config = ConfigDict(extra="allow")
 
+    disable_ppo_ratio: bool = False
+    token_level_loss: Optional[bool] = None
+    sequence_level_importance_ratios: bool = False
     ratio_clip_min: Optional[NonNegativeFloat] = None
     ratio_clip_max: Optional[NonNegativeFloat] = None
     ratio_clip_c: Optional[Annotated[float, Field(gt=1.0)]] = None  # dual clip
-    reference_policy_kl_penalty: float = 0.0
+    reference_policy_kl_penalty: float = 0.01
     reference_policy_kl_type: Literal["k1", "k2", "k3"] = "k3"
     kl_input_clamp_value: Optional[float] = 20.0
     kl_output_clamp_value: Optional[float] = 10.0
     use_kl_in_reward: bool = False
-    use_on_policy_kl_approximation: bool = False
     use_importance_sampling_correction: bool = False
     truncated_importance_sampling_type: Optional[Literal["tis", "icepop", "seq-mask-tis"]] = None
     truncated_importance_sampling_ratio: Optional[float] = None
     truncated_importance_sampling_ratio_min: Optional[float] = None
+    use_on_policy_kl_approximation: bool = False
     force_on_policy_ratio: bool = False
-    sequence_level_importance_ratios: bool = False
-    disable_ppo_ratio: bool = False
     use_cispo: bool = False
     positive_example_nll_weight: float = 0.0
     granular: GranularConfig = Field(default_factory=GranularConfig)
 
     @model_validator(mode="after")
     def _check(self):
-        g = self.granular
-        if self.use_cispo:
-            raise ValueError("loss_fn.use_cispo: CISPO is not a granular-ratio loss; use NeMo-RL's ClippedPGLossFn")
-        if self.disable_ppo_ratio:
-            raise ValueError("loss_fn.disable_ppo_ratio: the granular loss needs the PPO ratio")
-        if self.sequence_level_importance_ratios and g.granularity != "sequence":
-            raise ValueError(
-                "loss_fn.sequence_level_importance_ratios: true conflicts with "
-                f"granular.granularity={g.granularity!r} (use algorithm: gspo, or set it false)")
-        if self.truncated_importance_sampling_type is not None:
-            if not self.use_importance_sampling_correction:
-                raise ValueError("loss_fn.truncated_importance_sampling_type needs use_importance_sampling_correction: true")
-            if not self.truncated_importance_sampling_ratio or self.truncated_importance_sampling_ratio <= 0:
-                raise ValueError("loss_fn.truncated_importance_sampling_ratio must be > 0")
-            if self.truncated_importance_sampling_type in ("icepop", "seq-mask-tis") and \
-                    self.truncated_importance_sampling_ratio_min is None:
-                raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min is required for "
-                                 f"{self.truncated_importance_sampling_type}")
-            if self.truncated_importance_sampling_type == "seq-mask-tis" and g.granularity != "token":
-                raise ValueError("loss_fn.truncated_importance_sampling_type: seq-mask-tis needs token granularity")
+        self._compose_aggregation()
+        self._compose_surrogate()
+        self._check_ratio_modes()
+        self._check_truncated_is()
         return self
+
+    def _compose_aggregation(self) -> None:
+        """``token_level_loss`` (given) picks NeMo-RL's level; the per-sequence form comes from
+        ``granular.aggregation`` or the preset (docs/algorithms/math.md §5, Decision)."""
+        g, level = self.granular, self.token_level_loss
+        if level is None:
+            return
+        if "aggregation" in g.model_fields_set:
+            if (g.aggregation == "token_mean") != level:
+                raise ValueError(f"loss_fn.token_level_loss: {str(level).lower()} contradicts granular.aggregation "
+                                 f"{g.aggregation!r}; drop one of the two")
+            return
+        preset = PRESETS[g.algorithm]["aggregation"]
+        agg = "token_mean" if level else (preset if preset != "token_mean" else "seq_mean_token_mean")
+        if (preset == "token_mean") != level and "algorithm" in g.model_fields_set:
+            # NeMo-RL's example configs set token_level_loss: true; say so when it overrides a preset
+            warnings.warn(f"loss_fn.token_level_loss: {str(level).lower()} overrides algorithm {g.algorithm!r}'s "
+                          f"aggregation {preset!r} (now {agg!r}); set token_level_loss: {str(not level).lower()} "
+                          "to keep the preset's", stacklevel=2)
+        object.__setattr__(g, "aggregation", agg)
+
+    def _compose_surrogate(self) -> None:
+        """``use_cispo`` / ``disable_ppo_ratio`` set to true pick NeMo-RL's CISPO / REINFORCE
+        surrogate (false, NeMo-RL's default, leaves it to ``granular``), with NeMo-RL's checks."""
+        g = self.granular
+        if self.use_cispo and self.disable_ppo_ratio:
+            raise ValueError("loss_fn.use_cispo: true is incompatible with disable_ppo_ratio: true (CISPO needs the "
+                             "pi_theta/pi_old ratio that disable_ppo_ratio removes), as in NeMo-RL")
+        wanted = "cispo" if self.use_cispo else "reinforce" if self.disable_ppo_ratio else None
+        if wanted == "reinforce" and self.force_on_policy_ratio:
+            wanted = "clipped"  # NeMo-RL checks force_on_policy_ratio first: the forced ratio wins
+        if wanted is not None:
+            if "surrogate" in g.model_fields_set and g.surrogate != wanted:
+                key = "use_cispo" if self.use_cispo else "disable_ppo_ratio"
+                raise ValueError(f"loss_fn.{key}: true contradicts granular.surrogate {g.surrogate!r}; "
+                                 "drop one of the two")
+            object.__setattr__(g, "surrogate", wanted)
+        if self.force_on_policy_ratio and g.surrogate == "reinforce":  # the preset's: as above
+            object.__setattr__(g, "surrogate", "clipped")
+        if g.surrogate != "cispo":
+            return
+        key = "loss_fn.use_cispo: true" if self.use_cispo else "loss_fn.granular.surrogate 'cispo'"
+        if self.force_on_policy_ratio:
+            raise ValueError(f"{key} is incompatible with force_on_policy_ratio (a ratio forced to 1 removes the "
+                             "clipped IS weight CISPO optimises), as in NeMo-RL")
+        if self.sequence_level_importance_ratios:
+            raise ValueError(f"{key} is incompatible with sequence_level_importance_ratios (NeMo-RL's CISPO uses "
+                             "token weights; for CISPO on sequence ratios use granular.granularity: sequence)")
+        if self.ratio_clip_c is not None:
+            raise ValueError(f"{key} is incompatible with dual clipping (ratio_clip_c); set ratio_clip_c: null, "
+                             "as NeMo-RL requires")
+        if self.use_cispo and g.aggregation != "token_mean":
+            raise ValueError("loss_fn.use_cispo: true needs token_level_loss: true, as in NeMo-RL (CISPO with a "
+                             "per-sequence mean: granular.algorithm: cispo with token_level_loss: false)")
+
+    def _check_ratio_modes(self) -> None:
+        g = self.granular
+        if self.sequence_level_importance_ratios:
+            if not {"granularity", "algorithm"} & g.model_fields_set:  # no granular choice: NeMo-RL's GSPO mode
+                object.__setattr__(g, "granularity", "sequence")
+            if g.granularity != "sequence":
+                raise ValueError(
+                    "loss_fn.sequence_level_importance_ratios: true conflicts with "
+                    f"granular.granularity={g.granularity!r} (use algorithm: gspo, or set it false)")
+            if g.aggregation == "token_mean":
+                raise ValueError("loss_fn.sequence_level_importance_ratios: true needs a per-sequence loss "
+                                 "(token_level_loss: false), as in NeMo-RL")
+
+    def _check_truncated_is(self) -> None:
+        """NeMo-RL's checks of ``ClippedPGLossFn.__init__`` (and of its first call), in its order."""
+        kind, hi = self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio
+        lo = self.truncated_importance_sampling_ratio_min
+        if kind is None:
+            if hi is not None:
+                raise ValueError("loss_fn.truncated_importance_sampling_ratio is set but "
+                                 "truncated_importance_sampling_type is null (NeMo-RL refuses it at its first call)")
+            return
+        if not self.use_importance_sampling_correction:
+            raise ValueError("loss_fn.truncated_importance_sampling_type needs use_importance_sampling_correction: true")
+        if hi is None or hi <= 0:
+            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio must be > 0 (got {hi!r})")
+        if lo is not None and lo > hi:
+            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min ({lo}) must be <= "
+                             f"truncated_importance_sampling_ratio ({hi})")
+        if kind in ("icepop", "seq-mask-tis") and lo is None:
+            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min is required for {kind}")
+        if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
+            raise ValueError("loss_fn.truncated_importance_sampling_type: seq-mask-tis is incompatible with "
+                             "sequence_level_importance_ratios: true, as in NeMo-RL")
+        if kind == "seq-mask-tis" and self.granular.granularity != "token":
+            raise ValueError("loss_fn.truncated_importance_sampling_type: seq-mask-tis needs token granularity "
+                             "(its token-level weights are not group weights)")
 
     @property
     def eps_low(self) -> float:
@@ -209,6 +310,20 @@ class PolicyLossConfig(BaseModel):
     def kl_coef(self) -> float:
         return 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
 
+    @property
+    def token_level(self) -> bool:
+        """NeMo-RL's ``LossType.TOKEN_LEVEL``: the objective is a token mean."""
+        return self.granular.aggregation == "token_mean"
+
+    def nemo_rl_view(self) -> dict[str, Any]:
+        """The effective value of every NeMo-RL key (what ``ClippedPGLossConfig`` would hold)."""
+        out = {k: getattr(self, k) for k in NEMO_RL_LOSS_KEYS}
+        g = self.granular
+        out.update(token_level_loss=self.token_level, ratio_clip_min=self.eps_low, ratio_clip_max=self.eps_high,
+                   use_cispo=g.surrogate == "cispo", disable_ppo_ratio=g.surrogate == "reinforce",
+                   sequence_level_importance_ratios=self.sequence_level_importance_ratios)
+        return out
+
 
 class AdvantageConfig(BaseModel):
     """``grpo.adv_estimator`` (NeMo-RL's key names; extra keys allowed)."""
@@ -217,7 +332,7 @@ class AdvantageConfig(BaseModel):
 
     name: Literal["grpo", "espo", "sppo"] = "grpo"
     normalize_rewards: bool = True
-    use_leave_one_out_baseline: bool = False
+    use_leave_one_out_baseline: bool = True
     epsilon: float = 1e-6
     # ESPO: per-response flag in the rollout batch that marks a failed verification
     verification_failed_key: str = "verification_failed"
@@ -239,13 +354,21 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
     return "; ".join(lines)
 
 
+def _given(cfg) -> dict:
+    """The keys a pydantic config was given (NeMo-RL's ``ClippedPGLossConfig`` fills its defaults
+    in: a key it holds only by default counts as left out), plus its extra keys."""
+    dumped = cfg.model_dump()
+    given = set(getattr(cfg, "model_fields_set", dumped)) | set(getattr(cfg, "model_extra", None) or {})
+    return {k: v for k, v in dumped.items() if k in given}
+
+
 def _parse(model, cfg, prefix):
     if isinstance(cfg, model):
         return cfg
     if cfg is None:
         cfg = {}
     if hasattr(cfg, "model_dump"):
-        cfg = cfg.model_dump()
+        cfg = _given(cfg)
     try:
         return model.model_validate(dict(cfg))
     except ValidationError as err:
@@ -260,3 +383,87 @@ def parse_policy_loss_config(cfg) -> PolicyLossConfig:
 def parse_advantage_config(cfg) -> AdvantageConfig:
     """Validate a ``grpo.adv_estimator`` mapping."""
     return _parse(AdvantageConfig, cfg, "adv_estimator")
+
+
+# ---------------------------------------------------------------------------- NeMo-RL's keys
+# Every key of NeMo-RL's ClippedPGLossConfig (7ea279ab): (NeMo-RL's type, NeMo-RL's default,
+# status, how it composes with `granular`). status "NeMo-RL" = NeMo-RL's meaning, default and
+# validation; "refused" = cannot apply to a granular ratio. docs/nemo-rl.md §3 is rendered from
+# this table and tests/test_nemo_rl_dropin.py compares it with the real ClippedPGLossConfig.
+NEMO_RL_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
+    "disable_ppo_ratio": ("bool", False, "NeMo-RL",
+                          "true: the REINFORCE surrogate A·logp (`surrogate: reinforce`) at any granularity; false "
+                          "leaves the surrogate to `granular`. Ignored under `force_on_policy_ratio: true` and refused "
+                          "with `use_cispo: true`, as in NeMo-RL"),
+    "token_level_loss": ("bool", True, "NeMo-RL",
+                         "true: `token_mean`; false: a per-sequence mean (`seq_mean_token_mean`, or "
+                         "`seq_mean_group_mean` when `granular.aggregation` or the preset says so); the KL term and "
+                         "the `loss` normaliser follow. Left out: the preset's aggregation decides (grpo: true). "
+                         "Refused when it contradicts an explicit `granular.aggregation`"),
+    "sequence_level_importance_ratios": ("bool", False, "NeMo-RL",
+                                         "true: NeMo-RL's GSPO mode; needs `granularity: sequence` and a per-sequence "
+                                         "loss (refused otherwise). false leaves the ratio's granularity to "
+                                         "`granular.granularity`"),
+    "ratio_clip_min": ("float", 0.2, "NeMo-RL",
+                       "ε_low of `fixed` clipping (and of CISPO's weight) at every granularity; left out: the "
+                       "preset's ε (grpo: 0.2). Not used by the entropy-adaptive clips. Also refused: < 0"),
+    "ratio_clip_max": ("float", 0.2, "NeMo-RL", "ε_high, as `ratio_clip_min`"),
+    "ratio_clip_c": ("float | None", None, "NeMo-RL",
+                     "dual clip C for A < 0 on the granular ratio; refused when <= 1 (NeMo-RL: at its first "
+                     "call) and with CISPO"),
+    "reference_policy_kl_penalty": ("float", 0.01, "NeMo-RL",
+                                    "β of the KL term; 0: no reference logprobs needed"),
+    "reference_policy_kl_type": ("str", "k3", "NeMo-RL",
+                                 "k1 / k2 / k3; another value is refused when the loss is built (NeMo-RL: at its "
+                                 "first call)"),
+    "kl_input_clamp_value": ("float | None", 20.0, "NeMo-RL", "as NeMo-RL's `calculate_kl`"),
+    "kl_output_clamp_value": ("float | None", 10.0, "NeMo-RL", "as NeMo-RL's `calculate_kl`"),
+    "use_kl_in_reward": ("bool", False, "NeMo-RL",
+                         "true: no KL term in the loss (an estimator that reads it adds KL to the reward; `grpo` "
+                         "and `espo`, like NeMo-RL's `grpo`, do not)"),
+    "use_importance_sampling_correction": ("bool", False, "NeMo-RL",
+                                           "π_old/π_gen weights, one per group: per token (token granularity), per "
+                                           "response (sequence: NeMo-RL's GSPO convention), per segment / group"),
+    "truncated_importance_sampling_type": ("str | None", None, "NeMo-RL",
+                                           "tis / icepop / seq-mask-tis on those weights, NeMo-RL's checks; "
+                                           "seq-mask-tis also needs token granularity (token-level weights)"),
+    "truncated_importance_sampling_ratio": ("float | None", None, "NeMo-RL",
+                                            "> 0 when a type is set; set without a type: refused (NeMo-RL: at its "
+                                            "first call)"),
+    "truncated_importance_sampling_ratio_min": ("float | None", None, "NeMo-RL",
+                                                "<= `truncated_importance_sampling_ratio`; required for icepop and "
+                                                "seq-mask-tis; tis: 0 when null"),
+    "use_on_policy_kl_approximation": ("bool", False, "NeMo-RL", "as NeMo-RL"),
+    "force_on_policy_ratio": ("bool", False, "NeMo-RL",
+                              "π_old := sg(π_θ): every group ratio is 1 with its gradient; refused with CISPO"),
+    "use_cispo": ("bool", False, "NeMo-RL",
+                  "true: the CISPO surrogate sg(clip(r))·A·logp with NeMo-RL's checks (token-level loss, no "
+                  "dual clip, no forced ratio, no sequence-level ratios); CISPO at any granularity or "
+                  "aggregation: `algorithm: cispo`. false leaves the surrogate to `granular`"),
+    "positive_example_nll_weight": ("float", 0.0, "NeMo-RL", "VAPO's NLL on correct responses, as NeMo-RL"),
+}
+
+# NeMo-RL's AdvEstimatorConfig keys as our `grpo` / `espo` estimators read them (same columns)
+NEMO_RL_ESTIMATOR_KEYS: dict[str, tuple[str, Any, str, str]] = {
+    "name": ("str", "grpo", "NeMo-RL",
+             "`grpo` and `espo` are ours (grpo: NeMo-RL's estimator's values), `sppo` is refused in run_grpo; "
+             "every other name is NeMo-RL's own estimator"),
+    "normalize_rewards": ("bool", True, "NeMo-RL", "divide by the group's std (+1e-6) where it is > 0"),
+    "use_leave_one_out_baseline": ("bool", True, "NeMo-RL", "RLOO baseline: mean and std of the other responses"),
+    "reward_weights": ("list[float] | None", None, "NeMo-RL",
+                       "GDPO's; not read by `grpo` / `espo` (nor by NeMo-RL's grpo)"),
+    "minus_baseline": ("bool", True, "NeMo-RL", "Reinforce++'s; not read by `grpo` / `espo` (nor by NeMo-RL's grpo)"),
+}
+
+
+def render_key_table(keys: dict[str, tuple[str, Any, str, str]], last_column: str = "with `granular`") -> str:
+    """The markdown table of docs/nemo-rl.md §3 for ``keys``."""
+
+    def show(v):
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    rows = [f"| key | type | NeMo-RL default | status | {last_column} |", "|---|---|---|---|---|"]
+    pipe = "\\|"  # a `|` inside a cell
+    rows += [f"| `{k}` | {t.replace('|', pipe)} | `{show(d)}` | {status} | {note} |"
+             for k, (t, d, status, note) in keys.items()]
+    return "\n".join(rows)

@@ -11,10 +11,15 @@ light, so this module never imports it. Instead:
   compare equal to (and hash like) NeMo-RL's member of the same class name and value, so
   ``loss_fn.input_type == LossInputType.LOGPROB`` (``nemo_rl/algorithms/loss/utils.py``),
   ``loss_fn.loss_type == LossType.TOKEN_LEVEL`` (the workers) and dict look-ups hold in both
-  directions. NeMo-RL's Megatron worker compares ``metric_normalizations`` values by identity
-  (``kind is MetricNormalizer.NONE``); that runs in Ray workers, which receive the loss by
-  pickle, and a local member unpickles as NeMo-RL's own member whenever NeMo-RL's interfaces
-  module is loaded in the receiving process (:func:`host_member`).
+  directions.
+
+NeMo-RL also compares by identity (the Megatron worker's split-step metric rescale:
+``kind is MetricNormalizer.NONE``). So the losses never hand out a member fixed at import
+time: their ``loss_type``, ``input_type`` and ``metric_normalizations`` resolve each member
+when read (:func:`resolve`, :class:`HostMember`) — NeMo-RL's own member whenever its interfaces
+module is loaded in this process by then, in whatever order things were imported — and a
+local member unpickles as NeMo-RL's own in a process that has it (:func:`host_member`; Ray
+ships the loss to its workers by pickle).
 """
 
 from __future__ import annotations
@@ -35,6 +40,25 @@ def host_member(class_name: str, value: str) -> enum.Enum:
     if cls is None:
         cls = _LOCAL[class_name]
     return cls(value)
+
+
+def resolve(member: enum.Enum) -> enum.Enum:
+    """NeMo-RL's own member with ``member``'s class name and value when NeMo-RL's interfaces
+    module is loaded now, else ``member`` itself."""
+    host = sys.modules.get(HOST_MODULE)
+    cls = getattr(host, type(member).__name__, None) if host is not None else None
+    return member if cls is None or type(member) is cls else cls(member.value)
+
+
+class HostMember:
+    """Class attribute holding an enum member, read through :func:`resolve` (on the class and
+    on instances alike): ``input_type = HostMember(LossInputType.LOGPROB)``."""
+
+    def __init__(self, member: enum.Enum):
+        self.member = member
+
+    def __get__(self, obj, owner=None) -> enum.Enum:
+        return resolve(self.member)
 
 
 class _CompatEnum(enum.Enum):
@@ -98,4 +122,5 @@ del _host, _cls, _name
 # kept for callers of the previous API: "NeMo-RL's enum classes are in use"
 HAVE_NEMO_RL = USING_HOST_ENUMS
 
-__all__ = ["LossType", "MetricNormalizer", "LossInputType", "HAVE_NEMO_RL", "USING_HOST_ENUMS", "host_member"]
+__all__ = ["LossType", "MetricNormalizer", "LossInputType", "HAVE_NEMO_RL", "USING_HOST_ENUMS", "host_member",
+           "resolve", "HostMember"]

@@ -117,6 +117,10 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     check_supported_modes(config)
     check_async_grpo(config)
     opts = runtime_options(config)
+    auto_alpha = _get(config, ("loss_fn", "granular", "espo", "alpha")) == "auto"
+    if auto_alpha and opts["entropy_source"] == "current_logits":
+        raise ValueError("loss_fn.granular.espo.alpha: auto is set from the π_old entropy on the driver, which "
+                         f"{RUNTIME_SECTION}.entropy_source: current_logits does not compute; give α as a number")
     if not opts[ALLOW_RATIO_ONE]:
         check_ratio_is_active(dict(config), "grpo", f"{RUNTIME_SECTION}.{ALLOW_RATIO_ONE}")
     return opts

@@ -163,7 +163,7 @@ def espo_bounds(h_mean, alpha, vocab_size):
 # ---------------------------------------------------------------------------------- §4 surrogate
 
 
-def surrogate(r, A: float, lo: float, hi: float, dual_clip=None):
+def clipped_term(r, A: float, lo: float, hi: float, dual_clip=None):
     """min(r·A, clip(r, lo, hi)·A) (+ dual clip) for one token; returns (c, clipped_low, clipped_high).
 
     ``r`` is a float64 0-d tensor (gradient flows where the min keeps the unclipped branch)."""
@@ -179,6 +179,21 @@ def surrogate(r, A: float, lo: float, hi: float, dual_clip=None):
     if dual_clip is not None and A < 0 and _f(c) < dual_clip * A:
         c = torch.tensor(dual_clip * A, dtype=F64)
     return c, (A < 0 and rv < lo), (A > 0 and rv > hi)
+
+
+def cispo_term(r, logp_t, A: float, lo: float, hi: float):
+    """CISPO for one token: sg[clip(r, lo, hi)]·A·logp; (c, weight clipped low, weight clipped high)."""
+    rv = _f(r)
+    w = min(max(rv, lo), hi)
+    return w * A * logp_t, rv < lo, rv > hi
+
+
+def reinforce_term(logp_t, A: float, dual_clip=None):
+    """REINFORCE for one token: A·logp (dual clip for A < 0, as NeMo-RL applies it)."""
+    c = A * logp_t
+    if dual_clip is not None and A < 0 and _f(c) < dual_clip * A:
+        c = torch.tensor(dual_clip * A, dtype=F64)
+    return c, False, False
 
 
 # ---------------------------------------------------------------------------------- §5 aggregation
@@ -429,11 +444,13 @@ def _shifted(data, name):
 
 def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=0.2, eps_high=0.2,
                   sspo=(0.0, 0.8, 1.75), espo_alpha=1.0, vocab_size=None, cuts=(0.2,),
-                  delimiter_ids=DELIMITERS, gvs, gvt, dual_clip=None, kl=None):
+                  delimiter_ids=DELIMITERS, gvs, gvt, dual_clip=None, kl=None, surrogate="clipped"):
     """Spec §1–§5 for a NeMo-style batch, float64: returns (loss, metrics).
 
     ``logp`` is a float64 ``[B, S-1]`` leaf (gradient reference). Non-finite tokens (logp, logq,
     advantage or, when used, entropy) are excluded. ``kl`` = dict(coef, type, in_clamp, out_clamp).
+    ``surrogate``: clipped | cispo | reinforce (§4); REINFORCE's "ratio" metrics are of logp, as
+    NeMo-RL reports them.
     """
     B, T = logp.shape
     tm = data["token_mask"][:, 1:]
@@ -466,7 +483,14 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
                 hm = sum(float(ent[i, t]) for t in grp) / len(grp)
                 lo, hi = sspo_bounds(hm, *sspo) if clip == "sspo_entropy" else espo_bounds(hm, espo_alpha, vocab_size)
             for t in grp:
-                c[(i, t)], lows[(i, t)], highs[(i, t)] = surrogate(r[(i, t)], float(adv[i, t]), lo, hi, dual_clip)
+                if surrogate == "cispo":
+                    term = cispo_term(r[(i, t)], logp[i, t], float(adv[i, t]), lo, hi)
+                elif surrogate == "reinforce":
+                    term = reinforce_term(logp[i, t], float(adv[i, t]), dual_clip)
+                    r[(i, t)] = logp[i, t]
+                else:
+                    term = clipped_term(r[(i, t)], float(adv[i, t]), lo, hi, dual_clip)
+                c[(i, t)], lows[(i, t)], highs[(i, t)] = term
                 los[(i, t)], his[(i, t)] = lo, hi
     loss = -aggregate(c, ids, sm, aggregation, gvs, gvt)
     if kl is not None and kl.get("coef", 0):
@@ -507,18 +531,24 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
 
 PRESET_SPECS = {
     # docs/algorithms/math.md §8, written out here independently of nemo_granular.config.PRESETS
-    "grpo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2)),
+    "grpo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2),
+                 surrogate="clipped"),
     "gspo": dict(granularity="sequence", ratio="shared", clip="fixed", aggregation="seq_mean_token_mean",
-                 eps=(3e-4, 4e-4)),
+                 eps=(3e-4, 4e-4), surrogate="clipped"),
     "gspo_token": dict(granularity="sequence", ratio="token_decomposed", clip="fixed",
-                       aggregation="seq_mean_token_mean", eps=(3e-4, 4e-4)),
+                       aggregation="seq_mean_token_mean", eps=(3e-4, 4e-4), surrogate="clipped"),
     "sspo": dict(granularity="segment", ratio="shared", clip="sspo_entropy", aggregation="seq_mean_token_mean",
-                 eps=(0.2, 0.2)),
+                 eps=(0.2, 0.2), surrogate="clipped"),
     "sspo_no_ec": dict(granularity="segment", ratio="shared", clip="fixed", aggregation="seq_mean_token_mean",
-                       eps=(0.2, 0.2)),
+                       eps=(0.2, 0.2), surrogate="clipped"),
     "espo": dict(granularity="entropy_group", ratio="token_decomposed", clip="espo_entropy",
-                 aggregation="seq_mean_group_mean", eps=(0.2, 0.2)),
-    "sppo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2)),
+                 aggregation="seq_mean_group_mean", eps=(0.2, 0.2), surrogate="clipped"),
+    "sppo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2),
+                 surrogate="clipped"),
+    "cispo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2),
+                  surrogate="cispo"),
+    "reinforce": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2),
+                      surrogate="reinforce"),
 }
 
 
@@ -534,9 +564,11 @@ def preset_loss(name, logp, data, *, gvs, gvt, vocab_size=16, **over):
 def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
     """Semantics of NeMo-RL's ``ClippedPGLossFn.__call__`` (float64, loops), returns (loss, metrics).
 
-    Supports token level (``token_level_loss=True``) and GSPO mode
+    Supports token level (``token_level_loss=True``), per-sequence loss (``False``) and GSPO mode
     (``sequence_level_importance_ratios=True, token_level_loss=False``); KL k1/k2/k3 with clamps
-    and on-policy approximation; dual clip; IS correction tis / icepop / seq-mask-tis; VAPO NLL.
+    and on-policy approximation; dual clip; IS correction tis / icepop / seq-mask-tis; VAPO NLL;
+    CISPO (``use_cispo``), REINFORCE (``disable_ppo_ratio``: the "ratio" is the logprob) and
+    ``force_on_policy_ratio`` (ratio exp(logp − sg[logp]), unclamped, checked first).
     """
     B, T = logp.shape
     eps_lo, eps_hi = cfg.get("ratio_clip_min", 0.2), cfg.get("ratio_clip_max", 0.2)
@@ -548,7 +580,7 @@ def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
     tm = data["token_mask"][:, 1:].double()
     sm = data["sample_mask"].double().reshape(-1)
     A = _shifted(data, "advantages")
-    q = _shifted(data, "prev_logprobs")
+    q = logp.detach().clone() if cfg.get("force_on_policy_ratio") else _shifted(data, "prev_logprobs")
     gen = _shifted(data, "generation_logprobs")
     mask = [[float(tm[i, t]) * float(sm[i]) for t in range(T)] for i in range(B)]
 
@@ -567,7 +599,13 @@ def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
     # ratios
     ratio = {}
     for i in range(B):
-        if seq_level:
+        if cfg.get("force_on_policy_ratio"):
+            for t in range(T):
+                ratio[(i, t)] = torch.exp(logp[i, t] - logp[i, t].detach())
+        elif cfg.get("disable_ppo_ratio"):
+            for t in range(T):
+                ratio[(i, t)] = logp[i, t]
+        elif seq_level:
             n = sum(float(tm[i, t]) for t in range(T))
             L = sum((logp[i, t] - q[i, t]) * float(tm[i, t]) for t in range(T) if tm[i, t]) / (n + 1e-8)
             s = torch.exp(L) if n else torch.ones((), dtype=F64)
@@ -576,12 +614,18 @@ def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
         else:
             for t in range(T):
                 ratio[(i, t)] = torch.exp(logp[i, t] - q[i, t])
-    clamped = {k: v.clamp(1 - eps_lo, 1 + eps_hi) for k, v in ratio.items()}
+    if cfg.get("force_on_policy_ratio") or cfg.get("disable_ppo_ratio"):
+        clamped = dict(ratio)
+    else:
+        clamped = {k: v.clamp(1 - eps_lo, 1 + eps_hi) for k, v in ratio.items()}
     clip_loss = {}
     for (i, t), r in ratio.items():
         a = float(A[i, t])
-        l1, l2 = -a * r, -a * clamped[(i, t)]
-        cl = l1 if _f(l1) >= _f(l2) else l2
+        if cfg.get("use_cispo"):
+            cl = -a * clamped[(i, t)].detach() * logp[i, t]
+        else:
+            l1, l2 = -a * r, -a * clamped[(i, t)]
+            cl = l1 if _f(l1) >= _f(l2) else l2
         if C is not None and a < 0 and _f(cl) > -a * C:
             cl = torch.tensor(-a * C, dtype=F64)
         clip_loss[(i, t)] = cl

@@ -97,7 +97,7 @@ def test_algorithm_settings_follow_the_spec():
     espo = parse_policy_loss_config(load(MOE_PAIR[0])["loss_fn"]).granular
     assert (espo.granularity, espo.ratio, espo.clip, espo.aggregation) == \
         ("entropy_group", "token_decomposed", "espo_entropy", "seq_mean_group_mean")
-    assert espo.entropy_cut_points == [0.2] and espo.espo.alpha > 0
+    assert espo.entropy_cut_points == [0.2] and espo.espo.alpha == "auto"  # the 3.5e-4 rule (docs/algorithms/espo.md)
     gspo = parse_policy_loss_config(load(MOE_PAIR[1])["loss_fn"])
     assert gspo.granular.granularity == "sequence" and (gspo.eps_low, gspo.eps_high) == (3e-4, 4e-4)
     expected_sspo = {"1.5b": (0.0, 0.8, 1.75), "7b": (0.15, 0.8, 2.2)}

@@ -28,8 +28,18 @@ BAD = [
     ({"granular": {"aggregation": "sum"}}, "aggregation"),
     ({"granular": {"eps_low": -0.1}}, "eps_low"),
     ({"granular": {"typo_field": 1}}, "typo_field"),
-    ({"use_cispo": True}, "use_cispo"),
-    ({"disable_ppo_ratio": True}, "disable_ppo_ratio"),
+    ({"use_cispo": True, "disable_ppo_ratio": True}, "use_cispo"),
+    ({"use_cispo": True, "token_level_loss": False}, "use_cispo"),
+    ({"use_cispo": True, "ratio_clip_c": 3.0}, "use_cispo"),
+    ({"use_cispo": True, "force_on_policy_ratio": True}, "use_cispo"),
+    ({"granular": {"algorithm": "cispo"}, "ratio_clip_c": 3.0}, "surrogate"),
+    ({"use_cispo": True, "granular": {"surrogate": "clipped"}}, "use_cispo"),
+    ({"disable_ppo_ratio": True, "granular": {"surrogate": "cispo"}}, "disable_ppo_ratio"),
+    ({"granular": {"surrogate": "ppo"}}, "surrogate"),
+    ({"token_level_loss": True, "granular": {"aggregation": "seq_mean_group_mean"}}, "token_level_loss"),
+    ({"token_level_loss": False, "granular": {"aggregation": "token_mean"}}, "token_level_loss"),
+    ({"sequence_level_importance_ratios": True, "token_level_loss": True, "granular": {"algorithm": "gspo"}},
+     "sequence_level_importance_ratios"),
     ({"sequence_level_importance_ratios": True, "granular": {"algorithm": "sspo"}}, "sequence_level_importance_ratios"),
     ({"sequence_level_importance_ratios": True, "granular": {"algorithm": "espo"}}, "sequence_level_importance_ratios"),
     ({"ratio_clip_c": 1.0}, "ratio_clip_c"),
@@ -39,6 +49,15 @@ BAD = [
      "truncated_importance_sampling_type"),
     ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
       "truncated_importance_sampling_ratio": 2.0}, "truncated_importance_sampling_ratio_min"),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
+      "truncated_importance_sampling_ratio": 1.0, "truncated_importance_sampling_ratio_min": 2.0},
+     "truncated_importance_sampling_ratio_min"),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis"},
+     "truncated_importance_sampling_ratio"),
+    ({"truncated_importance_sampling_ratio": 2.0}, "truncated_importance_sampling_ratio"),
+    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
+      "truncated_importance_sampling_ratio": 1.01, "truncated_importance_sampling_ratio_min": 0.99,
+      "sequence_level_importance_ratios": True, "granular": {"algorithm": "gspo"}}, "seq-mask-tis"),
 ]
 
 
@@ -96,3 +115,83 @@ def test_advantage_config():
         with pytest.raises(ValueError) as err:
             parse_advantage_config(bad)
         assert "\n" not in str(err.value) and field in str(err.value)
+
+
+def test_docs_key_tables_are_rendered_from_the_code_tables():
+    """docs/nemo-rl.md §3 shows NEMO_RL_LOSS_KEYS / NEMO_RL_ESTIMATOR_KEYS exactly (the code tables are
+    compared with NeMo-RL's real config classes in test_nemo_rl_dropin.py): neither can drift."""
+    import re
+    from pathlib import Path
+
+    from nemo_granular.config import NEMO_RL_ESTIMATOR_KEYS, NEMO_RL_LOSS_KEYS, render_key_table
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "nemo-rl.md").read_text()
+    for tag, table in (("nemo-rl-loss-keys", render_key_table(NEMO_RL_LOSS_KEYS)),
+                       ("nemo-rl-estimator-keys", render_key_table(NEMO_RL_ESTIMATOR_KEYS, "notes"))):
+        block = re.search(rf"<!-- {tag}:begin[^\n]*-->\n(.*?)\n<!-- {tag}:end -->", doc, re.S)
+        assert block is not None, tag
+        assert block.group(1) == table, f"docs/nemo-rl.md {tag} differs from nemo_granular.config"
+
+
+def test_defaults_are_nemo_rl_defaults():
+    """Keys left out get NeMo-RL's defaults (the values are checked against NeMo-RL's real classes in
+    test_nemo_rl_dropin.py); a preset fills only what it implies (ε, aggregation)."""
+    from nemo_granular.config import NEMO_RL_ESTIMATOR_KEYS, NEMO_RL_LOSS_KEYS
+
+    assert parse_policy_loss_config({}).nemo_rl_view() == {k: v[1] for k, v in NEMO_RL_LOSS_KEYS.items()}
+    adv = parse_advantage_config({})
+    for key in ("name", "normalize_rewards", "use_leave_one_out_baseline"):
+        assert getattr(adv, key) == NEMO_RL_ESTIMATOR_KEYS[key][1], key
+    gspo = parse_policy_loss_config({"granular": {"algorithm": "espo"}}).nemo_rl_view()
+    assert gspo["token_level_loss"] is False and gspo["reference_policy_kl_penalty"] == 0.01
+
+
+def test_token_level_loss_override_warns_and_dumps_round_trip():
+    """A given token_level_loss that overrides a named preset's aggregation says so; a parsed
+    config dumped and parsed again (as the embedded trainer does) is the same config, silently."""
+    import warnings
+
+    with pytest.warns(UserWarning, match="token_level_loss: true overrides algorithm 'espo'"):
+        cfg = parse_policy_loss_config({"token_level_loss": True, "granular": {"algorithm": "espo"}})
+    assert cfg.granular.aggregation == "token_mean"
+    for raw in ({"token_level_loss": True, "granular": {"algorithm": "espo"}}, {"granular": {"algorithm": "cispo"}},
+                {"sequence_level_importance_ratios": True, "token_level_loss": False},
+                {"disable_ppo_ratio": True, "force_on_policy_ratio": True}, {}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first = parse_policy_loss_config(raw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = parse_policy_loss_config(first.model_dump())
+        assert again.model_dump() == first.model_dump(), raw
+        assert again.nemo_rl_view() == first.nemo_rl_view(), raw
+
+
+def test_nemo_rl_modes_select_the_surrogate_and_groups():
+    c = parse_policy_loss_config({"use_cispo": True})
+    assert (c.granular.surrogate, c.granular.granularity) == ("cispo", "token")
+    assert parse_policy_loss_config({"disable_ppo_ratio": True}).granular.surrogate == "reinforce"
+    # NeMo-RL checks force_on_policy_ratio first: the forced ratio wins over disable_ppo_ratio
+    assert parse_policy_loss_config({"disable_ppo_ratio": True, "force_on_policy_ratio": True}).granular.surrogate == \
+        "clipped"
+    # with no granular choice, sequence_level_importance_ratios is NeMo-RL's GSPO mode
+    g = parse_policy_loss_config({"sequence_level_importance_ratios": True, "token_level_loss": False}).granular
+    assert (g.granularity, g.ratio, g.aggregation) == ("sequence", "shared", "seq_mean_token_mean")
+    # CISPO at other granularities and aggregations through the preset
+    g = parse_policy_loss_config({"granular": {"algorithm": "cispo", "granularity": "segment"},
+                                  "token_level_loss": False}).granular
+    assert (g.surrogate, g.granularity, g.aggregation) == ("cispo", "segment", "seq_mean_token_mean")
+
+
+def test_embedded_trainer_has_no_reference_policy():
+    """The embedded trainer keeps no reference model: its β defaults to 0 (NeMo-RL's 0.01 would
+    need one) and a non-zero β is refused in one line; its other keys are NeMo-RL's defaults."""
+    from nemo_granular.embedded.config import load_train_config
+
+    cfg = load_train_config(None)
+    assert cfg.loss_fn.reference_policy_kl_penalty == 0.0 and cfg.loss_fn.token_level
+    assert cfg.grpo.adv_estimator.use_leave_one_out_baseline  # NeMo-RL's default; base.yaml sets false
+    with pytest.raises(ValueError) as err:
+        load_train_config("grpo", ["loss_fn.reference_policy_kl_penalty=0.1"])
+    assert "\n" not in str(err.value) and "reference_policy_kl_penalty" in str(err.value)
+    assert load_train_config("grpo").grpo.adv_estimator.use_leave_one_out_baseline is False

@@ -59,7 +59,7 @@ def test_clipped_surrogate_values_grads_indicators(dual, seed):
     c.sum().backward()
     for k in range(r0.numel()):
         rk = torch.tensor(float(r0[k]), dtype=torch.float64, requires_grad=True)
-        ck, lk, hk = R.surrogate(rk, float(A[k]), float(lo[k]), float(hi[k]), dual)
+        ck, lk, hk = R.clipped_term(rk, float(A[k]), float(lo[k]), float(hi[k]), dual)
         if ck.requires_grad:
             ck.backward()
         gk = 0.0 if rk.grad is None else float(rk.grad)
@@ -94,3 +94,63 @@ def test_property_surrogate_is_pessimistic(seed, dual):
     else:
         assert (c >= bound).all() and torch.where(A < 0, c >= dual * A, True).all()
     assert not (low & high).any() and not (low & (A >= 0)).any() and not (high & (A <= 0)).any()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cispo_surrogate_values_grads(seed):
+    """CISPO (math.md §4): sg[clip(r)]·A·logp against the per-token reference: value, gradient in
+    logp (the clipped weight) and no gradient through the ratio."""
+    r0, A, lo, hi = _surrogate_case(seed)
+    logp0 = -torch.rand(r0.shape, generator=torch.Generator().manual_seed(seed)) * 3
+    r, logp = r0.clone().requires_grad_(True), logp0.clone().requires_grad_(True)
+    C.cispo_surrogate(r, logp, A, lo, hi).sum().backward()
+    assert r.grad is None or not r.grad.any()
+    for k in range(r0.numel()):
+        lk = torch.tensor(float(logp0[k]), dtype=torch.float64, requires_grad=True)
+        ck, low, high = R.cispo_term(torch.tensor(float(r0[k]), dtype=torch.float64), lk, float(A[k]),
+                                     float(lo[k]), float(hi[k]))
+        ck.backward()
+        R.assert_close((r0[k].clamp(lo[k], hi[k]) * A[k] * logp0[k]), R._f(ck), what=f"c[{k}]")
+        R.assert_close(logp.grad[k], float(lk.grad), what=f"grad[{k}]")
+        assert low == bool(r0[k] < lo[k]) and high == bool(r0[k] > hi[k])
+
+
+@pytest.mark.parametrize("dual", [None, 2.0])
+def test_reinforce_surrogate_values_grads(dual):
+    """REINFORCE (math.md §4): A·logp; NeMo-RL's dual clip never acts on logp <= 0."""
+    _, A, _, _ = _surrogate_case(4)
+    logp0 = torch.randn(A.shape, generator=torch.Generator().manual_seed(4)) * 2  # some logp > C: the dual clip acts
+    logp = logp0.clone().requires_grad_(True)
+    C.reinforce_surrogate(logp, A).sum().backward()
+    R.assert_close(logp.grad, A, what="grad")
+    from nemo_granular.core.objective import surrogate_terms
+    terms = surrogate_terms("reinforce", torch.ones_like(A), logp0, A, 0.8, 1.2, dual)
+    for k in range(A.numel()):
+        lk = torch.tensor(float(logp0[k]), dtype=torch.float64, requires_grad=True)
+        ck, _, _ = R.reinforce_term(lk, float(A[k]), dual)
+        if ck.requires_grad:
+            ck.backward()
+        R.assert_close(terms.value[k], R._f(ck), what=f"c[{k}]")
+        R.assert_close(terms.slope[k], 0.0 if lk.grad is None else float(lk.grad), what=f"slope[{k}]")
+    if dual is not None:  # held (no gradient) exactly where A < 0 and A·logp < C·A, i.e. logp > C
+        held = (terms.slope == 0) & (A != 0)
+        assert held.any() and torch.equal(held, (A < 0) & (logp0 > dual))
+
+
+@pytest.mark.parametrize("kind", ["clipped", "cispo", "reinforce"])
+def test_closed_form_surrogate_slopes_equal_autograd(kind):
+    """core.objective.surrogate_terms (the loss's closed form) against autograd of the core forms."""
+    r0, A, lo, hi = _surrogate_case(7)
+    logp0 = -torch.rand(r0.shape, generator=torch.Generator().manual_seed(7)) * 2
+    from nemo_granular.core.objective import surrogate_terms
+    terms = surrogate_terms(kind, r0, logp0, A, lo, hi, None)
+    r, logp = r0.clone().requires_grad_(True), logp0.clone().requires_grad_(True)
+    if kind == "clipped":
+        c = C.clipped_surrogate(r, A, lo, hi)[0]
+    elif kind == "cispo":
+        c = C.cispo_surrogate(r, logp, A, lo, hi)
+    else:
+        c = C.reinforce_surrogate(logp, A)
+    c.sum().backward()
+    R.assert_close(terms.value, c.detach(), what="value")
+    R.assert_close(terms.slope, r.grad if terms.through_ratio else logp.grad, what="slope")

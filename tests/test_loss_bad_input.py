@@ -14,7 +14,8 @@ ALL = sorted(R.PRESET_SPECS)
 
 
 def make_loss(name, **extra):
-    return GranularPolicyLoss({"granular": {"algorithm": name, "espo": {"vocab_size": V}}, **extra},
+    return GranularPolicyLoss({"granular": {"algorithm": name, "espo": {"vocab_size": V}},
+                               "reference_policy_kl_penalty": 0.0, **extra},
                               delimiter_table=R.delimiter_table(V))
 
 

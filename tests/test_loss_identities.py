@@ -18,7 +18,8 @@ SUMMED = ("clip_frac_low", "clip_frac_high", "groups_per_response", "group_size_
 
 def make_loss(name, **extra):
     granular = {"algorithm": name, "espo": {"vocab_size": V}, **extra.pop("granular", {})}
-    return GranularPolicyLoss({"granular": granular, **extra}, delimiter_table=R.delimiter_table(V))
+    return GranularPolicyLoss({"reference_policy_kl_penalty": 0.0, "granular": granular, **extra},
+                              delimiter_table=R.delimiter_table(V))
 
 
 # ------------------------------------------------------------------ identity 1
@@ -84,10 +85,12 @@ def test_on_policy_step_gradient_is_weighted_advantage(name):
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=7)
     logp = data["prev_logprobs"][:, 1:].clone()
     loss, grad, m = R.run_loss(make_loss(name), logp, data, gvs, gvt)
-    assert m["clip_frac_low"] == 0 and m["clip_frac_high"] == 0
-    assert m["probs_ratio_min"] == 1.0 and m["probs_ratio_max"] == 1.0
-    # expected gradient of −Agg(A·r) at r = 1: −w_it·A_it with the aggregation weight w_it
     spec = R.PRESET_SPECS[name]
+    assert m["clip_frac_low"] == 0 and m["clip_frac_high"] == 0
+    if spec["surrogate"] != "reinforce":  # REINFORCE reports logp as its "ratio" (NeMo-RL's convention)
+        assert m["probs_ratio_min"] == 1.0 and m["probs_ratio_max"] == 1.0
+    # expected gradient of −Agg(A·r) at r = 1: −w_it·A_it with the aggregation weight w_it — the
+    # same for CISPO (sg[1]·A·∇logp) and REINFORCE (A·∇logp)
     tm = data["token_mask"][:, 1:] > 0
     A = data["advantages"][:, 1:].double()
     sm = data["sample_mask"].double()
@@ -109,8 +112,9 @@ def test_on_policy_step_gradient_is_weighted_advantage(name):
                     w = sm[i] / (len(grps) * len(g) * gvs)
                 expected[i, t] = -w * A[i, t]
     R.assert_close(grad, expected, what="grad")
-    # and at r = 1 every c_it = A_it, so loss = −Σ w_it·A_it = Σ expected_it
-    R.assert_close(loss, expected.sum(), what="loss")
+    # and at r = 1 every c_it = A_it, so loss = −Σ w_it·A_it = Σ expected_it (CISPO/REINFORCE: A·logp)
+    lp = logp.double() if spec["surrogate"] != "clipped" else 1.0
+    R.assert_close(loss, (expected * lp).sum(), what="loss")
 
 
 # ------------------------------------------------------------------ identity 6

@@ -1,6 +1,8 @@
 """Every preset of `GranularPolicyLoss` against the float64 reference (docs/algorithms/math.md §1–§5, §8):
 loss value, gradient wrt next_token_logprobs, and the returned metrics."""
 
+import warnings
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -53,7 +55,10 @@ def test_preset_metrics_exercise_clipping(name):
     data, logp, gvs, gvt = R.make_batch(B=6, S=16, V=V, seed=11, noise=(2.0,), per_token_adv=True)
     data["prev_entropy"] = data["prev_entropy"] * 0.2  # low entropy: tight adaptive bounds
     _, _, m, rm = check_preset(name, data, logp, gvs, gvt)
-    assert rm["clip_frac_low"] > 0 and rm["clip_frac_high"] > 0
+    if R.PRESET_SPECS[name]["surrogate"] == "reinforce":  # no ratio, nothing to clip
+        assert rm["clip_frac_low"] == rm["clip_frac_high"] == 0
+    else:
+        assert rm["clip_frac_low"] > 0 and rm["clip_frac_high"] > 0
 
 
 @pytest.mark.parametrize("name", ["sspo", "espo", "gspo_token"])
@@ -78,7 +83,7 @@ def test_dual_clip_and_overrides_in_granular_preset():
 def test_espo_generalised_cut_points(cuts):
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=9)
     fn = GranularPolicyLoss({"granular": {"algorithm": "espo", "entropy_top_fraction": cuts,
-                                          "espo": {"vocab_size": V, "alpha": 0.5}}})
+                                          "espo": {"vocab_size": V, "alpha": 0.5}}, "reference_policy_kl_penalty": 0.0})
     loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
     rloss, rgrad, rm = R.run_ref(lambda lp: R.preset_loss(
         "espo", lp, data, gvs=gvs, gvt=gvt, cuts=[cuts] if isinstance(cuts, float) else cuts, espo_alpha=0.5), logp)
@@ -90,8 +95,8 @@ def test_espo_generalised_cut_points(cuts):
 def test_sspo_7b_setting():
     """SSPO with the 7B clip setting (α=0.15, β=0.8, γ=2.2)."""
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=6, noise=(0.5,))
-    fn = GranularPolicyLoss({"granular": {"algorithm": "sspo", "sspo": {"alpha": 0.15, "beta": 0.8, "gamma": 2.2}}},
-                            delimiter_table=R.delimiter_table(V))
+    fn = GranularPolicyLoss({"granular": {"algorithm": "sspo", "sspo": {"alpha": 0.15, "beta": 0.8, "gamma": 2.2}},
+                             "reference_policy_kl_penalty": 0.0}, delimiter_table=R.delimiter_table(V))
     loss, grad, _ = R.run_loss(fn, logp, data, gvs, gvt)
     rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss("sspo", lp, data, gvs=gvs, gvt=gvt,
                                                          sspo=(0.15, 0.8, 2.2)), logp)
@@ -104,7 +109,7 @@ def test_precomputed_group_ids_are_used():
     data, logp, gvs, gvt = R.make_batch(B=4, S=12, V=V, seed=8)
     seg = R.segment_group_ids(data["input_ids"], data["token_mask"] > 0, R.DELIMITERS)
     data["granular_group_ids"] = R.ids_to_tensor(seg)
-    fn = GranularPolicyLoss({"granular": {"algorithm": "sspo"}})  # no tokenizer, no table
+    fn = GranularPolicyLoss({"granular": {"algorithm": "sspo"}, "reference_policy_kl_penalty": 0.0})  # no table
     loss, grad, _ = R.run_loss(fn, logp, data, gvs, gvt)
     rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss("sspo", lp, data, gvs=gvs, gvt=gvt), logp)
     R.assert_close(loss, rloss, what="loss")
@@ -131,8 +136,8 @@ def test_every_field_combination_matches_reference(granularity, ratio, clip, agg
     data, logp, gvs, gvt = R.make_batch(B=4, S=12, V=V, seed=13, per_token_adv=True, noise=(0.02, 0.3))
     fields = dict(granularity=granularity, ratio=ratio, clip=clip, aggregation=aggregation)
     fn = GranularPolicyLoss({"granular": {"algorithm": "grpo", "eps_low": 0.1, "eps_high": 0.15,
-                                          "espo": {"vocab_size": V, "alpha": 0.3}, **fields}},
-                            delimiter_table=R.delimiter_table(V))
+                                          "espo": {"vocab_size": V, "alpha": 0.3}, **fields},
+                             "reference_policy_kl_penalty": 0.0}, delimiter_table=R.delimiter_table(V))
     loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
     rloss, rgrad, rm = R.run_ref(lambda lp: R.granular_loss(lp, data, eps_low=0.1, eps_high=0.15, espo_alpha=0.3,
                                                             vocab_size=V, gvs=gvs, gvt=gvt, **fields), logp)
@@ -152,5 +157,55 @@ def test_preset_with_kl_penalty(name, kl_type):
     loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
     rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V,
                                                          kl={"coef": 0.07, "type": kl_type}), logp)
+    R.assert_close(loss, rloss, what="loss")
+    R.assert_close(grad, rgrad, what="grad")
+
+
+@pytest.mark.parametrize("surrogate", ["cispo", "reinforce"])
+@pytest.mark.parametrize("granularity", ["token", "sequence", "segment", "entropy_group"])
+@pytest.mark.parametrize("ratio", ["shared", "token_decomposed"])
+@pytest.mark.parametrize("clip", ["fixed", "sspo_entropy"])
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_group_mean"])
+def test_cispo_and_reinforce_at_every_granularity(surrogate, granularity, ratio, clip, aggregation):
+    """`algorithm: cispo` / `reinforce` with any groups, ratio form, clip and aggregation against the
+    float64 loops of reference.granular_loss (math.md §4): value, gradient, metrics."""
+    data, logp, gvs, gvt = R.make_batch(B=4, S=12, V=V, seed=17, per_token_adv=True, noise=(0.3, 2.0))
+    data["prev_entropy"] = data["prev_entropy"] * 0.2  # low entropy: tight adaptive bounds
+    fields = dict(granularity=granularity, ratio=ratio, clip=clip, aggregation=aggregation)
+    fn = GranularPolicyLoss({"granular": {"algorithm": surrogate, "eps_low": 0.1, "eps_high": 0.15, **fields},
+                             "reference_policy_kl_penalty": 0.0}, delimiter_table=R.delimiter_table(V))
+    loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
+    rloss, rgrad, rm = R.run_ref(lambda lp: R.granular_loss(lp, data, eps_low=0.1, eps_high=0.15, vocab_size=V,
+                                                            gvs=gvs, gvt=gvt, surrogate=surrogate, **fields), logp)
+    R.assert_close(loss, rloss, what="loss")
+    R.assert_close(grad, rgrad, what="grad")
+    assert grad.abs().max() > 0
+    for k in METRICS:
+        R.assert_close(m[k], rm[k], what=k)
+    if surrogate == "cispo":
+        assert rm["clip_frac_low"] + rm["clip_frac_high"] > 0, "the batch must truncate some CISPO weights"
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "sspo", "espo", "cispo"])
+@pytest.mark.parametrize("token_level", [True, False])
+def test_token_level_loss_composes_with_presets(name, token_level):
+    """NeMo-RL's `token_level_loss`, given, picks the level (docs/algorithms/math.md §5, Decision):
+    true → token_mean; false → the preset's per-sequence mean, or seq_mean_token_mean for a
+    token-mean preset. The KL term follows NeMo-RL's two loss types, and so do `loss_type` and
+    the `loss` normaliser."""
+    from nemo_granular.protocol import LossType, MetricNormalizer
+
+    agg = PRESETS[name]["aggregation"]
+    want = "token_mean" if token_level else (agg if agg != "token_mean" else "seq_mean_token_mean")
+    data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=23, noise=(0.05, 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the override warning (test_config.py checks it)
+        fn = make_loss(name, token_level_loss=token_level, reference_policy_kl_penalty=0.05)
+    assert fn.granular.aggregation == want
+    assert fn.loss_type == (LossType.TOKEN_LEVEL if token_level else LossType.SEQUENCE_LEVEL)
+    assert fn.metric_normalizations["loss"] == (MetricNormalizer.TOKENS if token_level else MetricNormalizer.SEQUENCES)
+    loss, grad, _ = R.run_loss(fn, logp, data, gvs, gvt)
+    rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V,
+                                                         aggregation=want, kl={"coef": 0.05}), logp)
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")

@@ -59,9 +59,9 @@ def test_import_does_not_load_nemo_rl_training_stack(nemo_rl_src):
 def test_local_enums_hold_in_nemo_rl_code_paths(nemo_rl_src):
     """NeMo-RL world: the loss is built BEFORE NeMo-RL's loss package is imported (local enums),
     then NeMo-RL's own code compares them: ``prepare_loss_input`` dispatches on ``input_type``,
-    ``prepare_packed_loss_input`` refuses a non-LOGPROB loss, dict look-ups by host member, and
-    a Ray-style pickle round trip turns every ``metric_normalizations`` value into NeMo-RL's own
-    member (the Megatron worker compares them with ``is``)."""
+    ``prepare_packed_loss_input`` refuses a non-LOGPROB loss, dict look-ups by host member; once
+    NeMo-RL's module is loaded every member the losses hand out IS NeMo-RL's own (the Megatron
+    worker compares with ``is``), before and after a Ray-style pickle round trip."""
     code = r"""
 import pickle, torch
 torch.Tensor.cuda = lambda self, *a, **k: self  # CPU shim: NeMo-RL moves ids with .cuda()
@@ -73,7 +73,8 @@ val = SequenceValueLoss()
 from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType, MetricNormalizer
 from nemo_rl.algorithms.loss.utils import prepare_loss_input, prepare_packed_loss_input
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-assert type(pol.input_type) is not LossInputType  # really the local enum
+assert type(protocol.LossInputType.LOGPROB) is not LossInputType  # the module's own enums are local
+assert type(pol.input_type) is LossInputType and type(pol.loss_type) is LossType  # resolved when read
 assert pol.loss_type == LossType.TOKEN_LEVEL and LossType.TOKEN_LEVEL == pol.loss_type
 assert pol.loss_type != LossType.SEQUENCE_LEVEL and val.loss_type == LossType.SEQUENCE_LEVEL
 assert {LossType.TOKEN_LEVEL: 'tok'}[pol.loss_type] == 'tok'
@@ -95,7 +96,7 @@ else:
     raise AssertionError('LOGIT loss accepted by the packed LOGPROB path')
 for loss in (pol, val):
     clone = pickle.loads(pickle.dumps(loss))
-    assert clone.loss_type == loss.loss_type and clone.input_type == loss.input_type  # class attributes stay local
+    assert clone.loss_type is loss.loss_type and clone.input_type is loss.input_type
     kinds = set(clone.metric_normalizations.values())
     assert kinds and all(type(k) is MetricNormalizer for k in kinds), kinds
     assert clone.metric_normalizations['loss'] is (MetricNormalizer.TOKENS if loss is pol else MetricNormalizer.SEQUENCES)

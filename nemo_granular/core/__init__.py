@@ -5,4 +5,6 @@ from .aggregation import *  # noqa: F401,F403
 from .clipping import *  # noqa: F401,F403
 from .entropy import *  # noqa: F401,F403
 from .groups import *  # noqa: F401,F403
+from .objective import *  # noqa: F401,F403
+from .offpolicy import *  # noqa: F401,F403
 from .ratios import *  # noqa: F401,F403

@@ -1,4 +1,4 @@
-"""Clip bounds and the clipped surrogate (docs/algorithms/math.md §3, §4)."""
+"""Clip bounds and the per-token surrogates: clipped (PPO), CISPO, REINFORCE (docs/algorithms/math.md §3, §4)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,14 @@ __all__ = [
     "sspo_entropy_clip_bounds",
     "espo_entropy_clip_bounds",
     "clipped_surrogate",
+    "cispo_surrogate",
+    "reinforce_surrogate",
     "calibrate_espo_alpha",
+    "ESPO_AUTO_TARGET_EPS",
 ]
+
+# `espo.alpha: auto`: the mean ε of the first rollout is the middle of GSPO's 3e-4 / 4e-4 (math.md §3)
+ESPO_AUTO_TARGET_EPS = 3.5e-4
 
 
 def fixed_clip_bounds(like: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,3 +88,30 @@ def clipped_surrogate(
     clipped_low = (advantages < 0) & (r < lo)
     clipped_high = (advantages > 0) & (r > hi)
     return c, clipped_low, clipped_high
+
+
+def cispo_surrogate(
+    ratio: torch.Tensor,
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    lo: torch.Tensor | float,
+    hi: torch.Tensor | float,
+) -> torch.Tensor:
+    """CISPO surrogate (MiniMax-M1 §3.1; docs/algorithms/math.md §4), to be maximised:
+
+    c = sg[clip(r, lo, hi)] · A · logp.
+
+    The clipped ratio is only a weight: every token keeps its gradient clip(r)·A·∇logp (PPO's
+    min drops it where r leaves [lo, hi] in the direction of A). ``r`` is the token's granular
+    ratio (its group's s_g), so the weight is clipped per group.
+    """
+    return torch.clamp(ratio, lo, hi).detach() * advantages * logp
+
+
+def reinforce_surrogate(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """REINFORCE surrogate (docs/algorithms/math.md §4; NeMo-RL's ``disable_ppo_ratio``): c = A · logp.
+
+    No ratio: the gradient is A·∇logp whatever the groups; the granularity acts only through the
+    aggregation (§5) and the off-policy weights.
+    """
+    return advantages * logp

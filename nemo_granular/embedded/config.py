@@ -126,6 +126,13 @@ class LoggerConfig(_Strict):
     log_every: NonNegativeInt = 10  # without a bar: one progress line every N steps (0: none)
 
 
+class EmbeddedLossConfig(PolicyLossConfig):
+    """``loss_fn`` here: NeMo-RL's keys with NeMo-RL's defaults, except β — this trainer keeps no
+    reference policy, so ``reference_policy_kl_penalty`` defaults to 0 and must stay 0."""
+
+    reference_policy_kl_penalty: float = 0.0
+
+
 class GRPOSection(_Strict):
     adv_estimator: AdvantageConfig = Field(default_factory=AdvantageConfig)
 
@@ -141,7 +148,7 @@ class TrainConfig(_Strict):
     task: TaskConfig = Field(default_factory=TaskConfig)
     warmstart: WarmstartConfig = Field(default_factory=WarmstartConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
-    loss_fn: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    loss_fn: EmbeddedLossConfig = Field(default_factory=EmbeddedLossConfig)
     grpo: GRPOSection = Field(default_factory=GRPOSection)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logger: LoggerConfig = Field(default_factory=LoggerConfig)
@@ -153,6 +160,9 @@ class TrainConfig(_Strict):
         if (est == "sppo") != (alg == "sppo"):
             raise ValueError(f"grpo.adv_estimator.name={est!r} does not fit loss_fn.granular.algorithm={alg!r} "
                              "(SPPO's loss and estimator go together)")
+        if self.loss_fn.kl_coef != 0:
+            raise ValueError(f"loss_fn.reference_policy_kl_penalty: {self.loss_fn.reference_policy_kl_penalty} needs a "
+                             "reference policy, which the embedded trainer does not keep; set it to 0")
         return self
 
     @property

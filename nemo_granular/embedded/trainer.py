@@ -25,7 +25,7 @@ import torch
 
 from ..advantages import build_advantage_estimator
 from ..cli_common import check_writable_dir
-from ..core.clipping import calibrate_espo_alpha
+from ..core.clipping import ESPO_AUTO_TARGET_EPS
 from ..core.groups import group_ids_for
 from ..losses import GranularPolicyLoss, SequenceValueLoss
 from . import models as M
@@ -432,7 +432,8 @@ class Trainer:
         t0, cpu0 = time.time(), time.process_time()
         batch = self.rollout(self.step)
         t_gen = time.time() - t0
-        if self.step == 0 and self.cfg.rl.calibrate_espo_alpha_to and self.espo_alpha is None:
+        if self.espo_alpha is None and (self.loss_fn.espo_alpha_pending
+                                        or (self.step == 0 and self.cfg.rl.calibrate_espo_alpha_to)):
             self._calibrate_espo(batch)
         B = batch["input_ids"].shape[0]
         per = B // cfg.minibatches_per_rollout
@@ -451,12 +452,14 @@ class Trainer:
         return rec
 
     def _calibrate_espo(self, batch):
-        mask = batch["token_mask"] > 0
-        mean_h = batch["prev_entropy"][mask].mean().item()
-        self.espo_alpha = calibrate_espo_alpha(mean_h, self.vocab_size, self.cfg.rl.calibrate_espo_alpha_to)
-        self.loss_fn.granular.espo.alpha = self.espo_alpha
+        """α from this (first) rollout's π_old entropy: `espo.alpha: auto` (the 3.5e-4 rule) or
+        `rl.calibrate_espo_alpha_to`; kept in trainer_state.json, so a resume reuses it."""
+        mask = batch["token_mask"] * batch["sample_mask"][:, None]
+        target = self.cfg.rl.calibrate_espo_alpha_to or ESPO_AUTO_TARGET_EPS
+        self.espo_alpha = self.loss_fn.calibrate_espo_alpha(batch["prev_entropy"], mask, target)
+        mean_h = batch["prev_entropy"][mask > 0].mean().item()
         self.log(f"espo.alpha calibrated to {self.espo_alpha:.4g} (mean π_old entropy {mean_h:.3f} nats, "
-                 f"target mean ε {self.cfg.rl.calibrate_espo_alpha_to})")
+                 f"target mean ε {target})")
 
     def _step_record(self, batch, per_step, per_critic, t_gen, t_all) -> dict:
         rec = {"step": self.step, "samples": self.samples, "wall_time": round(self.wall, 4)}

@@ -33,7 +33,7 @@ import torch
 from ..distributed import gather_sequence, vocab_parallel_logprob_and_entropy, zigzag_shard
 from ..distributed.vocab_parallel import group_rank_size
 from ..losses import GranularPolicyLoss
-from ..protocol import LossInputType
+from ..protocol import HostMember, LossInputType
 from .estimators import config_get
 
 __all__ = ["rollout_split_steps", "warn_if_rollout_split", "current_logits_logprobs_and_entropy",
@@ -131,18 +131,24 @@ class CurrentLogitsEntropyLoss:
     time, or passed as ``process_groups=(tp, cp)``).
     """
 
-    input_type = LossInputType.LOGIT
+    input_type = HostMember(LossInputType.LOGIT)
 
     def __init__(self, inner: GranularPolicyLoss | Mapping, master_config: Any = None, chunk_size: int | None = None,
                  **inner_kwargs):
         self.inner = inner if isinstance(inner, GranularPolicyLoss) else GranularPolicyLoss(inner, **inner_kwargs)
-        self.loss_type = self.inner.loss_type
-        self.metric_normalizations = self.inner.metric_normalizations
         self.reference_policy_kl_penalty = self.inner.reference_policy_kl_penalty
         self.use_fused_linear_logprobs = False
         self.chunk_size = chunk_size
         if master_config is not None:
             warn_if_rollout_split(master_config)
+
+    @property
+    def loss_type(self):
+        return self.inner.loss_type
+
+    @property
+    def metric_normalizations(self) -> dict:
+        return self.inner.metric_normalizations
 
     def __call__(self, logits: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
                  process_groups: tuple | None = None, vocab_start: int | None = None, **kwargs):

@@ -11,6 +11,8 @@
   outside the response) to the batch (:func:`add_granular_keys`) and calls ``Policy.train``.
   When no matching entropy was stashed (``force_on_policy_ratio`` skips ``get_logprobs``),
   it runs one extra forward-only pass first — the weights are still π_old at that point.
+  Under ``espo.alpha: auto`` it also sets ESPO's α on the first rollout and keeps it in the
+  checkpoint (:mod:`nemo_granular.nemo_rl.run_state`; ``save_checkpoint``).
 
 The pure pieces (group ids on the driver batch, the config checks) are plain functions
 tested without NeMo-RL; the ``Policy`` subclass is defined on first use inside NeMo-RL.
@@ -27,6 +29,7 @@ import torch
 from ..config import GranularConfig, parse_policy_loss_config
 from ..core.groups import entropy_group_ids, segment_group_ids
 from .estimators import config_get
+from .run_state import checkpoint_dir_of, espo_alpha_for_step, load_run_state, save_run_state
 from .workers import DTENSOR_V2_EXTENSION_FQN, ENTROPY_METHOD, MEGATRON_EXTENSION_FQN
 
 __all__ = [
@@ -120,6 +123,9 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
             self._granular_loss_cfg = granular_loss_cfg
             self._delimiter_table = delimiter_table
             self._stash: tuple[torch.Tensor, torch.Tensor] | None = None
+            # what NeMo-RL's checkpoint does not hold (ESPO's auto α): read back on resume
+            weights = kwargs.get("weights_path")
+            self._run_state = load_run_state(checkpoint_dir_of(weights)) if weights else {}
 
         def _logprobs_and_entropy(self, data, timer=None):
             with timer.time("get_logprobs/shard_data") if timer else nullcontext():
@@ -153,9 +159,18 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
         def train(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None, check_dim_skip_keys=None):
             entropy = self._entropy_for(data, timer)
             add_granular_keys(data, self._granular_loss_cfg, entropy, self._delimiter_table)
+            alpha = espo_alpha_for_step(loss_fn, data, self._run_state)
             self._stash = None
-            return super().train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
-                                 check_dim_skip_keys=check_dim_skip_keys)
+            results = super().train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
+                                    check_dim_skip_keys=check_dim_skip_keys)
+            if alpha is not None:  # grpo_train logs all_mb_metrics as train/<name>
+                results.setdefault("all_mb_metrics", {})["espo_alpha"] = [alpha]
+            return results
+
+        def save_checkpoint(self, weights_path, *args, **kwargs):
+            super().save_checkpoint(weights_path, *args, **kwargs)
+            if self._run_state:
+                save_run_state(checkpoint_dir_of(weights_path), self._run_state)
 
     _CLASS["cls"] = GranularPolicy
     return GranularPolicy

@@ -1,0 +1,133 @@
+"""The policy objective of docs/algorithms/math.md §2–§5 in closed form, as the loss computes it.
+
+One call of the loss goes: group ratios (§2) → per-token surrogate (§4) → aggregation weights
+(§5) → objective Σ W·c and its gradient with respect to the logprobs, written out (the objective
+is linear in the per-token surrogate, so d/dlogp is a product of known factors; see
+:mod:`nemo_granular.core.fused` for why no autograd graph is built). Inputs are 0/1 masks and
+values already 0 outside the valid tokens, in the compute dtype; ``index`` is the group plan
+(:class:`~nemo_granular.core.ratios.GroupIndex` or :class:`~nemo_granular.core.fused.RowIndex`),
+``None`` for token groups. The autograd forms of the same formulas (the reference for tests)
+are in :mod:`nemo_granular.core.ratios`, :mod:`~nemo_granular.core.clipping` and
+:mod:`~nemo_granular.core.aggregation`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .fused import clip_terms, indicator
+
+__all__ = ["LOG_RATIO_BOUND", "GroupRatios", "group_ratios", "SurrogateTerms", "surrogate_terms",
+           "aggregation_weights", "objective_logp_grad"]
+
+# exp() is applied to log-ratios clamped to ±LOG_RATIO_BOUND (ratio ≤ 4.8e8): an extreme
+# token then cannot turn a zero gradient into inf·0 = NaN. Exact below the bound (math.md, Notation).
+LOG_RATIO_BOUND = 20.0
+
+
+@dataclass
+class GroupRatios:
+    """r_it of docs/algorithms/math.md §2 and what its gradient needs."""
+
+    log_ratio: torch.Tensor              # ℓ_it = logp − logq, [B, T]
+    ratio: torch.Tensor                  # value of r_it (s_g gathered to the group's tokens), [B, T]
+    n_groups_row: torch.Tensor           # non-empty groups per row, [B]
+    index: Any = None                    # group plan; None: every token is its own group
+    group_ratio: torch.Tensor | None = None   # s_g = exp(L_g), [B, G]
+    counts: torch.Tensor | None = None        # |G_g| (valid tokens), [B, G]
+    cap: torch.Tensor | None = None           # 1 where the clamp of L_g is inactive, [B, G]
+
+
+def group_ratios(logp: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, index=None,
+                 n_row: torch.Tensor | None = None) -> GroupRatios:
+    """L_g = mean_{t∈g} ℓ_t, s_g = exp(L_g) and r_it = s_{g(i,t)} (docs/algorithms/math.md §2; GSPO
+    eq. 6, SSPO eq. 9); token groups: r_it = exp(ℓ_it). One scatter for |g| and Σℓ together."""
+    log_ratio = logp - logq
+    if index is None:
+        n = valid.sum(-1) if n_row is None else n_row
+        return GroupRatios(log_ratio, torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)), n)
+    counts, group_lr = index.sum2(valid, log_ratio)
+    group_lr = group_lr / counts.clamp(min=1)
+    cap = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)  # d clamp / d x
+    s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))
+    return GroupRatios(log_ratio, index.gather(s), counts.clamp(max=1).sum(-1), index, s, counts, cap)
+
+
+@dataclass
+class SurrogateTerms:
+    """Per-token surrogate c_it (docs/algorithms/math.md §4) and its slope."""
+
+    value: torch.Tensor           # c_it
+    ratio_clamped: torch.Tensor   # clip(r, lo, hi); REINFORCE: logp (what NeMo-RL reports as the ratio)
+    low: torch.Tensor             # 0/1: clipped low (clipped: gradient removed; CISPO: weight truncated)
+    high: torch.Tensor            # 0/1: clipped high
+    slope: torch.Tensor           # dc/dr when ``through_ratio``, else dc/dlogp
+    through_ratio: bool
+
+
+def surrogate_terms(kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo, hi,
+                    dual_clip: float | None = None) -> SurrogateTerms:
+    """c_it for ``kind`` (docs/algorithms/math.md §4):
+
+    * ``clipped`` (PPO): c = min(r·A, clip(r, lo, hi)·A) (+ dual clip), dc/dr = A where no clip acts;
+    * ``cispo`` (CISPO): c = sg[clip(r, lo, hi)]·A·logp, dc/dlogp = clip(r, lo, hi)·A;
+    * ``reinforce``: c = A·logp (+ dual clip, as NeMo-RL applies it), dc/dlogp = A where it does not act.
+
+    ``ratio``/``lo``/``hi`` may be ``[B, T]``, ``[B, 1]`` or numbers; ``logp``, ``adv`` are ``[B, T]``.
+    """
+    if kind == "clipped":
+        c, rc, low, high, keep = clip_terms(ratio, adv, lo, hi, dual_clip)
+        return SurrogateTerms(c, rc, low, high, keep.mul_(adv), True)
+    if kind == "cispo":
+        rc = torch.clamp(ratio, lo, hi)
+        weight = rc * adv
+        r = ratio.expand_as(adv)  # [B, 1] sequence ratios: full-shape clip indicators
+        return SurrogateTerms(weight * logp, rc, indicator(torch.lt, r, lo, adv), indicator(torch.gt, r, hi, adv),
+                              weight, False)
+    if kind != "reinforce":
+        raise ValueError(f"unknown surrogate {kind!r}")
+    c, slope = adv * logp, adv
+    if dual_clip is not None:  # max(c, C·A) where A < 0: inactive for logp <= 0, kept for NeMo-RL's value
+        held = indicator(torch.lt, adv, 0, adv).mul_(indicator(torch.gt, adv * dual_clip, c, adv))
+        c = c + held * (adv * dual_clip - c)
+        slope = adv * (1 - held)
+    zero = torch.zeros_like(adv)
+    return SurrogateTerms(c, logp, zero, zero, slope, False)
+
+
+def aggregation_weights(kind: str, valid: torch.Tensor, sample_mask: torch.Tensor, inv_gvt, inv_gvs,
+                        n_row: torch.Tensor, index=None, counts: torch.Tensor | None = None,
+                        n_groups_row: torch.Tensor | None = None) -> torch.Tensor:
+    """W_it with objective = Σ_it W_it·c_it (docs/algorithms/math.md §5, global denominators):
+
+    token_mean: m/gvt; seq_mean_token_mean: m/(n_i·gvs); seq_mean_group_mean: m/(G_i·|g|·gvs),
+    m = valid·sample_mask. With token groups the two per-sequence means coincide.
+    """
+    if kind == "token_mean":
+        return valid * (sample_mask * inv_gvt)[:, None]
+    if kind == "seq_mean_token_mean" or index is None:
+        return valid * (sample_mask * inv_gvs / n_row.clamp(min=1))[:, None]
+    if kind != "seq_mean_group_mean":
+        raise ValueError(f"unknown aggregation {kind!r}")
+    per_group = (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / counts.clamp(min=1)
+    return valid * index.gather(per_group)
+
+
+def objective_logp_grad(weights: torch.Tensor, terms: SurrogateTerms, ratios: GroupRatios, form: str,
+                        valid: torch.Tensor) -> torch.Tensor:
+    """d(Σ W·c)/d logp (docs/algorithms/math.md §2 for the ratio's part): W·dc/dlogp directly for
+    CISPO/REINFORCE; otherwise W·dc/dr times dr/dlogp — token: r (0 where ℓ is clamped);
+    ``token_decomposed``: s_g; ``shared``: s_g/|g| summed over the group's tokens."""
+    grad = weights * terms.slope
+    if not terms.through_ratio:
+        return grad
+    if ratios.index is None:
+        lr = ratios.log_ratio
+        return grad.mul_(ratios.ratio).mul_(indicator(torch.le, lr, LOG_RATIO_BOUND, lr))
+    if form == "token_decomposed":  # sg[s_g]·exp(logp − sg[logp]): d/dlogp_t = s_g
+        return grad.mul_(ratios.ratio)
+    idx = ratios.index  # shared: r = exp(L_g), d/dlogp_u = s_g/|g| for every u in g
+    return idx.gather(ratios.group_ratio * ratios.cap / ratios.counts.clamp(min=1) * idx.sum(grad)) * valid

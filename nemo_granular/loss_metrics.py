@@ -1,0 +1,136 @@
+"""The metrics of :class:`~nemo_granular.losses.GranularPolicyLoss`: NeMo-RL's set (same names,
+same normalisation) plus the granular ones, and the denominator each advertises.
+
+Every value is a partial sum normalised by a global count (``global_valid_toks``: TOKENS,
+``global_valid_seqs``: SEQUENCES) or a raw value (NONE: counts, and the ratio extrema, combined
+with min/max), so summing the calls of one step gives the step's value — NeMo-RL's convention.
+Each token mean is one weighted sum; ratio statistics of group granularities are taken on the
+``[B, G]`` group table (a group's tokens share its ratio and bounds).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core.fused import masked_extrema, prob_error_sums
+from .core.objective import LOG_RATIO_BOUND, aggregation_weights
+
+__all__ = ["metric_kinds", "policy_metrics"]
+
+TOKEN_METRICS = (
+    "probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
+    "js_divergence_error", "approx_entropy", "clip_frac_low", "clip_frac_high", "clip_bound_low_mean",
+    "clip_bound_high_mean", "prev_entropy_mean", "nonfinite_token_frac",
+)
+SEQ_METRICS = ("clip_frac_low_groups", "clip_frac_high_groups", "groups_per_response", "group_size_mean")
+RAW_METRICS = ("num_valid_samples", "nonfinite_tokens", "positive_nll_loss",
+               "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max")
+
+
+def metric_kinds(token_level: bool, granularity: str, truncation: str | None) -> dict[str, str]:
+    """Metric name → ``MetricNormalizer`` value (``tokens`` / ``sequences`` / ``none``), as NeMo-RL's
+    ``ClippedPGLossFn`` advertises them: ``loss`` and ``kl_penalty`` like the gradient
+    (``token_level_loss``), ``is_oob_ratio`` by the truncation, ``sampling_importance_ratio``
+    per response for sequence ratios."""
+    grad = "tokens" if token_level else "sequences"
+    kinds = {"loss": grad, "kl_penalty": grad}
+    kinds.update({k: "tokens" for k in TOKEN_METRICS})
+    kinds.update({k: "sequences" for k in SEQ_METRICS})
+    kinds.update({k: "none" for k in RAW_METRICS})
+    kinds["sampling_importance_ratio"] = "sequences" if granularity == "sequence" else "tokens"
+    if truncation is not None:
+        kinds["is_oob_ratio"] = "sequences" if truncation == "seq-mask-tis" else "tokens"
+    return kinds
+
+
+def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
+                   kl_coef: float, kl_type: str, granularity: str, surrogate: str) -> dict[str, torch.Tensor]:
+    """0-d tensors, one per metric. ``b`` is the loss's batch view (``PolicyBatch``), ``ratios`` /
+    ``terms`` the :mod:`~nemo_granular.core.objective` results, ``bounds`` = (lo, hi) per token (or
+    numbers), ``group_bounds`` = (lo, hi) per group (or numbers, or None), ``fraction_weights``
+    the per-group-mean weights when the objective already built them (else None)."""
+    m: dict[str, torch.Tensor] = {}
+    w_tok, sm = b.w_tok, b.sample_mask
+    w_flat = w_tok.view(-1)
+
+    def tok(x):  # Σ_t w_tok·x: a token mean normalised by global_valid_toks
+        if not torch.is_tensor(x) or x.dim() == 0:
+            return w_tok.sum() * x
+        if x.shape == w_tok.shape and x.is_contiguous():
+            return torch.dot(x.view(-1), w_flat)
+        return (x * w_tok).sum()
+
+    def seq(x_row):  # a per-row value averaged over rows, normalised by global_valid_seqs
+        return (x_row * sm).sum() * b.inv_gvs
+
+    m.update(_ratio_statistics(b, ratios, terms, bounds, group_bounds, surrogate, tok))
+    m["loss"] = loss.detach()
+    m["num_valid_samples"] = sm.sum()
+    m["kl_penalty"] = kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)
+    diff = b.prev - b.gen  # 0 outside the valid tokens
+    token_is = granularity != "sequence" and is_weight is None
+    m.update(prob_error_sums(diff, w_tok, kl_type, LOG_RATIO_BOUND if token_is else None))
+    # GSPO: the mean over responses of one π_old/π_gen weight per response. NeMo-RL's own GSPO
+    # mode multiplies a [B, 1] weight by a [B] mask, which broadcasts to [B, B], so its dashboard
+    # shows Σ_i w_i (about B × ours), not a mean (docs/nemo-rl.md, "Logged metrics").
+    if granularity == "sequence":  # one weight per response
+        w_row = torch.exp(diff.sum(-1).clamp(max=LOG_RATIO_BOUND))
+        if is_weight is not None:
+            w_row = (is_weight * b.valid).amax(-1)
+        m["sampling_importance_ratio"] = seq(w_row)
+    elif not token_is:
+        m["sampling_importance_ratio"] = tok(is_weight)
+    m["approx_entropy"] = -tok(torch.exp((b.logp - b.gen).clamp(max=LOG_RATIO_BOUND)).mul_(b.logp))
+    m["positive_nll_loss"] = nll.detach()
+    # ours
+    m["clip_frac_low"] = tok(terms.low)
+    m["clip_frac_high"] = tok(terms.high)
+    # clipped fraction per group, averaged over the row's groups, then over rows: one weighted
+    # sum with weight sample_mask/(n_groups·|g|·global_valid_seqs) (per token for token groups)
+    if fraction_weights is None:
+        fraction_weights = aggregation_weights("seq_mean_group_mean", b.valid, sm, b.inv_gvt, b.inv_gvs, b.n_row,
+                                               ratios.index, ratios.counts, ratios.n_groups_row)
+    fw = fraction_weights.reshape(-1)
+    m["clip_frac_low_groups"] = torch.dot(terms.low.reshape(-1), fw)
+    m["clip_frac_high_groups"] = torch.dot(terms.high.reshape(-1), fw)
+    m["groups_per_response"] = seq(ratios.n_groups_row)
+    m["group_size_mean"] = seq(b.n_row / ratios.n_groups_row.clamp(min=1))
+    m["prev_entropy_mean"] = tok(b.ent) if b.ent is not None else torch.zeros_like(sm[0])
+    nonfinite = ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
+    m["nonfinite_tokens"] = nonfinite
+    m["nonfinite_token_frac"] = nonfinite * b.inv_gvt
+    return m
+
+
+def _ratio_statistics(b, ratios, terms, bounds, group_bounds, surrogate, tok) -> dict[str, torch.Tensor]:
+    """probs_ratio(_clamped) means and extrema, clip_bound_{low,high}_mean. REINFORCE reports
+    the logprob as its "ratio", as NeMo-RL's ``disable_ppo_ratio`` mode does."""
+    live = b.valid * b.row_on[:, None]
+    lo, hi = bounds
+    if surrogate == "reinforce":
+        r_min, r_max = masked_extrema([b.logp], live)
+        return {"probs_ratio": tok(b.logp), "probs_ratio_clamped": tok(b.logp), "probs_ratio_min": r_min,
+                "probs_ratio_max": r_max, "probs_ratio_clamped_min": r_min, "probs_ratio_clamped_max": r_max,
+                "clip_bound_low_mean": tok(lo), "clip_bound_high_mean": tok(hi)}
+    if ratios.index is None:  # token granularity: per-token statistics
+        ratio, clamped = ratios.ratio, terms.ratio_clamped
+        if torch.is_tensor(lo) and lo.dim() > 0:
+            r_min, r_max, rc_min, rc_max = masked_extrema([ratio, clamped], live)
+        else:  # clamp is monotone: the extrema of the clamped ratios are the clamped extrema
+            r_min, r_max = masked_extrema([ratio], live)
+            rc_min = torch.where(torch.isinf(r_min), r_min, r_min.clamp(lo, hi))  # keep the ±inf sentinels
+            rc_max = torch.where(torch.isinf(r_max), r_max, r_max.clamp(lo, hi))
+        return {"probs_ratio": tok(ratio), "probs_ratio_clamped": tok(clamped), "probs_ratio_min": r_min,
+                "probs_ratio_max": r_max, "probs_ratio_clamped_min": rc_min, "probs_ratio_clamped_max": rc_max,
+                "clip_bound_low_mean": tok(lo), "clip_bound_high_mean": tok(hi)}
+    # group table [B, G]: weight of a group = its token count
+    lo_g, hi_g = group_bounds
+    s, counts = ratios.group_ratio, ratios.counts
+    gw = counts * (b.sample_mask * b.inv_gvt)[:, None]
+    rc_g = torch.clamp(s, lo_g, hi_g)
+    live_g = counts.clamp(max=1) * b.row_on[:, None]
+    r_min, r_max, rc_min, rc_max = masked_extrema([s, rc_g], live_g)
+    return {"probs_ratio": (s * gw).sum(), "probs_ratio_clamped": (rc_g * gw).sum(), "probs_ratio_min": r_min,
+            "probs_ratio_max": r_max, "probs_ratio_clamped_min": rc_min, "probs_ratio_clamped_max": rc_max,
+            "clip_bound_low_mean": (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g,
+            "clip_bound_high_mean": (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g}
