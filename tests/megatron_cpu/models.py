@@ -12,14 +12,15 @@ from pathlib import Path
 import torch
 
 VOCAB = 256  # a multiple of 128 * TP for TP <= 2: Megatron pads nothing, so shapes match HF
+DELIMITER = 3
 
 
 def tokenizer(path: Path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2}
-    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    vocab = {"<pad>": 0, "<unk>": 1, "<eos>": 2, "\n\n": DELIMITER}  # SSPO's segment delimiter
+    vocab.update({f"w{i}": i for i in range(4, VOCAB)})
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", unk_token="<unk>", eos_token="<eos>")

@@ -39,3 +39,33 @@ def logprobs_entropy(logits_: torch.Tensor, input_ids, lengths, temperature: flo
     lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     return token_columns(lp, lengths), token_columns(ent, lengths)
+
+
+def next_token_logprobs(logits_: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits_[:, :-1].to(F64), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def train_step(model, data: dict, loss_fn, *, frozen: set[str], clip: float, lr: float, weight_decay: float,
+               eps: float):
+    """Loss, gradients and the first AdamW update Megatron's optimizer should make from them.
+
+    The loss is the granular loss over the whole global batch (one call, global normalisers), by
+    autograd through the HF model. Megatron's optimizer clips by the global gradient norm
+    (``clip / (norm + 1e-6)`` when above ``clip``), then AdamW step 1: the bias-corrected moments
+    are g and g², so Δθ = −lr·wd·θ (2-D weights only: no decay for norms) − lr·g/(|g| + eps).
+    """
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    d64 = {k: (v.to(F64) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in data.items()}
+    gvs = d64["sample_mask"].sum()
+    gvt = (d64["token_mask"][:, 1:] * d64["sample_mask"][:, None]).sum()
+    named = {n: p for n, p in model.named_parameters() if n not in frozen}
+    loss, metrics = loss_fn(next_token_logprobs(logits(model, ids, lengths), ids), d64, gvs, gvt)
+    grads = dict(zip(named, torch.autograd.grad(loss, list(named.values()))))
+    norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values()))
+    coeff = min(1.0, clip / (float(norm) + 1e-6))
+    update = {}
+    for n, g in grads.items():
+        g = g * coeff
+        decay = weight_decay * named[n].detach() if named[n].dim() > 1 else 0.0
+        update[n] = -lr * decay - lr * g / (g.abs() + eps)
+    return {"loss": loss.detach(), "metrics": metrics, "grads": grads, "grad_norm": norm, "update": update}

@@ -35,8 +35,14 @@ TE_STUB = Path(__file__).resolve().parents[1] / "host_shims" / "te_stub"
 
 def import_megatron_then_te_placeholder() -> None:
     """megatron.core first (so every module keeps its Transformer-Engine-absent path), then the
-    test-only Transformer Engine placeholder that Megatron-Bridge imports at module level."""
+    test-only Transformer Engine placeholder that Megatron-Bridge imports at module level.
+
+    A spawned rank inherits the parent's ``sys.path``, placeholder included, so it is taken off
+    while megatron.core imports; :func:`te_takers` then checks that no megatron.core module saw it."""
+    sys.path[:] = [p for p in sys.path if Path(p).resolve() != TE_STUB]
     import megatron.core.distributed  # noqa: F401
+    import megatron.core.inference.text_generation_controllers.text_generation_controller  # noqa: F401
+    import megatron.core.models.gpt.experimental_attention_variant_module_specs  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.parallel_state  # noqa: F401
@@ -46,6 +52,12 @@ def import_megatron_then_te_placeholder() -> None:
 
     if str(TE_STUB) not in sys.path:
         sys.path.append(str(TE_STUB))
+
+
+def te_takers() -> list[str]:
+    """megatron.core modules that took their Transformer Engine path (``HAVE_TE`` true): must be none."""
+    return sorted(name for name, mod in list(sys.modules.items())
+                  if name.startswith("megatron.core") and getattr(mod, "HAVE_TE", False) is True)
 
 
 def _is_cuda(device) -> bool:
