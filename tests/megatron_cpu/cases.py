@@ -136,6 +136,7 @@ def run_layout(rank: int, spec: dict) -> dict:
         seen["grads"] = mapping.local_pieces(worker.model, worker.optimizer,
                                              {n: getattr(p, "main_grad", None) for n, p in named.items()})
         seen["before"] = {n: p.detach().clone() for n, p in named.items()}
+        seen["lr"] = sorted({g["lr"] for g in worker.optimizer.param_groups})  # the scheduler's, this step
         return real_step()
 
     worker.optimizer.step = step
@@ -144,7 +145,7 @@ def run_layout(rank: int, spec: dict) -> dict:
     out["train_s"] = time.perf_counter() - t
     worker.optimizer.step = real_step
     named = dict(worker.model.named_parameters())
-    out["grads"] = seen["grads"]
+    out["grads"], out["lr"] = seen["grads"], seen["lr"]
     out["update"] = mapping.local_pieces(worker.model, worker.optimizer,
                                          {n: p.detach() - seen["before"][n] for n, p in named.items()})
     out["metrics"] = {"global_loss": metrics["global_loss"], "grad_norm": metrics["grad_norm"],

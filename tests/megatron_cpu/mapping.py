@@ -20,10 +20,14 @@ from collections import defaultdict
 import torch
 
 
-def _owned_ranges(optimizer) -> dict:
-    """param → (start, end) of its flattened elements this rank's distributed optimizer owns."""
+def _owned_ranges(optimizer) -> dict | None:
+    """param → (start, end) of its flattened elements this rank's distributed optimizer owns (a
+    parameter it owns nothing of is absent); None without a distributed optimizer (all owned)."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not any(hasattr(opt, "gbuf_ranges") for opt in opts):
+        return None
     out = {}
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in opts:
         for per_dtype in getattr(opt, "gbuf_ranges", []):
             for buckets in per_dtype.values():
                 for bucket in buckets:
@@ -63,7 +67,7 @@ def local_pieces(model, optimizer, tensors: dict[str, torch.Tensor] | None = Non
         value = (tensors or {}).get(name, p) if tensors is not None else p
         if value is None:
             continue
-        start, end = owned.get(p, (0, p.numel()))
+        start, end = (0, p.numel()) if owned is None or not p.requires_grad else owned.get(p, (0, 0))
         is_expert = ".experts." in name
         tp = ps.get_expert_tensor_parallel_rank() if is_expert else ps.get_tensor_model_parallel_rank()
         out[_global_name(name, offsets, expert_offset)] = (
