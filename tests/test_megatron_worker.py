@@ -26,11 +26,13 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow]
 B, S = 8, 32
 TOL_FWD = 2e-5  # float32 Megatron vs float64 HF, 2 layers: measured ≤ 3e-6
 LAYOUTS = {
-    # name: (world, model, config file, parallel sizes, sequence packing)
-    "tp1": (1, "dense", "sspo_qwen2.5_math_1.5b.yaml", {}, False),
-    "tp2": (2, "dense", "nemo_rl/espo_math_1B.yaml", {"tp": 2}, False),
-    "pp2": (2, "dense4", "gspo_qwen2.5_math_1.5b.yaml", {"pp": 2}, False),
-    "tp2cp2_packed": (4, "dense", "sspo_qwen2.5_math_7b.yaml", {"tp": 2, "cp": 2}, True),
+    # name: (world, model, config file, parallel sizes, sequence packing, other policy overrides)
+    "tp1": (1, "dense", "sspo_qwen2.5_math_1.5b.yaml", {}, False, {}),
+    "tp2": (2, "dense", "nemo_rl/espo_math_1B.yaml", {"tp": 2}, False, {}),
+    "pp2": (2, "dense4", "gspo_qwen2.5_math_1.5b.yaml", {"pp": 2}, False, {}),
+    "tp2cp2_packed": (4, "dense", "sspo_qwen2.5_math_7b.yaml", {"tp": 2, "cp": 2}, True, {}),
+    # router replay needs the routes vLLM recorded during the rollout; there is no rollout here
+    "ep2_moe": (2, "moe", "espo_qwen3_30b_a3b_megatron.yaml", {"ep": 2}, False, {"router_replay": {"enabled": False}}),
 }
 REPORT: dict[str, dict[str, float]] = {}
 
@@ -74,6 +76,12 @@ def _train_data(ids, lengths, token_mask, g, lp, ent, loss_cfg, table):
     return data
 
 
+def _spacing(w: torch.Tensor) -> torch.Tensor:
+    """Distance from each float32 weight to the next float32 away from zero (float64)."""
+    w = w.detach().float().abs()
+    return (torch.nextafter(w, torch.full_like(w, float("inf"))) - w).double()
+
+
 def _worst(got: dict, want: dict) -> tuple[float, str]:
     return max((_max(got[k], w), k) for k, w in want.items())
 
@@ -90,10 +98,10 @@ def _run_layout(name: str, tiny) -> dict:
 
     from nemo_granular.losses import GranularPolicyLoss
 
-    n, model, config, sizes, packing = LAYOUTS[name]
+    n, model, config, sizes, packing, extra = LAYOUTS[name]
     model_dir = str(tiny[model])
-    overrides = cases.tiny_overrides(model_dir, packing=packing, precision="float32", seq_len=S, gbs=B, mbs=2,
-                                     **sizes)
+    overrides = cases.merge(cases.tiny_overrides(model_dir, packing=packing, precision="float32", seq_len=S, gbs=B,
+                                                 mbs=2, **sizes), extra)
     full, policy = cases.load_config(config, overrides)
     hf = reference.load_hf(model_dir)
     ids, lengths, token_mask, g = _batch()
@@ -172,9 +180,13 @@ def test_megatron_worker_equals_hf(name, tiny):
     update = mapping.assemble([x["update"] for x in ranks], hf.config)
     for k in r["frozen"]:
         assert float(update[k].abs().max()) == 0.0, f"{name}: frozen {k} changed"
-    report["update"], worst = _worst(update, ref["update"])
-    lr = float(max(u.abs().max() for u in ref["update"].values()))
-    assert report["update"] < 0.15 * lr, (worst, update[worst], ref["update"][worst], report)
+    report["update"], _ = _worst(update, ref["update"])
+    # float32 weights: the new weight is rounded once or twice, so the update can only agree to
+    # about one spacing of the weight's float32 grid (the step is ~1e-7..5e-6, the weights ~0.5)
+    ulps = {k: ((update[k] - u).abs() / _spacing(hf_sd[k])).max().item() for k, u in ref["update"].items()}
+    worst = max(ulps, key=ulps.get)
+    report["update_ulps"] = ulps[worst]
+    assert ulps[worst] <= 2.0, (worst, report)
 
     # log-probs after the step = HF with the updated weights (the next forward gathers the shards)
     moved = reference.load_hf(r["model_dir"])

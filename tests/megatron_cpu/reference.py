@@ -15,7 +15,8 @@ F64 = torch.float64
 def load_hf(model_dir: str, dtype=F64):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
+                                                 experts_implementation="eager")  # grouped_mm has no float64
     return model.eval()
 
 

@@ -90,6 +90,23 @@ def _to_host(args, kwargs) -> bool:
         isinstance(target, torch.device) and target.type == "cpu")
 
 
+def _autograd_with_mode(func, *args, **kwargs):
+    """Run ``torch.autograd.backward`` / ``grad`` with the mode active. torch runs a mode's handler
+    with the mode popped, and the autograd graph task keeps the thread state it starts with, so a
+    backward started through the mode (activation recompute calls ``torch.autograd.backward``)
+    would run every backward function without it. The mode is pushed again and the function's own
+    dispatch check (which would hand the call back to the mode, endlessly) skipped."""
+    import torch.autograd as autograd
+
+    saved = autograd.has_torch_function
+    with CudaIsCpu():
+        autograd.has_torch_function = lambda *a: False
+        try:
+            return func(*args, **kwargs)
+        finally:
+            autograd.has_torch_function = saved
+
+
 class CudaIsCpu(TorchFunctionMode):
     """Every torch call that names a CUDA device runs on CPU instead (see module docstring)."""
 
@@ -112,6 +129,10 @@ class CudaIsCpu(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], torch.device("cpu"), *args[2:])
         kwargs.pop("pin_memory", None)
+        if func is torch.Tensor.backward:
+            return _autograd_with_mode(torch.autograd.backward, args[0], *args[1:], **kwargs)
+        if func in (torch.autograd.backward, torch.autograd.grad):
+            return _autograd_with_mode(func, *args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -296,6 +317,18 @@ def install(local_rank: int) -> None:
     mrandom._get_cuda_rng_state = lambda *a, clone=False, **k: gen.get_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: gen.set_state(state)
 
+    # The MoE all-to-all dispatcher moves its split sizes to the host (numpy) only if they are on
+    # the device (``is_cuda``); on CPU they would stay tensors, which ``all_to_all_single`` rejects.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def device_to_host(tensor, as_numpy=False, record_stream=False):
+        if not torch.is_tensor(tensor):
+            return tensor
+        host = tensor.clone()
+        return host.numpy() if as_numpy else host
+
+    token_dispatcher.maybe_move_tensor_to_cpu = device_to_host
+
     dist = torch.distributed
     init_pg, new_group = dist.init_process_group, dist.new_group
 
@@ -322,6 +355,20 @@ def install(local_rank: int) -> None:
     from megatron.bridge.models import gpt_provider
 
     gpt_provider.transformer_engine_layer_spec = cpu_layer_spec
+    # The HF -> Megatron import builds the provider a model bridge configures (Qwen3-MoE asks for
+    # TE's fused permutation) and applies only the parallel sizes of NeMo-RL's megatron_cfg, so
+    # its moe_permute_fusion: false never reaches the import; the training provider gets it.
+    from megatron.bridge.models.conversion.auto_bridge import AutoBridge
+
+    real_provider = AutoBridge.to_megatron_provider
+
+    @functools.wraps(real_provider)
+    def to_megatron_provider(self, *a, **k):
+        provider = real_provider(self, *a, **k)
+        provider.moe_permute_fusion = False
+        return provider
+
+    AutoBridge.to_megatron_provider = to_megatron_provider
     real_init = binit.initialize_megatron
     import nemo_rl.models.megatron.setup as nsetup
 

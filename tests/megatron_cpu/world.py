@@ -11,6 +11,7 @@ process-global state), so a test asks everything of one world in one ``fn``.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -31,7 +32,9 @@ def _rank_main(rank: int, world: int, port: int, env: dict, fn, args, results) -
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
-        results.put((rank, True, fn(rank, *args)))
+        # plain bytes: torch's queue pickler would share tensors through file descriptors that die
+        # with this process, which may exit before the parent reads them
+        results.put((rank, True, pickle.dumps(fn(rank, *args))))
     except BaseException:  # noqa: BLE001 - forwarded to the test process
         results.put((rank, False, traceback.format_exc()))
 
@@ -54,7 +57,7 @@ def run_world(world: int, fn, *args, env: dict | None = None, timeout: float = T
             except queue.Empty:
                 raise TimeoutError(f"no answer from the {world}-rank world within {timeout} s") from None
             if ok:
-                out[rank] = value
+                out[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break  # the other ranks are likely stuck in a collective
