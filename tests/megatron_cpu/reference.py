@@ -46,15 +46,9 @@ def next_token_logprobs(logits_: torch.Tensor, input_ids: torch.Tensor) -> torch
     return torch.log_softmax(logits_[:, :-1].to(F64), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
-def train_step(model, data: dict, loss_fn, *, frozen: set[str], clip: float, lr: float, weight_decay: float,
-               eps: float):
-    """Loss, gradients and the first AdamW update Megatron's optimizer should make from them.
-
-    The loss is the granular loss over the whole global batch (one call, global normalisers), by
-    autograd through the HF model. Megatron's optimizer clips by the global gradient norm
-    (``clip / (norm + 1e-6)`` when above ``clip``), then AdamW step 1: the bias-corrected moments
-    are g and g², so Δθ = −lr·wd·θ (2-D weights only: no decay for norms) − lr·g/(|g| + eps).
-    """
+def train_step(model, data: dict, loss_fn, *, frozen: set[str]):
+    """Loss and gradients of the granular loss over the whole global batch (one call, global
+    normalisers), by autograd through the HF model; ``frozen`` parameters get none."""
     ids, lengths = data["input_ids"], data["input_lengths"]
     d64 = {k: (v.to(F64) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in data.items()}
     gvs = d64["sample_mask"].sum()
@@ -63,10 +57,18 @@ def train_step(model, data: dict, loss_fn, *, frozen: set[str], clip: float, lr:
     loss, metrics = loss_fn(next_token_logprobs(logits(model, ids, lengths), ids), d64, gvs, gvt)
     grads = dict(zip(named, torch.autograd.grad(loss, list(named.values()))))
     norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values()))
-    coeff = min(1.0, clip / (float(norm) + 1e-6))
+    return {"loss": loss.detach(), "metrics": metrics, "grads": grads, "grad_norm": norm}
+
+
+def adamw_first_step(params: dict, grads: dict, grad_norm: float, *, clip: float, lr: float,
+                     weight_decay: float, eps: float) -> dict:
+    """The update Megatron's optimizer makes from ``grads`` on its first step: clip by the global
+    norm (``clip / (norm + 1e-6)`` when above ``clip``), then AdamW with bias-corrected moments
+    g and g²: Δθ = −lr·wd·θ (2-D weights only: no decay for norms) − lr·g/(|g| + eps)."""
+    coeff = min(1.0, clip / (grad_norm + 1e-6))
     update = {}
     for n, g in grads.items():
-        g = g * coeff
-        decay = weight_decay * named[n].detach() if named[n].dim() > 1 else 0.0
+        g = g.to(F64) * coeff
+        decay = weight_decay * params[n].to(F64) if params[n].dim() > 1 else 0.0
         update[n] = -lr * decay - lr * g / (g.abs() + eps)
-    return {"loss": loss.detach(), "metrics": metrics, "grads": grads, "grad_norm": norm, "update": update}
+    return update
