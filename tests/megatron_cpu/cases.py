@@ -191,3 +191,35 @@ class Driver:
         if self._unsorted is not None:
             out.reorder_data(self._unsorted)
         return out[key]
+
+
+def construct_each(rank: int, items: list[dict]) -> list[dict]:
+    """Construct the worker for each shipped config in turn in this process and run one
+    ``get_logprobs_with_entropy``; return what reached the worker and the results."""
+    out = []
+    for item in items:
+        t0 = time.perf_counter()
+        _, policy = load_config(item["config"], item["overrides"])
+        worker = build_worker(policy)
+        init_s = time.perf_counter() - t0
+        (shard,) = pickle.loads(item["logprob_shards"])
+        got = worker.get_logprobs_with_entropy(data=shard)
+        model = worker.megatron_cfg.model
+        out.append({
+            "config": item["config"], "init_s": init_s, "logprobs": got["logprobs"], "entropy": got["entropy"],
+            "reached": {
+                "bf16": model.bf16, "recompute_granularity": model.recompute_granularity,
+                "defer_fp32_logits": bool(worker.defer_fp32_logits),
+                "use_distributed_optimizer": worker.megatron_cfg.optimizer.use_distributed_optimizer,
+                "overlap_param_gather": worker.megatron_cfg.ddp.overlap_param_gather,
+                "packing": bool(worker.cfg["sequence_packing"]["enabled"]),
+                "num_moe_experts": model.num_moe_experts, "router_replay": worker._router_replay_enabled,
+            },
+        })
+        del worker
+        # each worker is a fresh Ray actor process in NeMo-RL; here the next one starts from
+        # Megatron's process-global state torn down (microbatch calculator, parallel state, ...)
+        from megatron.bridge.training.initialize import destroy_global_state
+
+        destroy_global_state()
+    return out

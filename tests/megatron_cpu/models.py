@@ -1,4 +1,4 @@
-"""Tiny HF checkpoints for the Megatron-worker tests: Qwen3 and Qwen3-MoE written by transformers.
+"""Tiny HF checkpoints for the Megatron-worker tests: Qwen3, Qwen3-MoE and Qwen2 written by transformers.
 
 Every weight (norm scales included) is drawn at random so a weight that Megatron-Bridge failed
 to load, or loaded into the wrong place, changes the log-probs; the tokenizer is a word-level
@@ -28,9 +28,14 @@ def tokenizer(path: Path):
     return fast
 
 
-def config(moe: bool, layers: int):
-    from transformers import Qwen3Config, Qwen3MoeConfig
+def config(moe: bool, layers: int, family: str = "qwen3"):
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    if family == "qwen2":  # Qwen2.5's architecture: QKV bias, no QK norm
+        return Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                           rope_theta=10000.0, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=2, bos_token_id=None,
+                           tie_word_embeddings=False)
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rope_theta=10000.0,
                   rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=2, bos_token_id=None, tie_word_embeddings=False)
@@ -41,12 +46,12 @@ def config(moe: bool, layers: int):
     return Qwen3Config(intermediate_size=96, **common)
 
 
-def write(path: Path, *, moe: bool = False, layers: int = 2, seed: int = 0) -> Path:
-    """A Qwen3(-MoE) checkpoint (safetensors, float32) plus tokenizer in ``path``."""
+def write(path: Path, *, moe: bool = False, layers: int = 2, seed: int = 0, family: str = "qwen3") -> Path:
+    """A Qwen3(-MoE) or Qwen2 checkpoint (safetensors, float32) plus tokenizer in ``path``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(moe, layers), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config(moe, layers, family), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
