@@ -4,8 +4,9 @@ World: NeMo-RL (``nemo_rl_src``) with its pinned Megatron-LM / Megatron-Bridge s
 is one spawned gloo world (``tests/megatron_cpu/world.py``) in which every rank constructs
 ``GranularMegatronPolicyWorkerImpl`` through ``MegatronPolicyWorkerImpl.__init__`` — HF → Megatron
 import by Megatron-Bridge, DDP + distributed optimizer, reference model — from a tiny HF Qwen3 /
-Qwen3-MoE checkpoint and a shipped example config with only model size, paths and cluster shrunk
-(CPU stand-ins: ``tests/megatron_cpu/standins.py``, listed in ``docs/nemo-rl.md`` §7). NeMo-RL's own
+Qwen3-MoE checkpoint and a shipped example config with model size, paths and cluster shrunk,
+float32, sequence packing as the layout says and router replay off for the EP 2 train step (CPU
+stand-ins: ``tests/megatron_cpu/standins.py``, listed in ``docs/nemo-rl.md`` §7). NeMo-RL's own
 ``Policy`` code shards the batch and re-assembles the results (``cases.Driver``).
 
 Against an independent float64 forward/backward of the same checkpoint by transformers:
@@ -34,7 +35,6 @@ LAYOUTS = {
     # router replay needs the routes vLLM recorded during the rollout; there is no rollout here
     "ep2_moe": (2, "moe", "espo_qwen3_30b_a3b_megatron.yaml", {"ep": 2}, False, {"router_replay": {"enabled": False}}),
 }
-REPORT: dict[str, dict[str, float]] = {}
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +115,10 @@ def _run_layout(name: str, tiny) -> dict:
     spec = {"config": config, "overrides": overrides, "delimiter_table": table, "vocab_size": VOCAB,
             "gbs": B, "mbs": 2,
             "train_shards": pickle.dumps(driver.train_shards(BatchedDataDict(data), B)),
-            "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(input_ids=ids, input_lengths=lengths)))}
-    env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tiny["root"] / f"mcore-{name}"), "HOME": str(tiny["root"] / "home"),
+            "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(input_ids=ids,
+                                                                                 input_lengths=lengths)))}
+    # one Megatron checkpoint per model: the first layout imports it from HF, the others load it
+    env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tiny["root"] / "mcore"), "HOME": str(tiny["root"] / "home"),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1"}
     ranks = world.run_world(n, cases.run_layout, spec, env=env)
 
@@ -138,7 +140,7 @@ def test_megatron_worker_equals_hf(name, tiny):
 
     r = _run_layout(name, tiny)
     ranks, ref, hf = r["ranks"], r["ref"], r["hf"]
-    report = REPORT.setdefault(name, {})
+    report: dict[str, float] = {}  # max differences, printed at the end (docs/nemo-rl.md §7)
     assert all(not x["te_takers"] for x in ranks), [x["te_takers"] for x in ranks]
 
     # weights Megatron-Bridge loaded = the HF checkpoint, exactly
