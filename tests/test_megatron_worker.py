@@ -1,0 +1,208 @@
+"""NeMo-RL's real Megatron policy worker, with the plugin's extension, on CPU against HF transformers.
+
+World: NeMo-RL (``nemo_rl_src``) with its pinned Megatron-LM / Megatron-Bridge sources. Each layout
+is one spawned gloo world (``tests/megatron_cpu/world.py``) in which every rank constructs
+``GranularMegatronPolicyWorkerImpl`` through ``MegatronPolicyWorkerImpl.__init__`` — HF → Megatron
+import by Megatron-Bridge, DDP + distributed optimizer, reference model — from a tiny HF Qwen3 /
+Qwen3-MoE checkpoint and a shipped example config with model size, paths and cluster shrunk,
+float32, sequence packing as the layout says and router replay off for the EP 2 train step (CPU
+stand-ins: ``tests/megatron_cpu/standins.py``, listed in ``docs/nemo-rl.md`` §7). NeMo-RL's own
+``Policy`` code shards the batch and re-assembles the results (``cases.Driver``).
+
+Against an independent float64 forward/backward of the same checkpoint by transformers:
+weights as loaded (mapped back with the test's own layout mapping), ``get_logprobs_with_entropy``
+(log-probs and entropy), one ``train`` step with the granular loss (loss, gradient norm, every
+gradient, the AdamW update) and the log-probs after the step.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
+B, S = 8, 32
+TOL_FWD = 2e-5  # float32 Megatron vs float64 HF, 2 layers: measured ≤ 3e-6
+LAYOUTS = {
+    # name: (world, model, config file, parallel sizes, sequence packing, other policy overrides)
+    "tp1": (1, "dense", "sspo_qwen2.5_math_1.5b.yaml", {}, False, {}),
+    "tp2": (2, "dense", "nemo_rl/espo_math_1B.yaml", {"tp": 2}, False, {}),
+    "pp2": (2, "dense4", "gspo_qwen2.5_math_1.5b.yaml", {"pp": 2}, False, {}),
+    "tp2cp2_packed": (4, "dense", "sspo_qwen2.5_math_7b.yaml", {"tp": 2, "cp": 2}, True, {}),
+    # router replay needs the routes vLLM recorded during the rollout; there is no rollout here
+    "ep2_moe": (2, "moe", "espo_qwen3_30b_a3b_megatron.yaml", {"ep": 2}, False, {"router_replay": {"enabled": False}}),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(nemo_rl_src, megatron_workers, tmp_path_factory):
+    from megatron_cpu import models
+
+    root = tmp_path_factory.mktemp("megatron_worker")
+    return {"root": root, "dense": models.write(root / "dense"), "dense4": models.write(root / "dense4", layers=4),
+            "moe": models.write(root / "moe", moe=True)}
+
+
+def _batch(seed: int = 0):
+    from megatron_cpu.models import DELIMITER, VOCAB
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([32, 20, 27, 9, 31, 14, 24, 18])
+    prompt = torch.tensor([5, 4, 6, 3, 7, 4, 5, 6])
+    cols = torch.arange(S)[None, :]
+    ids = torch.randint(4, VOCAB, (B, S), generator=g)
+    ids[(torch.rand(B, S, generator=g) < 0.2) & (cols >= prompt[:, None])] = DELIMITER
+    ids[cols >= lengths[:, None]] = 0
+    token_mask = ((cols >= prompt[:, None]) & (cols < lengths[:, None])).float()
+    return ids, lengths, token_mask, g
+
+
+def _train_data(ids, lengths, token_mask, g, lp, ent, loss_cfg, table):
+    """A GRPO training batch as ``GranularPolicy.train`` hands it to the workers (π_old ≠ current
+    weights so the clipping acts)."""
+    from nemo_granular.nemo_rl.policy import add_granular_keys
+
+    noise = lambda s: s * torch.randn(B, S, generator=g, dtype=torch.float64) * token_mask  # noqa: E731
+    prev = ((lp + noise(0.3)).clamp(max=-1e-3) * token_mask)
+    data = {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask,
+            "sample_mask": torch.tensor([1.0, 1, 1, 0, 1, 1, 1, 1]),
+            "prev_logprobs": prev.float(), "generation_logprobs": (prev + noise(0.05)).float(),
+            "reference_policy_logprobs": (prev + noise(0.2)).float(),
+            "advantages": torch.randn(B, 1, generator=g) * token_mask}
+    add_granular_keys(data, loss_cfg, ent.float(), table)
+    return data
+
+
+def _spacing(w: torch.Tensor) -> torch.Tensor:
+    """Distance from each float32 weight to the next float32 away from zero (float64)."""
+    w = w.detach().float().abs()
+    return (torch.nextafter(w, torch.full_like(w, float("inf"))) - w).double()
+
+
+def _worst(got: dict, want: dict) -> tuple[float, str]:
+    return max((_max(got[k], w), k) for k, w in want.items())
+
+
+def _max(a, b, mask=None) -> float:
+    d = (a.double() - b.double()).abs()
+    return float(d[mask].max() if mask is not None else d.max())
+
+
+def _run_layout(name: str, tiny) -> dict:
+    from megatron_cpu import cases, reference, world
+    from megatron_cpu.models import DELIMITER, VOCAB
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
+    from nemo_granular.losses import GranularPolicyLoss
+
+    n, model, config, sizes, packing, extra = LAYOUTS[name]
+    model_dir = str(tiny[model])
+    overrides = cases.merge(cases.tiny_overrides(model_dir, packing=packing, precision="float32", seq_len=S, gbs=B,
+                                                 mbs=2, **sizes), extra)
+    full, policy = cases.load_config(config, overrides)
+    hf = reference.load_hf(model_dir)
+    ids, lengths, token_mask, g = _batch()
+    with torch.no_grad():
+        lp, ent = reference.logprobs_entropy(reference.logits(hf, ids, lengths), ids, lengths)
+    table = torch.zeros(VOCAB, dtype=torch.bool)
+    table[DELIMITER] = True
+    data = _train_data(ids, lengths, token_mask, g, lp, ent, full["loss_fn"], table)
+
+    driver = cases.Driver(policy, n)
+    spec = {"config": config, "overrides": overrides, "delimiter_table": table, "vocab_size": VOCAB,
+            "gbs": B, "mbs": 2,
+            "train_shards": pickle.dumps(driver.train_shards(BatchedDataDict(data), B)),
+            "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(input_ids=ids,
+                                                                                 input_lengths=lengths)))}
+    # one Megatron checkpoint per model: the first layout imports it from HF, the others load it
+    env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tiny["root"] / "mcore"), "HOME": str(tiny["root"] / "home"),
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1"}
+    ranks = world.run_world(n, cases.run_layout, spec, env=env)
+
+    m = policy["megatron_cfg"]["optimizer"]
+    loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=table, vocab_size=VOCAB)
+    frozen = {k for k in dict(hf.named_parameters()) if k.endswith("mlp.gate.weight")} \
+        if policy["megatron_cfg"]["freeze_moe_router"] else set()
+    (lr,) = {tuple(x["lr"]) for x in ranks}
+    assert len(lr) == 1, lr  # one learning rate for every parameter group
+    ref = reference.train_step(hf, data, loss_fn, frozen=frozen)
+    adamw = {"clip": m["clip_grad"], "lr": lr[0], "weight_decay": m["weight_decay"], "eps": m["adam_eps"]}
+    return {"ranks": ranks, "driver": driver, "hf": hf, "ref": ref, "lp": lp, "ent": ent, "ids": ids,
+            "lengths": lengths, "frozen": frozen, "model_dir": model_dir, "adamw": adamw}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_megatron_worker_equals_hf(name, tiny):
+    from megatron_cpu import mapping, reference
+
+    r = _run_layout(name, tiny)
+    ranks, ref, hf = r["ranks"], r["ref"], r["hf"]
+    report: dict[str, float] = {}  # max differences, printed at the end (docs/nemo-rl.md §7)
+    assert all(not x["te_takers"] for x in ranks), [x["te_takers"] for x in ranks]
+
+    # weights Megatron-Bridge loaded = the HF checkpoint, exactly
+    loaded = mapping.assemble([x["weights"] for x in ranks], hf.config)
+    hf_sd = {k: v.detach() for k, v in hf.named_parameters()}
+    assert set(loaded) == set(hf_sd)
+    for k, v in loaded.items():
+        torch.testing.assert_close(v, hf_sd[k].double(), rtol=0, atol=0, msg=f"{name}: loaded {k}")
+
+    # log-probs and entropy: one answer per DP rank (every TP/CP/PP replica the same), in order
+    inside = torch.arange(S)[None, :] < r["lengths"][:, None]
+    heads = {}
+    for x in ranks:
+        c = x["coords"]
+        key = c["dp"]
+        if key in heads:
+            for k in ("logprobs", "entropy", "logprobs_after"):
+                torch.testing.assert_close(x[k], heads[key][k], rtol=0, atol=0, msg=f"{name}: replica {c} {k}")
+        else:
+            heads[key] = x
+    per_dp = [heads[d] for d in sorted(heads)]
+    got_lp = r["driver"].gather(per_dp, "logprobs")
+    got_ent = r["driver"].gather(per_dp, "entropy")
+    report["logprobs"] = _max(got_lp, r["lp"], inside)
+    report["entropy"] = _max(got_ent, r["ent"])
+    assert report["logprobs"] < TOL_FWD and report["entropy"] < TOL_FWD, report
+
+    # one train step: loss, gradient norm, gradients, update
+    metrics = ranks[0]["metrics"]
+    report["loss"] = _max(metrics["global_loss"].reshape(()), ref["loss"])
+    report["grad_norm"] = _max(metrics["grad_norm"].reshape(()), ref["grad_norm"])
+    assert report["loss"] < 1e-5 * max(1.0, abs(float(ref["loss"]))), report
+    assert report["grad_norm"] < 1e-5 * float(ref["grad_norm"]), report
+    grads = mapping.assemble([x["grads"] for x in ranks], hf.config)
+    assert set(grads) == set(ref["grads"]), set(grads) ^ set(ref["grads"])
+    scale = max(float(g.abs().max()) for g in ref["grads"].values())
+    report["grads"], worst = _worst(grads, ref["grads"])
+    assert report["grads"] < 2e-5 * scale, (worst, report)
+    update = mapping.assemble([x["update"] for x in ranks], hf.config)
+    for k in r["frozen"]:
+        assert float(update[k].abs().max()) == 0.0, f"{name}: frozen {k} changed"
+    # the step AdamW makes from those (checked) gradients; Adam divides by |g|, so an element
+    # whose gradient is near eps is as sensitive as the gradient's last digits and the update is
+    # taken from Megatron's own gradients. float32 arithmetic: the step is computed to about one
+    # spacing of its own float32 grid and the new weight rounded to the weight's grid, so the
+    # difference is measured in units of the two spacings (steps are 1e-7..5e-6, weights ~0.5)
+    want = reference.adamw_first_step(hf_sd, {k: grads[k] for k in ref["grads"]},
+                                      float(metrics["grad_norm"].reshape(())), **r["adamw"])
+    report["update"], _ = _worst(update, want)
+    ulps = {k: ((update[k] - u).abs() / (_spacing(hf_sd[k]) + _spacing(u))).max().item() for k, u in want.items()}
+    worst = max(ulps, key=ulps.get)
+    report["update_ulps"] = ulps[worst]
+    assert ulps[worst] <= 2.0, (worst, report)
+
+    # log-probs after the step = HF with the updated weights (the next forward gathers the shards)
+    moved = reference.load_hf(r["model_dir"])
+    with torch.no_grad():
+        for k, p in moved.named_parameters():
+            p.add_(update[k].to(p.dtype))
+        lp_after, _ = reference.logprobs_entropy(reference.logits(moved, r["ids"], r["lengths"]), r["ids"],
+                                                 r["lengths"])
+    report["logprobs_after"] = _max(r["driver"].gather(per_dp, "logprobs_after"), lp_after, inside)
+    assert report["logprobs_after"] < TOL_FWD, report
+    report["init_s"] = max(x["init_s"] for x in ranks)
+    print(f"\n{name}: " + ", ".join(f"{k}={v:.2e}" for k, v in report.items()))
