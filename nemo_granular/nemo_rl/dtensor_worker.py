@@ -55,7 +55,8 @@ class GranularDTensorPolicyWorkerV2Impl(_dpw.DTensorPolicyWorkerV2Impl):
             return EntropyLogprobsPostProcessor(*args, sink=sink, **kwargs)
 
         with swap_attr(_dpw, "LogprobsPostProcessor", build):
-            out = self.get_logprobs(data, micro_batch_size=micro_batch_size)
+            # super(), not self: in a Ray actor, self.get_logprobs is a by-value copy (see workers.py)
+            out = super().get_logprobs(data, micro_batch_size=micro_batch_size)
         rows, seq_len = out["logprobs"].shape
         out["entropy"] = stack_microbatch_entropy(sink, rows, seq_len).float().cpu()
         return out

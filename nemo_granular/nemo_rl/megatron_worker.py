@@ -64,7 +64,8 @@ class GranularMegatronPolicyWorkerImpl(_mpw.MegatronPolicyWorkerImpl):
             return EntropyLogprobsPostProcessor(*args, sink=sink, **kwargs)
 
         with swap_attr(_mpw, "LogprobsPostProcessor", build):
-            out = self.get_logprobs(data=data, micro_batch_size=micro_batch_size)
+            # super(), not self: in a Ray actor, self.get_logprobs is a by-value copy (see workers.py)
+            out = super().get_logprobs(data=data, micro_batch_size=micro_batch_size)
         rows, seq_len = out["logprobs"].shape
         entropy = None
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
