@@ -93,13 +93,24 @@ def extension_fqn_for(policy_cfg: Mapping) -> str:
                      "policy.dtensor_cfg.{enabled: true, _v2: true} (not the DTensor v1 worker)")
 
 
+# each extension runs in the Python environment NeMo-RL registers for the worker it extends
+EXTENDED_WORKER_FQN = {
+    MEGATRON_EXTENSION_FQN: "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker",
+    DTENSOR_V2_EXTENSION_FQN: "nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2",
+}
+
+
 def register_worker_extensions() -> None:  # pragma: no cover - needs NeMo-RL
-    """Register both extension fqns in NeMo-RL's actor-environment registry (driver, before ``setup``)."""
+    """Register both extension fqns in NeMo-RL's actor-environment registry (driver, before ``setup``),
+    with the executable NeMo-RL's registry holds for the stock worker each one extends (Megatron:
+    ``MCORE_EXECUTABLE``, DTensor v2: ``PY_EXECUTABLES.AUTOMODEL`` at 7ea279ab), so a deployment that
+    points the stock worker elsewhere moves the extension with it."""
     from nemo_rl.distributed.ray_actor_environment_registry import ACTOR_ENVIRONMENT_REGISTRY, MCORE_EXECUTABLE
     from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
 
-    ACTOR_ENVIRONMENT_REGISTRY.setdefault(MEGATRON_EXTENSION_FQN, MCORE_EXECUTABLE)
-    ACTOR_ENVIRONMENT_REGISTRY.setdefault(DTENSOR_V2_EXTENSION_FQN, PY_EXECUTABLES.AUTOMODEL)
+    fallback = {MEGATRON_EXTENSION_FQN: MCORE_EXECUTABLE, DTENSOR_V2_EXTENSION_FQN: PY_EXECUTABLES.AUTOMODEL}
+    for ext, stock in EXTENDED_WORKER_FQN.items():
+        ACTOR_ENVIRONMENT_REGISTRY.setdefault(ext, ACTOR_ENVIRONMENT_REGISTRY.get(stock, fallback[ext]))
 
 
 _CLASS: dict[str, type] = {}
