@@ -51,6 +51,20 @@ def shrink(run_dir: Path, model_dir: Path, data: Path, *, env: str = "math", gpu
     }
 
 
+def shrink_ppo(run_dir: Path, model_dir: Path, critic_dir: Path, data: Path, *, gpus: int = 2, steps: int = 3,
+               prompts: int = 8, train_batch: int = 4, seq: int = 48) -> dict:
+    """:func:`shrink` for NeMo-RL's PPO loop (one sample per prompt) and its value model."""
+    over = shrink(run_dir, model_dir, data, gpus=gpus, steps=steps, prompts=prompts, generations=1,
+                  train_batch=train_batch, seq=seq)
+    grpo = over.pop("grpo")
+    over["ppo"] = {**grpo, "num_generations_per_prompt": 1}
+    over["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] = gpus   # the inference cluster's shape
+    over["value"] = {"model_name": str(critic_dir), "train_global_batch_size": train_batch, "train_micro_batch_size": 4,
+                     "max_total_sequence_length": seq, "make_sequence_length_divisible_by": 1,
+                     "sequence_packing": {"enabled": False}}
+    return over
+
+
 def write_child(path: Path, parent: Path, overrides: dict, extra: dict | None = None) -> Path:
     body = _merge(overrides, extra or {})
     data = body.pop("data", None)

@@ -90,6 +90,8 @@ class CpuHFGeneration:
         self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
         self.pad_id = int(config["_pad_token_id"])
         self.stop_ids = [int(t) for t in (config.get("stop_token_ids") or [])]
+        # vLLM runs the policy in policy.precision: emulated with CPU autocast
+        self.autocast_dtype = getattr(torch, (config.get("vllm_cfg") or {}).get("precision") or "float32")
         self.weight_synchronizer = StateDictSynchronizer(self)
         self.calls: list[dict] = []
 
@@ -114,6 +116,13 @@ class CpuHFGeneration:
             raise RuntimeError(f"refit: weights do not fit the model (missing {sorted(info['missing_keys'])[:4]}, "
                                f"unexpected {sorted(info['unexpected_keys'])[:4]})")
         self.model = model.eval()
+
+    def precision(self):
+        import contextlib
+
+        if self.autocast_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast_dtype)
 
     # -- lifecycle (nothing to move on CPU) ------------------------------------------------------------
     def init_collective(self, *args, **kwargs):
@@ -172,7 +181,7 @@ class CpuHFGeneration:
         if not greedy:
             kwargs.update(temperature=temperature, top_p=float(self.cfg["top_p"]),
                           top_k=int(top_k) if top_k not in (None, -1) else 0)
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), self.precision():
             torch.manual_seed(_digest(self.model, ids))
             out = self.model.generate(input_ids=left, attention_mask=mask, **kwargs)
         new = out.sequences[:, L:]                                   # [B, T]

@@ -110,16 +110,18 @@ def _stats(x, mask):
             "mean": float(sel.float().mean()) if sel.numel() else None}
 
 
-def _logprobs_vs_hf(model, data, mask) -> dict:
+def _logprobs_vs_hf(generation, data, mask) -> dict:
     """|worker π_old log-probs − a plain transformers forward of the same weights| on response
-    tokens (the generation copy holds the weights of the last refit, i.e. π_old)."""
+    tokens (the generation copy holds the weights of the last refit, i.e. π_old; same autocast)."""
     import torch
 
     ids, lengths = data["input_ids"], data["input_lengths"]
     att = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=att).logits.float()
-    lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    with torch.no_grad(), generation.precision():
+        logits = generation.model(input_ids=ids, attention_mask=att).logits.float()
+    # NeMo-RL's log-probs are those of softmax(logits / T) (apply_temperature_scaling)
+    lp = torch.log_softmax(logits[:, :-1] / float(generation.cfg["temperature"]), -1)
+    lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     diff = (lp - data["prev_logprobs"][:, 1:].float()).abs()[mask[:, 1:]]
     return {"max": float(diff.max()), "mean": float(diff.mean())}
 
@@ -147,7 +149,7 @@ def install_train_recorder() -> None:
                                  "inside_nonneg": bool((ids[mask] >= 0).all()), "max": int(ids.max()),
                                  "rows_with_two_groups": int(((ids.max(1).values) >= 1).sum())}
         if "prev_logprobs" in data and "generation" in BUILT:
-            fact["prev_logprobs_vs_hf"] = _logprobs_vs_hf(BUILT["generation"].model, data, mask)
+            fact["prev_logprobs_vs_hf"] = _logprobs_vs_hf(BUILT["generation"], data, mask)
         if "advantages" in data:
             fact["advantages_nonzero"] = int((data["advantages"][mask] != 0).sum())
         out = real_train(self, data, loss_fn, *args, **kwargs)
@@ -157,6 +159,33 @@ def install_train_recorder() -> None:
         return out
 
     Policy.train = train
+
+    from nemo_rl.models.value.lm_value import Value
+
+    real_value_train = Value.train
+
+    def value_train(self, data, loss_fn, *args, **kwargs):
+        fact = {"loss_fn": type(loss_fn).__name__, "keys": sorted(data.keys()), "shape": list(data["input_ids"].shape)}
+        out = real_value_train(self, data, loss_fn, *args, **kwargs)
+        fact["loss"] = float(torch.as_tensor(out["loss"]).float().mean())
+        record("value_train", **fact)
+        return out
+
+    Value.train = value_train
+
+
+def install_environment_recorder() -> None:
+    """The environment actor each task's data goes to (``setup_response_data``'s ``task_to_env``)."""
+    import nemo_rl.data.utils as data_utils
+
+    real = data_utils.setup_response_data
+
+    def setup_response_data(*args, **kwargs):
+        out = real(*args, **kwargs)
+        record("environments", train={k: repr(v) for k, v in out[2].items()})
+        return out
+
+    data_utils.setup_response_data = setup_response_data
 
 
 def install_refit_recorder() -> None:
@@ -192,6 +221,7 @@ def main(argv: list[str]) -> int:
     install_generation_seam(algo)
     install_train_recorder()
     install_refit_recorder()
+    install_environment_recorder()
     return launcher.main(rest)
 
 

@@ -164,6 +164,17 @@ def patch_torch(torch) -> None:
     nvtx.mark = lambda *a, **k: None
     nvtx.range = lambda *a, **k: contextlib.nullcontext()
 
+    # autocast("cuda", bf16) → autocast("cpu", bf16): the worker's mixed precision as on a GPU (FSDP2
+    # casts parameters to bf16; without autocast an fp32 activation meets a bf16 weight and stops)
+    ac = torch.amp.autocast_mode.autocast
+    ac_init = ac.__init__
+
+    @functools.wraps(ac_init)
+    def autocast_init(self, device_type, *args, **kwargs):
+        ac_init(self, "cpu" if device_type in CUDA_TYPES else device_type, *args, **kwargs)
+
+    ac.__init__ = autocast_init
+
     dist = torch.distributed
     init_pg, new_group = dist.init_process_group, dist.new_group
 
