@@ -17,7 +17,9 @@ Follows NeMo-RL's ``examples/run_ppo.py`` flow (``load_config`` → ``parse_hydr
    ``examples/run_ppo.py`` makes for async PPO (all before any GPU work except the FP8
    KV-scale one, which needs the generation object), and a refusal of settings under which the
    importance ratio is identically 1 (``loss_fn.force_on_policy_ratio: true``, one optimizer
-   step per rollout) unless ``sppo.allow_ratio_always_one: true``.
+   step per rollout) unless ``sppo.allow_ratio_always_one: true``, and of a multi-GPU DTensor
+   critic whose HF config sets ``pad_token_id`` (its value head would start as uninitialised
+   memory; ``sppo.validate.check_value_head_initialised``).
 
 The config is loaded by :func:`nemo_granular.nemo_rl.configs.load_resolved` (NeMo-RL's
 ``load_config`` with ``nemo_rl/upstream/`` resolved against NeMo-RL's ``examples/configs``).
@@ -141,6 +143,9 @@ def _startup(argv: list[str] | None):
         from .sppo.validate import check_critic_tokenizer
 
         check_critic_tokenizer(config)
+    from .sppo.validate import check_value_head_initialised
+
+    check_value_head_initialised(config)
     return nr, args, config, opts
 
 

@@ -59,7 +59,9 @@ def shrink_ppo(run_dir: Path, model_dir: Path, critic_dir: Path, data: Path, *, 
     grpo = over.pop("grpo")
     over["ppo"] = {**grpo, "num_generations_per_prompt": 1}
     over["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"] = gpus   # the inference cluster's shape
-    over["value"] = {"model_name": str(critic_dir), "train_global_batch_size": train_batch, "train_micro_batch_size": 4,
+    micro = max(1, train_batch // gpus)           # a global batch split over DP must fill a micro-batch
+    over["policy"].update(train_micro_batch_size=micro, logprob_batch_size=micro)
+    over["value"] = {"model_name": str(critic_dir), "train_global_batch_size": train_batch, "train_micro_batch_size": micro,
                      "max_total_sequence_length": seq, "make_sequence_length_divisible_by": 1,
                      "sequence_packing": {"enabled": False}}
     return over

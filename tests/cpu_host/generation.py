@@ -128,6 +128,10 @@ class CpuHFGeneration:
     def init_collective(self, *args, **kwargs):
         return []
 
+    def prepare_refit_info(self, state_dict_info) -> None:
+        """NeMo-RL's PPO setup always hands the policy's refit metadata over; the CPU refit needs none."""
+        self.refit_info_keys = len(state_dict_info or {})
+
     def prepare_for_generation(self, *args, **kwargs) -> bool:
         return True
 

@@ -39,6 +39,8 @@ def _map_device_kwarg(fn):
     def wrapper(*args, **kwargs):
         if "device" in kwargs:
             kwargs["device"] = cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False      # page-locked host memory is a CUDA allocator feature
         return fn(*args, **kwargs)
     return wrapper
 
