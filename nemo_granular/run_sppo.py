@@ -55,14 +55,13 @@ def _import_nemo_rl() -> SimpleNamespace:
     try:
         from omegaconf import OmegaConf
 
-        import nemo_rl.algorithms.ppo as ppo_module
-        from nemo_rl.algorithms.utils import get_tokenizer
-        from nemo_rl.data.utils import setup_response_data
-        from nemo_rl.distributed.virtual_cluster import init_ray
-        from nemo_rl.models.generation import configure_generation_config
-        from nemo_rl.utils.logger import get_next_experiment_dir
-
+        from .nemo_rl import compat
         from .nemo_rl.configs import load_resolved
+
+        ppo_module = compat.module("ppo")
+        get_tokenizer, setup_response_data = compat.get("get_tokenizer"), compat.get("setup_response_data")
+        init_ray, configure_generation_config = compat.get("init_ray"), compat.get("configure_generation_config")
+        get_next_experiment_dir = compat.get("get_next_experiment_dir")
     except ImportError as err:
         raise MissingDependencyError(
             f"NeMo-RL is installed but {err.name or 'one of its modules'!r} cannot be imported ({err}); "

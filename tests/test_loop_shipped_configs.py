@@ -93,7 +93,7 @@ def test_shipped_dtensor_configs_build_their_workers(constructed):
         fact = constructed["facts"].get(parent)
         assert fact is not None, (parent, constructed["log"][-4000:])
         assert fact["status"] == "CONSTRUCTED", fact
-        assert fact["policy_workers"] == fact["gpus"] and fact["logprobs_shape"] == [4, 12]
+        assert fact["policy_workers"] == fact["gpus"] and fact["logprobs_shape"] == [fact["rows"], 12]
         if fact["kind"] == "ppo":
             assert fact["value_workers"] == fact["gpus"] and "values" in fact["values_keys"]
         else:

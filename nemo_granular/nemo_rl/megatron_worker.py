@@ -18,12 +18,14 @@ from __future__ import annotations
 import ray
 import torch
 from megatron.core import parallel_state
-from nemo_rl.models.megatron import train as _mtrain
-from nemo_rl.models.megatron.pipeline_parallel import broadcast_tensors_from_last_stage
-from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
-from nemo_rl.models.policy.workers import megatron_policy_worker as _mpw
 
+from . import compat
 from .workers import megatron_entropy, stack_microbatch_entropy, swap_attr
+
+_mtrain = compat.module("megatron_train")
+_mpw = compat.module("megatron_policy_worker")
+broadcast_tensors_from_last_stage = compat.get("broadcast_tensors_from_last_stage")
+get_runtime_env_for_policy_worker = compat.get("get_runtime_env_for_policy_worker")
 
 __all__ = ["EntropyLogprobsPostProcessor", "GranularMegatronPolicyWorkerImpl", "GranularMegatronPolicyWorker"]
 

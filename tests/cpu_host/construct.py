@@ -35,6 +35,7 @@ def _tiny_batch(tokenizer, rows: int = 4, length: int = 12):
 
 def construct(path: str) -> dict:
     import ray
+    import torch
     from nemo_rl.algorithms.utils import get_tokenizer
     from nemo_rl.distributed.virtual_cluster import RayVirtualCluster
     from nemo_rl.models.generation import configure_generation_config
@@ -54,7 +55,8 @@ def construct(path: str) -> dict:
     tokenizer = get_tokenizer(master.policy["tokenizer"])
     master.policy["generation"] = configure_generation_config(master.policy["generation"], tokenizer)
     kl = master.loss_fn.reference_policy_kl_penalty > 0
-    fact = {"config": path, "gpus": gpus, "kind": "ppo" if ppo else "grpo"}
+    rows = 4 * gpus        # whole micro-batches on every data-parallel rank (the shrunk configs use ≤ 4)
+    fact = {"config": path, "gpus": gpus, "kind": "ppo" if ppo else "grpo", "rows": rows}
     try:
         if ppo:
             from nemo_rl.models.policy.lm_policy import Policy
@@ -63,8 +65,8 @@ def construct(path: str) -> dict:
             policy = Policy(cluster=cluster, config=master.policy, tokenizer=tokenizer, init_optimizer=True)
             value = Value(cluster=cluster, config=master.value, tokenizer=get_tokenizer(master.value["tokenizer"]),
                           name_prefix="lm_value", init_optimizer=True)
-            lp = policy.get_logprobs(_tiny_batch(tokenizer))["logprobs"]
-            values = value.get_values(_tiny_batch(tokenizer))
+            lp = policy.get_logprobs(_tiny_batch(tokenizer, rows))["logprobs"]
+            values = value.get_values(_tiny_batch(tokenizer, rows))
             fact.update(policy_workers=len(policy.worker_group.workers), value_workers=len(value.worker_group.workers),
                         logprobs_shape=list(lp.shape), values_keys=sorted(values.keys()))
             value.shutdown()
@@ -73,11 +75,13 @@ def construct(path: str) -> dict:
 
             policy = make_policy_factory(master)(cluster=cluster, config=master.policy, tokenizer=tokenizer,
                                                  init_optimizer=True, init_reference_model=kl)
-            data = _tiny_batch(tokenizer)
+            data = _tiny_batch(tokenizer, rows)
             lp = policy.get_logprobs(data)["logprobs"]
             ent = policy._entropy_for(data)
+            cols = torch.arange(ent.shape[1])[None, :]
+            inside = (cols >= 1) & (cols < data["input_lengths"][:, None])    # token columns of each row
             fact.update(policy_workers=len(policy.worker_group.workers), logprobs_shape=list(lp.shape),
-                        entropy_positive=bool((ent[:, 1:][data["input_lengths"][:, None] > 1] > 0).any()))
+                        entropy_positive=bool((ent[inside] > 0).all()))
         fact["worker_cls"] = type(policy).__name__
         policy.shutdown()
         print("CONSTRUCTED " + json.dumps(fact), flush=True)
