@@ -29,6 +29,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descendants(root: int) -> list[tuple[int, int]]:
+    """(pid, start time) of every live descendant of ``root``."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            children.setdefault(st[0], []).append((int(entry), st[1]))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
+
+
 def cpu_host_env(home: Path, **extra: str) -> dict[str, str]:
     """Environment of the head, the drivers and (forwarded by NeMo-RL) every Ray worker."""
     env = dict(os.environ)
@@ -93,6 +117,8 @@ class RayHead:
     def stop(self) -> None:
         if self.proc is None:
             return
+        # Ray's worker processes start their own sessions: note every descendant first
+        family = _descendants(self.proc.pid)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(self.proc.pid, sig)
@@ -100,10 +126,17 @@ class RayHead:
                 break
             try:
                 self.proc.wait(timeout=20)
+                break
             except subprocess.TimeoutExpired:
                 continue
-            time.sleep(1)
-        # workers Ray re-parented out of the group (none expected) still carry the session id
+        time.sleep(2)
+        for pid, started in family:          # what outlived its raylet (normally nothing)
+            st = _stat(pid)
+            if st is not None and st[1] == started:    # the same process, not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
         self.proc = None
 
     def __enter__(self):
