@@ -120,10 +120,15 @@ def _logprobs_vs_hf(generation, data, mask) -> dict:
     with torch.no_grad(), generation.precision():
         logits = generation.model(input_ids=ids, attention_mask=att).logits.float()
     # NeMo-RL's log-probs are those of softmax(logits / T) (apply_temperature_scaling)
-    lp = torch.log_softmax(logits[:, :-1] / float(generation.cfg["temperature"]), -1)
-    lp = lp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits[:, :-1] / float(generation.cfg["temperature"]), -1)
+    lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     diff = (lp - data["prev_logprobs"][:, 1:].float()).abs()[mask[:, 1:]]
-    return {"max": float(diff.max()), "mean": float(diff.mean())}
+    out = {"max": float(diff.max()), "mean": float(diff.mean())}
+    if "prev_entropy" in data:      # π_old entropy of the same distribution, token columns
+        ent = -(logp.exp() * logp).sum(-1)
+        d = (ent - data["prev_entropy"][:, 1:].float()).abs()[mask[:, 1:]]
+        out["entropy_max"] = float(d.max())
+    return out
 
 
 def install_train_recorder() -> None:

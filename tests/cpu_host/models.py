@@ -36,7 +36,7 @@ def build_tokenizer(save_dir: Path):
 
 
 def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: int = 2, seed: int = 0,
-                classifier: bool = False) -> Path:
+                classifier: bool = False, kv_heads: int = 1) -> Path:
     """A randomly initialised Qwen3 / Qwen3-MoE (or a 1-label Qwen3 sequence classifier) + tokenizer."""
     import torch
     from transformers import (Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification, Qwen3MoeConfig,
@@ -46,7 +46,7 @@ def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: 
     tok = build_tokenizer(save_dir)
     heads = 2
     common = dict(vocab_size=VOCAB_PAD, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=1, head_dim=hidden // heads, max_position_embeddings=256,
+                  num_key_value_heads=kv_heads, head_dim=hidden // heads, max_position_embeddings=256,
                   tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                   bos_token_id=tok.bos_token_id, torch_dtype="float32")
     torch.manual_seed(seed)

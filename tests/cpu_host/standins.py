@@ -52,7 +52,7 @@ TENSOR_NEW = ("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor")
 
 
 def _to_args(args, kwargs):
-    args = tuple(cpu_device(a) if _is_gpu_device(a) else a for a in args)
+    args = tuple(cpu_device(a) for a in args)
     if "device" in kwargs:
         kwargs["device"] = cpu_device(kwargs["device"])
     return args, kwargs
@@ -102,7 +102,8 @@ def _mem_get_info(*_a, **_k):
 
 
 def patch_torch(torch) -> None:
-    """torch: device placement on CPU, ``torch.cuda`` queries answered, NVTX no-ops, NCCL → gloo."""
+    """torch: device placement on CPU, ``torch.cuda`` queries answered, NVTX no-ops, autocast cuda → cpu,
+    NCCL → gloo."""
     if getattr(torch, "_cpu_host_patched", False):
         return
     torch._cpu_host_patched = True
