@@ -19,6 +19,9 @@ import pytest
 import torch
 
 
+pytestmark = pytest.mark.slow      # the Megatron / Automodel imports (shared with the other host tests)
+
+
 class Reached(Exception):
     pass
 
