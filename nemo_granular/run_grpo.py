@@ -188,9 +188,11 @@ def _model_vocab_size(policy_cfg: Mapping[str, Any], tokenizer) -> int:
 
 def _missing_nemo_rl() -> str | None:
     """Name of the missing package when NeMo-RL (or one of its imports) cannot be imported."""
+    from .nemo_rl.compat import module
+
     try:
-        import nemo_rl.algorithms.grpo  # noqa: F401
-        import nemo_rl.utils.config  # noqa: F401
+        module("grpo")
+        module("nemo_rl.utils.config")
     except ImportError as err:
         return err.name or str(err)
     return None
@@ -209,14 +211,13 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
 
     from pydantic import ValidationError
 
-    from nemo_rl.algorithms.grpo import MasterConfig, grpo_train, setup, shutdown_environments
-    from nemo_rl.algorithms.utils import get_tokenizer
-    from nemo_rl.data.utils import setup_response_data
-    from nemo_rl.distributed.virtual_cluster import init_ray
-    from nemo_rl.models.generation import configure_generation_config
-    from nemo_rl.utils.logger import get_next_experiment_dir
+    from .nemo_rl import compat, install
 
-    from .nemo_rl import install
+    MasterConfig, grpo_train, setup = compat.get("MasterConfig"), compat.get("grpo_train"), compat.get("setup")
+    shutdown_environments, get_tokenizer = compat.get("shutdown_environments"), compat.get("get_tokenizer")
+    setup_response_data, init_ray = compat.get("setup_response_data"), compat.get("init_ray")
+    configure_generation_config = compat.get("configure_generation_config")
+    get_next_experiment_dir = compat.get("get_next_experiment_dir")
     from .nemo_rl.configs import load_resolved
     from .nemo_rl.environments import register_espo_environment
     from .nemo_rl.policy import make_policy_factory, register_worker_extensions
@@ -266,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
     watch = StopWatch(sys.modules["nemo_rl.algorithms.grpo"]).start()   # NeMo-RL's time limit, SIGUSR1
     try:
         if master_config.grpo.async_grpo.enabled:
-            from nemo_rl.algorithms.grpo import async_grpo_train
-
+            async_grpo_train = compat.get("async_grpo_train")
             async_grpo_train(policy=policy, policy_generation=policy_generation, dataloader=dataloader,
                              val_dataloader=val_dataloader, tokenizer=tokenizer, loss_fn=loss_fn,
                              task_to_env=task_to_env, val_task_to_env=val_task_to_env, logger=logger,

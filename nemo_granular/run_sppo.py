@@ -17,7 +17,9 @@ Follows NeMo-RL's ``examples/run_ppo.py`` flow (``load_config`` → ``parse_hydr
    ``examples/run_ppo.py`` makes for async PPO (all before any GPU work except the FP8
    KV-scale one, which needs the generation object), and a refusal of settings under which the
    importance ratio is identically 1 (``loss_fn.force_on_policy_ratio: true``, one optimizer
-   step per rollout) unless ``sppo.allow_ratio_always_one: true``.
+   step per rollout) unless ``sppo.allow_ratio_always_one: true``, and of a multi-GPU DTensor
+   critic whose HF config sets ``pad_token_id`` (its value head would start as uninitialised
+   memory; ``sppo.validate.check_value_head_initialised``).
 
 The config is loaded by :func:`nemo_granular.nemo_rl.configs.load_resolved` (NeMo-RL's
 ``load_config`` with ``nemo_rl/upstream/`` resolved against NeMo-RL's ``examples/configs``).
@@ -54,14 +56,13 @@ def _import_nemo_rl() -> SimpleNamespace:
     try:
         from omegaconf import OmegaConf
 
-        import nemo_rl.algorithms.ppo as ppo_module
-        from nemo_rl.algorithms.utils import get_tokenizer
-        from nemo_rl.data.utils import setup_response_data
-        from nemo_rl.distributed.virtual_cluster import init_ray
-        from nemo_rl.models.generation import configure_generation_config
-        from nemo_rl.utils.logger import get_next_experiment_dir
-
+        from .nemo_rl import compat
         from .nemo_rl.configs import load_resolved
+
+        ppo_module = compat.module("ppo")
+        get_tokenizer, setup_response_data = compat.get("get_tokenizer"), compat.get("setup_response_data")
+        init_ray, configure_generation_config = compat.get("init_ray"), compat.get("configure_generation_config")
+        get_next_experiment_dir = compat.get("get_next_experiment_dir")
     except ImportError as err:
         raise MissingDependencyError(
             f"NeMo-RL is installed but {err.name or 'one of its modules'!r} cannot be imported ({err}); "
@@ -142,6 +143,9 @@ def _startup(argv: list[str] | None):
         from .sppo.validate import check_critic_tokenizer
 
         check_critic_tokenizer(config)
+    from .sppo.validate import check_value_head_initialised
+
+    check_value_head_initialised(config)
     return nr, args, config, opts
 
 

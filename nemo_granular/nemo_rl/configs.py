@@ -140,7 +140,9 @@ def load_config(path: str | os.PathLike, nemo_configs: Path | None = None):
 
     Needs NeMo-RL importable (``nemo_rl.utils.config``); raises :class:`ConfigFileError` (one
     line) for a missing file or an unresolvable parent."""
-    from nemo_rl.utils.config import load_config as nemo_rl_load_config
+    from .compat import get
+
+    nemo_rl_load_config = get("load_config")
 
     path = Path(path).expanduser()
     if not path.is_file():
@@ -157,7 +159,10 @@ def load_resolved(path: str | os.PathLike, overrides: list[str] | None = None) -
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from nemo_rl.utils.config import OverridesError, parse_hydra_overrides, register_omegaconf_resolvers
+    from .compat import get
+
+    OverridesError, parse_hydra_overrides = get("OverridesError"), get("parse_hydra_overrides")
+    register_omegaconf_resolvers = get("register_omegaconf_resolvers")
 
     register_omegaconf_resolvers()
     cfg = load_config(path)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ray
 import torch
-from nemo_rl.models.automodel import train as _atrain
-from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
-from nemo_rl.models.policy.workers import dtensor_policy_worker_v2 as _dpw
 from torch.distributed.tensor import DTensor
 
+from . import compat
 from .workers import dtensor_entropy, stack_microbatch_entropy, swap_attr
+
+_atrain = compat.module("automodel_train")
+_dpw = compat.module("dtensor_policy_worker_v2")
+get_runtime_env_for_policy_worker = compat.get("get_runtime_env_for_policy_worker")
 
 __all__ = ["EntropyLogprobsPostProcessor", "GranularDTensorPolicyWorkerV2Impl", "GranularDTensorPolicyWorkerV2"]
 
@@ -55,7 +57,8 @@ class GranularDTensorPolicyWorkerV2Impl(_dpw.DTensorPolicyWorkerV2Impl):
             return EntropyLogprobsPostProcessor(*args, sink=sink, **kwargs)
 
         with swap_attr(_dpw, "LogprobsPostProcessor", build):
-            out = self.get_logprobs(data, micro_batch_size=micro_batch_size)
+            # super(), not self: in a Ray actor, self.get_logprobs is a by-value copy (see workers.py)
+            out = super().get_logprobs(data, micro_batch_size=micro_batch_size)
         rows, seq_len = out["logprobs"].shape
         out["entropy"] = stack_microbatch_entropy(sink, rows, seq_len).float().cpu()
         return out

@@ -106,14 +106,14 @@ def attach_verification_flags(repeated_batch, key: str = "verification_failed") 
 
 def _build_espo_math_environment():  # pragma: no cover - needs NeMo-RL and Ray
     import ray
-    from nemo_rl.environments.interfaces import EnvironmentReturn
-    from nemo_rl.environments.math_environment import (
-        BaseMathEnvironment,
-        EnglishMultichoiceVerifyWorker,
-        HFVerifyWorker,
-        MultilingualMultichoiceVerifyWorker,
-    )
-    from nemo_rl.environments.utils import chunk_list_to_workers
+
+    from . import compat
+
+    EnvironmentReturn, BaseMathEnvironment = compat.get("EnvironmentReturn"), compat.get("BaseMathEnvironment")
+    EnglishMultichoiceVerifyWorker, HFVerifyWorker = (compat.get("EnglishMultichoiceVerifyWorker"),
+                                                      compat.get("HFVerifyWorker"))
+    MultilingualMultichoiceVerifyWorker = compat.get("MultilingualMultichoiceVerifyWorker")
+    chunk_list_to_workers = compat.get("chunk_list_to_workers")
 
     class ESPOMathEnvironmentImpl(BaseMathEnvironment):
         """NeMo-RL's math verification with ESPO's verification-failure observation."""
@@ -165,9 +165,10 @@ def register_espo_environment(env_name: str = ESPO_ENV_NAME) -> None:  # pragma:
     """Register ``espo_math`` in NeMo-RL's env registry and the actor's Python environment
     (the system executable, like NeMo-RL's math environment). Call in the driver before
     ``setup_response_data``."""
-    from nemo_rl.distributed.ray_actor_environment_registry import ACTOR_ENVIRONMENT_REGISTRY
-    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
-    from nemo_rl.environments.utils import ENV_REGISTRY, register_env
+    from . import compat
+
+    ACTOR_ENVIRONMENT_REGISTRY, PY_EXECUTABLES = compat.get("ACTOR_ENVIRONMENT_REGISTRY"), compat.get("PY_EXECUTABLES")
+    ENV_REGISTRY, register_env = compat.get("ENV_REGISTRY"), compat.get("register_env")
 
     ACTOR_ENVIRONMENT_REGISTRY.setdefault(ESPO_ENV_FQN, PY_EXECUTABLES.SYSTEM)
     if env_name not in ENV_REGISTRY:

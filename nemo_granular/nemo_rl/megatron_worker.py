@@ -18,12 +18,14 @@ from __future__ import annotations
 import ray
 import torch
 from megatron.core import parallel_state
-from nemo_rl.models.megatron import train as _mtrain
-from nemo_rl.models.megatron.pipeline_parallel import broadcast_tensors_from_last_stage
-from nemo_rl.models.policy.utils import get_runtime_env_for_policy_worker
-from nemo_rl.models.policy.workers import megatron_policy_worker as _mpw
 
+from . import compat
 from .workers import megatron_entropy, stack_microbatch_entropy, swap_attr
+
+_mtrain = compat.module("megatron_train")
+_mpw = compat.module("megatron_policy_worker")
+broadcast_tensors_from_last_stage = compat.get("broadcast_tensors_from_last_stage")
+get_runtime_env_for_policy_worker = compat.get("get_runtime_env_for_policy_worker")
 
 __all__ = ["EntropyLogprobsPostProcessor", "GranularMegatronPolicyWorkerImpl", "GranularMegatronPolicyWorker"]
 
@@ -64,7 +66,8 @@ class GranularMegatronPolicyWorkerImpl(_mpw.MegatronPolicyWorkerImpl):
             return EntropyLogprobsPostProcessor(*args, sink=sink, **kwargs)
 
         with swap_attr(_mpw, "LogprobsPostProcessor", build):
-            out = self.get_logprobs(data=data, micro_batch_size=micro_batch_size)
+            # super(), not self: in a Ray actor, self.get_logprobs is a by-value copy (see workers.py)
+            out = super().get_logprobs(data=data, micro_batch_size=micro_batch_size)
         rows, seq_len = out["logprobs"].shape
         entropy = None
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):

@@ -96,13 +96,25 @@ def extension_fqn_for(policy_cfg: Mapping) -> str:
                      "policy.dtensor_cfg.{enabled: true, _v2: true} (not the DTensor v1 worker)")
 
 
-def register_worker_extensions() -> None:  # pragma: no cover - needs NeMo-RL
-    """Register both extension fqns in NeMo-RL's actor-environment registry (driver, before ``setup``)."""
-    from nemo_rl.distributed.ray_actor_environment_registry import ACTOR_ENVIRONMENT_REGISTRY, MCORE_EXECUTABLE
-    from nemo_rl.distributed.virtual_cluster import PY_EXECUTABLES
+# each extension runs in the Python environment NeMo-RL registers for the worker it extends
+EXTENDED_WORKER_FQN = {
+    MEGATRON_EXTENSION_FQN: "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker",
+    DTENSOR_V2_EXTENSION_FQN: "nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2",
+}
 
-    ACTOR_ENVIRONMENT_REGISTRY.setdefault(MEGATRON_EXTENSION_FQN, MCORE_EXECUTABLE)
-    ACTOR_ENVIRONMENT_REGISTRY.setdefault(DTENSOR_V2_EXTENSION_FQN, PY_EXECUTABLES.AUTOMODEL)
+
+def register_worker_extensions() -> None:  # pragma: no cover - needs NeMo-RL
+    """Register both extension fqns in NeMo-RL's actor-environment registry (driver, before ``setup``),
+    with the executable NeMo-RL's registry holds for the stock worker each one extends (Megatron:
+    ``MCORE_EXECUTABLE``, DTensor v2: ``PY_EXECUTABLES.AUTOMODEL`` at 7ea279ab), so a deployment that
+    points the stock worker elsewhere moves the extension with it."""
+    from . import compat
+
+    ACTOR_ENVIRONMENT_REGISTRY, MCORE_EXECUTABLE = compat.get("ACTOR_ENVIRONMENT_REGISTRY"), compat.get("MCORE_EXECUTABLE")
+    PY_EXECUTABLES = compat.get("PY_EXECUTABLES")
+    fallback = {MEGATRON_EXTENSION_FQN: MCORE_EXECUTABLE, DTENSOR_V2_EXTENSION_FQN: PY_EXECUTABLES.AUTOMODEL}
+    for ext, stock in EXTENDED_WORKER_FQN.items():
+        ACTOR_ENVIRONMENT_REGISTRY.setdefault(ext, ACTOR_ENVIRONMENT_REGISTRY.get(stock, fallback[ext]))
 
 
 _CLASS: dict[str, type] = {}
@@ -114,8 +126,9 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
         return _CLASS["cls"]
     from contextlib import nullcontext
 
-    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-    from nemo_rl.models.policy.lm_policy import Policy
+    from . import compat
+
+    BatchedDataDict, Policy = compat.get("BatchedDataDict"), compat.get("Policy")
 
     class GranularPolicy(Policy):
         def __init__(self, *args, granular_loss_cfg=None, delimiter_table=None, **kwargs):
@@ -141,7 +154,8 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
         def get_logprobs(self, data, timer=None):
             out = self._logprobs_and_entropy(data, timer)
             self._stash = (data["input_ids"], out["entropy"])
-            return BatchedDataDict(logprobs=out["logprobs"])
+            # logprobs, plus NeMo-RL 0.8's token_mask when the workers return one (top-k / top-p)
+            return BatchedDataDict(compat.logprob_outputs(out))
 
         def _entropy_for(self, data, timer=None):
             if self._stash is not None:

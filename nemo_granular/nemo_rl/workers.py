@@ -110,7 +110,15 @@ def stack_microbatch_entropy(chunks: Sequence[torch.Tensor], rows: int, seq_len:
 @contextlib.contextmanager
 def swap_attr(obj, name: str, value):
     """Temporarily rebind ``obj.name`` (used to make the worker's own ``get_logprobs`` build our
-    post-processor subclass for one call; restored even on error)."""
+    post-processor subclass for one call; restored even on error).
+
+    The extensions call ``super().get_logprobs``, never ``self.get_logprobs``: Ray's actor class
+    copies every inherited method into a generated subclass (tracing wrappers) and ships it
+    to the worker process with cloudpickle. NeMo-RL's ``get_logprobs`` is wrapped by
+    ``wrap_with_nvtx_name``, so the function inside cannot be found by name and is pickled BY
+    VALUE, with its own frozen copy of the module globals: a module-level rebinding never
+    reaches it. ``super()`` resolves to the class in the imported module, whose function reads
+    the real module globals at call time."""
     old = getattr(obj, name)
     setattr(obj, name, value)
     try:

@@ -282,7 +282,9 @@ def build_value_train_batch(data: Mapping, value_cols: torch.Tensor, pad_id: int
 def _batched(d: dict):
     """A NeMo-RL ``BatchedDataDict`` when NeMo-RL is importable, else a plain dict."""
     try:
-        from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+        from ..nemo_rl.compat import get
+
+        BatchedDataDict = get("BatchedDataDict")
     except Exception:  # noqa: BLE001 - without NeMo-RL a dict is all the inner object sees
         return dict(d)
     return BatchedDataDict(d)

@@ -35,7 +35,9 @@ def install_sppo_estimator(ppo_module: ModuleType | None = None) -> Callable[[],
     """Install ``sppo`` into ``nemo_rl.algorithms.ppo`` (or ``ppo_module``); returns ``restore()``
     (which leaves the attribute alone if someone else has rebound it since)."""
     if ppo_module is None:
-        import nemo_rl.algorithms.ppo as ppo_module  # noqa: PLC0415 - lazy, NeMo-RL only
+        from ..nemo_rl.compat import module  # noqa: PLC0415 - lazy, NeMo-RL only
+
+        ppo_module = module("ppo")
     handle = patch_estimator_factory(ppo_module, {"sppo": sppo_factory}, config_section="ppo")
     return handle.restore
 

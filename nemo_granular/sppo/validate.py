@@ -8,6 +8,8 @@
 * :func:`check_same_tokenizer` / :func:`check_critic_tokenizer` — a smaller decoupled
   critic must share the policy's tokenizer: ``ppo.setup`` hands the critic the *policy*
   tokenizer's ids (``nemo_rl/algorithms/ppo.py`` ``Value(..., tokenizer)``).
+* :func:`check_value_head_initialised` — refuses the one setting under which NeMo-RL's DTensor
+  value worker leaves the critic's head as uninitialised memory.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from ..config import format_validation_error
 
 __all__ = ["SPPOOptions", "parse_sppo_options", "validate_sppo_config", "check_same_tokenizer",
-           "check_critic_tokenizer"]
+           "check_critic_tokenizer", "check_value_head_initialised"]
 
 
 class SPPOOptions(BaseModel):
@@ -167,4 +169,47 @@ def check_critic_tokenizer(cfg: Mapping, loader: Callable[[str], Any] | None = N
         def loader(name):
             return AutoTokenizer.from_pretrained(name)
     check_same_tokenizer(loader(str(pname)), loader(str(cname)), str(pname), str(cname))
+    return True
+
+
+def check_value_head_initialised(cfg: Mapping, config_loader: Callable[[str], Any] | None = None) -> bool:
+    """Refuse (one-line ``ValueError``) a DTensor value model on more than one GPU whose HF config
+    sets ``pad_token_id``; returns True when the setting is safe, False when the config could not be read.
+
+    With more than one worker, Automodel builds the model on the meta device and materialises the
+    parameters with ``torch.empty`` (``checkpointing.py:594-596``), then skips ``initialize_weights``
+    when a sharded embedding has a ``padding_idx`` (``checkpointing.py:640-662``, Automodel
+    24b47e856). The value head (``score``) is not in the causal-LM checkpoint, so it keeps that
+    uninitialised memory: the critic starts from garbage (the CPU loop measured a BCE of 1e30).
+    ``value.hf_config_overrides.pad_token_id: null`` removes the ``padding_idx`` (NeMo-RL still takes
+    the pad id from the tokenizer, ``automodel/setup.py:786``) and the head is initialised.
+    ``config_loader`` defaults to ``transformers.AutoConfig.from_pretrained``.
+    """
+    if not bool(_get(cfg, "value.dtensor_cfg.enabled", False)) or bool(_get(cfg, "value.megatron_cfg.enabled", False)):
+        return True
+    gpus = int(_get(cfg, "cluster.gpus_per_node", 1) or 1) * int(_get(cfg, "cluster.num_nodes", 1) or 1)
+    tp = int(_get(cfg, "value.dtensor_cfg.tensor_parallel_size", 1) or 1)
+    if gpus <= 1 and tp <= 1:
+        return True
+    overrides = _get(cfg, "value.hf_config_overrides") or {}
+    if "pad_token_id" in overrides:
+        pad = overrides["pad_token_id"]
+    else:
+        name = _get(cfg, "value.model_name")
+        if config_loader is None:
+            from transformers import AutoConfig
+
+            def config_loader(n):
+                return AutoConfig.from_pretrained(n, trust_remote_code=True)
+        try:
+            hf = config_loader(str(name))
+        except Exception:  # noqa: BLE001 - not readable here (e.g. a hub name offline): nothing to check
+            return False
+        pad = getattr(hf, "pad_token_id", None)
+    if pad is not None:
+        raise ValueError(
+            f"value.model_name {_get(cfg, 'value.model_name')!r} sets pad_token_id={pad}: NeMo-RL's DTensor value "
+            f"worker on {max(gpus, tp)} GPUs then leaves the value head as uninitialised memory (Automodel skips "
+            f"initialize_weights for a sharded embedding with a padding_idx); set value.hf_config_overrides."
+            f"pad_token_id: null (the pad id still comes from the tokenizer)")
     return True

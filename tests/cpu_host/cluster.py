@@ -1,0 +1,162 @@
+"""A private local Ray head that declares GPUs, and the environment every driver of a test module runs in.
+
+One head per test module (``ray start --head --block`` in its own process group): the drivers are
+subprocesses that attach to it with ``RAY_ADDRESS`` (NeMo-RL's ``init_ray`` reuses an external
+cluster), so a failed driver can be killed hard without leaving a Ray instance behind, and the
+next driver does not pay for a new head. Ray's temp dir, ``HOME`` (Ray 2.60 writes
+``~/.ray/auth_token`` and switches to token auth when it finds one) and the auth mode are private
+to the head; the whole process group is killed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[1]
+SITE = Path(__file__).resolve().parent / "site"
+SOURCE_VARS = ("NEMO_RL_SRC", "MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC", "AUTOMODEL_SRC")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time) of a live process, from /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descendants(root: int) -> list[tuple[int, int]]:
+    """(pid, start time) of every live descendant of ``root``."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            children.setdefault(st[0], []).append((int(entry), st[1]))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child[0])
+    return out
+
+
+def cpu_host_env(home: Path, **extra: str) -> dict[str, str]:
+    """Environment of the head, the drivers and (forwarded by NeMo-RL) every Ray worker."""
+    env = dict(os.environ)
+    # the NeMo-RL sources (tests/conftest.py puts them on PYTHONPATH; a script run by hand may not)
+    sources = [str(Path(env[v]).resolve()) for v in SOURCE_VARS if env.get(v)]
+    have = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE)]
+    paths = [str(SITE), str(TESTS.parent)] + [p for p in sources if p not in have] + [p for p in have
+                                                                                       if p != str(TESTS.parent)]
+    env.update(
+        PYTHONPATH=os.pathsep.join(paths),
+        NEMO_GRANULAR_CPU_HOST="1",
+        NEMO_RL_PY_EXECUTABLES_SYSTEM="1",    # NeMo-RL's own switch: no per-worker uv venvs
+        HOME=str(home), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(home / "hf"),
+        TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0",
+    )
+    env.pop("RAY_ADDRESS", None)
+    env.update(extra)
+    return env
+
+
+class RayHead:
+    """``ray start --head --block`` with a private temp dir / HOME; ``stop()`` kills its process group."""
+
+    def __init__(self, root: Path, num_cpus: int = 8, num_gpus: int = 2):
+        self.root = Path(root)
+        self.home = self.root / "home"
+        self.temp = self.root / "ray"      # Ray's unix socket paths must stay short: keep root short
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.temp.mkdir(parents=True, exist_ok=True)
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.proc: subprocess.Popen | None = None
+        self.log = self.root / "head.log"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return cpu_host_env(self.home, RAY_ADDRESS=self.address, **extra)
+
+    def start(self, timeout: float = 180.0) -> "RayHead":
+        ray_bin = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_bin), "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={self.num_cpus}",
+               f"--num-gpus={self.num_gpus}", f"--temp-dir={self.temp}", "--include-dashboard=false",
+               "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
+        env = cpu_host_env(self.home)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        probe = ("import ray; ray.init(address='auto', logging_level='ERROR'); "
+                 "print('GPUS', ray.cluster_resources().get('GPU', 0)); ray.shutdown()")
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray head exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
+            out = subprocess.run([sys.executable, "-c", probe], env=self.env(), capture_output=True, text=True,
+                                 timeout=120)
+            if out.returncode == 0 and f"GPUS {float(self.num_gpus)}" in out.stdout:
+                return self
+            time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"ray head did not come up in {timeout}s: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        # Ray's worker processes start their own sessions: note every descendant first
+        family = _descendants(self.proc.pid)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=20)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        time.sleep(2)
+        for pid, started in family:          # what outlived its raylet (normally nothing)
+            st = _stat(pid)
+            if st is not None and st[1] == started:    # the same process, not a reused pid
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+def run_driver(head: RayHead, args: list[str], log: Path, timeout: float, cwd: Path | None = None,
+               **env: str) -> subprocess.CompletedProcess:
+    """Run one driver (``python -m ...``) attached to ``head``; killed with its process group on timeout."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, *args], env=head.env(**env), stdout=out, stderr=subprocess.STDOUT,
+                                cwd=cwd, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -9
+    return subprocess.CompletedProcess(args, rc, log.read_text(), "")

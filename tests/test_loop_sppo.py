@@ -1,0 +1,124 @@
+"""NeMo-RL's real PPO loop with SPPO, end to end on CPU (DTensor-v2 policy and value workers).
+
+World: NeMo-RL + the CPU host of ``tests/cpu_host`` (docs/nemo-rl.md §7). One run of
+``python -m cpu_host.launch sppo --config <child of examples/configs/sppo_r1_distill_qwen_7b_small_critic.yaml>``:
+our unchanged ``nemo_granular.run_sppo.main`` → NeMo-RL's real ``ppo.setup()`` (policy AND value
+worker groups, 2 workers each, FSDP2 with the shipped ``cpu_offload: true`` on gloo) → the real
+``ppo_train`` for 3 steps at ONE sample per prompt, with the ``sppo`` estimator, the BCE
+``SequenceValueLoss`` and ``PromptOnlyValue`` (the critic sees each unique prompt + 1 token), and a
+critic smaller than the policy (hidden 16 / 1 layer vs 32 / 2, same tokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from cpu_host import configs, models
+from cpu_host.cluster import RayHead
+from cpu_host.runs import finite, run_loop
+
+PROMPTS = 8
+
+
+@pytest.fixture(scope="module")
+def sppo(nemo_rl_src):
+    root = Path(tempfile.mkdtemp(prefix="nsppo", dir="/tmp"))
+    try:
+        policy = models.write_model(root / "qwen3", hidden=32, layers=2)
+        critic = models.write_model(root / "critic", hidden=16, layers=1, seed=1)
+        data = models.write_math_data(root / "math.jsonl")
+        run = root / "sppo"
+        run.mkdir()
+        over = configs.shrink_ppo(run, policy, critic, data, gpus=2, prompts=PROMPTS)
+        # the tiny critic's config sets pad_token_id: without this the value head starts as garbage
+        # (run_sppo refuses it, see test_multi_gpu_critic_with_a_pad_token_id_is_refused)
+        over["value"]["hf_config_overrides"] = {"pad_token_id": None}
+        cfg = configs.write_child(run / "child.yaml", configs.CONFIGS / "sppo_r1_distill_qwen_7b_small_critic.yaml",
+                                  over)
+        with RayHead(root, num_cpus=8, num_gpus=2) as head:
+            out = run_loop(head, "sppo", cfg, run)
+        assert out.rc == 0, out.failure()
+        yield SimpleNamespace(run=out, policy=policy, critic=critic)
+    finally:
+        if not os.environ.get("NEMO_GRANULAR_KEEP_LOOP_RUNS"):      # debugging aid: keep the run directories
+            shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_ppo_loop_three_steps_one_sample_per_prompt(sppo):
+    run = sppo.run
+    assert run.steps("train/loss") == [1, 2, 3], run.failure()
+    for tag in ("train/loss", "train/reward"):
+        assert finite(run.series(tag).values()), (tag, run.series(tag))
+    calls = run.of("policy_train")
+    assert len(calls) == 3
+    for c in calls:
+        assert c["shape"][0] == PROMPTS                      # N = 1: one response per prompt
+        assert c["loss_fn"] == "ClippedPGLossFn"             # SPPO's policy loss is NeMo-RL's PPO loss
+        assert c["advantages_nonzero"] > 0 and finite([c["loss"], c["grad_norm"]])
+        assert c["prev_logprobs_vs_hf"]["max"] <= 0.01       # FSDP2 bf16 parameters vs an fp32 forward
+    assert max(c["grad_norm"] for c in calls) > 0
+    refits = run.of("refit")
+    assert len(refits) == 3 and len({r["sum"] for r in refits}) == 3   # the policy moved every step
+    # the checkpoints hold both models
+    for step in (1, 2, 3):
+        step_dir = run.dir / "checkpoints" / f"step_{step}"
+        assert (step_dir / "policy" / "weights").is_dir() and (step_dir / "value" / "weights").is_dir()
+
+
+@pytest.mark.slow
+def test_critic_is_the_prompt_only_bce_value_model(sppo):
+    run = sppo.run
+    vcalls = run.of("value_train")
+    assert len(vcalls) == 3
+    for c in vcalls:
+        assert c["loss_fn"] == "SequenceValueLoss"
+        # PromptOnlyValue: at most one row per prompt, each only prompt + 1 token long
+        assert c["shape"][0] <= PROMPTS and c["shape"][1] < run.of("policy_train")[0]["shape"][1]
+        # BCE of a freshly initialised head (logits ≈ 0): ≈ log 2, not the 1e30 of an uninitialised one
+        assert 0 < c["loss"] < 2, vcalls
+    for tag in ("sppo_critic/bce", "sppo_critic/acc"):
+        found = [t for t in run.scalars if t.endswith(tag)]
+        assert found and finite(run.series(found[0]).values()), sorted(run.scalars)[:40]
+
+
+@pytest.mark.slow
+def test_critic_is_smaller_than_the_policy(sppo):
+    import yaml
+
+    cfg = yaml.safe_load((sppo.run.dir / "checkpoints" / "step_3" / "config.yaml").read_text())
+    assert cfg["value"]["model_name"] == str(sppo.critic) and cfg["policy"]["model_name"] == str(sppo.policy)
+    pol = json.loads((sppo.policy / "config.json").read_text())
+    cri = json.loads((sppo.critic / "config.json").read_text())
+    assert cri["hidden_size"] < pol["hidden_size"] and cri["num_hidden_layers"] < pol["num_hidden_layers"]
+    assert cfg["sppo"]["prompt_only_critic"] is True and cfg["ppo"]["adv_estimator"]["name"] == "sppo"
+
+
+def test_multi_gpu_critic_with_a_pad_token_id_is_refused():
+    """Automodel leaves a multi-GPU critic's value head uninitialised when its config sets
+    pad_token_id (the loop above measured a critic BCE of 1e30 before this check)."""
+    from types import SimpleNamespace as NS
+
+    from nemo_granular.sppo.validate import check_value_head_initialised
+
+    def cfg(gpus=2, overrides=None, dtensor=True):
+        return {"cluster": {"gpus_per_node": gpus, "num_nodes": 1},
+                "value": {"model_name": "critic", "dtensor_cfg": {"enabled": dtensor, "tensor_parallel_size": 1},
+                          "megatron_cfg": {"enabled": not dtensor}, "hf_config_overrides": overrides or {}}}
+
+    padded, plain = (lambda n: NS(pad_token_id=0)), (lambda n: NS(pad_token_id=None))
+    with pytest.raises(ValueError, match=r"value.model_name 'critic' sets pad_token_id=0.*"
+                                         r"value.hf_config_overrides.pad_token_id: null"):
+        check_value_head_initialised(cfg(), padded)
+    assert check_value_head_initialised(cfg(overrides={"pad_token_id": None}), padded)
+    assert check_value_head_initialised(cfg(gpus=1), padded)               # one worker: no meta-device build
+    assert check_value_head_initialised(cfg(), plain)
+    assert check_value_head_initialised(cfg(dtensor=False), padded)        # Megatron critic: another path
+    assert check_value_head_initialised(cfg(), lambda n: (_ for _ in ()).throw(OSError("offline"))) is False
