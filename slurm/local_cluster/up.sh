@@ -151,7 +151,9 @@ CONF=$NG_SLURM_DIR/slurm.conf
   echo "KillWait=10"
   echo "MinJobAge=3600"
   echo "JobRequeue=1"
-  echo "SchedulerParameters=defer_batch=0"
+  # a requeued job becomes eligible after the credential hold; the backfill pass that starts it
+  # came up to 30 s (its default bf_interval) later: 2 s keeps the requeue tests short
+  echo "SchedulerParameters=defer_batch=0,bf_interval=2"
   echo "SchedulerTimeSlice=5"
   (( FAKE_GPUS > 0 )) && echo "GresTypes=gpu"
   for i in $(seq 1 "$NG_SLURM_NODES"); do
