@@ -27,11 +27,13 @@ tokenizer, data, the estimator install, the exit code — and replaces only what
 stand-in (``tests/nemo_rl_logger_driver.py``: ``preflight``, ``fake_preflight``).
 
 Each step sleeps ``NG_FAKE_STEP_SECONDS`` (default 0.5) and appends ``{"step", "attempt"}`` to
-``<run>/steps.jsonl`` (run = the parent of ``checkpointing.checkpoint_dir``); each save sleeps
-``NG_FAKE_SAVE_SECONDS`` (default 0) inside ``tmp_step_N`` before NeMo-RL renames it (a slow
-save). Before the real driver starts, the script writes ``<run>/startup.<attempt>`` and sleeps
-``NG_FAKE_STARTUP_SECONDS`` (default 0): the window in which a real driver has no signal handler
-yet (interpreter start, ``uv run``'s environment sync, heavy imports).
+``<run>/steps.jsonl`` (run = the parent of ``checkpointing.checkpoint_dir``); each save of the
+first attempt sleeps ``NG_FAKE_SAVE_SECONDS`` (default 0) inside ``tmp_step_N`` before NeMo-RL
+renames it (a slow save). Before the real driver starts, the script writes
+``<run>/startup.<attempt>`` and, in the first attempt, sleeps ``NG_FAKE_STARTUP_SECONDS`` (default
+0): the window in which a real driver has no signal handler yet (interpreter start, ``uv run``'s
+environment sync, heavy imports). Both are windows the tests send USR1 into; a requeued attempt
+(``NG_SLURM_ATTEMPT`` > 0) is not signalled and does without them.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ def _stand_in_loop(algo, section: str, real_train):
 
         run = Path(cfg.checkpointing["checkpoint_dir"]).parent
         step_s = float(os.environ.get("NG_FAKE_STEP_SECONDS", "0.5"))
-        save_s = float(os.environ.get("NG_FAKE_SAVE_SECONDS", "0"))
+        save_s = float(os.environ.get("NG_FAKE_SAVE_SECONDS", "0")) if _attempt() == 0 else 0.0
         algo_cfg = getattr(cfg, section)
         timeout = algo.TimeoutChecker(timeout=cfg.checkpointing["checkpoint_must_save_by"], fit_last_save_time=True)
         timeout.start_iterations()
@@ -165,7 +167,8 @@ def main(argv: list[str]) -> int:
     if str(run) != ".":
         run.mkdir(parents=True, exist_ok=True)
         (run / f"startup.{_attempt()}").write_text(f"{os.getpid()}\n")
-    time.sleep(float(os.environ.get("NG_FAKE_STARTUP_SECONDS", "0")))
+    if _attempt() == 0:
+        time.sleep(float(os.environ.get("NG_FAKE_STARTUP_SECONDS", "0")))
 
     import importlib
 

@@ -19,7 +19,22 @@ from a directory outside the repository and must
 3. fail within a bounded time, with a message naming the node, when a worker node dies (every
    process in its namespace — slurmd, slurmstepd, raylet — is SIGKILLed), when a worker's srun
    fails, when Ray's readiness probe is refused (Ray's own reason), and before Ray when the
-   preflight finds a problem.
+   preflight finds a problem;
+4. run ``nemo-granular preflight`` before Ray, with the driver's Python, in the head's (pyxis)
+   container, in WORKDIR, on the driver's final command line; ``submit_comparison.sh`` runs it on
+   every NeMo-RL config before submitting anything.
+
+Which preflight: the REAL one (``python -m nemo_granular preflight``, NeMo-RL's own checks) in
+``test_real_preflight_*`` (in jobs: a shipped config passes, a config NeMo-RL rejects fails the
+job) and ``test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs``; the stand-in
+(``NG_FAKE_PREFLIGHT=1``: ``fake_preflight`` in tests/nemo_rl_logger_driver.py, same interface,
+records its command lines) where the real one would add NeMo-RL imports to a test's critical path
+without new evidence, or would rightly refuse a 64-GPU layout on this 4-GPU cluster: the requeue
+test of (2) and the NeMo-RL comparison. Each test's docstring says which.
+
+The module's wall time is mostly waiting: Ray starts, NeMo-RL imports, and the ~30 s Slurm holds a
+requeued job. So the one-node jobs of three tests are submitted together (``one_node_jobs``), and
+the CPU-only dry runs start in the background when the module starts (``real_preflight_dry_runs``).
 
 The driver of (1) is the real ``nemo-granular train --config examples/configs/local/smoke.yaml``
 when ``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_driver.py`` (same
@@ -475,9 +490,6 @@ def test_submit_comparison_runs_both_losses_and_builds_the_report(cluster, tmp_p
     assert all("START_RAY=0" in p.read_text() for p in launcher)   # 1-node embedded runs need no Ray
 
 
-NRL_DRIVER = ROOT / "tests" / "nemo_rl_logger_driver.py"
-
-
 def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     """A NeMo-RL checkout as the launch story has one (WORKDIR): its package, examples and project."""
     dest.mkdir(parents=True)
@@ -572,46 +584,79 @@ def _env(base: dict, overrides: dict) -> dict:
     return {k: v for k, v in {**base, **overrides}.items() if v is not None}
 
 
-def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_rl_src, tmp_path):
-    """The REAL preflight in ``submit_comparison.sh`` (no cluster: ``--dry-run``), as the launch
-    story runs it (docs/slurm.md step 5): ESPO vs GSPO on Qwen3-30B-A3B, 8 nodes x 8 GPUs, WORKDIR
-    = the NeMo-RL checkout, NeMo-RL importable only there (``NEMO_RL_PYTHON`` = a plain Python:
-    ``python -m`` puts the working directory first on ``sys.path``), the ``nemo_rl/upstream/``
-    parents resolved from it. Both shipped configs pass (the preflight's warnings — missing worker
-    venvs, TORCH_CUDA_ARCH_LIST, model config not cached — do not stop the submission) and the
-    sbatch lines follow. Next to ESPO's, the same config before its Megatron fix
-    (tests/preflight_fixtures/) stops the submission: exactly the preflight's own line for it, none
-    for ESPO's, exit 1. The two dry runs run side by side (four preflights, all at once)."""
-    checkout = _nemo_rl_checkout(nemo_rl_src, tmp_path / "NeMo-RL")
-    env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(checkout),
-                            **_without_nemo_rl_src(dict(os.environ))})
-    shipped = [str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo")]
-    fixture = str(ROOT / "tests" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml")
+REAL_PREFLIGHT_DRY_RUNS = "test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs"
+DRY_RUN_SHIPPED = tuple(str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo"))
+DRY_RUN_FIXTURE = str(ROOT / "tests" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml")
 
-    def dry_run(out: str, *cfgs: str, preflight: bool = True) -> subprocess.Popen:
-        args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(tmp_path / out), "--seed", "3",
-                "--nodes", "8", "--train-sbatch", "--gres=gpu:8 --time=4:00:00", *([] if preflight else ["--no-preflight"]),
-                *cfgs, "--", "grpo.max_num_steps=4", "~logger.mlflow"]
-        return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
 
-    good, bad = dry_run("good", *shipped), dry_run("bad", shipped[0], fixture)
+@pytest.fixture(scope="module", autouse=True)
+def real_preflight_dry_runs(request, tmp_path_factory):
+    """The dry runs of ``test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs``,
+    started in the background when this module starts (if that test is selected and NeMo-RL is
+    there): their CPU, four NeMo-RL imports, then overlaps the cluster tests' idle waits (Slurm
+    holds a requeued job ~30 s) instead of adding to the module's time. The test waits for them.
+
+    As the launch story runs it (docs/slurm.md step 5): 8 nodes x 8 GPUs, WORKDIR = the NeMo-RL
+    checkout, NeMo-RL importable only there (``NEMO_RL_PYTHON`` = a plain Python, whose ``-m`` puts
+    the working directory first on ``sys.path``). ``good``: the shipped ESPO/GSPO Qwen3-30B-A3B
+    pair; ``bad``: ESPO's next to the same config before its Megatron fix."""
+    runs: dict[str, subprocess.Popen] = {}
+    wanted = any(getattr(item, "originalname", item.name) == REAL_PREFLIGHT_DRY_RUNS for item in request.session.items)
+    if wanted and os.environ.get("NEMO_RL_SRC"):
+        d = tmp_path_factory.mktemp("dry-runs")
+        checkout = _nemo_rl_checkout(Path(os.environ["NEMO_RL_SRC"]).resolve(), d / "NeMo-RL")
+        env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(checkout),
+                                **_without_nemo_rl_src(dict(os.environ))})
+        for name, cfgs in (("good", DRY_RUN_SHIPPED), ("bad", (DRY_RUN_SHIPPED[0], DRY_RUN_FIXTURE))):
+            args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(d / name), "--seed", "3",
+                    "--nodes", "8", "--train-sbatch", "--gres=gpu:8 --time=4:00:00", *cfgs,
+                    "--", "grpo.max_num_steps=4", "~logger.mlflow"]
+            runs[name] = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          cwd=d, start_new_session=True)
+        runs["dir"] = d
+    yield runs
+    for proc in runs.values():
+        if isinstance(proc, subprocess.Popen) and proc.poll() is None:   # the test did not get to them
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+
+
+def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_rl_src, real_preflight_dry_runs):
+    """The REAL preflight in ``submit_comparison.sh`` (no cluster: ``--dry-run``; the runs are
+    started by the ``real_preflight_dry_runs`` fixture). Both shipped configs pass, with the
+    launch story's allocation and overrides (``~key`` too); the preflight's warnings (missing
+    worker venvs, TORCH_CUDA_ARCH_LIST, model config not cached) do not stop the submission, and
+    the sbatch lines follow. Next to ESPO's, the config before its Megatron fix stops the
+    submission: exactly the preflight's own line for it, none for ESPO's, exit 1. Where NeMo-RL is
+    not importable the preflight's own reason stops it; ``--no-preflight`` skips the check."""
+    good, bad = real_preflight_dry_runs["good"], real_preflight_dry_runs["bad"]
     (good_out, good_err), (bad_out, bad_err) = good.communicate(timeout=600), bad.communicate(timeout=600)
     assert good.returncode == 0, good_out + good_err
     sbatch = [line for line in good_err.splitlines() if line.startswith("sbatch")]
     assert len(sbatch) == 3 and all("grpo.max_num_steps=4" in line for line in sbatch[:2]), good_err
-    assert not (tmp_path / "good").exists()
+    assert not (real_preflight_dry_runs["dir"] / "good").exists()
     assert bad.returncode == 1 and "sbatch" not in bad_err and not bad_out, bad_out + bad_err
-    lines = bad_err.splitlines()
-    assert lines == [
-        f"submit_comparison: preflight: {fixture}: policy.logprob_chunk_size=2048 needs "
+    assert bad_err.splitlines() == [
+        f"submit_comparison: preflight: {DRY_RUN_FIXTURE}: policy.logprob_chunk_size=2048 needs "
         "policy.megatron_cfg.defer_fp32_logits: true (NeMo-RL: 'defer_fp32_logits must be True if "
         "logprob_chunk_size is set') [nemo_rl/models/megatron/setup.py:_validate_chunking_config]",
         "submit_comparison: nothing submitted; fix the configs (nemo-granular preflight CONFIG shows the plan) "
         "or pass --no-preflight"], bad_err
-    # --no-preflight (experts) submits the same without checking
-    skip = dry_run("skip", shipped[0], fixture, preflight=False)
-    out, err = skip.communicate(timeout=120)
-    assert skip.returncode == 0 and len([x for x in err.splitlines() if x.startswith("sbatch")]) == 3, err
+    # a Python without NeMo-RL (WORKDIR is not the checkout): the preflight cannot check (its exit
+    # 2), and its one-line reason is the submission's
+    d = real_preflight_dry_runs["dir"]
+    args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--nodes", "8", *DRY_RUN_SHIPPED]
+    env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(d), **_without_nemo_rl_src(dict(os.environ))})
+    none = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=d)
+    assert none.returncode == 1 and "sbatch" not in none.stderr, none.stderr
+    for cfg, line in zip(DRY_RUN_SHIPPED, none.stderr.splitlines()):
+        assert line == f"submit_comparison: preflight: {cfg}: NeMo-RL is not importable here (missing 'nemo_rl'): run " \
+                       "preflight in NeMo-RL's environment like the drivers (e.g. `uv run python -m nemo_granular " \
+                       "preflight ...` in the NeMo-RL checkout)", none.stderr
+    # --no-preflight (experts) submits without checking
+    skip = subprocess.run([*args[:3], "--no-preflight", *args[3:]], capture_output=True, text=True, timeout=120,
+                          env={**env, "NEMO_RL_PYTHON": "/nonexistent/python"}, cwd=d)
+    assert skip.returncode == 0 and len([x for x in skip.stderr.splitlines() if x.startswith("sbatch")]) == 3, skip.stderr
 
 
 def test_submit_comparison_dry_run_writes_nothing_and_keeps_training_resources_off_the_report(tmp_path):
