@@ -587,6 +587,7 @@ def _env(base: dict, overrides: dict) -> dict:
 REAL_PREFLIGHT_DRY_RUNS = "test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs"
 DRY_RUN_SHIPPED = tuple(str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo"))
 DRY_RUN_FIXTURE = str(ROOT / "tests" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml")
+DRY_RUN_SPPO = str(ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -599,7 +600,8 @@ def real_preflight_dry_runs(request, tmp_path_factory):
     As the launch story runs it (docs/slurm.md step 5): 8 nodes x 8 GPUs, WORKDIR = the NeMo-RL
     checkout, NeMo-RL importable only there (``NEMO_RL_PYTHON`` = a plain Python, whose ``-m`` puts
     the working directory first on ``sys.path``). ``good``: the shipped ESPO/GSPO Qwen3-30B-A3B
-    pair; ``bad``: ESPO's next to the same config before its Megatron fix."""
+    pair (``run_grpo``); ``bad``: the shipped SPPO config (``run_sppo``: ``--driver sppo``,
+    ``ppo.seed``) next to ESPO's config before its Megatron fix."""
     runs: dict[str, subprocess.Popen] = {}
     wanted = any(getattr(item, "originalname", item.name) == REAL_PREFLIGHT_DRY_RUNS for item in request.session.items)
     if wanted and os.environ.get("NEMO_RL_SRC"):
@@ -607,10 +609,10 @@ def real_preflight_dry_runs(request, tmp_path_factory):
         checkout = _nemo_rl_checkout(Path(os.environ["NEMO_RL_SRC"]).resolve(), d / "NeMo-RL")
         env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(checkout),
                                 **_without_nemo_rl_src(dict(os.environ))})
-        for name, cfgs in (("good", DRY_RUN_SHIPPED), ("bad", (DRY_RUN_SHIPPED[0], DRY_RUN_FIXTURE))):
+        for name, cfgs in (("good", DRY_RUN_SHIPPED), ("bad", (DRY_RUN_SPPO, DRY_RUN_FIXTURE))):
             args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(d / name), "--seed", "3",
                     "--nodes", "8", "--train-sbatch", "--gres=gpu:8 --time=4:00:00", *cfgs,
-                    "--", "grpo.max_num_steps=4", "~logger.mlflow"]
+                    "--", "~logger.mlflow", "logger.monitor_gpus=false"]
             runs[name] = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                           cwd=d, start_new_session=True)
         runs["dir"] = d
@@ -623,17 +625,18 @@ def real_preflight_dry_runs(request, tmp_path_factory):
 
 def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_rl_src, real_preflight_dry_runs):
     """The REAL preflight in ``submit_comparison.sh`` (no cluster: ``--dry-run``; the runs are
-    started by the ``real_preflight_dry_runs`` fixture). Both shipped configs pass, with the
-    launch story's allocation and overrides (``~key`` too); the preflight's warnings (missing
-    worker venvs, TORCH_CUDA_ARCH_LIST, model config not cached) do not stop the submission, and
-    the sbatch lines follow. Next to ESPO's, the config before its Megatron fix stops the
-    submission: exactly the preflight's own line for it, none for ESPO's, exit 1. Where NeMo-RL is
+    started by the ``real_preflight_dry_runs`` fixture). Both shipped Qwen3-30B-A3B configs pass,
+    with the launch story's allocation and the runs' overrides (``~key`` too); the preflight's
+    warnings (missing worker venvs, TORCH_CUDA_ARCH_LIST, model config not cached) do not stop the
+    submission, and the sbatch lines follow. Next to the shipped SPPO config (run_sppo's argv),
+    the ESPO config before its Megatron fix stops the submission: exactly the preflight's own line
+    for it, none for the SPPO config, exit 1. Where NeMo-RL is
     not importable the preflight's own reason stops it; ``--no-preflight`` skips the check."""
     good, bad = real_preflight_dry_runs["good"], real_preflight_dry_runs["bad"]
     (good_out, good_err), (bad_out, bad_err) = good.communicate(timeout=600), bad.communicate(timeout=600)
     assert good.returncode == 0, good_out + good_err
     sbatch = [line for line in good_err.splitlines() if line.startswith("sbatch")]
-    assert len(sbatch) == 3 and all("grpo.max_num_steps=4" in line for line in sbatch[:2]), good_err
+    assert len(sbatch) == 3 and all("grpo.seed=3" in line and "\\~logger.mlflow" in line for line in sbatch[:2]), good_err
     assert not (real_preflight_dry_runs["dir"] / "good").exists()
     assert bad.returncode == 1 and "sbatch" not in bad_err and not bad_out, bad_out + bad_err
     assert bad_err.splitlines() == [
