@@ -351,7 +351,7 @@ preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a li
   lines=$(sed -n 's/^preflight: error: //p' "$1" 2>/dev/null)
   [[ -n "$lines" ]] || lines=$(sed -n 's/^nemo-granular preflight: \(error: \)\{0,1\}//p' "$1" 2>/dev/null)
   [[ -n "$lines" ]] || lines=$(grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 3)
-  printf '%s\n' "$lines"
+  if [[ -n "$lines" ]]; then printf '%s\n' "$lines"; fi
 }
 
 # a step is "up" while its srun client lives; any dead step is fatal unless we are stopping anyway
@@ -403,7 +403,7 @@ if (( IS_NEMO_RL )); then
       bash -c "source '$NODE_ENV' && exec$(printf ' %q' "${PF_CMD[@]}")" || pf_rc=$?
     if (( pf_rc != 0 )); then
       [[ -s "$PF_ERR" ]] && sed 's/^/[preflight] /' "$PF_ERR"
-      problems=$(preflight_problems "$PF_ERR" | grep -v '^$' | tail -n 10 | paste -sd';' - | sed 's/;/; /g' | cut -c1-800)
+      problems=$(preflight_problems "$PF_ERR" | tail -n 10 | paste -sd';' - | sed 's/;/; /g' | cut -c1-800)
       fail "preflight of $PF_CONFIG: ${problems:-exit $pf_rc, see $LOG_DIR/preflight.log} (PREFLIGHT=0 skips the check)" 2
     fi
     # warnings do not stop the job (missing worker venvs, TORCH_CUDA_ARCH_LIST, ...): shown here

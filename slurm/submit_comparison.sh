@@ -136,7 +136,7 @@ preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a li
   lines=$(sed -n 's/^preflight: error: //p' "$1" 2>/dev/null)
   [[ -n "$lines" ]] || lines=$(sed -n 's/^nemo-granular preflight: \(error: \)\{0,1\}//p' "$1" 2>/dev/null)
   [[ -n "$lines" ]] || lines=$(grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 3)
-  printf '%s\n' "$lines"
+  if [[ -n "$lines" ]]; then printf '%s\n' "$lines"; fi
 }
 if (( NRL_RUNS )) && [[ "$PREFLIGHT" != 0 ]]; then
   PF_TMP=$(mktemp -d "${TMPDIR:-/tmp}/submit_comparison.XXXXXX")
