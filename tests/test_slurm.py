@@ -630,8 +630,8 @@ def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_r
     warnings (missing worker venvs, TORCH_CUDA_ARCH_LIST, model config not cached) do not stop the
     submission, and the sbatch lines follow. Next to the shipped SPPO config (run_sppo's argv),
     the ESPO config before its Megatron fix stops the submission: exactly the preflight's own line
-    for it, none for the SPPO config, exit 1. Where NeMo-RL is
-    not importable the preflight's own reason stops it; ``--no-preflight`` skips the check."""
+    for it, none for the SPPO config, exit 1. Where NeMo-RL is not importable the preflight's own
+    reason stops it; ``--no-preflight`` skips the check."""
     good, bad = real_preflight_dry_runs["good"], real_preflight_dry_runs["bad"]
     (good_out, good_err), (bad_out, bad_err) = good.communicate(timeout=600), bad.communicate(timeout=600)
     assert good.returncode == 0, good_out + good_err
@@ -651,7 +651,7 @@ def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_r
     args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--nodes", "8", *DRY_RUN_SHIPPED]
     env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(d), **_without_nemo_rl_src(dict(os.environ))})
     none = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=d)
-    assert none.returncode == 1 and "sbatch" not in none.stderr, none.stderr
+    assert none.returncode == 1 and len(none.stderr.splitlines()) == 3, none.stderr   # a line each, then what to do
     for cfg, line in zip(DRY_RUN_SHIPPED, none.stderr.splitlines()):
         assert line == f"submit_comparison: preflight: {cfg}: NeMo-RL is not importable here (missing 'nemo_rl'): run " \
                        "preflight in NeMo-RL's environment like the drivers (e.g. `uv run python -m nemo_granular " \
@@ -831,25 +831,8 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
 
 # ------------------------------------------------------- one-node jobs, submitted together ---
 
-@pytest.fixture(scope="module")
-def one_node_jobs(cluster, nemo_rl_src, tmp_path_factory):
-    """The one-node jobs of the next three tests, submitted at once (longest first): the cluster
-    runs two side by side instead of one test's job after the other's.
-
-    * ``ok``: the REAL preflight passes a shipped config inside the job, launched as on a pyxis
-      cluster (``CONTAINER`` through tests/pyxis_srun_shim.sh, which records the srun lines) with
-      WORKDIR = a NeMo-RL checkout and NeMo-RL importable only there (no ``NEMO_RL_SRC``, not on
-      ``PYTHONPATH``). The driver's Python is tests/nemo_rl_logger_driver.py, a stand-in for
-      ``python`` whose ``-m nemo_granular preflight`` is the real CLI and whose ``-m
-      nemo_granular.run_grpo`` a short stand-in run (the real one needs GPUs). Its command line
-      has ``--config`` between overrides and the override forms ``~key`` and ``+key=value``;
-    * ``bad``: the REAL preflight, with the real Python (``python -m nemo_granular.run_grpo``, as a
-      COMMAND string), of a config NeMo-RL's Megatron worker rejects at init;
-    * ``probe``: Ray refuses the readiness probe;
-    * ``off``: ``PREFLIGHT=0`` (the stand-in driver and preflight: nothing of NeMo-RL runs)."""
-    d = tmp_path_factory.mktemp("one-node")
-    jobs: dict[str, SimpleNamespace] = {}
-
+def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jobs: dict) -> None:
+    """``one_node_jobs["ok"]`` and ``["bad"]`` (see there)."""
     shipped = ROOT / "examples" / "configs" / "sspo_qwen2.5_math_1.5b.yaml"
     checkout = _nemo_rl_checkout(nemo_rl_src, d / "NeMo-RL")
     shim, srun_log, run = d / "pyxis", d / "srun.log", d / "ok-run"
@@ -875,6 +858,31 @@ def one_node_jobs(cluster, nemo_rl_src, tmp_path_factory):
                                               env={"COMMAND": " ".join(bad_cmd)}),
                                   workdir=d / "bad", config=bad_cfg)
 
+
+@pytest.fixture(scope="module")
+def one_node_jobs(cluster, tmp_path_factory):
+    """The one-node jobs of the next three tests, submitted at once (longest first): the cluster
+    runs two side by side instead of one test's job after the other's.
+
+    * ``ok``: the REAL preflight passes a shipped config inside the job, launched as on a pyxis
+      cluster (``CONTAINER`` through tests/pyxis_srun_shim.sh, which records the srun lines) with
+      WORKDIR = a NeMo-RL checkout and NeMo-RL importable only there (no ``NEMO_RL_SRC``, not on
+      ``PYTHONPATH``). The driver's Python is tests/nemo_rl_logger_driver.py, a stand-in for
+      ``python`` whose ``-m nemo_granular preflight`` is the real CLI and whose ``-m
+      nemo_granular.run_grpo`` a short stand-in run (the real one needs GPUs). Its command line
+      has ``--config`` between overrides and the override forms ``~key`` and ``+key=value``;
+    * ``bad``: the REAL preflight, with the real Python (``python -m nemo_granular.run_grpo``, as a
+      COMMAND string), of a config NeMo-RL's Megatron worker rejects at init;
+    * ``probe``: Ray refuses the readiness probe;
+    * ``off``: ``PREFLIGHT=0`` (the stand-in driver and preflight: nothing of NeMo-RL runs).
+
+    ``ok`` and ``bad`` need NeMo-RL (their tests take ``nemo_rl_src``); without it only the others
+    are submitted."""
+    d = tmp_path_factory.mktemp("one-node")
+    jobs: dict[str, SimpleNamespace] = {}
+    if os.environ.get("NEMO_RL_SRC"):
+        _submit_real_preflight_jobs(cluster, d, Path(os.environ["NEMO_RL_SRC"]).resolve(), jobs)
+
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "the-token-the-head-starts-with-0123456789",
            "SETUP_COMMAND": '[[ $SLURM_STEP_ID == 0 ]] || export RAY_AUTH_TOKEN=a-different-token-9876543210'}
     jobs["probe"] = SimpleNamespace(job=_submit(cluster, d / "probe", "ng-probe", ["true"], nodes=1, env=env),
@@ -897,7 +905,7 @@ def _finished(cluster: Cluster, j: SimpleNamespace, name: str, state: str) -> tu
     return j.workdir / "slurm-logs" / f"{name}-{j.job}", info
 
 
-def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, one_node_jobs):
+def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, nemo_rl_src, one_node_jobs):
     """``one_node_jobs["ok"]``: the shipped SSPO config with the launcher's cluster overrides passes
     the real preflight inside the job; its warnings (worker venvs missing, TORCH_CUDA_ARCH_LIST
     unset, model config not cached) are shown in the launcher's log and do not stop the job. Under
@@ -938,7 +946,7 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, o
     assert cfg["logger"]["note"] == "checked" and "mlflow" not in cfg["logger"], cfg["logger"]
 
 
-def test_real_preflight_stops_a_job_whose_config_nemo_rl_would_reject(cluster, one_node_jobs):
+def test_real_preflight_stops_a_job_whose_config_nemo_rl_would_reject(cluster, nemo_rl_src, one_node_jobs):
     """``one_node_jobs["bad"]``: the real preflight finds what NeMo-RL's Megatron worker would
     reject at init on the GPUs; the job fails before Ray starts, with the preflight's own line in
     the launcher's log and as the job's reason. ``one_node_jobs["off"]``: ``PREFLIGHT=0`` (experts)
