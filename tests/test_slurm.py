@@ -529,11 +529,11 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     assert r.returncode == 0, r.stdout + r.stderr
     ids = (out / "job_ids.txt").read_text().split()
     assert len(ids) == 5, r.stdout        # 2 training jobs, 2 eval jobs, the report
-    # the preflight ran for both configs before any submission (the submit host), with the runs'
-    # overrides and the allocation
+    # the preflight ran for both configs before any submission (the submit host; both at once, in
+    # either order), with the runs' overrides and the allocation
     checked = preflight.read_text().splitlines()
-    assert [c.split()[0] for c in checked[:2]] == [str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
-                                                    str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml")], checked
+    assert sorted(c.split()[0] for c in checked[:2]) == [str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
+                                                         str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml")], checked
     assert all("grpo.seed=3" in c and "cluster.num_nodes=1" in c and "cluster.gpus_per_node=2" in c
                for c in checked[:2]), checked
     # the training jobs got the GPUs and the long limit, the report job its own small allocation
