@@ -97,6 +97,7 @@ def _run_layout(name: str, tiny) -> dict:
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
     from nemo_granular.losses import GranularPolicyLoss
+    from nemo_granular.nemo_rl.run_state import espo_alpha_for_step
 
     n, model, config, sizes, packing, extra = LAYOUTS[name]
     model_dir = str(tiny[model])
@@ -111,9 +112,13 @@ def _run_layout(name: str, tiny) -> dict:
     table[DELIMITER] = True
     data = _train_data(ids, lengths, token_mask, g, lp, ent, full["loss_fn"], table)
 
+    loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=table, vocab_size=VOCAB)
+    # espo.alpha: auto (the shipped ESPO configs) is set from the first π_old pass, as the NeMo-RL driver does
+    alpha = espo_alpha_for_step(loss_fn, data, {})
+
     driver = cases.Driver(policy, n)
     spec = {"config": config, "overrides": overrides, "delimiter_table": table, "vocab_size": VOCAB,
-            "gbs": B, "mbs": 2,
+            "espo_alpha": alpha, "gbs": B, "mbs": 2,
             "train_shards": pickle.dumps(driver.train_shards(BatchedDataDict(data), B)),
             "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(input_ids=ids,
                                                                                  input_lengths=lengths)))}
@@ -123,7 +128,6 @@ def _run_layout(name: str, tiny) -> dict:
     ranks = world.run_world(n, cases.run_layout, spec, env=env)
 
     m = policy["megatron_cfg"]["optimizer"]
-    loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=table, vocab_size=VOCAB)
     frozen = {k for k in dict(hf.named_parameters()) if k.endswith("mlp.gate.weight")} \
         if policy["megatron_cfg"]["freeze_moe_router"] else set()
     (lr,) = {tuple(x["lr"]) for x in ranks}

@@ -128,6 +128,8 @@ def run_layout(rank: int, spec: dict) -> dict:
 
     loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=spec["delimiter_table"],
                                  vocab_size=spec["vocab_size"])
+    if spec.get("espo_alpha") is not None:
+        loss_fn.set_espo_alpha(spec["espo_alpha"])  # the driver's, from the first π_old pass
     seen: dict = {}
     real_step = worker.optimizer.step
 
