@@ -14,4 +14,8 @@ if [ -n "${NEMO_RL_SRC:-}" ] || [ -n "${NEMO_RL_VENDOR:-}" ]; then
   source scripts/nemo_rl_env.sh
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-exec .venv/bin/python -m pytest -q "$@"
+# Two pytest-xdist workers: much of the suite waits (Slurm requeue holds, Ray and Megatron start-up)
+# rather than computes, so two overlap well even on two cores. tests/conftest.py keeps each module on
+# one worker and the Ray-head modules together. NEMO_GRANULAR_TEST_WORKERS=0 runs in one process;
+# a -n given on the command line wins.
+exec .venv/bin/python -m pytest -q -n "${NEMO_GRANULAR_TEST_WORKERS:-2}" --dist loadgroup "$@"
