@@ -11,8 +11,7 @@ import importlib
 import os
 import sys
 
-# ArgumentParser is re-exported for code written before cli_common existed; new code imports cli_common
-from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser  # noqa: F401
+from .cli_common import INTERRUPTED_EXIT_CODE
 
 # name → (module, function, help); the modules are imported only when their command runs. They import
 # nemo_granular.cli_common for what commands share, never this module (tests/test_layering.py).

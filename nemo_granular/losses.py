@@ -5,7 +5,8 @@ Both follow NeMo-RL's ``LossFunction`` protocol (``nemo_rl/algorithms/loss/inter
 returns ``(loss, metrics)``; per-token data keys are ``[B, S]`` and used as ``[:, 1:]``
 against ``next_token_logprobs`` ``[B, S-1]``; every cross-row denominator is a global count,
 so the partial results of microbatches (or of single-sequence calls under sequence
-packing) add up to the global-batch value. No collective is ever called.
+packing) add up to the global-batch value — except the optional NLL term on correct
+responses, which divides by this microbatch's count as NeMo-RL's does. No collective is ever called.
 
 The policy loss is an adapter: it reads NeMo-RL's batch (:func:`read_policy_batch`), then runs
 the formulas of :mod:`nemo_granular.core.objective` / :mod:`~nemo_granular.core.offpolicy` in

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
         master_config, tokenizer, dataset, val_dataset, policy_factory=factory)
 
     logger = EstimatorMetricsLogger(logger)
-    watch = StopWatch(sys.modules["nemo_rl.algorithms.grpo"]).start()   # NeMo-RL's time limit, SIGUSR1
+    watch = StopWatch(compat.module("grpo")).start()   # NeMo-RL's time limit, SIGUSR1
     try:
         if master_config.grpo.async_grpo.enabled:
             async_grpo_train = compat.get("async_grpo_train")

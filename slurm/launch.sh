@@ -175,9 +175,10 @@ if (( $# > 0 )); then
   CMD=("$@")
 elif [[ -n "${COMMAND:-}" ]]; then
   # a plain list of words is taken as the command's arguments (so the launcher can add to them and
-  # find the Python and config of a NeMo-RL driver); shell syntax (or NAME=value first) runs under bash -c
-  if [[ "$COMMAND" =~ [\;\&\|\<\>\$\`\"\'\\\(\)\*\?\#~] || "$COMMAND" =~ ^[[:space:]]*[A-Za-z_][A-Za-z0-9_]*= \
-        || "$COMMAND" == *$'\n'* ]]; then
+  # find the Python and config of a NeMo-RL driver); shell syntax (or NAME=value first) runs under bash -c.
+  # ~ is shell syntax only as a home directory (~, ~/..., also after =): ~key.path is a Hydra delete
+  if [[ "$COMMAND" =~ [\;\&\|\<\>\$\`\"\'\\\(\)\*\?\#] || "$COMMAND" =~ (^|[[:space:]=])~(/|[[:space:]]|$) \
+        || "$COMMAND" =~ ^[[:space:]]*[A-Za-z_][A-Za-z0-9_]*= || "$COMMAND" == *$'\n'* ]]; then
     CMD=(bash -c "$COMMAND")
   else
     read -r -a CMD <<<"$COMMAND"

@@ -36,7 +36,7 @@ def test_espo_bounds_and_calibration():
     R.assert_close(R.espo_bounds(1.2, a, 32000)[1] - 1, 3.5e-4, what="calibrated ε")
     with pytest.raises(ValueError, match="vocab_size"):
         C.espo_entropy_clip_bounds(H, 1.0, 1)
-    with pytest.raises(ValueError, match="mean_entropy"):
+    with pytest.raises(ValueError, match="espo.alpha: auto needs a first rollout with a positive mean"):
         C.calibrate_espo_alpha(0.0, 100, 1e-3)
 
 

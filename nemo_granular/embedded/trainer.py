@@ -323,7 +323,7 @@ class Trainer:
         self.step, self.samples, self.wall = int(state["step"]), int(state["samples"]), float(state["wall_time"])
         self.espo_alpha = state.get("espo_alpha")
         if self.espo_alpha is not None:
-            self.loss_fn.granular.espo.alpha = self.espo_alpha
+            self.loss_fn.set_espo_alpha(self.espo_alpha)
         try:
             self.opt.load_state_dict(loaded.optimizer["policy"])
             if self.critic_opt is not None and loaded.optimizer.get("critic"):

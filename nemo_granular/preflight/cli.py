@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_venvs:
         with contextlib.redirect_stdout(sys.stderr):
             _build(res)
-            res = run_preflight(config, overrides, driver=args.driver, vocab_size=args.vocab_size)
+            res = run_preflight(config, overrides, driver=args.driver, vocab_size=args.vocab_size,
+                                check_venvs=not args.no_venv_check)
     from .report import as_json, plan_text
 
     print(as_json(res, args.strict) if args.json else plan_text(res))

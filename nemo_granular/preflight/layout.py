@@ -121,8 +121,9 @@ def policy_parallel(policy: Mapping) -> dict[str, int | str]:
     (``nemo_rl/models/policy/lm_policy.py``)."""
     meg = policy.get("megatron_cfg") or {}
     if bool(meg.get("enabled", False)):
-        return dict(backend="megatron", tp=int(meg.get("tensor_model_parallel_size", 1)),
-                    pp=int(meg.get("pipeline_model_parallel_size", 1)), cp=int(meg.get("context_parallel_size", 1)),
+        return dict(backend="megatron", tp=int(meg.get("tensor_model_parallel_size", 1) or 1),
+                    pp=int(meg.get("pipeline_model_parallel_size", 1) or 1),
+                    cp=int(meg.get("context_parallel_size", 1) or 1),
                     ep=int(meg.get("expert_model_parallel_size", 1) or 1),
                     etp=int(meg.get("expert_tensor_parallel_size", 1) or 1))
     dt = policy.get("dtensor_cfg") or {}
@@ -136,6 +137,6 @@ def vllm_parallel(gen: Mapping) -> dict[str, int]:
     """vLLM's TP/PP/EP as ``VllmGeneration.__init__`` reads them; ``engine_dp`` = EP / TP (vLLM's
     EP = DP × TP inside one engine)."""
     v = gen.get("vllm_cfg") or {}
-    tp, pp, ep = int(v.get("tensor_parallel_size", 1)), int(v.get("pipeline_parallel_size", 1) or 1), \
+    tp, pp, ep = int(v.get("tensor_parallel_size", 1) or 1), int(v.get("pipeline_parallel_size", 1) or 1), \
         int(v.get("expert_parallel_size", 1) or 1)
     return dict(tp=tp, pp=pp, ep=ep, engine_dp=max(ep // tp, 1) if tp else 1)

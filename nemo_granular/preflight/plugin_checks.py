@@ -88,4 +88,24 @@ def sppo_plugin_checks(cfg: Mapping, master) -> list[Finding]:
             _check_async(master)
         except ValueError as err:
             out.append(error("nemo_granular/run_sppo.py:_check_async", _first_line(err)))
+    out += _value_head_checks(cfg)
     return out
+
+
+def _value_head_checks(cfg: Mapping) -> list[Finding]:
+    """run_sppo's refusal of a multi-GPU DTensor critic whose HF config sets ``pad_token_id`` (its value
+    head would start as uninitialised memory), from the locally cached model config only (offline)."""
+    from transformers import AutoConfig
+
+    from ..sppo.validate import check_value_head_initialised
+
+    where = "nemo_granular/sppo/validate.py:check_value_head_initialised"
+    try:
+        readable = check_value_head_initialised(
+            cfg, lambda name: AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False))
+    except ValueError as err:
+        return [error(where, _first_line(err))]
+    if not readable:
+        return [warning(where, "the value model's config is not cached here, so its pad_token_id (an uninitialised "
+                               "value head on several GPUs) was not checked; run_sppo checks it at start")]
+    return []
