@@ -87,7 +87,6 @@ def build_worker(policy_cfg: dict, *, init_reference_model=True, init_optimizer=
     """Stand-ins installed, then the real worker class constructed as the Ray actor would."""
     from megatron_cpu import standins
 
-    standins.import_megatron_then_te_placeholder()
     standins.install(int(os.environ["LOCAL_RANK"]))
     from nemo_rl.distributed.named_sharding import NamedSharding
     from transformers import AutoTokenizer
@@ -126,7 +125,7 @@ def run_layout(rank: int, spec: dict) -> dict:
     out["logprobs"], out["entropy"] = got["logprobs"], got["entropy"]
     out["logprobs_s"] = time.perf_counter() - t
 
-    loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=spec["delimiter_table"],
+    loss_fn = GranularPolicyLoss(spec["loss_fn"], delimiter_table=spec["delimiter_table"],
                                  vocab_size=spec["vocab_size"])
     seen: dict = {}
     real_step = worker.optimizer.step
