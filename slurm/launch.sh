@@ -204,7 +204,8 @@ if (( IS_TRAIN && AUTO_RESUME )) && [[ "$joined" != *" --resume "* && "$joined" 
   add_args --auto-resume
 fi
 # run_grpo / run_sppo: the Python that starts them (`uv run python`, `python`, ...), their config
-# and overrides, for the preflight
+# and overrides, for the preflight. The drivers take every word but --config as a Hydra override
+# (key=value, +key=value, ~key), and so does the preflight
 PY_PREFIX=(); PF_CONFIG=""; PF_OVERRIDES=(); PF_DRIVER=""
 for ((i = 0; i + 1 < ${#CMD[@]}; i++)); do
   if [[ "${CMD[i]}" == -m && "${CMD[i+1]}" =~ ^nemo_granular\.run_(grpo|sppo)$ ]]; then
@@ -214,7 +215,7 @@ for ((i = 0; i + 1 < ${#CMD[@]}; i++)); do
         --config) PF_CONFIG=${CMD[j+1]:-}; j=$((j + 1)) ;;
         --config=*) PF_CONFIG=${CMD[j]#--config=} ;;
         -*) ;;
-        *=*) PF_OVERRIDES+=("${CMD[j]}") ;;
+        *) PF_OVERRIDES+=("${CMD[j]}") ;;
       esac
     done
     break
@@ -343,6 +344,16 @@ last_error() {  # last_error LOG...: the last "ERROR: " line of the logs, withou
   sed -n 's/^ERROR: //p' "$@" 2>/dev/null | tail -n1
 }
 
+preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a line: the preflight's
+  # `preflight: error: ...` lines (exit 1), else its one-line reason (exit 2: `nemo-granular
+  # preflight: ...`), else the last lines (e.g. a Python that has no nemo_granular)
+  local lines
+  lines=$(sed -n 's/^preflight: error: //p' "$1" 2>/dev/null)
+  [[ -n "$lines" ]] || lines=$(sed -n 's/^nemo-granular preflight: \(error: \)\{0,1\}//p' "$1" 2>/dev/null)
+  [[ -n "$lines" ]] || lines=$(grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 3)
+  if [[ -n "$lines" ]]; then printf '%s\n' "$lines"; fi
+}
+
 # a step is "up" while its srun client lives; any dead step is fatal unless we are stopping anyway
 check_steps() {
   local name pid rc logs why
@@ -392,12 +403,17 @@ if (( IS_NEMO_RL )); then
       bash -c "source '$NODE_ENV' && exec$(printf ' %q' "${PF_CMD[@]}")" || pf_rc=$?
     if (( pf_rc != 0 )); then
       [[ -s "$PF_ERR" ]] && sed 's/^/[preflight] /' "$PF_ERR"
-      # one line per problem on stderr; its warnings are on stderr too: the errors, if marked
-      problems=$(grep -i 'error' "$PF_ERR" 2>/dev/null || grep -v '^[[:space:]]*$' "$PF_ERR" 2>/dev/null || true)
-      problems=$(tail -n 10 <<<"$problems" | paste -sd';' - | sed 's/;/; /g' | cut -c1-800)
+      problems=$(preflight_problems "$PF_ERR" | tail -n 10 | paste -sd';' - | sed 's/;/; /g' | cut -c1-800)
       fail "preflight of $PF_CONFIG: ${problems:-exit $pf_rc, see $LOG_DIR/preflight.log} (PREFLIGHT=0 skips the check)" 2
     fi
-    log "preflight: no problems"
+    # warnings do not stop the job (missing worker venvs, TORCH_CUDA_ARCH_LIST, ...): shown here
+    pf_warnings=$(grep '^preflight: warning: ' "$PF_ERR" 2>/dev/null || true)
+    if [[ -n "$pf_warnings" ]]; then
+      log "preflight: no problems, $(wc -l <<<"$pf_warnings") warning(s):"
+      while IFS= read -r line; do echo "[preflight] $line"; done <<<"$pf_warnings"
+    else
+      log "preflight: no problems"
+    fi
   fi
 fi
 

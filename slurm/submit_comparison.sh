@@ -30,7 +30,8 @@
 #   --dry-run              print the sbatch commands; submit nothing, write nothing
 # Overrides after `--` go to every run. Before anything is submitted, each NeMo-RL config is checked
 # with `$NEMO_RL_PYTHON -m nemo_granular preflight` (in WORKDIR, with the run's overrides and
-# allocation); a problem stops the submission (exit 1, one line per problem). Environment:
+# allocation; all configs at once); a problem stops the submission (exit 1, one line per problem:
+# `submit_comparison: preflight: CONFIG: <the preflight's message>`). Environment:
 # CONTAINER, MOUNTS, VENV, WORKDIR, ... are passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON
 # (default "uv run python") is how NeMo-RL drivers start Python (docs/slurm.md, "One launch
 # story"). Prints the job ids and the report path.
@@ -56,7 +57,7 @@ while (( $# )); do
     --nemo-rl) NEMO_RL_DIR=$2; shift 2 ;;
     --no-preflight) PREFLIGHT=0; shift ;;
     --dry-run) DRY=1; shift ;;
-    -h|--help) sed -n '2,39p' "$0"; exit 0 ;;
+    -h|--help) sed -n '/^set -euo/q; 2,$p' "$0"; exit 0 ;;
     --) shift; OVERRIDES=("$@"); break ;;
     -*) die "unknown option $1" ;;
     *) CONFIGS+=("$1"); shift ;;
@@ -128,23 +129,36 @@ run_args() {  # run_args I -> the driver command of config I, one word per line 
   esac
 }
 
-# preflight: every NeMo-RL config checked before anything is submitted
+# preflight: every NeMo-RL config checked before anything is submitted, all at once (each check is
+# mostly NeMo-RL's import, tens of seconds); stderr of each in a temporary directory, removed at exit
+preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a line (as slurm/launch.sh)
+  local lines
+  lines=$(sed -n 's/^preflight: error: //p' "$1" 2>/dev/null)
+  [[ -n "$lines" ]] || lines=$(sed -n 's/^nemo-granular preflight: \(error: \)\{0,1\}//p' "$1" 2>/dev/null)
+  [[ -n "$lines" ]] || lines=$(grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 3)
+  if [[ -n "$lines" ]]; then printf '%s\n' "$lines"; fi
+}
 if (( NRL_RUNS )) && [[ "$PREFLIGHT" != 0 ]]; then
-  bad=0
+  PF_TMP=$(mktemp -d "${TMPDIR:-/tmp}/submit_comparison.XXXXXX")
+  trap 'rm -rf "$PF_TMP"' EXIT
+  pf_pids=()
   for i in "${!CONFIGS[@]}"; do
     [[ "${drivers[$i]}" == train ]] && continue
     run_args "$i"
     extra=()
     [[ " ${OVERRIDES[*]} " == *" cluster.num_nodes="* ]] || extra+=("cluster.num_nodes=$NODES")
     [[ -n "$TRAIN_GPUS" && " ${OVERRIDES[*]} " != *" cluster.gpus_per_node="* ]] && extra+=("cluster.gpus_per_node=$TRAIN_GPUS")
-    pf_err=$(cd "$WORKDIR" && "${NRL_PY[@]}" -m nemo_granular preflight --driver "${drivers[$i]}" "${CONFIGS[$i]}" \
-             "${RUN_CMD[@]:${#NRL_PY[@]}+4}" "${extra[@]}" 2>&1 >/dev/null) && continue
+    (cd "$WORKDIR" && exec "${NRL_PY[@]}" -m nemo_granular preflight --driver "${drivers[$i]}" "${CONFIGS[$i]}" \
+       "${RUN_CMD[@]:${#NRL_PY[@]}+4}" "${extra[@]}" >/dev/null 2>"$PF_TMP/$i.err") &
+    pf_pids[i]=$!
+  done
+  bad=0
+  for i in "${!pf_pids[@]}"; do
+    wait "${pf_pids[$i]}" && continue
     bad=1
-    # one line per problem; its warnings are on stderr too: the errors, if marked
-    lines=$(grep -i 'error' <<<"$pf_err" || grep -v '^[[:space:]]*$' <<<"$pf_err" || true)
     while IFS= read -r line; do
       [[ -n "$line" ]] && echo "submit_comparison: preflight: ${CONFIGS[$i]}: $line" >&2
-    done <<<"$lines"
+    done < <(preflight_problems "$PF_TMP/$i.err")
   done
   if (( bad )); then
     echo "submit_comparison: nothing submitted; fix the configs (nemo-granular preflight CONFIG shows the plan) or pass --no-preflight" >&2

@@ -6,8 +6,9 @@ nemo_granular.run_grpo --config CFG overrides...``; the test sets ``NEMO_RL_PYTH
 tests/nemo_rl_logger_driver.py"``, so this script receives exactly the arguments Python would.
 Instead of training it produces what a NeMo-RL run leaves behind, with NeMo-RL's own code:
 
-* the config: NeMo-RL's ``load_config`` (``defaults:`` resolved) + ``parse_hydra_overrides``,
-  resolved with NeMo-RL's resolvers;
+* the config as ``run_grpo`` / ``run_sppo`` load it (``nemo_granular.nemo_rl.configs.load_resolved``:
+  NeMo-RL's ``load_config`` with the ``nemo_rl/upstream/`` parents resolved, ``parse_hydra_overrides``,
+  NeMo-RL's resolvers);
 * TensorBoard events from NeMo-RL's ``Logger`` in ``get_next_experiment_dir(logger.log_dir)``
   (``exp_NNN/``), with the metric names and prefixes NeMo-RL's GRPO/PPO loops log
   (``train/reward``, ``train/mean_gen_tokens_per_sample``, ``train/global_valid_seqs``,
@@ -22,9 +23,15 @@ Instead of training it produces what a NeMo-RL run leaves behind, with NeMo-RL's
 The numbers are synthetic but deterministic in (algorithm, seed, step); ESPO's curves rise a
 little faster than GSPO's so the report has something to compare.
 
-``-m nemo_granular preflight CONFIG [overrides]`` (how the launchers call the preflight with the
-driver's Python) runs :func:`fake_preflight`, a stand-in for ``nemo-granular preflight`` with its
-interface: one line per problem on stderr and a non-zero exit, exit 0 when clean.
+``-m nemo_granular preflight ...`` (how the launchers call the preflight with the driver's Python)
+runs the REAL ``nemo-granular preflight``, exactly as ``python -m nemo_granular preflight ...``
+would (:func:`preflight`). ``NG_FAKE_PREFLIGHT=1`` swaps in :func:`fake_preflight`, a stand-in
+with the same interface, for the tests in which the real one (tens of seconds of NeMo-RL import
+per call) would add time but no evidence.
+
+As a stand-in for ``python``, ``-m`` puts the current directory first on ``sys.path`` as Python
+does: a NeMo-RL checkout as the working directory makes ``nemo_rl`` importable, as for ``uv run
+python -m ...`` there.
 """
 
 from __future__ import annotations
@@ -37,11 +44,17 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
+def as_python_m() -> None:
+    """``sys.path`` as ``python -m MODULE`` has it: the current directory first."""
+    sys.path.insert(0, os.getcwd())
+
+
 def fake_preflight(argv: list[str]) -> int:
     """Stand-in for ``nemo-granular preflight [--driver grpo|sppo] CONFIG [key=value ...]``: appends
     its command line (without ``--driver``) to ``$NG_FAKE_PREFLIGHT_LOG`` (when set) and reports a
     missing CONFIG plus the problems listed in ``$NG_FAKE_PREFLIGHT_PROBLEMS`` (separated by ``;``),
-    one line each on stderr, exit 1; exit 0 without any."""
+    one line each on stderr in the real one's format (``preflight: error: <problem> [source]``),
+    exit 1; exit 0 without any."""
     if argv[:1] == ["--driver"]:          # --driver grpo|sppo (what the launchers pass)
         argv = argv[2:]
     log = os.environ.get("NG_FAKE_PREFLIGHT_LOG")
@@ -52,34 +65,51 @@ def fake_preflight(argv: list[str]) -> int:
     if not argv or not Path(argv[0]).is_file():
         problems.insert(0, f"{argv[0] if argv else 'CONFIG'}: no such config file")
     for p in problems:
-        print(p.strip(), file=sys.stderr)
+        print(f"preflight: error: {p.strip()} [stand-in preflight]", file=sys.stderr)
     if not problems:
         print(f"preflight: {argv[0]}: no problems", flush=True)
     return 1 if problems else 0
 
 
+def preflight(argv: list[str]) -> int:
+    """``-m nemo_granular preflight ARGV``: the real CLI, run as ``python -m nemo_granular`` runs it
+    (``runpy``, ``sys.argv`` set as Python sets it); ``NG_FAKE_PREFLIGHT=1``: :func:`fake_preflight`."""
+    if os.environ.get("NG_FAKE_PREFLIGHT") == "1":
+        return fake_preflight(argv)
+    import runpy
+
+    sys.argv = ["-m", "preflight", *argv]     # runpy replaces argv[0] with the module's path
+    try:
+        runpy.run_module("nemo_granular", run_name="__main__", alter_sys=True)
+    except SystemExit as done:                # nemo_granular/__main__.py ends with sys.exit(main())
+        return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["-m"]:
+        as_python_m()
     if argv[:3] == ["-m", "nemo_granular", "preflight"]:
-        return fake_preflight(argv[3:])
-    if len(argv) < 4 or argv[0] != "-m" or argv[2] != "--config":
+        return preflight(argv[3:])
+    if len(argv) < 2 or argv[0] != "-m":
         print("nemo_rl_logger_driver: usage: -m nemo_granular.run_grpo|run_sppo --config CFG [overrides]",
               file=sys.stderr)
         return 2
-    module, cfg_path, overrides = argv[1], argv[3], argv[4:]
+    import argparse
+
+    parser = argparse.ArgumentParser(prog=argv[1])    # as run_grpo / run_sppo parse their arguments
+    parser.add_argument("--config", required=True)
+    args, overrides = parser.parse_known_args(argv[2:])
+    module, cfg_path = argv[1], args.config
     if module not in ("nemo_granular.run_grpo", "nemo_granular.run_sppo"):
         print(f"nemo_rl_logger_driver: unexpected module {module}", file=sys.stderr)
         return 2
-    from omegaconf import OmegaConf
-
     from nemo_rl.utils.checkpoint import CheckpointManager
-    from nemo_rl.utils.config import load_config, parse_hydra_overrides, register_omegaconf_resolvers
     from nemo_rl.utils.logger import Logger, get_next_experiment_dir
 
-    register_omegaconf_resolvers()
-    config = load_config(cfg_path)
-    if overrides:
-        config = parse_hydra_overrides(config, overrides)
-    cfg = OmegaConf.to_container(config, resolve=True)
+    from nemo_granular.nemo_rl.configs import load_resolved
+
+    cfg = load_resolved(cfg_path, overrides)      # what run_grpo / run_sppo load
     section = "ppo" if module.endswith("run_sppo") else "grpo"
     algo = cfg[section]
     name = (cfg.get("loss_fn", {}).get("granular", {}) or {}).get("algorithm") or ("sppo" if section == "ppo" else "grpo")

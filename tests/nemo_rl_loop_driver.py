@@ -2,7 +2,7 @@
 """Stand-in NeMo-RL training driver for the launcher's time-limit and preemption tests (a test fixture).
 
     python tests/nemo_rl_loop_driver.py -m nemo_granular.run_grpo|nemo_granular.run_sppo --config CFG [overrides]
-    python tests/nemo_rl_loop_driver.py -m nemo_granular preflight CFG [overrides]      (stand-in preflight)
+    python tests/nemo_rl_loop_driver.py -m nemo_granular preflight CFG [overrides]
 
 ``slurm/launch.sh`` gets it as ``python tests/nemo_rl_loop_driver.py -m nemo_granular.run_grpo ...``,
 i.e. as the Python that starts the driver. It runs the REAL ``nemo_granular.run_grpo.main`` /
@@ -23,12 +23,17 @@ tokenizer, data, the estimator install, the exit code — and replaces only what
   when the epochs run out — how NeMo-RL stops at ``checkpointing.checkpoint_must_save_by``;
 * ``create_env`` (a Ray actor per environment): a stand-in object.
 
+``-m nemo_granular preflight`` runs the real preflight, or with ``NG_FAKE_PREFLIGHT=1`` the
+stand-in (``tests/nemo_rl_logger_driver.py``: ``preflight``, ``fake_preflight``).
+
 Each step sleeps ``NG_FAKE_STEP_SECONDS`` (default 0.5) and appends ``{"step", "attempt"}`` to
-``<run>/steps.jsonl`` (run = the parent of ``checkpointing.checkpoint_dir``); each save sleeps
-``NG_FAKE_SAVE_SECONDS`` (default 0) inside ``tmp_step_N`` before NeMo-RL renames it (a slow
-save). Before the real driver starts, the script writes ``<run>/startup.<attempt>`` and sleeps
-``NG_FAKE_STARTUP_SECONDS`` (default 0): the window in which a real driver has no signal handler
-yet (interpreter start, ``uv run``'s environment sync, heavy imports).
+``<run>/steps.jsonl`` (run = the parent of ``checkpointing.checkpoint_dir``); each save of the
+first attempt sleeps ``NG_FAKE_SAVE_SECONDS`` (default 0) inside ``tmp_step_N`` before NeMo-RL
+renames it (a slow save). Before the real driver starts, the script writes
+``<run>/startup.<attempt>`` and, in the first attempt, sleeps ``NG_FAKE_STARTUP_SECONDS`` (default
+0): the window in which a real driver has no signal handler yet (interpreter start, ``uv run``'s
+environment sync, heavy imports). Both are windows the tests send USR1 into; a requeued attempt
+(``NG_SLURM_ATTEMPT`` > 0) is not signalled and does without them.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nemo_rl_logger_driver import fake_preflight  # noqa: E402  (tests/ is not a package)
+from nemo_rl_logger_driver import as_python_m, preflight  # noqa: E402  (tests/ is not a package)
 
 MODULES = {"nemo_granular.run_grpo": ("nemo_rl.algorithms.grpo", "grpo", "grpo_train"),
            "nemo_granular.run_sppo": ("nemo_rl.algorithms.ppo", "ppo", "ppo_train")}
@@ -105,7 +110,7 @@ def _stand_in_loop(algo, section: str, real_train):
 
         run = Path(cfg.checkpointing["checkpoint_dir"]).parent
         step_s = float(os.environ.get("NG_FAKE_STEP_SECONDS", "0.5"))
-        save_s = float(os.environ.get("NG_FAKE_SAVE_SECONDS", "0"))
+        save_s = float(os.environ.get("NG_FAKE_SAVE_SECONDS", "0")) if _attempt() == 0 else 0.0
         algo_cfg = getattr(cfg, section)
         timeout = algo.TimeoutChecker(timeout=cfg.checkpointing["checkpoint_must_save_by"], fit_last_save_time=True)
         timeout.start_iterations()
@@ -148,8 +153,10 @@ def _stand_in_loop(algo, section: str, real_train):
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["-m"]:
+        as_python_m()
     if argv[:3] == ["-m", "nemo_granular", "preflight"]:
-        return fake_preflight(argv[3:])
+        return preflight(argv[3:])
     if len(argv) < 2 or argv[0] != "-m" or argv[1] not in MODULES:
         print(f"nemo_rl_loop_driver: usage: -m {'|'.join(MODULES)} --config CFG [overrides]", file=sys.stderr)
         return 2
@@ -160,7 +167,8 @@ def main(argv: list[str]) -> int:
     if str(run) != ".":
         run.mkdir(parents=True, exist_ok=True)
         (run / f"startup.{_attempt()}").write_text(f"{os.getpid()}\n")
-    time.sleep(float(os.environ.get("NG_FAKE_STARTUP_SECONDS", "0")))
+    if _attempt() == 0:
+        time.sleep(float(os.environ.get("NG_FAKE_STARTUP_SECONDS", "0")))
 
     import importlib
 

@@ -8,7 +8,7 @@ Qwen3-MoE checkpoint and a shipped example config with model size, paths and clu
 float32, sequence packing as the layout says and router replay off for the EP 2 train step (CPU
 stand-ins: ``tests/cpu_stand_ins`` and ``tests/megatron_cpu/standins.py``, listed in
 ``docs/nemo-rl.md`` §7). NeMo-RL's own ``Policy`` code shards the batch and re-assembles the
-results (``cases.Driver``). ESPO's ``alpha: auto`` is set from the π_old entropy as on a first rollout.
+results (``cases.Driver``).
 
 Against an independent float64 forward/backward of the same checkpoint by transformers:
 weights as loaded (mapped back with the test's own layout mapping), ``get_logprobs_with_entropy``
@@ -77,25 +77,6 @@ def _train_data(ids, lengths, token_mask, g, lp, ent, loss_cfg, table):
     return data
 
 
-def _espo_alpha_resolved(loss_cfg: dict, ent: torch.Tensor, data: dict, table) -> dict:
-    """The loss config with ESPO's ``alpha: auto`` set as ``GranularPolicy`` sets it on the first
-    rollout: from the π_old entropy over the valid response tokens (both sides use this α)."""
-    import copy
-
-    from megatron_cpu.models import VOCAB
-
-    from nemo_granular.losses import GranularPolicyLoss
-
-    espo = ((loss_cfg.get("granular") or {}).get("espo") or {})
-    if espo.get("alpha") != "auto":
-        return loss_cfg
-    loss = GranularPolicyLoss(loss_cfg, delimiter_table=table, vocab_size=VOCAB)
-    alpha = loss.calibrate_espo_alpha(ent, data["token_mask"] * data["sample_mask"][:, None])
-    out = copy.deepcopy(loss_cfg)
-    out["granular"]["espo"]["alpha"] = alpha
-    return out
-
-
 def _spacing(w: torch.Tensor) -> torch.Tensor:
     """Distance from each float32 weight to the next float32 away from zero (float64)."""
     w = w.detach().float().abs()
@@ -117,6 +98,7 @@ def _run_layout(name: str, tiny) -> dict:
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
     from nemo_granular.losses import GranularPolicyLoss
+    from nemo_granular.nemo_rl.run_state import espo_alpha_for_step
 
     n, model, config, sizes, packing, extra = LAYOUTS[name]
     model_dir = str(tiny[model])
@@ -130,11 +112,14 @@ def _run_layout(name: str, tiny) -> dict:
     table = torch.zeros(VOCAB, dtype=torch.bool)
     table[DELIMITER] = True
     data = _train_data(ids, lengths, token_mask, g, lp, ent, full["loss_fn"], table)
-    loss_cfg = _espo_alpha_resolved(full["loss_fn"], ent, data, table)
+
+    loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=table, vocab_size=VOCAB)
+    # espo.alpha: auto (the shipped ESPO configs) is set from the first π_old pass, as the NeMo-RL driver does
+    alpha = espo_alpha_for_step(loss_fn, data, {})
 
     driver = cases.Driver(policy, n)
-    spec = {"config": config, "overrides": overrides, "loss_fn": loss_cfg, "delimiter_table": table,
-            "vocab_size": VOCAB, "gbs": B, "mbs": 2,
+    spec = {"config": config, "overrides": overrides, "delimiter_table": table, "vocab_size": VOCAB,
+            "espo_alpha": alpha, "gbs": B, "mbs": 2,
             "train_shards": pickle.dumps(driver.train_shards(BatchedDataDict(data), B)),
             "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(input_ids=ids,
                                                                                  input_lengths=lengths)))}
@@ -144,7 +129,6 @@ def _run_layout(name: str, tiny) -> dict:
     ranks = world.run_world(n, cases.run_layout, spec, env=env)
 
     m = policy["megatron_cfg"]["optimizer"]
-    loss_fn = GranularPolicyLoss(loss_cfg, delimiter_table=table, vocab_size=VOCAB)
     frozen = {k for k in dict(hf.named_parameters()) if k.endswith("mlp.gate.weight")} \
         if policy["megatron_cfg"]["freeze_moe_router"] else set()
     (lr,) = {tuple(x["lr"]) for x in ranks}

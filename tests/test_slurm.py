@@ -19,7 +19,22 @@ from a directory outside the repository and must
 3. fail within a bounded time, with a message naming the node, when a worker node dies (every
    process in its namespace — slurmd, slurmstepd, raylet — is SIGKILLed), when a worker's srun
    fails, when Ray's readiness probe is refused (Ray's own reason), and before Ray when the
-   preflight finds a problem.
+   preflight finds a problem;
+4. run ``nemo-granular preflight`` before Ray, with the driver's Python, in the head's (pyxis)
+   container, in WORKDIR, on the driver's final command line; ``submit_comparison.sh`` runs it on
+   every NeMo-RL config before submitting anything.
+
+Which preflight: the REAL one (``python -m nemo_granular preflight``, NeMo-RL's own checks) in
+``test_real_preflight_*`` (in jobs: a shipped config passes, a config NeMo-RL rejects fails the
+job) and ``test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs``; the stand-in
+(``NG_FAKE_PREFLIGHT=1``: ``fake_preflight`` in tests/nemo_rl_logger_driver.py, same interface,
+records its command lines) where the real one would add NeMo-RL imports to a test's critical path
+without new evidence, or would rightly refuse a 64-GPU layout on this 4-GPU cluster: the requeue
+test of (2) and the NeMo-RL comparison. Each test's docstring says which.
+
+The module's wall time is mostly waiting: Ray starts, NeMo-RL imports, and the ~30 s Slurm holds a
+requeued job. So the one-node jobs of three tests are submitted together (``one_node_jobs``), and
+the CPU-only dry runs start in the background when the module starts (``real_preflight_dry_runs``).
 
 The driver of (1) is the real ``nemo-granular train --config examples/configs/local/smoke.yaml``
 when ``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_driver.py`` (same
@@ -43,13 +58,16 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "slurm"
@@ -202,15 +220,16 @@ def _driver_cmd(run_dir: Path, steps: int, every: int, slow: bool) -> list[str]:
 def _submit(cluster: Cluster, workdir: Path, name: str, cmd: list[str], *, nodes: int = 2, env: dict | None = None,
             soft_nofile: int | None = None) -> str:
     """sbatch launch.sh from a directory outside the repository (script by absolute path), with
-    ``env`` on top of the cluster's; ``soft_nofile``: submit with that soft ``ulimit -n``
-    (Slurm propagates the submitting shell's soft limits to the job)."""
+    ``env`` on top of the cluster's (a value None removes the variable: sbatch hands the job the
+    submitting environment); ``soft_nofile``: submit with that soft ``ulimit -n`` (Slurm
+    propagates the submitting shell's soft limits to the job)."""
     workdir.mkdir(parents=True, exist_ok=True)
     argv = ["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={name}", f"--output={workdir}/slurm-%j.out",
             str(LAUNCH), *cmd]
     if soft_nofile is not None:
         argv = ["bash", "-c", f'ulimit -Sn {soft_nofile} && exec "$@"', "_", *argv]
-    out = subprocess.run(argv, env={**cluster.env, **(env or {})}, capture_output=True, text=True, check=True,
-                         cwd=workdir)
+    job_env = {k: v for k, v in {**cluster.env, **(env or {})}.items() if v is not None}
+    out = subprocess.run(argv, env=job_env, capture_output=True, text=True, check=True, cwd=workdir)
     return out.stdout.strip().split(";")[0]
 
 
@@ -471,20 +490,6 @@ def test_submit_comparison_runs_both_losses_and_builds_the_report(cluster, tmp_p
     assert all("START_RAY=0" in p.read_text() for p in launcher)   # 1-node embedded runs need no Ray
 
 
-NRL_DRIVER = ROOT / "tests" / "nemo_rl_logger_driver.py"
-
-
-def _nemo_rl_config_dir(nemo_rl_src: Path, dest: Path) -> Path:
-    """The cluster configs next to the link nemo_rl/upstream -> NeMo-RL's example configs (the
-    documented set-up), so that NeMo-RL's load_config resolves their `defaults:`."""
-    dest.mkdir(parents=True)
-    for p in (ROOT / "examples" / "configs").glob("*.yaml"):
-        shutil.copy(p, dest / p.name)
-    (dest / "nemo_rl").mkdir()
-    (dest / "nemo_rl" / "upstream").symlink_to(nemo_rl_src / "examples" / "configs", target_is_directory=True)
-    return dest
-
-
 def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     """A NeMo-RL checkout as the launch story has one (WORKDIR): its package, examples and project."""
     dest.mkdir(parents=True)
@@ -500,15 +505,19 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     (TensorBoard) and CheckpointManager write the run directories, plus evals.json; each run's
     eval job (--eval-suite) must find the NeMo-RL checkout (here with eval-checkpoints --dry-run:
     the evaluation itself needs GPUs); the small afterany report job must turn them into
-    report.md with the benchmark table. The (stand-in) preflight checks every config before
-    anything is submitted, and again in each training job."""
-    cfgs = _nemo_rl_config_dir(nemo_rl_src, tmp_path / "configs")
+    report.md with the benchmark table. The preflight checks every config before anything is
+    submitted, and again in each training job: here the STAND-IN (``NG_FAKE_PREFLIGHT=1``), which
+    records its command lines: the real one would rightly refuse these 64-GPU layouts on the local
+    cluster's 2 GPUs per node; it runs on these configs, with the launch story's allocation, in
+    ``test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs``, and in jobs in the
+    ``one_node_jobs`` tests."""
+    cfgs = ROOT / "examples" / "configs"
     checkout = _nemo_rl_checkout(nemo_rl_src, tmp_path / "NeMo-RL")
     out, preflight, bench = tmp_path / "cmp", tmp_path / "preflight.log", tmp_path / "benchmarks"
     bench.mkdir()   # the launch story's --data-dir: HMMT25 has no NeMo-RL loader
     (bench / "hmmt25.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     env = {**cluster.env, "NEMO_RL_PYTHON": f"{sys.executable} {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
-           "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT_LOG": str(preflight),
+           "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT": "1", "NG_FAKE_PREFLIGHT_LOG": str(preflight),
            "START_RAY": "0"}       # the stand-in driver does not use Ray (the other tests cover Ray)
     env.pop("NEMO_RL_SRC", None)   # (NeMo-RL stays importable through PYTHONPATH)
     r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
@@ -520,11 +529,11 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     assert r.returncode == 0, r.stdout + r.stderr
     ids = (out / "job_ids.txt").read_text().split()
     assert len(ids) == 5, r.stdout        # 2 training jobs, 2 eval jobs, the report
-    # the preflight ran for both configs before any submission (the submit host), with the runs'
-    # overrides and the allocation
+    # the preflight ran for both configs before any submission (the submit host; both at once, in
+    # either order), with the runs' overrides and the allocation
     checked = preflight.read_text().splitlines()
-    assert [c.split()[0] for c in checked[:2]] == [str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
-                                                    str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml")], checked
+    assert sorted(c.split()[0] for c in checked[:2]) == [str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
+                                                         str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml")], checked
     assert all("grpo.seed=3" in c and "cluster.num_nodes=1" in c and "cluster.gpus_per_node=2" in c
                for c in checked[:2]), checked
     # the training jobs got the GPUs and the long limit, the report job its own small allocation
@@ -561,24 +570,96 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     assert "Qwen/Qwen3-30B-A3B-Base" in report
 
 
-def test_submit_comparison_runs_the_preflight_before_submitting_anything(tmp_path):
-    """A config the (stand-in) preflight finds problems in: nothing submitted, one line per
-    problem naming the config, exit 1; ``--no-preflight`` (experts) skips it."""
-    cfgs = [str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo")]
-    env = {**os.environ, "NEMO_RL_PYTHON": f"{sys.executable} {NRL_DRIVER}",
-           "NG_FAKE_PREFLIGHT_PROBLEMS": "policy.megatron_cfg.expert_model_parallel_size: 16 does not divide 8 GPUs"}
-    args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(tmp_path / "cmp"), "--nodes", "8",
-            "--train-sbatch", "--gres=gpu:8", *cfgs]
-    bad = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert bad.returncode == 1 and "sbatch" not in bad.stderr, bad.stderr
-    lines = bad.stderr.splitlines()
-    assert len(lines) == 3, lines     # one problem per config, then what to do
-    for cfg, line in zip(cfgs, lines):
-        assert line == f"submit_comparison: preflight: {cfg}: policy.megatron_cfg.expert_model_parallel_size: " \
-                       "16 does not divide 8 GPUs", line
-    assert "--no-preflight" in lines[2]
-    ok = subprocess.run(args[:2] + ["--no-preflight"] + args[2:], env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert ok.returncode == 0 and len([x for x in ok.stderr.splitlines() if x.startswith("sbatch")]) == 3, ok.stderr
+def _without_nemo_rl_src(env: dict) -> dict:
+    """Overrides for ``env`` (None = unset) so that it is a NeMo-RL cluster's: no ``NEMO_RL_SRC``
+    and NeMo-RL not on ``PYTHONPATH`` (``nemo_rl`` is importable only where a NeMo-RL checkout is
+    the working directory, as with ``uv run`` there), no ``TORCH_CUDA_ARCH_LIST`` (the preflight
+    warns)."""
+    src = Path(os.environ["NEMO_RL_SRC"]).resolve()
+    path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != src]
+    return {"NEMO_RL_SRC": None, "TORCH_CUDA_ARCH_LIST": None, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def _env(base: dict, overrides: dict) -> dict:
+    return {k: v for k, v in {**base, **overrides}.items() if v is not None}
+
+
+REAL_PREFLIGHT_DRY_RUNS = "test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs"
+DRY_RUN_SHIPPED = tuple(str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo"))
+DRY_RUN_FIXTURE = str(ROOT / "tests" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml")
+DRY_RUN_SPPO = str(ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def real_preflight_dry_runs(request, tmp_path_factory):
+    """The dry runs of ``test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs``,
+    started in the background when this module starts (if that test is selected and NeMo-RL is
+    there): their CPU, four NeMo-RL imports, then overlaps the cluster tests' idle waits (Slurm
+    holds a requeued job ~30 s) instead of adding to the module's time. The test waits for them.
+
+    As the launch story runs it (docs/slurm.md step 5): 8 nodes x 8 GPUs, WORKDIR = the NeMo-RL
+    checkout, NeMo-RL importable only there (``NEMO_RL_PYTHON`` = a plain Python, whose ``-m`` puts
+    the working directory first on ``sys.path``). ``good``: the shipped ESPO/GSPO Qwen3-30B-A3B
+    pair (``run_grpo``); ``bad``: the shipped SPPO config (``run_sppo``: ``--driver sppo``,
+    ``ppo.seed``) next to ESPO's config before its Megatron fix."""
+    runs: dict[str, subprocess.Popen] = {}
+    wanted = any(getattr(item, "originalname", item.name) == REAL_PREFLIGHT_DRY_RUNS for item in request.session.items)
+    if wanted and os.environ.get("NEMO_RL_SRC"):
+        d = tmp_path_factory.mktemp("dry-runs")
+        checkout = _nemo_rl_checkout(Path(os.environ["NEMO_RL_SRC"]).resolve(), d / "NeMo-RL")
+        env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(checkout),
+                                **_without_nemo_rl_src(dict(os.environ))})
+        for name, cfgs in (("good", DRY_RUN_SHIPPED), ("bad", (DRY_RUN_SPPO, DRY_RUN_FIXTURE))):
+            args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(d / name), "--seed", "3",
+                    "--nodes", "8", "--train-sbatch", "--gres=gpu:8 --time=4:00:00", *cfgs,
+                    "--", "~logger.mlflow", "logger.monitor_gpus=false"]
+            runs[name] = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                          cwd=d, start_new_session=True)
+        runs["dir"] = d
+    yield runs
+    for proc in runs.values():
+        if isinstance(proc, subprocess.Popen) and proc.poll() is None:   # the test did not get to them
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+
+
+def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_rl_src, real_preflight_dry_runs):
+    """The REAL preflight in ``submit_comparison.sh`` (no cluster: ``--dry-run``; the runs are
+    started by the ``real_preflight_dry_runs`` fixture). Both shipped Qwen3-30B-A3B configs pass,
+    with the launch story's allocation and the runs' overrides (``~key`` too); the preflight's
+    warnings (missing worker venvs, TORCH_CUDA_ARCH_LIST, model config not cached) do not stop the
+    submission, and the sbatch lines follow. Next to the shipped SPPO config (run_sppo's argv),
+    the ESPO config before its Megatron fix stops the submission: exactly the preflight's own line
+    for it, none for the SPPO config, exit 1. Where NeMo-RL is not importable the preflight's own
+    reason stops it; ``--no-preflight`` skips the check."""
+    good, bad = real_preflight_dry_runs["good"], real_preflight_dry_runs["bad"]
+    (good_out, good_err), (bad_out, bad_err) = good.communicate(timeout=600), bad.communicate(timeout=600)
+    assert good.returncode == 0, good_out + good_err
+    sbatch = [line for line in good_err.splitlines() if line.startswith("sbatch")]
+    assert len(sbatch) == 3 and all("grpo.seed=3" in line and "\\~logger.mlflow" in line for line in sbatch[:2]), good_err
+    assert not (real_preflight_dry_runs["dir"] / "good").exists()
+    assert bad.returncode == 1 and "sbatch" not in bad_err and not bad_out, bad_out + bad_err
+    assert bad_err.splitlines() == [
+        f"submit_comparison: preflight: {DRY_RUN_FIXTURE}: policy.logprob_chunk_size=2048 needs "
+        "policy.megatron_cfg.defer_fp32_logits: true (NeMo-RL: 'defer_fp32_logits must be True if "
+        "logprob_chunk_size is set') [nemo_rl/models/megatron/setup.py:_validate_chunking_config]",
+        "submit_comparison: nothing submitted; fix the configs (nemo-granular preflight CONFIG shows the plan) "
+        "or pass --no-preflight"], bad_err
+    # a Python without NeMo-RL (WORKDIR is not the checkout): the preflight cannot check (its exit
+    # 2), and its one-line reason is the submission's
+    d = real_preflight_dry_runs["dir"]
+    args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--nodes", "8", *DRY_RUN_SHIPPED]
+    env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(d), **_without_nemo_rl_src(dict(os.environ))})
+    none = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=d)
+    assert none.returncode == 1 and len(none.stderr.splitlines()) == 3, none.stderr   # a line each, then what to do
+    for cfg, line in zip(DRY_RUN_SHIPPED, none.stderr.splitlines()):
+        assert line == f"submit_comparison: preflight: {cfg}: NeMo-RL is not importable here (missing 'nemo_rl'): run " \
+                       "preflight in NeMo-RL's environment like the drivers (e.g. `uv run python -m nemo_granular " \
+                       "preflight ...` in the NeMo-RL checkout)", none.stderr
+    # --no-preflight (experts) submits without checking
+    skip = subprocess.run([*args[:3], "--no-preflight", *args[3:]], capture_output=True, text=True, timeout=120,
+                          env={**env, "NEMO_RL_PYTHON": "/nonexistent/python"}, cwd=d)
+    assert skip.returncode == 0 and len([x for x in skip.stderr.splitlines() if x.startswith("sbatch")]) == 3, skip.stderr
 
 
 def test_submit_comparison_dry_run_writes_nothing_and_keeps_training_resources_off_the_report(tmp_path):
@@ -674,13 +755,19 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
       ``uv run`` syncing its environment) and again in the middle of a slow checkpoint save: the
       save must complete, NeMo-RL must stop at the end of the step with a checkpoint, exit 99, and
       the requeued job resume from it. Its home holds an earlier ``ray.init()``'s token, the SPPO
-      job's home none: NeMo-RL's ``init_ray`` must attach with the job's token either way."""
+      job's home none: NeMo-RL's ``init_ray`` must attach with the job's token either way.
+
+    The launcher's preflight here is the STAND-IN (``NG_FAKE_PREFLIGHT=1``), which records each
+    attempt's command line: the real one would put another NeMo-RL import (tens of seconds) in
+    front of each of the four drivers, on this test's critical path, and is run in jobs by the
+    ``one_node_jobs`` tests."""
     cfgs = _nemo_rl_world(tmp_path / "world")
     usr1_run, limit_run = tmp_path / "usr1", tmp_path / "limit"
     homes = {"usr1": _home(tmp_path / "home-usr1", token="a-token-left-by-an-earlier-ray-init-0123"),
              "limit": _home(tmp_path / "home-limit")}
     base = {"START_RAY": "1", "PREEMPT_RESEND": "1", "NG_FAKE_STEP_SECONDS": "0.5", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "NG_FAKE_PREFLIGHT_LOG": str(tmp_path / "preflight.log")}
+            "TRANSFORMERS_OFFLINE": "1", "NG_FAKE_PREFLIGHT": "1",
+            "NG_FAKE_PREFLIGHT_LOG": str(tmp_path / "preflight.log")}
 
     def cmd(module: str, cfg: Path, run: Path, *extra: str) -> list[str]:
         return [sys.executable, str(LOOP_DRIVER), "-m", module, "--config", str(cfg), *extra,
@@ -742,21 +829,165 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
     assert len(checked) == 4 and all("cluster.num_nodes=1" in c and "cluster.gpus_per_node=2" in c for c in checked)
 
 
-def test_failed_readiness_probe_prints_rays_own_reason(cluster, tmp_path):
-    """Token auth chosen by the user (RAY_AUTH_MODE, RAY_AUTH_TOKEN), and a node environment that
-    hands the steps after the head a different token (here a SETUP_COMMAND): Ray refuses the
-    readiness probe, and the job's one ERROR line must be Ray's reason, not a line of source."""
+# ------------------------------------------------------- one-node jobs, submitted together ---
+
+def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jobs: dict) -> None:
+    """``one_node_jobs["ok"]`` and ``["bad"]`` (see there)."""
+    shipped = ROOT / "examples" / "configs" / "sspo_qwen2.5_math_1.5b.yaml"
+    checkout = _nemo_rl_checkout(nemo_rl_src, d / "NeMo-RL")
+    shim, srun_log, run = d / "pyxis", d / "srun.log", d / "ok-run"
+    shim.mkdir()
+    (shim / "srun").symlink_to(SRUN_SHIM)
+    overrides = ["grpo.seed=3", "--config", str(shipped), "~logger.mlflow", "+logger.note=checked",
+                 "grpo.max_num_steps=2", f"checkpointing.checkpoint_dir={run}/checkpoints", f"logger.log_dir={run}/logs"]
+    ok_cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", *overrides]
+    env = {"CONTAINER": "/images/nemo-rl-7ea279abf.sqsh", "PATH": f"{shim}:{cluster.env['PATH']}",
+           "NG_SRUN_LOG": str(srun_log), "NG_REAL_SRUN": shutil.which("srun", path=cluster.env["PATH"]),
+           "WORKDIR": str(checkout), "BASE_LOG_DIR": str(d / "ok" / "slurm-logs"), "START_RAY": "0",
+           "NG_FAKE_STEP_SECONDS": "0.1", **_without_nemo_rl_src(cluster.env)}
+    jobs["ok"] = SimpleNamespace(job=_submit(cluster, d / "ok", "ng-pf-ok", ok_cmd, nodes=1, env=env),
+                                 workdir=d / "ok", cmd=ok_cmd, checkout=checkout, srun_log=srun_log, run=run,
+                                 config=shipped)
+
+    bad_cfg = d / "sspo_before_defer_fix.yaml"   # as every shipped Megatron config resolved before its fix
+    bad_cfg.write_text(f"defaults: {shipped}\npolicy:\n  megatron_cfg:\n    defer_fp32_logits: false\n")
+    bad_cmd = [sys.executable, "-m", "nemo_granular.run_grpo", "--config", str(bad_cfg), "grpo.seed=3"]
+    # a COMMAND string of plain words is the command's arguments: the launcher finds the driver's
+    # Python and config and appends the cluster overrides
+    jobs["bad"] = SimpleNamespace(job=_submit(cluster, d / "bad", "ng-pf-bad", [], nodes=1,
+                                              env={"COMMAND": " ".join(bad_cmd)}),
+                                  workdir=d / "bad", config=bad_cfg)
+
+
+@pytest.fixture(scope="module")
+def one_node_jobs(cluster, tmp_path_factory):
+    """The one-node jobs of the next three tests, submitted at once (longest first): the cluster
+    runs two side by side instead of one test's job after the other's.
+
+    * ``ok``: the REAL preflight passes a shipped config inside the job, launched as on a pyxis
+      cluster (``CONTAINER`` through tests/pyxis_srun_shim.sh, which records the srun lines) with
+      WORKDIR = a NeMo-RL checkout and NeMo-RL importable only there (no ``NEMO_RL_SRC``, not on
+      ``PYTHONPATH``). The driver's Python is tests/nemo_rl_logger_driver.py, a stand-in for
+      ``python`` whose ``-m nemo_granular preflight`` is the real CLI and whose ``-m
+      nemo_granular.run_grpo`` a short stand-in run (the real one needs GPUs). Its command line
+      has ``--config`` between overrides and the override forms ``~key`` and ``+key=value``;
+    * ``bad``: the REAL preflight, with the real Python (``python -m nemo_granular.run_grpo``, as a
+      COMMAND string), of a config NeMo-RL's Megatron worker rejects at init;
+    * ``probe``: Ray refuses the readiness probe;
+    * ``off``: ``PREFLIGHT=0`` (the stand-in driver and preflight: nothing of NeMo-RL runs).
+
+    ``ok`` and ``bad`` need NeMo-RL (their tests take ``nemo_rl_src``); without it only the others
+    are submitted."""
+    d = tmp_path_factory.mktemp("one-node")
+    jobs: dict[str, SimpleNamespace] = {}
+    if os.environ.get("NEMO_RL_SRC"):
+        _submit_real_preflight_jobs(cluster, d, Path(os.environ["NEMO_RL_SRC"]).resolve(), jobs)
+
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "the-token-the-head-starts-with-0123456789",
            "SETUP_COMMAND": '[[ $SLURM_STEP_ID == 0 ]] || export RAY_AUTH_TOKEN=a-different-token-9876543210'}
-    job = _submit(cluster, tmp_path, "ng-probe", ["true"], nodes=1, env=env)
-    state = cluster.wait_terminal(job, timeout=240)
-    info = _explain(cluster, tmp_path, job)
-    assert state == "FAILED", info
-    errors = [line for line in (tmp_path / f"slurm-{job}.out").read_text().splitlines() if "ERROR:" in line]
+    jobs["probe"] = SimpleNamespace(job=_submit(cluster, d / "probe", "ng-probe", ["true"], nodes=1, env=env),
+                                    workdir=d / "probe")
+
+    log = d / "off-preflight.log"
+    off_cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", "--config"]   # no config: exit 2
+    env = {"PREFLIGHT": "0", "START_RAY": "0", "CLUSTER_OVERRIDES": "0", "NG_FAKE_PREFLIGHT": "1",
+           "NG_FAKE_PREFLIGHT_LOG": str(log)}
+    jobs["off"] = SimpleNamespace(job=_submit(cluster, d / "off", "ng-pf-off", off_cmd, nodes=1, env=env),
+                                  workdir=d / "off", preflight_log=log)
+    return jobs
+
+
+def _finished(cluster: Cluster, j: SimpleNamespace, name: str, state: str) -> tuple[Path, str]:
+    """Wait for one of ``one_node_jobs``; assert its final state; its log directory and explanation."""
+    got = cluster.wait_terminal(j.job, timeout=480)
+    info = _explain(cluster, j.workdir, j.job)
+    assert got == state, info
+    return j.workdir / "slurm-logs" / f"{name}-{j.job}", info
+
+
+def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, nemo_rl_src, one_node_jobs):
+    """``one_node_jobs["ok"]``: the shipped SSPO config with the launcher's cluster overrides passes
+    the real preflight inside the job; its warnings (worker venvs missing, TORCH_CUDA_ARCH_LIST
+    unset, model config not cached) are shown in the launcher's log and do not stop the job. Under
+    pyxis the preflight runs with the driver's Python in the head's named container, in WORKDIR:
+    that is where NeMo-RL is importable and where the config's ``nemo_rl/upstream/`` parent
+    resolves. The driver then runs the very command line the preflight checked."""
+    j = one_node_jobs["ok"]
+    logs, info = _finished(cluster, j, "ng-pf-ok", "COMPLETED")
+    launcher = (logs / "launcher.log").read_text()
+    # the exact argv: the driver's Python, --driver, the config, the driver's overrides in order
+    # (options removed, ~key and +key=value kept), then the cluster overrides from the allocation
+    words = [w for w in j.cmd[4:] if w not in ("--config", str(j.config))]
+    argv = [*j.cmd[:2], "-m", "nemo_granular", "preflight", "--driver", "grpo", str(j.config), *words,
+            "cluster.num_nodes=1", f"cluster.gpus_per_node={FAKE_GPUS}"]
+    steps = _srun_lines(j.srun_log)
+    assert sorted(steps) == ["driver", "preflight"] and len(steps["preflight"]) == 1, steps
+    pf = steps["preflight"][0]
+    prefix, _, words = pf[-1].partition(" && exec ")
+    assert prefix == f"source '{logs}/node_env.sh'" and shlex.split(words) == argv, (pf[-1], argv)
+    for argv_ in (pf, steps["driver"][0]):    # preflight and driver: one named container, in WORKDIR
+        assert {"--container-image=/images/nemo-rl-7ea279abf.sqsh", "--container-name=ray-head",
+                f"--container-workdir={j.checkout}", "--no-container-mount-home"} <= set(argv_), argv_
+    assert f"--output={logs}/preflight.log" in pf and f"--error={logs}/preflight-0.err" in pf, pf
+    assert f"cd {j.checkout}\n" in (logs / "node_env.sh").read_text()
+    # the real preflight's plan: the allocation, the inherited NeMo-RL recipe found in the checkout
+    plan = (logs / "preflight.log").read_text()
+    assert "(driver: run_grpo)" in plan and "cluster   1 node(s) × 2 GPUs" in plan, plan
+    assert "recipe    departs from NeMo-RL's examples/configs/grpo_math_1B_megatron.yaml" in plan, plan
+    assert "result    ok, " in plan, plan
+    # its warnings shown, and the job went on; the venvs it looked for are the checkout's
+    assert re.search(r"preflight: no problems, \d+ warning\(s\):", launcher), info
+    assert f"[preflight] preflight: warning: worker venv missing: {j.checkout}/venvs/" in launcher, info
+    assert "[preflight] preflight: warning: TORCH_CUDA_ARCH_LIST is not set" in launcher, info
+    assert "driver exited with code 0" in launcher, info
+    # the driver ran the command line the preflight checked
+    cfg = yaml.safe_load((j.run / "checkpoints" / "step_2" / "config.yaml").read_text())
+    assert (cfg["cluster"]["num_nodes"], cfg["cluster"]["gpus_per_node"]) == (1, FAKE_GPUS), cfg["cluster"]
+    assert cfg["logger"]["note"] == "checked" and "mlflow" not in cfg["logger"], cfg["logger"]
+
+
+def test_real_preflight_stops_a_job_whose_config_nemo_rl_would_reject(cluster, nemo_rl_src, one_node_jobs):
+    """``one_node_jobs["bad"]``: the real preflight finds what NeMo-RL's Megatron worker would
+    reject at init on the GPUs; the job fails before Ray starts, with the preflight's own line in
+    the launcher's log and as the job's reason. ``one_node_jobs["off"]``: ``PREFLIGHT=0`` (experts)
+    skips the check and the driver runs."""
+    j = one_node_jobs["bad"]
+    logs, info = _finished(cluster, j, "ng-pf-bad", "FAILED")
+    problem = ("policy.logprob_chunk_size=1024 needs policy.megatron_cfg.defer_fp32_logits: true (NeMo-RL: "
+               "'defer_fp32_logits must be True if logprob_chunk_size is set') "
+               "[nemo_rl/models/megatron/setup.py:_validate_chunking_config]")
+    launcher = (logs / "launcher.log").read_text()
+    assert f"preflight: {sys.executable} -m nemo_granular preflight --driver grpo {j.config} grpo.seed=3 " \
+           f"cluster.num_nodes=1 cluster.gpus_per_node={FAKE_GPUS}\n" in launcher, info
+    assert f"[preflight] preflight: error: {problem}\n" in launcher, info
+    out = (j.workdir / f"slurm-{j.job}.out").read_text()
+    errors = [line for line in out.splitlines() if "ERROR:" in line]
+    assert len(errors) == 1 and errors[0].endswith(f"ERROR: preflight of {j.config}: {problem} "
+                                                   "(PREFLIGHT=0 skips the check)"), (errors, info)
+    assert "starting the Ray head" not in out and "driver:" not in out, out
+    status = json.loads((logs / "status.json").read_text())
+    assert status["exit_code"] == 2 and problem in status["reason"], status
+    assert "result    FAILED: 1 problem(s)" in (logs / "preflight.log").read_text()
+
+    off = one_node_jobs["off"]
+    logs, info = _finished(cluster, off, "ng-pf-off", "FAILED")
+    launcher = (logs / "launcher.log").read_text()
+    assert "preflight skipped (PREFLIGHT=0)" in launcher and "driver exited with code 2" in launcher, info
+    assert not off.preflight_log.exists()
+
+
+def test_failed_readiness_probe_prints_rays_own_reason(cluster, one_node_jobs):
+    """``one_node_jobs["probe"]``: token auth chosen by the user (RAY_AUTH_MODE, RAY_AUTH_TOKEN),
+    and a node environment that hands the steps after the head a different token (here a
+    SETUP_COMMAND): Ray refuses the readiness probe, and the job's one ERROR line must be Ray's
+    reason, not a line of source."""
+    j = one_node_jobs["probe"]
+    logs, info = _finished(cluster, j, "ng-probe", "FAILED")
+    errors = [line for line in (j.workdir / f"slurm-{j.job}.out").read_text().splitlines() if "ERROR:" in line]
     assert len(errors) == 1, (errors, info)
     assert "Ray readiness probe" in errors[0] and "InvalidAuthToken" in errors[0], errors[0]
     assert "ray.init(" not in errors[0] and "logging_level" not in errors[0], errors[0]
-    status = json.loads((tmp_path / "slurm-logs" / f"ng-probe-{job}" / "status.json").read_text())
+    status = json.loads((logs / "status.json").read_text())
     assert "InvalidAuthToken" in status["reason"], status
 
 
@@ -775,34 +1006,6 @@ def test_worker_that_cannot_start_fails_the_job_at_once(cluster, tmp_path):
     assert "ray-workers" in status["reason"] and "SETUP_COMMAND failed on ngt2" in status["reason"], status
     assert "RAY_NODES" not in (tmp_path / f"slurm-{job}.out").read_text()
     print(f"worker set-up failure: job ended {took:.0f} s after submission")
-
-
-def test_failing_preflight_stops_the_job_before_ray(cluster, tmp_path):
-    """The (stand-in) preflight of a NeMo-RL command finds a problem: the job fails before Ray
-    starts, with the problem as its reason; ``PREFLIGHT=0`` (experts) skips the check."""
-    cfg = ROOT / "examples" / "configs" / "espo_qwen3_30b_a3b_megatron.yaml"
-    log = tmp_path / "preflight.log"
-    problem = "policy.megatron_cfg.expert_model_parallel_size: 16 does not divide 2 GPUs"
-    env = {"NG_FAKE_PREFLIGHT_PROBLEMS": problem, "NG_FAKE_PREFLIGHT_LOG": str(log)}
-    cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", "--config", str(cfg), "grpo.seed=3"]
-    # given as a COMMAND string: plain words are the command's arguments, so the launcher finds
-    # the driver's Python and config and appends the cluster overrides to them
-    job = _submit(cluster, tmp_path / "on", "ng-pf", [], nodes=1, env={**env, "COMMAND": " ".join(cmd)})
-    # skipped: the driver itself then runs (and stops at once here: it is given no config file)
-    off = _submit(cluster, tmp_path / "off", "ng-pf-off", cmd[:-2], nodes=1,
-                  env={**env, "PREFLIGHT": "0", "START_RAY": "0", "CLUSTER_OVERRIDES": "0"})
-    assert cluster.wait_terminal(job, timeout=120) == "FAILED"
-    info = _explain(cluster, tmp_path / "on", job)
-    out = (tmp_path / "on" / f"slurm-{job}.out").read_text()
-    assert f"ERROR: preflight of {cfg}: {problem}" in out, info
-    assert "starting the Ray head" not in out and "driver:" not in out, out
-    status = json.loads((tmp_path / "on" / "slurm-logs" / f"ng-pf-{job}" / "status.json").read_text())
-    assert status["exit_code"] == 2 and problem in status["reason"], status
-    assert log.read_text().splitlines() == [f"{cfg} grpo.seed=3 cluster.num_nodes=1 cluster.gpus_per_node=2"]
-    assert cluster.wait_terminal(off, timeout=120) == "FAILED"
-    launcher = (tmp_path / "off" / "slurm-logs" / f"ng-pf-off-{off}" / "launcher.log").read_text()
-    assert "preflight skipped (PREFLIGHT=0)" in launcher and "driver exited with code 2" in launcher, launcher
-    assert len(log.read_text().splitlines()) == 1
 
 
 def test_worker_node_death_fails_job_promptly(cluster, tmp_path):

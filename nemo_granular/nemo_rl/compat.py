@@ -65,6 +65,19 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
     "broadcast_tensors_from_last_stage": ("nemo_rl.models.megatron.pipeline_parallel",),
     # losses (0.8: loss_input)
     "prepare_loss_input": ("nemo_rl.algorithms.loss.utils", "nemo_rl.algorithms.loss.loss_input"),
+    # preflight: NeMo-RL's own config-level checks and worker / venv resolution
+    "extract_necessary_env_names": ("nemo_rl.data.datasets.utils",),
+    "should_use_async_rollouts": ("nemo_rl.models.generation.interfaces",),
+    "TrainingSamplingParams": ("nemo_rl.algorithms.logits_sampling_utils",),
+    "need_top_k_or_top_p_filtering": ("nemo_rl.algorithms.logits_sampling_utils",),
+    "should_use_nemo_gym": ("nemo_rl.environments.nemo_gym",),
+    "resolve_policy_worker_cls": ("nemo_rl.models.policy.utils",),
+    "resolve_generation_worker_cls": ("nemo_rl.models.generation.vllm.utils",),
+    "VllmConfig": ("nemo_rl.models.generation.vllm.config",),
+    "get_actor_python_env": ("nemo_rl.distributed.ray_actor_environment_registry",),
+    "DEFAULT_VENV_DIR": ("nemo_rl.utils.venvs",),
+    "git_root": ("nemo_rl.utils.venvs",),
+    "create_local_venv": ("nemo_rl.utils.venvs",),
 }
 
 # short name -> module (the modules whose globals the plugin rebinds or whose classes it extends)

@@ -53,7 +53,9 @@ class Layout:
 def _reward_model_resources(cfg: Mapping) -> tuple[int, int]:
     """``(rm_nodes, rm_gpus_per_node)`` when a data task uses the ``reward_model`` environment
     (NeMo-RL's own ``extract_necessary_env_names`` decides)."""
-    from nemo_rl.data.datasets.utils import extract_necessary_env_names
+    from ..nemo_rl import compat
+
+    extract_necessary_env_names = compat.get("extract_necessary_env_names")
 
     if "reward_model" not in extract_necessary_env_names(cfg.get("data") or {}):
         return 0, 0

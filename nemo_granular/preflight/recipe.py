@@ -63,7 +63,9 @@ def recipe_diff(path: str | os.PathLike, resolved: dict) -> RecipeDiff | None:
     """The keys of ``resolved`` (our config after overrides) that differ from NeMo-RL's example."""
     from omegaconf import OmegaConf
 
-    from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
+    from ..nemo_rl import compat
+
+    load_config, register_omegaconf_resolvers = compat.get("load_config"), compat.get("register_omegaconf_resolvers")
 
     ref = reference_recipe(path)
     if ref is None or not ref.is_file():

@@ -50,11 +50,11 @@ def driver_for(path: str | os.PathLike, driver: str = "auto") -> str:
 
 
 def _import_nemo_rl(driver: str):
-    module = "nemo_rl.algorithms.ppo" if driver == "sppo" else "nemo_rl.algorithms.grpo"
-    try:
-        import importlib
+    from ..nemo_rl import compat
 
-        return importlib.import_module(module)
+    module = "ppo" if driver == "sppo" else "grpo"
+    try:
+        return compat.module(module)
     except ImportError as err:
         raise PreflightUnavailable(
             f"NeMo-RL is not importable here (missing {err.name or module!r}): run preflight in NeMo-RL's "

@@ -51,7 +51,9 @@ def _sampling_override_checks(gen: dict, nemo_gym: bool) -> list[Finding]:
 
 def _fp8_generation_checks(src: str, master, policy: dict, gen: dict) -> list[Finding]:
     """The vLLM FP8 weight / KV-cache assertions ``setup()`` makes before starting vLLM."""
-    from nemo_rl.models.generation.interfaces import should_use_async_rollouts
+    from ..nemo_rl import compat
+
+    should_use_async_rollouts = compat.get("should_use_async_rollouts")
 
     if gen.get("backend") != "vllm":
         return []
@@ -84,9 +86,12 @@ def _force_on_policy_check(src: str, master, algo) -> list[Finding]:
 
 def grpo_setup_checks(master) -> list[Finding]:
     """``nemo_rl/algorithms/grpo.py:setup`` (up to the clusters) and the config-only checks of the loop."""
-    import nemo_rl.algorithms.grpo as grpo
-    from nemo_rl.algorithms.logits_sampling_utils import TrainingSamplingParams, need_top_k_or_top_p_filtering
-    from nemo_rl.environments.nemo_gym import should_use_nemo_gym
+    from ..nemo_rl import compat
+
+    grpo = compat.module("grpo")
+    TrainingSamplingParams = compat.get("TrainingSamplingParams")
+    need_top_k_or_top_p_filtering = compat.get("need_top_k_or_top_p_filtering")
+    should_use_nemo_gym = compat.get("should_use_nemo_gym")
 
     src = f"{GRPO}:setup"
     policy, g, loss = master.policy, master.grpo, master.loss_fn
@@ -96,7 +101,7 @@ def grpo_setup_checks(master) -> list[Finding]:
         out.append(error(src, "grpo.async_grpo.in_flight_weight_updates must be false with policy.generation.backend=dynamo"))
     out += _call(f"{GRPO}:_validate_multimodal_dedup_capability", lambda: grpo._validate_multimodal_dedup_capability(master))
     nemo_gym: list[bool] = []
-    out += _call(f"nemo_rl/environments/nemo_gym.py:should_use_nemo_gym",
+    out += _call("nemo_rl/environments/nemo_gym.py:should_use_nemo_gym",
                  lambda: nemo_gym.append(bool(should_use_nemo_gym(master))))
     out += _sampling_override_checks(gen, bool(nemo_gym and nemo_gym[0]))
     if g.val_num_generations_per_prompt < 1:

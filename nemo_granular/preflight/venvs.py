@@ -58,7 +58,9 @@ class VenvEntry:
 
 
 def _policy_worker(policy: Mapping) -> str:
-    from nemo_rl.models.policy.utils import resolve_policy_worker_cls
+    from ..nemo_rl import compat
+
+    resolve_policy_worker_cls = compat.get("resolve_policy_worker_cls")
 
     if bool(dig(policy, "megatron_cfg.enabled", False)):
         return resolve_policy_worker_cls(MEGATRON_POLICY, policy)
@@ -69,7 +71,9 @@ def _policy_worker(policy: Mapping) -> str:
 def _generation_worker(gen: Mapping) -> str | None:
     backend = gen.get("backend")
     if backend == "vllm":
-        from nemo_rl.models.generation.vllm.utils import resolve_generation_worker_cls
+        from ..nemo_rl import compat
+
+        resolve_generation_worker_cls = compat.get("resolve_generation_worker_cls")
 
         default = VLLM_ASYNC_WORKER if dig(gen, "vllm_cfg.async_engine", False) else VLLM_WORKER
         return resolve_generation_worker_cls(default, gen)
@@ -80,8 +84,10 @@ def _generation_worker(gen: Mapping) -> str | None:
 
 def needed_actors(cfg: Mapping, driver: str) -> list[tuple[str, str]]:
     """``[(actor fqn, role)]`` the driver (``grpo`` = run_grpo, ``sppo`` = run_sppo) will start."""
-    from nemo_rl.data.datasets.utils import extract_necessary_env_names
-    from nemo_rl.environments.utils import ENV_REGISTRY
+    from ..nemo_rl import compat
+
+    extract_necessary_env_names = compat.get("extract_necessary_env_names")
+    ENV_REGISTRY = compat.get("ENV_REGISTRY")
 
     from ..nemo_rl.environments import register_espo_environment
     from ..nemo_rl.policy import extension_fqn_for
@@ -112,14 +118,18 @@ def needed_actors(cfg: Mapping, driver: str) -> list[tuple[str, str]]:
 
 def venv_dir() -> str:
     """NeMo-RL's venv directory: ``$NEMO_RL_VENV_DIR`` else ``nemo_rl.utils.venvs.DEFAULT_VENV_DIR``."""
-    from nemo_rl.utils.venvs import DEFAULT_VENV_DIR
+    from ..nemo_rl import compat
+
+    DEFAULT_VENV_DIR = compat.get("DEFAULT_VENV_DIR")
 
     return os.path.normpath(os.environ.get("NEMO_RL_VENV_DIR", DEFAULT_VENV_DIR))
 
 
 def nemo_rl_root() -> str:
     """The NeMo-RL checkout ``uv`` builds the venvs from (``nemo_rl.utils.venvs.git_root``)."""
-    from nemo_rl.utils.venvs import git_root
+    from ..nemo_rl import compat
+
+    git_root = compat.get("git_root")
 
     return git_root
 
@@ -133,7 +143,9 @@ def venv_plan(actors: list[tuple[str, str]]) -> list[VenvEntry]:
     """Each actor's executable from NeMo-RL's registry (after the plugin registered its classes, as the
     drivers do) and, for a ``uv`` executable, its venv path and whether ``bin/python`` exists there —
     the test NeMo-RL's ``_env_builder`` uses to skip a build."""
-    from nemo_rl.distributed.ray_actor_environment_registry import get_actor_python_env
+    from ..nemo_rl import compat
+
+    get_actor_python_env = compat.get("get_actor_python_env")
 
     from ..nemo_rl.policy import register_worker_extensions
 
@@ -203,7 +215,9 @@ def build_venvs(plan: list[VenvEntry], log=print) -> list[VenvEntry]:
     """Build each missing venv with NeMo-RL's own ``create_local_venv`` (what a job would run on its
     nodes); returns the entries it built. ``NRL_FORCE_REBUILD_VENVS=true`` (NeMo-RL's switch)
     rebuilds the built ones too. Needs ``uv`` and network (or a warm uv cache)."""
-    from nemo_rl.utils.venvs import create_local_venv
+    from ..nemo_rl import compat
+
+    create_local_venv = compat.get("create_local_venv")
 
     force = os.environ.get("NRL_FORCE_REBUILD_VENVS", "false").lower() == "true"
     built = []

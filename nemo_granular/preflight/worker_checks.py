@@ -117,7 +117,9 @@ def vllm_init_checks(gen: Mapping, world: int) -> list[Finding]:
     if top_p is None or top_p <= 0 or top_p > 1.0:
         out.append(error(VLLM, f"policy.generation.top_p must be in (0, 1] (got {top_p})"))
     try:
-        from nemo_rl.models.generation.vllm.config import VllmConfig
+        from ..nemo_rl import compat
+
+        VllmConfig = compat.get("VllmConfig")
 
         missing = sorted(k for k in VllmConfig.__required_keys__ if k not in gen and k != "model_name")
     except ImportError:

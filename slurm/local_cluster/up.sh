@@ -151,7 +151,10 @@ CONF=$NG_SLURM_DIR/slurm.conf
   echo "KillWait=10"
   echo "MinJobAge=3600"
   echo "JobRequeue=1"
-  echo "SchedulerParameters=defer_batch=0"
+  # a requeued job becomes eligible when its credential hold ends, but nothing then wakes the
+  # scheduler: it started at the next periodic pass (sched_interval, default 60 s) or backfill
+  # pass after some other event, 6-30 s late. A pass every 2 s starts it on time.
+  echo "SchedulerParameters=defer_batch=0,sched_interval=2"
   echo "SchedulerTimeSlice=5"
   (( FAKE_GPUS > 0 )) && echo "GresTypes=gpu"
   for i in $(seq 1 "$NG_SLURM_NODES"); do

@@ -125,8 +125,10 @@ def run_layout(rank: int, spec: dict) -> dict:
     out["logprobs"], out["entropy"] = got["logprobs"], got["entropy"]
     out["logprobs_s"] = time.perf_counter() - t
 
-    loss_fn = GranularPolicyLoss(spec["loss_fn"], delimiter_table=spec["delimiter_table"],
+    loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=spec["delimiter_table"],
                                  vocab_size=spec["vocab_size"])
+    if spec.get("espo_alpha") is not None:
+        loss_fn.set_espo_alpha(spec["espo_alpha"])  # the driver's, from the first π_old pass
     seen: dict = {}
     real_step = worker.optimizer.step
 
