@@ -36,12 +36,8 @@ def build_tokenizer(save_dir: Path):
 
 
 def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: int = 2, seed: int = 0,
-                classifier: bool = False, kv_heads: int = 1, vocab: int = VOCAB_PAD) -> Path:
-    """A randomly initialised Qwen3 / Qwen3-MoE (or a 1-label Qwen3 sequence classifier) + tokenizer.
-
-    ``vocab``: the embedding rows (≥ the tokenizer's). Megatron pads the vocabulary to a multiple of
-    (the largest power of two ≤ 128 dividing it) × TP, and the padded rows' logits would join the
-    softmax: 64 needs no padding up to TP = 2."""
+                classifier: bool = False, kv_heads: int = 1) -> Path:
+    """A randomly initialised Qwen3 / Qwen3-MoE (or a 1-label Qwen3 sequence classifier) + tokenizer."""
     import torch
     from transformers import (Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
@@ -49,7 +45,7 @@ def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: 
     save_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(save_dir)
     heads = 2
-    common = dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+    common = dict(vocab_size=VOCAB_PAD, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, head_dim=hidden // heads, max_position_embeddings=256,
                   tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                   bos_token_id=tok.bos_token_id, torch_dtype="float32")

@@ -276,7 +276,15 @@ def install(torch_module=None) -> None:
     mode = CudaIsCpu()
     mode.__enter__()
     _STATE["mode"] = mode
-    if os.environ.get("NG_DEBUG_STANDINS"):  # DEBUG
-        import sys, threading, traceback
-        print(f"[NGDEBUG] install pid={os.getpid()} thread={threading.current_thread().name}", file=sys.stderr)
-        traceback.print_stack(limit=25, file=sys.stderr)
+
+
+def mode_on_this_thread() -> None:
+    """Enter :class:`CudaIsCpu` on the calling thread if it is not active there (torch keeps its
+    function modes per thread; Ray runs actor methods on a thread of its own, not the one that
+    imported torch). A no-op before :func:`install`."""
+    if "mode" not in _STATE:
+        return
+    from torch.overrides import _get_current_function_mode_stack
+
+    if not any(isinstance(m, CudaIsCpu) for m in _get_current_function_mode_stack()):
+        CudaIsCpu().__enter__()
