@@ -4,10 +4,10 @@ Each stand-in answers a GPU-only call and nothing else (docs/nemo-rl.md §7 list
 
 * :class:`CudaIsCpu`, a ``TorchFunctionMode`` entered for the life of the process: every torch call
   whose ``device=`` names CUDA (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, an int ordinal)
-  runs on CPU; ``Tensor.cuda`` / ``pin_memory`` / ``record_stream`` do nothing, ``is_pinned`` is
-  False; ``Tensor.type()`` answers the CUDA type name a GPU gives (Megatron's optimizers dispatch
-  on ``"torch.cuda.FloatTensor"``). Moves to the host (``.cpu()``, ``.to("cpu")``) always copy, as
-  from a GPU (see :func:`_to_host`).
+  runs on CPU, and so do ``Tensor.to(device)`` and ``Module.to(device)``; ``Tensor.cuda`` /
+  ``pin_memory`` / ``record_stream`` do nothing, ``is_pinned`` is False; ``Tensor.type()`` answers
+  the CUDA type name a GPU gives (Megatron's optimizers dispatch on ``"torch.cuda.FloatTensor"``).
+  Moves to the host (``.cpu()``, ``.to("cpu")``) always copy, as from a GPU (see :func:`_to_host`).
 * ``torch.cuda``: ``set_device`` is remembered and ``current_device`` answers it (NeMo-RL's
   Megatron worker asserts they agree); device count, name, capability, streams, events, NVTX,
   memory statistics answer like an idle device; the CUDA RNG is the CPU generator (the tensors it
@@ -98,8 +98,12 @@ class CudaIsCpu(TorchFunctionMode):
             kwargs["device"] = cpu(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1 and is_cuda(args[1]):
             args = (args[0], torch.device("cpu"), *args[2:])
+        if func is torch._C._nn._parse_to:       # Module.to(device, ...): its arguments, parsed
+            args = tuple(cpu(a) for a in args)
         kwargs.pop("pin_memory", None)
-        if func is torch.Tensor.backward:
+        if func is torch.Tensor.backward:      # Tensor.backward(gradient=) is autograd.backward(grad_tensors=)
+            if "gradient" in kwargs:
+                kwargs["grad_tensors"] = kwargs.pop("gradient")
             return _autograd_with_mode(torch.autograd.backward, args[0], *args[1:], **kwargs)
         if func in (torch.autograd.backward, torch.autograd.grad):
             return _autograd_with_mode(func, *args, **kwargs)
@@ -178,6 +182,11 @@ def answer_torch_cuda() -> None:
             device = torch.device(device)
         _STATE["device"] = (device.index or 0) if isinstance(device, torch.device) else int(device)
 
+    def get_device_properties(*_a, **_k):
+        # what torch's CPU build raises here (its _lazy_init, skipped once is_initialized answers
+        # True); callers such as inductor's cache key catch it
+        raise AssertionError("Torch not compiled with CUDA enabled")
+
     answers = dict(
         current_device=lambda: _STATE["device"], set_device=set_device, device_count=_device_count,
         synchronize=nothing(), empty_cache=nothing(), ipc_collect=nothing(), reset_peak_memory_stats=nothing(),
@@ -186,6 +195,7 @@ def answer_torch_cuda() -> None:
         memory_stats=lambda *a, **k: {}, mem_get_info=_host_memory,
         get_device_name=lambda *a, **k: "CPU (stand-in for a CUDA device)",
         get_device_capability=lambda *a, **k: (9, 0), is_initialized=lambda: True,
+        get_device_properties=get_device_properties,
         Stream=_Stream, Event=_Event, current_stream=lambda *a, **k: stream, default_stream=lambda *a, **k: stream,
         stream=lambda *a, **k: contextlib.nullcontext(), device=lambda *a, **k: contextlib.nullcontext(),
         set_stream=nothing(), is_current_stream_capturing=lambda: False,
