@@ -14,4 +14,19 @@ if [ -n "${NEMO_RL_SRC:-}" ] || [ -n "${NEMO_RL_VENDOR:-}" ]; then
   source scripts/nemo_rl_env.sh
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-exec .venv/bin/python -m pytest -q "$@"
+# The suite runs on pytest-xdist workers (NEMO_GRANULAR_TEST_WORKERS, default 2; 0: one process): much
+# of it waits (Ray and Megatron start-up, subprocesses) rather than computes, so two overlap even on two
+# cores. tests/conftest.py keeps each module on one worker and the Ray-head modules together. The Slurm
+# tests run afterwards on their own: they time daemons, requeues and signals, and failed when they shared
+# two cores with the loop tests (slurmctld stopped answering, a signal raced a driver's start).
+WORKERS=${NEMO_GRANULAR_TEST_WORKERS:-2}
+PYTEST=(.venv/bin/python -m pytest -q)
+(( WORKERS > 0 )) && PYTEST+=(-n "$WORKERS" --dist loadgroup)
+for arg in "$@"; do
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec "${PYTEST[@]}" "$@"; fi  # tests named: just those
+done
+rc=0
+"${PYTEST[@]}" --ignore=tests/test_slurm.py "$@" || rc=$?
+echo "--- the Slurm tests, on their own"
+.venv/bin/python -m pytest -q tests/test_slurm.py "$@" || rc=$((rc ? rc : $?))
+exit "$rc"

@@ -88,6 +88,32 @@ def megatron_workers(nemo_rl_src):
     return nemo_rl_src
 
 
+# Parallel runs (pytest-xdist; scripts/test.sh runs ``-n 2 --dist loadgroup``). Each module is one
+# scheduling unit, so its module-scoped set-up (a Ray head, a tiny checkpoint, a Megatron world) is
+# built once. The modules that start a Ray head on this host share one unit: ``ray start --head``
+# binds fixed default ports beside the GCS port (the Ray client server's, the dashboard agent's),
+# so two heads at once collide. The local Slurm cluster's Ray runs in its own network namespaces.
+# The longest units are handed out first (a stable sort; the rest keep file order), so the two
+# workers end together.
+HOST_RAY_MODULES = {"test_loop_actor_class", "test_loop_grpo", "test_loop_megatron", "test_loop_shipped_configs",
+                    "test_loop_sppo"}
+LONG_UNITS = ("host_ray", "test_slurm", "test_megatron_worker", "test_preflight_nemo_rl",
+              "test_megatron_worker_configs", "test_export_megatron")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    def unit(item) -> str:
+        module = Path(str(item.fspath)).stem
+        return "host_ray" if module in HOST_RAY_MODULES else module
+
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(unit(item)))
+    rank = {name: i for i, name in enumerate(LONG_UNITS)}
+    items.sort(key=lambda item: rank.get(unit(item), len(LONG_UNITS)))
+
+
 _skipped: list[str] = []
 
 
@@ -97,6 +123,8 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: its reports reach the controller, which decides
     if STRICT and _skipped and session.exitstatus == 0:
         session.exitstatus = 1
 

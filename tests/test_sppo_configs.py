@@ -137,6 +137,10 @@ def test_validation_warnings_and_defaults():
     assert warnings == [] and opts == parse_sppo_options(None)
     _, warnings = validate_sppo_config(_with("loss_fn.reference_policy_kl_penalty", 0.01))
     assert len(warnings) == 1 and "KL" in warnings[0]
+    # no key: the loss applies NeMo-RL's default KL (0.01), so the warning is due too
+    no_kl = {**BASE, "loss_fn": {}}
+    _, warnings = validate_sppo_config(no_kl)
+    assert len(warnings) == 1 and "reference_policy_kl_penalty=0.01 (unset: NeMo-RL's default)" in warnings[0]
     cfg = _with("ppo.num_generations_per_prompt", 2)
     _, warnings = validate_sppo_config(cfg)
     assert len(warnings) == 1 and "N = 1" in warnings[0]

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
-from ..config import format_validation_error
+from ..config import NEMO_RL_LOSS_KEYS, format_validation_error
 
 __all__ = ["SPPOOptions", "parse_sppo_options", "validate_sppo_config", "check_same_tokenizer",
            "check_critic_tokenizer", "check_value_head_initialised"]
@@ -110,9 +110,12 @@ def validate_sppo_config(cfg: Mapping, source: str = "config") -> tuple[SPPOOpti
     warnings: list[str] = []
     if n != 1:
         warnings.append(f"ppo.num_generations_per_prompt={n}: SPPO is meant for N = 1 (one sample per prompt)")
-    kl = float(_get(cfg, "loss_fn.reference_policy_kl_penalty", 0.0) or 0.0)
+    # a missing key means NeMo-RL's default (0.01), which the loss then applies
+    kl_default = NEMO_RL_LOSS_KEYS["reference_policy_kl_penalty"][1]
+    kl = float(_get(cfg, "loss_fn.reference_policy_kl_penalty", kl_default) or 0.0)
     if kl != 0.0:
-        warnings.append(f"loss_fn.reference_policy_kl_penalty={kl}: the SPPO paper uses no KL penalty (0)")
+        unset = "" if _get(cfg, "loss_fn.reference_policy_kl_penalty") is not None else " (unset: NeMo-RL's default)"
+        warnings.append(f"loss_fn.reference_policy_kl_penalty={kl}{unset}: the SPPO paper uses no KL penalty (0)")
     if bool(_get(cfg, "loss_fn.use_kl_in_reward", False)):
         fail("loss_fn.use_kl_in_reward must be false: it makes rewards non-binary")
     if int(_get(cfg, "ppo.ppo_epochs", 1)) != 1:
