@@ -9,7 +9,7 @@ the bf16 run) and the logits within 1e-6 (fp32 end to end, so any difference cou
 a kernel; measured: 0.0 in every case).
 
 The only CPU stand-in the export itself needs is Megatron's local layer spec in place of Transformer
-Engine's (``tests/export_cpu/stand_ins.py``).
+Engine's (``tests/cpu_stand_ins/megatron.py``).
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ def megatron_checkpoints(megatron_workers, tmp_path_factory):
 
 @pytest.fixture
 def local_spec(megatron_workers, monkeypatch):
-    from export_cpu.stand_ins import use_local_layer_spec
+    from cpu_stand_ins.megatron import use_cpu_layer_spec
 
-    use_local_layer_spec(monkeypatch.setattr)
+    use_cpu_layer_spec(setattr_=monkeypatch.setattr)
 
 
 def run_cli(argv, capsys):

@@ -6,8 +6,9 @@ is one spawned gloo world (``tests/megatron_cpu/world.py``) in which every rank 
 import by Megatron-Bridge, DDP + distributed optimizer, reference model — from a tiny HF Qwen3 /
 Qwen3-MoE checkpoint and a shipped example config with model size, paths and cluster shrunk,
 float32, sequence packing as the layout says and router replay off for the EP 2 train step (CPU
-stand-ins: ``tests/megatron_cpu/standins.py``, listed in ``docs/nemo-rl.md`` §7). NeMo-RL's own
-``Policy`` code shards the batch and re-assembles the results (``cases.Driver``).
+stand-ins: ``tests/cpu_stand_ins`` and ``tests/megatron_cpu/standins.py``, listed in
+``docs/nemo-rl.md`` §7). NeMo-RL's own ``Policy`` code shards the batch and re-assembles the
+results (``cases.Driver``).
 
 Against an independent float64 forward/backward of the same checkpoint by transformers:
 weights as loaded (mapped back with the test's own layout mapping), ``get_logprobs_with_entropy``

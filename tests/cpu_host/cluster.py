@@ -77,8 +77,9 @@ def cpu_host_env(home: Path, **extra: str) -> dict[str, str]:
 class RayHead:
     """``ray start --head --block`` with a private temp dir / HOME; ``stop()`` kills its process group."""
 
-    def __init__(self, root: Path, num_cpus: int = 8, num_gpus: int = 2):
+    def __init__(self, root: Path, num_cpus: int = 8, num_gpus: int = 2, env: dict[str, str] | None = None):
         self.root = Path(root)
+        self.extra_env = dict(env or {})     # for the head, its workers and the drivers
         self.home = self.root / "home"
         self.temp = self.root / "ray"      # Ray's unix socket paths must stay short: keep root short
         self.home.mkdir(parents=True, exist_ok=True)
@@ -90,14 +91,14 @@ class RayHead:
         self.log = self.root / "head.log"
 
     def env(self, **extra: str) -> dict[str, str]:
-        return cpu_host_env(self.home, RAY_ADDRESS=self.address, **extra)
+        return cpu_host_env(self.home, RAY_ADDRESS=self.address, **{**self.extra_env, **extra})
 
     def start(self, timeout: float = 180.0) -> "RayHead":
         ray_bin = Path(sys.executable).with_name("ray")
         cmd = [str(ray_bin), "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={self.num_cpus}",
                f"--num-gpus={self.num_gpus}", f"--temp-dir={self.temp}", "--include-dashboard=false",
                "--disable-usage-stats", "--node-ip-address=127.0.0.1"]
-        env = cpu_host_env(self.home)
+        env = cpu_host_env(self.home, **self.extra_env)
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout

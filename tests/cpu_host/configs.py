@@ -75,3 +75,26 @@ def write_child(path: Path, parent: Path, overrides: dict, extra: dict | None = 
         text += yaml.safe_dump({"data": data}, sort_keys=False)
     path.write_text(text)
     return path
+
+
+def shrink_megatron(run_dir: Path, model_dir: Path, data: Path, *, env: str = "math", steps: int = 3,
+                    seq: int = 48, micro: int = 4, generations: int = 4, train_batch: int = 8) -> dict:
+    """:func:`shrink` for a Megatron-backend parent on one worker (every parallel size 1): sequence
+    packing kept (the CPU attention stand-in takes packed sequences) with bin sizes for ``seq``, a refit buffer for a
+    tiny model (several ZMQ groups a refit), the GPU-only fusions off (Transformer Engine / CUDA
+    kernels: rotary fusion, fused MoE permutation, TE's precision-aware FusedAdam) and asynchronous
+    checkpoint saves off (nvidia-resiliency-ext, a GPU-node package)."""
+    over = shrink(run_dir, model_dir, data, env=env, gpus=1, steps=steps, seq=seq, generations=generations,
+                  train_batch=train_batch)
+    policy = over["policy"]
+    del policy["make_sequence_length_divisible_by"]          # the parent's (= TP)
+    policy["sequence_packing"] = {"train_mb_tokens": seq * micro, "logprob_mb_tokens": seq * micro,
+                                  "sequence_length_round": 8}
+    policy.update(train_micro_batch_size=micro, logprob_batch_size=micro, refit_buffer_size_gb=0.0001)
+    policy["megatron_cfg"] = {
+        "tensor_model_parallel_size": 1, "expert_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
+        "context_parallel_size": 1, "expert_tensor_parallel_size": 1, "sequence_parallel": False,
+        "apply_rope_fusion": False, "moe_permute_fusion": False,
+        "optimizer": {"use_precision_aware_optimizer": False}, "checkpoint": {"async_save": False},
+    }
+    return over

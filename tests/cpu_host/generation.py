@@ -1,10 +1,10 @@
 """vLLM stand-in for the loops on CPU: NeMo-RL's ``GenerationInterface`` with transformers ``generate``.
 
 Test code only (vLLM needs a GPU). :class:`CpuHFGeneration` lives in the driver process and
-holds a transformers copy of the policy (read from ``policy.model_name``). Its
-:class:`StateDictSynchronizer` is a real NeMo-RL ``WeightSynchronizer``: ``grpo_train`` /
-``ppo_train`` call ``sync_weights`` whenever the policy trained (the refit), and it brings the
-training workers' current weights into the generation model. Output follows
+holds a transformers copy of the policy (read from ``policy.model_name``). Whenever the policy
+trained, ``grpo_train`` / ``ppo_train`` refit it with the training workers' current weights
+(:mod:`cpu_host.refit`: NeMo-RL's ZMQ refit for the Megatron worker, a ``WeightSynchronizer``
+through ``save_checkpoint`` for the DTensor worker). Output follows
 ``GenerationOutputSpec``: right-padded ``output_ids``, lengths, ``truncated`` and the log-probs
 of the sampled tokens under softmax(logits / T), as the training side computes them.
 
@@ -14,7 +14,12 @@ both, so a run resumed from a checkpoint samples what the uninterrupted run samp
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
 import zlib
+from pathlib import Path
+
 import torch
 
 
@@ -25,65 +30,15 @@ def _digest(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
     return h
 
 
-def _weight_synchronizer_base():
-    from nemo_rl.weight_sync.interfaces import WeightSynchronizer
-
-    return WeightSynchronizer
-
-
-REFIT_CHECKPOINT = {"model_save_format": "safetensors", "save_consolidated": False}
-
-
-class StateDictSynchronizer(_weight_synchronizer_base()):
-    """Refit on CPU: the training workers' weights → the generation model, through NeMo-RL's own
-    ``Policy.save_checkpoint`` (every rank its FSDP shard, Automodel's HF key names, custom
-    models such as Automodel's Qwen3-MoE converted by its state-dict adapter) read back whole
-    with the export reader, then loaded by transformers (no CUDA IPC / NCCL on CPU)."""
-
-    def __init__(self, generation: "CpuHFGeneration"):
-        self.generation = generation
-        self.policy = None            # set once setup() built the policy (the test launcher does it)
-        self.syncs = 0
-        self._stale = True
-
-    @property
-    def is_stale(self) -> bool:
-        return self._stale
-
-    def init_communicator(self) -> None:
-        return None
-
-    def sync_weights(self, *, timer=None, kv_scales=None):
-        import shutil
-        import tempfile
-        from pathlib import Path
-
-        from nemo_granular.export.dcp import find_dcp_dir, read_dcp
-
-        if self.policy is None:
-            raise RuntimeError("StateDictSynchronizer: no policy attached (the launcher attaches it after setup())")
-        scratch = Path(tempfile.mkdtemp(prefix="refit_"))
-        try:
-            # every rank writes its shard through NeMo-RL's own save path (HF key names)
-            self.policy.save_checkpoint(weights_path=str(scratch / "weights"), checkpointing_cfg=REFIT_CHECKPOINT)
-            path, layout = find_dcp_dir(scratch / "weights")
-            full = read_dcp(path, safetensors=layout == "safetensors")
-            self.generation.load_weights(full, scratch / "hf")
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        self.syncs += 1
-        self._stale = False
-        return {"cpu_refit_tensors": float(len(full))}
-
-    def shutdown(self) -> None:
-        return None
-
-
 class CpuHFGeneration:
     """``GenerationInterface`` on CPU (transformers ``generate``), built from NeMo-RL's generation config."""
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, refit: str = "checkpoint"):
+        """``refit``: ``"checkpoint"`` (a ``weight_synchronizer``) or ``"ipc_zmq"`` (none: ``grpo_train``
+        runs NeMo-RL's colocated refit, which calls :meth:`update_weights_via_ipc_zmq`)."""
         from transformers import AutoModelForCausalLM
+
+        from cpu_host.refit import StateDictSynchronizer
 
         self.cfg = config
         self.model_dir = config["model_name"]
@@ -92,15 +47,48 @@ class CpuHFGeneration:
         self.stop_ids = [int(t) for t in (config.get("stop_token_ids") or [])]
         # vLLM runs the policy in policy.precision: emulated with CPU autocast
         self.autocast_dtype = getattr(torch, (config.get("vllm_cfg") or {}).get("precision") or "float32")
-        self.weight_synchronizer = StateDictSynchronizer(self)
+        self.weight_synchronizer = StateDictSynchronizer(self) if refit == "checkpoint" else None
+        self.refit_addresses: list[str] | None = None     # the policy workers' ZMQ sockets (attach)
+        self.state_dict_info: dict | None = None
+        self.syncs = 0
+        self.refit_agreement: list[float] = []            # max |worker i − worker 0| per ZMQ refit
         self.calls: list[dict] = []
+
+    def attach(self, policy) -> None:
+        """After ``setup()``: the policy the refit reads from."""
+        if self.weight_synchronizer is not None:
+            self.weight_synchronizer.policy = policy
+        else:
+            import ray
+
+            # asked now: during a refit the workers are busy streaming (an actor runs one call at a time)
+            self.refit_addresses = ray.get(policy.worker_group.run_all_workers_single_data("get_zmq_address"))
+
+    def update_weights_via_ipc_zmq(self) -> list:
+        """vLLM's receiving side of the colocated refit (the workers are already streaming)."""
+        import ray
+
+        from cpu_host.refit import IpcZmqReceiver
+
+        if self.refit_addresses is None or self.state_dict_info is None:
+            raise RuntimeError("refit before attach() / prepare_refit_info()")
+        per_worker = IpcZmqReceiver(self.refit_addresses, self.state_dict_info).receive()
+        first = per_worker[0]
+        if set(first) != set(self.state_dict_info):
+            raise RuntimeError(f"refit: {len(first)} tensors received, {len(self.state_dict_info)} announced")
+        # every worker sends the whole HF model (Bridge gathers the tensor/expert-parallel shards)
+        self.refit_agreement.append(max((float((w[k].float() - first[k].float()).abs().max())
+                                         for w in per_worker[1:] for k in first), default=0.0))
+        scratch = Path(tempfile.mkdtemp(prefix="refit_"))
+        try:
+            self.load_weights(first, scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return [ray.put(True)]
 
     def load_weights(self, state_dict: dict, scratch) -> None:
         """A new transformers model of ``model_name``'s config with ``state_dict`` (HF names; transformers
         converts checkpoint layouts it knows, e.g. per-expert MoE weights)."""
-        import shutil
-        from pathlib import Path
-
         from safetensors.torch import save_file
         from transformers import AutoModelForCausalLM
 
@@ -116,10 +104,9 @@ class CpuHFGeneration:
             raise RuntimeError(f"refit: weights do not fit the model (missing {sorted(info['missing_keys'])[:4]}, "
                                f"unexpected {sorted(info['unexpected_keys'])[:4]})")
         self.model = model.eval()
+        self.syncs += 1
 
     def precision(self):
-        import contextlib
-
         if self.autocast_dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=self.autocast_dtype)
@@ -129,8 +116,9 @@ class CpuHFGeneration:
         return []
 
     def prepare_refit_info(self, state_dict_info) -> None:
-        """NeMo-RL's PPO setup always hands the policy's refit metadata over; the CPU refit needs none."""
-        self.refit_info_keys = len(state_dict_info or {})
+        """The policy's refit metadata (HF name → shape, dtype), handed over by NeMo-RL's setup; the
+        ZMQ refit cuts the staging buffers with it."""
+        self.state_dict_info = dict(state_dict_info or {})
 
     def prepare_for_generation(self, *args, **kwargs) -> bool:
         return True

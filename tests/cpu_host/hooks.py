@@ -1,13 +1,20 @@
-"""Lazy installation of the CPU stand-ins: each patch runs right after its module is first imported.
+"""The stand-ins of every process of a CPU loop run (the test driver and each Ray worker), installed
+lazily by ``site/sitecustomize.py``: the shared ones of :mod:`cpu_stand_ins` plus this harness's own.
+
+This harness's own (docs/nemo-rl.md §7):
+
+* the DTensor workers' actor environments, hard-coded to Automodel's uv venv, point at the running
+  interpreter (:func:`_patch_registry`);
+* NVML's device UUID, which names a worker's ZMQ refit socket (:func:`_patch_nvml`);
+* every actor method runs with the CUDA → CPU torch function mode on its thread
+  (:func:`_patch_ray_actor_methods`).
 
 Nothing here imports torch, Ray or NeMo-RL (an eager ``sitecustomize`` that imported NeMo-RL made
-Ray's node start time out): a finder on ``sys.meta_path`` wraps the loader of the named modules
-only, so the patch runs when (and if) the process imports that module.
+Ray's node start time out): each patch runs right after its module is first imported.
 """
 
 from __future__ import annotations
 
-import importlib.abc
 import sys
 
 
@@ -22,56 +29,45 @@ def _patch_registry(module) -> None:
             module.ACTOR_ENVIRONMENT_REGISTRY[fqn] = PY_EXECUTABLES.SYSTEM
 
 
-def _standins():
-    from cpu_host import standins
+def _patch_nvml(nvml) -> None:
+    """``get_device_uuid`` (NVML, no library without a GPU) names the socket a policy worker streams
+    its refit through (``ipc:///tmp/<uuid>.sock``). One "device" per index and per Ray head: the
+    head's private HOME is in the name, so test runs side by side never share a socket."""
+    import os
+    import zlib
 
-    return standins
-
-
-def _after_import():
-    return {
-        "torch": lambda m: _standins().patch_torch(m),
-        "torch.distributed.device_mesh": lambda m: _standins().patch_device_mesh(m),
-        "nemo_rl.distributed.ray_actor_environment_registry": _patch_registry,
-    }
+    head = zlib.crc32(os.environ.get("HOME", "").encode())
+    nvml.get_device_uuid = lambda device_idx: f"GPU-cpu-{head:08x}-{int(device_idx)}"
 
 
-class _Loader(importlib.abc.Loader):
-    def __init__(self, inner, after):
-        self.inner, self.after = inner, after
+def _patch_ray_actor_methods(function_manager) -> None:
+    """torch keeps function modes per thread and Ray runs actor methods on a thread of its own, so
+    the mode entered where torch was imported does not reach them: each method enters it on its
+    thread first (once per thread)."""
+    cls = function_manager.FunctionActorManager
+    real = cls._make_actor_method_executor
 
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
+    def make_executor(self, method_name, method):
+        inner = real(self, method_name, method)
 
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        self.after(module)
+        def actor_method_executor(__ray_actor, *args, **kwargs):
+            stand_ins = sys.modules.get("cpu_stand_ins.torch_cuda")   # loaded once torch is
+            if stand_ins is not None:
+                stand_ins.mode_on_this_thread()
+            return inner(__ray_actor, *args, **kwargs)
+
+        actor_method_executor.name, actor_method_executor.method = inner.name, inner.method
+        return actor_method_executor
+
+    cls._make_actor_method_executor = make_executor
 
 
-class PostImportFinder(importlib.abc.MetaPathFinder):
-    def __init__(self, hooks):
-        self.hooks = hooks
-
-    def find_spec(self, name, path, target=None):
-        after = self.hooks.get(name)
-        if after is None:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _Loader(spec.loader, after)
-                return spec
-        return None
+AFTER_IMPORT = {"ray._private.function_manager": _patch_ray_actor_methods,
+                "nemo_rl.distributed.ray_actor_environment_registry": _patch_registry,
+                "nemo_rl.utils.nvml": _patch_nvml}
 
 
 def install() -> None:
-    if any(isinstance(f, PostImportFinder) for f in sys.meta_path):
-        return
-    hooks = _after_import()
-    already = [name for name in hooks if name in sys.modules]
-    sys.meta_path.insert(0, PostImportFinder(hooks))
-    for name in already:            # imported before the hook existed (e.g. by pytest itself)
-        hooks[name](sys.modules[name])
+    import cpu_stand_ins
+
+    cpu_stand_ins.install(AFTER_IMPORT)

@@ -7,8 +7,9 @@ test-only substitutions at the seam where NeMo-RL builds its generation engine:
   the REAL ``VllmGeneration.__init__`` (config checks, placement groups, worker builder) until it
   creates its vLLM worker group, records what that group would be started with, and returns
   :class:`cpu_host.generation.CpuHFGeneration` instead (vLLM needs a GPU);
-* ``setup`` is wrapped only to hand the built policy to the stand-in's weight synchronizer
-  (NeMo-RL's own synchronizers receive it at construction, which happens before the policy here).
+* ``setup`` is wrapped only to pick the stand-in's refit by the policy's backend and to hand it
+  the built policy (NeMo-RL's own synchronizers receive it at construction, which happens before
+  the policy here; :mod:`cpu_host.refit`).
 
 Facts for the tests (the vLLM arguments, what each ``Policy.train`` call received, the weights
 after each refit) are appended as JSON lines to ``$NEMO_GRANULAR_CPU_HOST_FACTS``.
@@ -84,17 +85,20 @@ def install_generation_seam(algo_module) -> None:
             pass
         finally:
             vg.RayWorkerGroup = real_group
-        return CpuHFGeneration(config)
+        return CpuHFGeneration(config, refit=BUILT["refit"])
 
     algo_module.VllmGeneration = vllm_generation
     real_setup = algo_module.setup
 
     def setup(*args, **kwargs):
+        master = args[0] if args else kwargs["master_config"]
+        policy_cfg = master.policy if hasattr(master, "policy") else master["policy"]
+        megatron = bool((policy_cfg.get("megatron_cfg") or {}).get("enabled"))
+        BUILT["refit"] = "ipc_zmq" if megatron else "checkpoint"
         out = real_setup(*args, **kwargs)
         policy, generation = out[0], out[1]
-        sync = getattr(generation, "weight_synchronizer", None)
-        if sync is not None and hasattr(sync, "policy"):
-            sync.policy = policy
+        if isinstance(generation, CpuHFGeneration):
+            generation.attach(policy)
         BUILT["generation"] = generation
         return out
 
@@ -197,18 +201,19 @@ def install_refit_recorder() -> None:
     """After each refit: a digest of the generation model's weights (they are the policy's)."""
     import torch
 
-    from cpu_host import generation
+    from cpu_host.generation import CpuHFGeneration
 
-    real = generation.StateDictSynchronizer.sync_weights
+    real = CpuHFGeneration.load_weights
 
-    def sync_weights(self, **kwargs):
-        out = real(self, **kwargs)
-        params = torch.cat([p.detach().float().flatten() for p in self.generation.model.parameters()])
+    def load_weights(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        params = torch.cat([p.detach().float().flatten() for p in self.model.parameters()])
         record("refit", sync=self.syncs, norm=float(params.norm()), head=params[:8].tolist(),
-               sum=float(params.double().sum()))
+               sum=float(params.double().sum()), refit="checkpoint" if self.weight_synchronizer else "ipc_zmq",
+               workers_agree=self.refit_agreement[-1] if self.refit_agreement else None)
         return out
 
-    generation.StateDictSynchronizer.sync_weights = sync_weights
+    CpuHFGeneration.load_weights = load_weights
 
 
 def main(argv: list[str]) -> int:

@@ -19,7 +19,7 @@ NeMo-RL's and Automodel's code:
 The checkpointer is initialised with the worker's ``is_async: True``. Automodel turns async off here
 (its version check compares strings: ``"2.13.0" >= "2.9.0"`` is False); ``async_wait`` is called
 before the rename anyway, so an asynchronous save could not be renamed mid-write.
-CPU stand-ins: :func:`.stand_ins.install_automodel_writer`.
+CPU stand-ins: :mod:`cpu_stand_ins`.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def run_config(job: dict, checkpoint_dir: str, model_save_format: str) -> dict:
 def main(argv: list[str]) -> None:
     rank, world, port, jobs = int(argv[0]), int(argv[1]), argv[2], json.loads(argv[3])
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as under pytest
-    from export_cpu import stand_ins
+    import cpu_stand_ins
 
-    stand_ins.install_automodel_writer()
+    cpu_stand_ins.install()
     start = time.time()
 
     def progress(what: str) -> None:

@@ -17,7 +17,7 @@ all ranks run every job. Per job, the steps NeMo-RL's Megatron policy worker tak
    ``MegatronPolicyWorkerImpl.save_checkpoint`` makes — and ``finalize_checkpoint`` (→ ``step_N``).
 
 Not done: DDP wrapping, the optimizer and its state (the export reads model weights only), the
-tokenizer (the Megatron worker does not save one). CPU stand-ins: :mod:`.stand_ins`.
+tokenizer (the Megatron worker does not save one). CPU stand-ins: :mod:`cpu_stand_ins`.
 Everything heavy is imported inside ``main`` (Bridge's checkpoint save starts a ``spawn`` process
 that re-imports this module).
 """
@@ -66,10 +66,9 @@ def policy_config(job: dict) -> dict:
 def main(argv: list[str]) -> None:
     rank, world, port, jobs = int(argv[0]), int(argv[1]), argv[2], json.loads(argv[3])
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as under pytest
-    from export_cpu import stand_ins
+    import cpu_stand_ins
 
-    stand_ins.import_megatron_with_te_placeholder()
-    stand_ins.install_megatron_writer()
+    cpu_stand_ins.install()
     print(f"[megatron_writer rank {rank}] imports done", flush=True)
 
     import torch

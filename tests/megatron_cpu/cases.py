@@ -87,7 +87,6 @@ def build_worker(policy_cfg: dict, *, init_reference_model=True, init_optimizer=
     """Stand-ins installed, then the real worker class constructed as the Ray actor would."""
     from megatron_cpu import standins
 
-    standins.import_megatron_then_te_placeholder()
     standins.install(int(os.environ["LOCAL_RANK"]))
     from nemo_rl.distributed.named_sharding import NamedSharding
     from transformers import AutoTokenizer

@@ -1,6 +1,6 @@
 """Run one function on every rank of a fresh CPU "cluster": spawned processes with the environment
 NeMo-RL's ``RayWorkerGroup`` gives its worker actors (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, NODE_RANK), so the worker's own ``init_process_group`` (gloo, see ``standins``) forms
+MASTER_PORT, NODE_RANK), so the worker's own ``init_process_group`` (gloo, see ``cpu_stand_ins``) forms
 the world. No Ray: the worker class is what the Ray actor would run, constructed directly.
 
 ``run_world(n, fn, *args)`` returns ``fn(rank, *args)`` of every rank, in rank order; an exception

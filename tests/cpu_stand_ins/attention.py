@@ -1,6 +1,6 @@
 """The attention the Megatron worker runs on CPU: Megatron's local GPT layer spec with a core
 attention that also takes what only Transformer Engine's attention takes on a GPU (packed THD
-sequences and context parallelism). Installed by :mod:`megatron_cpu.standins` in place of
+sequences and context parallelism). Installed by :mod:`cpu_stand_ins.megatron` in place of
 Megatron-Bridge's Transformer Engine spec.
 """
 

@@ -1,0 +1,134 @@
+"""The refit on CPU: the training workers' current weights into the generation stand-in.
+
+Two receivers, one per backend, each at the narrowest seam that runs NeMo-RL's own sending side:
+
+* Megatron (:class:`IpcZmqReceiver`): NeMo-RL's colocated vLLM refit as ``grpo_train`` runs it
+  when the generation has no weight synchronizer (``refit_policy_generation``):
+  ``offload_before_refit``, the worker's real ``stream_weights_via_ipc_zmq`` (Megatron-Bridge's
+  ``export_hf_weights`` — HF names, tensor/expert-parallel shards gathered — packed into ping-pong
+  staging buffers and sent over its ZMQ socket), ``offload_after_refit``. Only the receiving vLLM
+  worker is ours: on CPU the "IPC handle" of a staging buffer pickles its bytes (torch's
+  ``reduce_tensor`` of a host tensor), so the buffer is rebuilt here, cut by the refit metadata
+  (``prepare_refit_info``) and acknowledged as vLLM's worker does.
+* DTensor-v2 (:class:`StateDictSynchronizer`): a ``WeightSynchronizer`` refitting through NeMo-RL's
+  own ``Policy.save_checkpoint`` (every rank its FSDP shard, HF key names, Automodel's MoE adapter)
+  read back whole with the export reader. Its IPC path would hand vLLM the weights cast to the
+  policy precision; the loops compare the worker's π_old log-probs with the generation model
+  exactly, which needs the worker's own parameters.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def _weight_synchronizer_base():
+    from nemo_rl.weight_sync.interfaces import WeightSynchronizer
+
+    return WeightSynchronizer
+
+
+REFIT_CHECKPOINT = {"model_save_format": "safetensors", "save_consolidated": False}
+
+
+class StateDictSynchronizer(_weight_synchronizer_base()):
+    """DTensor-v2 refit through ``Policy.save_checkpoint`` and the export reader (module docstring)."""
+
+    def __init__(self, generation):
+        self.generation = generation
+        self.policy = None            # set once setup() built the policy (the test launcher does it)
+        self._stale = True
+
+    @property
+    def is_stale(self) -> bool:
+        return self._stale
+
+    def init_communicator(self) -> None:
+        return None
+
+    def sync_weights(self, *, timer=None, kv_scales=None):
+        from nemo_granular.export.dcp import find_dcp_dir, read_dcp
+
+        if self.policy is None:
+            raise RuntimeError("StateDictSynchronizer: no policy attached (the launcher attaches it after setup())")
+        scratch = Path(tempfile.mkdtemp(prefix="refit_"))
+        try:
+            # every rank writes its shard through NeMo-RL's own save path (HF key names)
+            self.policy.save_checkpoint(weights_path=str(scratch / "weights"), checkpointing_cfg=REFIT_CHECKPOINT)
+            path, layout = find_dcp_dir(scratch / "weights")
+            full = read_dcp(path, safetensors=layout == "safetensors")
+            self.generation.load_weights(full, scratch / "hf")
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        self._stale = False
+        return {"cpu_refit_tensors": float(len(full))}
+
+    def shutdown(self) -> None:
+        return None
+
+
+class IpcZmqReceiver:
+    """The receiving side of NeMo-RL's ZMQ refit, for every policy worker's socket at once (the
+    workers block on each acknowledgement, so they are served together)."""
+
+    def __init__(self, addresses: list[str], state_dict_info: dict):
+        self.addresses = list(addresses)
+        self.info = state_dict_info      # HF name → (shape, dtype), from the policy's prepare_refit_info
+
+    def _unpack(self, payload) -> dict[str, torch.Tensor]:
+        from nemo_rl.models.policy.utils import calculate_aligned_size
+        from torch.multiprocessing.reductions import rebuild_tensor
+
+        handle, names, used_bytes = payload
+        buffer = rebuild_tensor(*handle[0])          # the staging buffer's bytes (a host tensor pickles them)
+        out, offset = {}, 0
+        for name in names:
+            shape, dtype = self.info[name]
+            size = dtype.itemsize * torch.Size(shape).numel()
+            out[name] = buffer[offset:offset + size].view(dtype).view(torch.Size(shape)).clone()
+            offset += calculate_aligned_size(size)
+        if offset != used_bytes:
+            raise RuntimeError(f"refit: {offset} bytes unpacked, the sender used {used_bytes} (names {names[:3]}...)")
+        return out
+
+    def receive(self, timeout_ms: int = 300_000) -> list[dict[str, torch.Tensor]]:
+        """One state dict per worker, in worker order."""
+        import zmq
+        from nemo_rl.models.policy.utils import IPCProtocol
+
+        ctx = zmq.Context()
+        socks = []
+        try:
+            poller = zmq.Poller()
+            for address in self.addresses:
+                sock = ctx.socket(zmq.REP)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(address)
+                poller.register(sock, zmq.POLLIN)
+                socks.append(sock)
+            got: list[dict] = [{} for _ in socks]
+            done: set[int] = set()
+            while len(done) < len(socks):
+                ready = dict(poller.poll(timeout_ms))
+                if not ready:
+                    raise TimeoutError(f"refit: no weights from workers {sorted(set(range(len(socks))) - done)} "
+                                       f"within {timeout_ms} ms")
+                for i, sock in enumerate(socks):
+                    if sock not in ready:
+                        continue
+                    payload = sock.recv_pyobj()
+                    if payload == IPCProtocol.COMPLETE:
+                        done.add(i)
+                        poller.unregister(sock)
+                    else:
+                        got[i].update(self._unpack(payload))
+                    sock.send(IPCProtocol.ACK.value.encode())
+            return got
+        finally:
+            for sock in socks:
+                sock.close()
+            ctx.term()
