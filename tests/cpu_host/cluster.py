@@ -120,13 +120,14 @@ class RayHead:
             return
         # Ray's worker processes start their own sessions: note every descendant first
         family = _descendants(self.proc.pid)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        # SIGTERM makes the raylet drain for up to 30 s; a test head holds nothing worth draining
+        for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 20)):
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 break
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=grace)
                 break
             except subprocess.TimeoutExpired:
                 continue
