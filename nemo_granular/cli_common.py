@@ -1,5 +1,5 @@
-"""What every ``nemo-granular`` command shares: argparse with one-line errors, the exit codes, and
-the check that an output directory can be written before any work starts.
+"""What every ``nemo-granular`` command shares: argparse with one-line errors, the exit codes, the
+check that an output directory can be written before any work starts, and the process umask.
 
 A leaf module (it imports nothing else of the package): the commands import it, never the
 dispatcher ``nemo_granular.cli`` above them (tests/test_layering.py).
@@ -23,6 +23,21 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it (Linux: ``/proc/self/status``). Setting it to 0
+    and back, the only portable way, lets another thread (a TensorBoard writer) create
+    world-writable files in between; that is the fallback where /proc has no ``Umask:`` line."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def check_writable_dir(path: str | Path, option: str) -> None:

@@ -110,6 +110,18 @@ def test_disk_full_while_checkpointing_is_one_line_and_leaves_no_temp_dir(tmpfs,
 
 
 # ---------------------------------------------------------------- file modes
+@pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])
+def test_current_umask_is_read_without_changing_it(umask):
+    from nemo_granular.cli_common import current_umask
+
+    old = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        assert os.umask(umask) == umask  # still set: reading it did not change it
+    finally:
+        os.umask(old)
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o002], ids=["umask022", "umask002"])
 def test_checkpoint_files_have_the_modes_of_ordinary_files(tmp_path, capsys, umask):
     """Every file of a checkpoint (policy and critic weights included) gets 0666 minus the umask."""

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from ..cli_common import current_umask
+
 STEP_RE = re.compile(r"step_(\d+)")
 MANIFEST = "manifest.json"
 
@@ -210,8 +212,7 @@ def write_manifest(root: Path) -> None:
 
 def ordinary_file_modes(root: Path) -> None:
     """Give every file under ``root`` the mode an ordinary new file gets: 0666 minus the umask."""
-    mask = os.umask(0)
-    os.umask(mask)
+    mask = current_umask()
     for f in root.rglob("*"):
         if f.is_file() and not f.is_symlink():
             os.chmod(f, 0o666 & ~mask)

@@ -27,6 +27,8 @@ from typing import Any, Iterator, Mapping
 
 import torch
 
+from ..cli_common import current_umask
+
 __all__ = ["DTYPES", "parse_size", "plan_shards", "write_safetensors", "atomic_output_dir", "model_card"]
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -97,18 +99,12 @@ def write_safetensors(out_dir: Path, state_dict: Mapping[str, torch.Tensor], dty
             total += shard[k].numel() * shard[k].element_size()
             weight_map[k] = fname
         save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
-        os.chmod(out_dir / fname, 0o666 & ~_umask())  # safetensors creates 0600 files
+        os.chmod(out_dir / fname, 0o666 & ~current_umask())  # safetensors creates 0600 files
         del shard
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items(), key=lambda kv: _natural_key(kv[0])))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return {"files": names, "total_size": total, "num_tensors": len(weight_map)}
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 @contextlib.contextmanager
@@ -127,7 +123,7 @@ def atomic_output_dir(out: str | os.PathLike) -> Iterator[Path]:
     except OSError as err:  # read-only, no permission, a file on the way: name the output the user gave
         raise OSError(err.errno, err.strerror, str(out)) from None
     try:
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700; the export is an ordinary directory
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700; the export is an ordinary directory
         yield tmp
         if out.exists():
             raise ValueError(f"output {out} appeared while exporting; not overwriting it")
