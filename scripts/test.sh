@@ -18,7 +18,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # of it waits (Ray and Megatron start-up, subprocesses) rather than computes, so two overlap even on two
 # cores. tests/conftest.py keeps each module on one worker and the Ray-head modules together. The Slurm
 # tests run afterwards on their own: they time daemons, requeues and signals, and failed when they shared
-# two cores with the loop tests (slurmctld stopped answering, a signal raced a driver's start).
+# two cores with the loop tests (slurmctld stopped answering; a USR1 test's job ended before its save).
 WORKERS=${NEMO_GRANULAR_TEST_WORKERS:-2}
 PYTEST=(.venv/bin/python -m pytest -q)
 (( WORKERS > 0 )) && PYTEST+=(-n "$WORKERS" --dist loadgroup)
