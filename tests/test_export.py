@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import string
 from pathlib import Path
 
 import pytest
@@ -16,37 +15,10 @@ from nemo_granular.cli import main as top_main
 
 pytest.importorskip("transformers")
 
-PROMPTS = ["The capital of France is", "12 * 7 =", "def f(x):\n    return"]
+from export_cpu.tiny_hf import PROMPTS, make_tokenizer, tiny_config  # noqa: E402  (after importorskip)
 
 
 # --------------------------------------------------------------------------------------- fixtures
-def make_tokenizer(path: Path):
-    """Character-level WordLevel tokenizer (103 ids) wrapped in PreTrainedTokenizerFast."""
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2}
-    for c in string.printable:
-        vocab.setdefault(c, len(vocab))
-    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="[PAD]", unk_token="[UNK]", eos_token="[EOS]")
-    fast.save_pretrained(str(path))
-    return fast
-
-
-def tiny_config(moe: bool = False, tie: bool = False, **kw):
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    common = dict(vocab_size=112, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=128, pad_token_id=0, eos_token_id=2, tie_word_embeddings=tie)
-    common.update(kw)
-    if moe:
-        return Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                              norm_topk_prob=True, **common)
-    return Qwen3Config(intermediate_size=64, **common)
-
-
 def make_policy(moe: bool = False, tie: bool = False, seed: int = 0):
     from transformers import AutoModelForCausalLM
 

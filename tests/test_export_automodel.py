@@ -69,7 +69,7 @@ def _experts_per_rank_file(model_dir) -> list[set[int]]:
 def test_automodel_checkpoint_export_equals_hf_source(fmt, automodel_checkpoints, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from export_cpu.tiny_hf import max_logit_diff
+    from export_cpu.tiny_hf import assert_same_weights, max_logit_diff
     from nemo_granular.export.source import read_yaml
 
     root = automodel_checkpoints
@@ -98,10 +98,7 @@ def test_automodel_checkpoint_export_equals_hf_source(fmt, automodel_checkpoints
     for p in source.parameters():  # what Automodel's Qwen3-MoE held and saved
         p.data = p.data.to(torch.bfloat16).float()
     exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    src_sd, exp_sd = source.state_dict(), exported.state_dict()
-    assert set(src_sd) == set(exp_sd)
-    for k in src_sd:
-        assert torch.equal(src_sd[k], exp_sd[k]), k
+    assert_same_weights(source, exported)
     tok = AutoTokenizer.from_pretrained(str(out))
     diff = max_logit_diff(source, exported, tok)
     full = AutoModelForCausalLM.from_pretrained(str(root / "hf_moe"), dtype=torch.float32).eval()

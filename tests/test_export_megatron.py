@@ -85,7 +85,7 @@ def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nemo_granular.export.source import read_yaml
-    from export_cpu.tiny_hf import max_logit_diff
+    from export_cpu.tiny_hf import assert_same_weights, max_logit_diff
 
     hf, tp, pp, ep, precision, dtype = CASES[case]
     ckpt_dir = megatron_checkpoints / case
@@ -119,10 +119,7 @@ def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec
         for p in source.parameters():
             p.data = p.data.to(torch.bfloat16).float()
     exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-    src_sd, exp_sd = source.state_dict(), exported.state_dict()
-    assert set(src_sd) == set(exp_sd)
-    for k in src_sd:
-        assert torch.equal(src_sd[k], exp_sd[k]), k
+    assert_same_weights(source, exported)
     tok = AutoTokenizer.from_pretrained(str(out))
     diff = max_logit_diff(source, exported, tok)
     note = ""

@@ -83,22 +83,11 @@ print("FACTS " + json.dumps(facts))
 @pytest.fixture(scope="module")
 def fixtures(nemo_rl_src, tmp_path_factory):
     """A tiny tokenizer+config model folder, a JSONL dataset, and child configs of our examples."""
-    import tokenizers
-    import transformers
+    from cpu_host.models import write_word_level_model
 
     d = tmp_path_factory.mktemp("entry")
     words = ["what", "is", "1", "2", "3", "4", "+", "=", "answer", "\\boxed{", "}"]
-    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + words)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                                bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant: {% endif %}")
-    model = d / "model"
-    fast.save_pretrained(str(model))
-    transformers.Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(str(model))
+    model = write_word_level_model(d / "model", words, vocab_size=40)
     rows = [{"problem": f"what is {a} + {b}", "answer": str(a + b)} for a in (1, 2) for b in (1, 2, 3)]
     data = d / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -121,7 +110,7 @@ def fixtures(nemo_rl_src, tmp_path_factory):
     return {"sspo": child("nemo_rl/sspo_math_1B.yaml", "math"),
             "espo": child("nemo_rl/espo_math_1B.yaml", "espo_math"),
             "sppo": child("sppo_r1_distill_qwen_1.5b.yaml", "math", "value: {model_name: " + str(model) + "}\n"),
-            "vocab": len(fast), "dir": d}
+            "dir": d}
 
 
 def _drive(module: str, launcher: str, configs: list[str], cwd: Path) -> dict:

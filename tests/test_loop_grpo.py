@@ -32,7 +32,7 @@ import pytest
 
 from cpu_host import configs, models
 from cpu_host.cluster import RayHead
-from cpu_host.runs import finite, run_loop
+from cpu_host.runs import copy_checkpoints, finite, run_ok
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -62,24 +62,19 @@ def _child(w, name: str, parent: str, *, model=None, env="math", gpus=1, extra=N
     return configs.write_child(run / "child.yaml", configs.CONFIGS / parent, over, extra), run
 
 
-def _ok(run):
-    assert run.rc == 0, run.failure()
-    return run
-
 
 @pytest.fixture(scope="module")
 def sspo(world):
     cfg, run = _child(world, "sspo", "nemo_rl/sspo_math_1B.yaml")
-    return _ok(run_loop(world.head, "grpo", cfg, run))
+    return run_ok(world.head, "grpo", cfg, run)
 
 
 @pytest.fixture(scope="module")
 def sspo_resumed(world, sspo):
     """The SSPO run's config in a new directory holding only its step_1 and step_2 checkpoints."""
     cfg, run = _child(world, "sspo_resumed", "nemo_rl/sspo_math_1B.yaml")
-    for step in (1, 2):
-        shutil.copytree(sspo.dir / "checkpoints" / f"step_{step}", run / "checkpoints" / f"step_{step}")
-    return _ok(run_loop(world.head, "grpo", cfg, run))
+    copy_checkpoints(sspo, run, (1, 2))
+    return run_ok(world.head, "grpo", cfg, run)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +83,7 @@ def espo_moe(world):
              "loss_fn": {"granular": {"algorithm": "espo", "entropy_top_fraction": 0.2,
                                       "espo": {"alpha": 1.0, "vocab_size": None}}}}
     cfg, run = _child(world, "espo_moe", "nemo_rl/sspo_math_1B.yaml", model=world.moe, env="espo_math", extra=extra)
-    return _ok(run_loop(world.head, "grpo", cfg, run))
+    return run_ok(world.head, "grpo", cfg, run)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +92,7 @@ def gspo_tp2_dp2(world):
     extra = {"loss_fn": {"token_level_loss": False, "ratio_clip_c": None, "granular": {"algorithm": "gspo"}},
              "grpo": {"adv_estimator": {"name": "grpo"}}, "policy": {"dtensor_cfg": {"tensor_parallel_size": 2}}}
     cfg, run = _child(world, "gspo_tp2_dp2", "grpo_r1_distill_qwen_1.5b.yaml", gpus=4, extra=extra)
-    return _ok(run_loop(world.head, "grpo", cfg, run))
+    return run_ok(world.head, "grpo", cfg, run)
 
 
 # ---------------------------------------------------------------------------------------------- checks

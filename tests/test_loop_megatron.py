@@ -33,7 +33,7 @@ import pytest
 
 from cpu_host import configs, models
 from cpu_host.cluster import RayHead
-from cpu_host.runs import finite, run_loop
+from cpu_host.runs import copy_checkpoints, finite, run_ok
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist]
 STEPS = 3
@@ -69,24 +69,19 @@ def _child(w, name: str, parent: str, *, env="math", extra=None) -> tuple[Path, 
     return configs.write_child(run / "child.yaml", configs.CONFIGS / parent, over, extra), run
 
 
-def _ok(run):
-    assert run.rc == 0, run.failure()
-    return run
-
 
 @pytest.fixture(scope="module")
 def espo(world):
     cfg, run = _child(world, "espo", "nemo_rl/espo_math_1B.yaml", env="espo_math")
-    return _ok(run_loop(world.head, "grpo", cfg, run))
+    return run_ok(world.head, "grpo", cfg, run)
 
 
 @pytest.fixture(scope="module")
 def espo_resumed(world, espo):
     """The ESPO run's config in a new directory holding only its step_1 and step_2 checkpoints."""
     cfg, run = _child(world, "espo_resumed", "nemo_rl/espo_math_1B.yaml", env="espo_math")
-    for step in (1, 2):
-        shutil.copytree(espo.dir / "checkpoints" / f"step_{step}", run / "checkpoints" / f"step_{step}")
-    return _ok(run_loop(world.head, "grpo", cfg, run))
+    copy_checkpoints(espo, run, (1, 2))
+    return run_ok(world.head, "grpo", cfg, run)
 
 
 # ---------------------------------------------------------------------------------------------- checks

@@ -708,21 +708,10 @@ def test_submit_comparison_eval_jobs_follow_training_and_precede_the_report(tmp_
 def _nemo_rl_world(d: Path) -> dict[str, Path]:
     """A tiny tokenizer+config model folder, a JSONL dataset, and children of the repo's GRPO
     (SSPO) and SPPO configs on them, as ``run_grpo`` / ``run_sppo`` load them on a cluster."""
-    import tokenizers
-    import transformers
+    from cpu_host.models import write_word_level_model
 
     words = ["what", "is", "1", "2", "3", "+", "=", "answer", "\\boxed{", "}"]
-    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + words)}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                                bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant: {% endif %}")
-    model = d / "model"
-    fast.save_pretrained(str(model))
-    transformers.Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(str(model))
+    model = write_word_level_model(d / "model", words, vocab_size=32)
     data = d / "train.jsonl"
     data.write_text("".join(json.dumps({"problem": f"what is {a} + {b}", "answer": str(a + b)}) + "\n"
                             for a in (1, 2) for b in (1, 2, 3)))

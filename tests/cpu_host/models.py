@@ -20,6 +20,26 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n
                  "{% if add_generation_prompt %}a:{% endif %}")
 
 
+def write_word_level_model(save_dir: Path, words: list[str], vocab_size: int) -> Path:
+    """A model folder for the launcher tests that load configs and tokenizers but no weights: a
+    whitespace word-level tokenizer over ``words`` after 4 special tokens (with a chat template) and a
+    1-layer Qwen2 config."""
+    import tokenizers
+    import transformers
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + words)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
+                                                bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast.save_pretrained(str(save_dir))
+    transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(str(save_dir))
+    return save_dir
+
+
 def build_tokenizer(save_dir: Path):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast

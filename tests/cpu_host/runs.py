@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,19 @@ def run_loop(head: RayHead, which: str, config: Path, run_dir: Path, overrides: 
     if any(run_dir.rglob("events.out.tfevents.*")):
         out.scalars = read_tensorboard(run_dir)
     return out
+
+
+def run_ok(head: RayHead, which: str, config: Path, run_dir: Path, **kw) -> LoopRun:
+    """:func:`run_loop` that must succeed (the assertion shows the driver log's tail)."""
+    run = run_loop(head, which, config, run_dir, **kw)
+    assert run.rc == 0, run.failure()
+    return run
+
+
+def copy_checkpoints(source: LoopRun, run_dir: Path, steps) -> None:
+    """``source``'s ``step_N`` checkpoints into ``run_dir``: a new directory that resumes from them."""
+    for step in steps:
+        shutil.copytree(source.dir / "checkpoints" / f"step_{step}", run_dir / "checkpoints" / f"step_{step}")
 
 
 def finite(values) -> bool:

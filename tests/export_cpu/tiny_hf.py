@@ -25,13 +25,14 @@ def make_tokenizer(path: Path):
     return fast
 
 
-def tiny_config(moe: bool):
+def tiny_config(moe: bool = False, tie: bool = False, **kw):
     """Qwen3(-MoE) with hidden 32, 2 layers, 4 heads / 2 KV heads (TP2 divides both), vocab 112;
-    MoE: 4 experts, top-2, normalised top-k (the Qwen3-30B-A3B routing)."""
+    MoE: 4 experts, top-2, normalised top-k (the Qwen3-30B-A3B routing). ``kw`` overrides a field."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=112, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=128, pad_token_id=0, eos_token_id=2, tie_word_embeddings=False)
+                  head_dim=8, max_position_embeddings=128, pad_token_id=0, eos_token_id=2, tie_word_embeddings=tie)
+    common.update(kw)
     if moe:
         return Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
                               norm_topk_prob=True, **common)
@@ -51,6 +52,14 @@ def make_hf_model(path: Path, *, moe: bool, seed: int):
     model.eval().save_pretrained(str(path))
     make_tokenizer(path)
     return model
+
+
+def assert_same_weights(source, exported) -> None:
+    """The two models hold the same tensors under the same names, bit for bit."""
+    src_sd, exp_sd = source.state_dict(), exported.state_dict()
+    assert set(src_sd) == set(exp_sd)
+    for k in src_sd:
+        assert torch.equal(src_sd[k], exp_sd[k]), k
 
 
 @torch.no_grad()
