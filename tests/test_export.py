@@ -344,6 +344,42 @@ def test_dcp_value_model_as_critic(dcp_steps, tmp_path, capsys):
             assert torch.allclose(crit(input_ids=ids).logits, value(input_ids=ids).logits, atol=1e-5)
 
 
+@pytest.mark.dist
+def test_dcp_export_applies_training_hf_config_overrides(tmp_path, capsys):
+    """A run trained with ``policy.hf_config_overrides`` (YaRN): NeMo-RL's DTensor worker built its
+    model from ``AutoConfig.from_pretrained(model_name, **hf_config_overrides)``, so the exported
+    model must carry the override and compute what the trained model computed."""
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from export_cpu.tiny_hf import YARN_OVERRIDES
+
+    model = make_policy(seed=8)
+    step, weights, full = make_nemo_rl_step(tmp_path / "run", model, layout="v1")
+    cfg = yaml.safe_load((step / "config.yaml").read_text())
+    cfg["policy"]["hf_config_overrides"] = YARN_OVERRIDES
+    (step / "config.yaml").write_text(yaml.safe_dump(cfg))
+    run_dcp_save([(full, weights, "v1")], tmp_path)
+    out = tmp_path / "hf"
+    rc, stdout, err = run_cli([step, out, "--dtype", "fp32", "--json"], capsys)
+    assert rc == 0, err
+
+    base = cfg["policy"]["model_name"]
+    trained_cfg = AutoConfig.from_pretrained(base, **YARN_OVERRIDES)      # what the worker built
+    exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert exported.config.rope_parameters == trained_cfg.rope_parameters
+    assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
+    trained = AutoModelForCausalLM.from_config(trained_cfg, dtype=torch.float32).eval()
+    trained.load_state_dict(model.state_dict())
+    tok = AutoTokenizer.from_pretrained(str(out))
+    same = max(float((a - b).abs().max()) for a, b in zip(logits(trained, tok), logits(exported, tok)))
+    without = max(float((a - b).abs().max()) for a, b in zip(logits(model, tok), logits(exported, tok)))
+    print(f"max |Δlogit| exported vs trained (YaRN) {same:.3g}, vs the model without the override {without:.3g}")
+    assert same <= 1e-5
+    assert without > 100 * 1e-5  # the override changes what the model computes (measured 2.6)
+    assert any("hf_config_overrides applied" in n for n in json.loads(stdout)["notes"])
+
+
 def test_dcp_consolidated_layout(tmp_path, capsys):
     """DTensor v2 with ``save_consolidated``: weights/model/consolidated/ is an HF dir."""
     step = tmp_path / "step_3"

@@ -2,7 +2,7 @@
 
 Layout (NeMo-RL ``nemo_rl/utils/checkpoint.py``, ``native_checkpoint.py``, ``models/automodel/checkpoint.py``)::
 
-    step_N/config.yaml            policy.model_name (+ policy.hf_overrides, policy.tokenizer.name)
+    step_N/config.yaml            policy.model_name (+ policy.hf_config_overrides, policy.tokenizer.name)
     step_N/training_info.json
     step_N/policy/tokenizer/      tokenizer.save_pretrained
     step_N/policy/weights/        DTensor v1: .metadata + __<rank>_0.distcp; keys "model.<hf name>"
@@ -31,7 +31,7 @@ import torch
 
 from .embedded import load_hf_dir
 from .hf import load_config, to_disk_layout
-from .source import ExportSource, algorithm_of, read_json, read_yaml
+from .source import ExportSource, algorithm_of, hf_config_overrides, read_json, read_yaml
 
 __all__ = ["find_dcp_dir", "read_dcp", "load_dcp"]
 
@@ -129,6 +129,7 @@ def load_dcp(step_dir: Path, what: str, model_config: str | None = None) -> Expo
         tok_dir = step_dir / "policy" / "tokenizer"   # PPO builds the critic with the policy's tokenizer
     origin = str(directory)
 
+    overrides = {}
     if layout == "hf":
         config, sd, reference = load_hf_dir(directory, critic=critic, origin=origin)
         model_ref = str(directory)
@@ -137,7 +138,9 @@ def load_dcp(step_dir: Path, what: str, model_config: str | None = None) -> Expo
         if not model_ref:
             raise ValueError(f"{cfg_path}: {section}.model_name is needed to rebuild the model config "
                              "(or pass --model-config DIR)")
-        overrides = dict(sec.get("hf_overrides") or {}) if not model_config else {}
+        # NeMo-RL's DTensor workers build the model from AutoConfig.from_pretrained(model_name,
+        # **hf_config_overrides): the same keywords on whichever config --model-config names
+        overrides = hf_config_overrides(sec, f"{cfg_path}: {section}")
         config = load_config(model_ref, critic=critic, **overrides)
         raw = read_dcp(directory, safetensors=layout == "safetensors")
         sd = to_disk_layout(raw, config, critic=critic, origin=origin, strip_prefixes=("model.",))
@@ -155,6 +158,8 @@ def load_dcp(step_dir: Path, what: str, model_config: str | None = None) -> Expo
         tokenizer_dir=tok_dir if tok_dir.is_dir() else None, generation_config_dir=gen_dir,
         train_config=train_cfg, algorithm=algorithm_of(train_cfg), step=step,
     )
+    if overrides:
+        src.notes.append(f"{section}.hf_config_overrides applied as in training: {', '.join(sorted(overrides))}")
     if src.tokenizer_dir is None:
         name = ((sec.get("tokenizer") or {}).get("name")) if isinstance(sec.get("tokenizer"), dict) else None
         if name and Path(name).is_dir():

@@ -2,7 +2,7 @@
 
 Layout (what NeMo-RL's Megatron policy worker writes through Megatron-Bridge's ``save_checkpoint``)::
 
-    step_N/config.yaml                          policy.model_name (+ policy.hf_overrides)
+    step_N/config.yaml                          policy.model_name (+ policy.hf_config_overrides)
     step_N/policy/weights/latest_checkpointed_iteration.txt
     step_N/policy/weights/iter_0000000/         torch_dist checkpoint: .metadata, __<rank>_0.distcp,
                                                 metadata.json, common state, run_config.yaml
@@ -38,7 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .source import ExportSource, algorithm_of, read_yaml
+from .source import ExportSource, algorithm_of, hf_config_overrides, read_yaml
 
 __all__ = ["find_iter_dir", "saved_parallelism", "check_megatron_supported", "load_megatron"]
 
@@ -95,6 +95,11 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
     run_cfg = read_yaml(run_cfg_path)
     check_megatron_supported(run_cfg, str(iter_dir))
     model_name = model_config or policy.get("model_name")
+    overrides = hf_config_overrides(policy, f"{step_dir / 'config.yaml'}: policy")
+    ignored = None
+    if overrides and ((policy.get("pretrained_checkpoint") or {}).get("format") == "megatron_bridge"):
+        # NeMo-RL ignores them for a megatron_bridge start (architecture from its run_config.yaml)
+        ignored, overrides = sorted(overrides), {}
     if not model_name:
         raise ValueError(f"{step_dir / 'config.yaml'}: policy.model_name is needed for the Megatron→HF mapping")
     try:
@@ -109,7 +114,7 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
     log = io.StringIO()
     try:  # Bridge prints progress to stdout; keep the CLI's stdout for its own report (--json)
         with contextlib.redirect_stdout(log):
-            _convert(AutoBridge, temporary_distributed_context, model_name, policy.get("hf_overrides") or {},
+            _convert(AutoBridge, temporary_distributed_context, model_name, overrides,
                      iter_dir, out)
     except BaseException:
         sys.stderr.write(log.getvalue()[-4000:])
@@ -125,12 +130,18 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
     src.notes.append(f"Megatron checkpoint saved with {layout}; read in one process by Megatron-Bridge "
                      "(torch_dist resharding)")
     src.notes.append("verified against Megatron-Bridge's HF conversion of the checkpoint")
+    if overrides:
+        src.notes.append(f"policy.hf_config_overrides applied as in training: {', '.join(sorted(overrides))}")
+    if ignored:
+        src.notes.append(f"policy.hf_config_overrides ({', '.join(ignored)}) not applied: NeMo-RL ignores them for "
+                         "pretrained_checkpoint.format megatron_bridge")
     return src
 
 
-def _convert(AutoBridge: Any, temporary_distributed_context: Any, model_name: str, hf_overrides: dict,
+def _convert(AutoBridge: Any, temporary_distributed_context: Any, model_name: str, overrides: dict,
              iter_dir: Path, out: Path) -> None:
-    bridge = AutoBridge.from_hf_pretrained(model_name, **hf_overrides)
+    # the call NeMo-RL's HF import makes (community_import.import_model_from_hf_name), overrides included
+    bridge = AutoBridge.from_hf_pretrained(model_name, **overrides)
     with temporary_distributed_context(backend="gloo"):
         try:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed

@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["ExportSource", "detect", "resolve_step_dir", "read_yaml", "algorithm_of"]
+__all__ = ["ExportSource", "detect", "resolve_step_dir", "read_yaml", "algorithm_of", "hf_config_overrides"]
 
 
 @dataclass
@@ -90,6 +90,19 @@ def algorithm_of(cfg: Optional[dict]) -> Optional[str]:
         if isinstance(cfg.get(name), dict):
             return name
     return None
+
+
+def hf_config_overrides(section: dict, origin: str) -> dict:
+    """The ``hf_config_overrides`` of a NeMo-RL ``policy``/``value`` section: the keyword arguments
+    NeMo-RL passes to ``AutoConfig.from_pretrained`` (DTensor workers) and
+    ``AutoBridge.from_hf_pretrained`` (Megatron HF import) on top of ``model_name``'s config, so the
+    exported config must get them the same way (e.g. a YaRN ``rope_scaling`` used in training)."""
+    value = section.get("hf_config_overrides")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"{origin}: hf_config_overrides must be a mapping, got {type(value).__name__}")
+    return dict(value)
 
 
 def _is_embedded_step(p: Path) -> bool:

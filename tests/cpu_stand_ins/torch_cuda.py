@@ -4,7 +4,9 @@ Each stand-in answers a GPU-only call and nothing else (docs/nemo-rl.md §7 list
 
 * :class:`CudaIsCpu`, a ``TorchFunctionMode`` entered for the life of the process: every torch call
   whose ``device=`` names CUDA (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, an int ordinal)
-  runs on CPU, and so do ``Tensor.to(device)`` and ``Module.to(device)``; ``Tensor.cuda`` /
+  runs on CPU, and so do ``Tensor.to(device)`` and ``Module.to(device)``; ``torch.device(N)`` of
+  an int ordinal (``with torch.device(torch.cuda.current_device())``, Megatron's YaRN rotary
+  embedding) is the CPU device; ``Tensor.cuda`` /
   ``pin_memory`` / ``record_stream`` do nothing, ``is_pinned`` is False; ``Tensor.type()`` answers
   the CUDA type name a GPU gives (Megatron's optimizers dispatch on ``"torch.cuda.FloatTensor"``).
   Moves to the host (``.cpu()``, ``.to("cpu")``) always copy, as from a GPU (see :func:`_to_host`).
@@ -82,6 +84,8 @@ class CudaIsCpu(TorchFunctionMode):
 
     def __torch_function__(self, func, types_, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if func is torch.device and len(args) == 1 and not kwargs and is_cuda(args[0]) and isinstance(args[0], int):
+            return torch.device("cpu")  # an ordinal means the accelerator, which torch refuses without one
         if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
             return args[0]
         if func is torch.Tensor.record_stream:

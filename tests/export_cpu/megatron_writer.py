@@ -2,8 +2,9 @@
 
     python tests/export_cpu/megatron_writer.py RANK WORLD PORT JOBS_JSON
 
-``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "tp", "pp", "ep", "precision"}``;
-all ranks run every job. Per job, the steps NeMo-RL's Megatron policy worker takes, with its code:
+``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "tp", "pp", "ep", "precision"}``
+(+ optional ``"hf_config_overrides"``, set as ``policy.hf_config_overrides``); all ranks run every
+job. Per job, the steps NeMo-RL's Megatron policy worker takes, with its code:
 
 1. HF → Megatron import, once per HF model: ``community_import.import_model_from_hf_name`` with
    the job's ``megatron_cfg`` (what ``setup.handle_model_import`` runs, collectively);
@@ -45,6 +46,7 @@ def policy_config(job: dict) -> dict:
     p.model_name = job["hf_dir"]
     p.tokenizer.name = job["hf_dir"]
     p.precision = job["precision"]
+    p.hf_config_overrides = job.get("hf_config_overrides") or {}
     m = p.megatron_cfg
     m.tensor_model_parallel_size = job["tp"]
     m.pipeline_model_parallel_size = job["pp"]
@@ -101,10 +103,13 @@ def main(argv: list[str]) -> None:
         config = policy_config(job)
         pcfg = config["policy"]
         dtype = torch.bfloat16 if job["precision"] == "bfloat16" else torch.float32
-        pretrained = imported.get(job["hf_dir"])
-        if pretrained is None:  # NeMo-RL caches the import per model; same here
-            pretrained = imported[job["hf_dir"]] = str(Path(job["checkpoint_dir"]).parent / f"pretrained-{len(imported)}")
-            import_model_from_hf_name(job["hf_dir"], pretrained, pcfg["megatron_cfg"])
+        overrides = pcfg["hf_config_overrides"]
+        key = json.dumps([job["hf_dir"], overrides], sort_keys=True)
+        pretrained = imported.get(key)
+        if pretrained is None:  # NeMo-RL caches the import per model and overrides; same here
+            pretrained = imported[key] = str(Path(job["checkpoint_dir"]).parent / f"pretrained-{len(imported)}")
+            # what setup.handle_model_import runs: the overrides go to AutoBridge.from_hf_pretrained
+            import_model_from_hf_name(job["hf_dir"], pretrained, pcfg["megatron_cfg"], **overrides)
             if parallel_state.model_parallel_is_initialized():
                 parallel_state.destroy_model_parallel()
             progress(f"imported {job['hf_dir']}")

@@ -9,6 +9,12 @@ import torch
 
 PROMPTS = ["The capital of France is", "12 * 7 =", "def f(x):\n    return"]
 
+# a training-time ``policy.hf_config_overrides``: YaRN with every field NeMo-RL's Megatron setup
+# requires (models/megatron/setup.py), factor 4 over the tiny models' 32 original positions
+YARN_OVERRIDES = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 32, "truncate": True, "beta_fast": 32.0,
+                                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}}
+
 
 def make_tokenizer(path: Path):
     """Character-level WordLevel tokenizer (103 ids) wrapped in PreTrainedTokenizerFast."""
