@@ -22,6 +22,8 @@ COMMANDS = {
     "eval-checkpoints": ("nemo_granular.evals.cli", "main",
                          "evaluate every checkpoint of runs on a paper benchmark suite (evals.json)"),
     "preflight": ("nemo_granular.preflight.cli", "main", "check a run_grpo/run_sppo config offline, print the plan"),
+    "stage-benchmarks": ("nemo_granular.evals.staging", "main",
+                         "write the paper suites' benchmarks as <data-dir>/<key>.jsonl for offline eval jobs"),
 }
 
 
