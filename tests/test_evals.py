@@ -121,6 +121,128 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
     assert not (run / "evals.json").exists() and not (run / "evals").exists()
 
 
+def _megatron_run(tmp_path: Path, step: int = 5) -> Path:
+    """A run whose checkpoint has NeMo-RL's Megatron layout (what the exporter detects)."""
+    run = tmp_path / "espo_megatron"
+    weights = run / "checkpoints" / f"step_{step}" / "policy" / "weights"
+    (weights / "iter_0000000").mkdir(parents=True)
+    (weights / "latest_checkpointed_iteration.txt").write_text("0")
+    (weights / "iter_0000000" / "run_config.yaml").write_text("model: {}\n")
+    return run
+
+
+def _make_venv(path: Path, *pth_lines: str) -> Path:
+    """A real venv (no pip) whose site-packages holds a ``.pth`` of ``pth_lines``: ``path/bin/python``."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    if pth_lines:
+        code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        site = subprocess.run([str(path / "bin" / "python"), "-c", code], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        Path(site, "worker_packages.pth").write_text("\n".join(pth_lines) + "\n")
+    return path / "bin" / "python"
+
+
+def _dry_run_export_line(run: Path, nemo_rl: Path, data: Path, **env_extra):
+    """``eval-checkpoints --dry-run`` in a world where this interpreter has no Megatron-Bridge
+    (the driver venv of a bare ``uv sync``): (exit code, export command or stderr)."""
+    import subprocess
+
+    from conftest import env_without_nemo_rl
+
+    env = env_without_nemo_rl(PYTHONPATH=str(ROOT))
+    for var in ("NEMO_RL_VENV_DIR", "NG_EXPORT_PYTHON", "NEMO_RL_PY_EXECUTABLES_SYSTEM"):
+        env.pop(var, None)
+    env.update(env_extra)
+    res = subprocess.run([sys.executable, "-m", "nemo_granular", "eval-checkpoints", str(run), "--suite", "espo",
+                          "--nemo-rl", str(nemo_rl), "--data-dir", str(data), "--dry-run"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    if res.returncode:
+        return res.returncode, res.stderr.strip()
+    return 0, shlex.split(res.stdout.splitlines()[0])
+
+
+def test_megatron_export_runs_with_an_interpreter_that_has_megatron_bridge(tmp_path):
+    """Issue 24.1: the export of a Megatron checkpoint ran with the driver's interpreter (NeMo-RL's
+    ``.venv`` of a bare ``uv sync``, no Megatron-Bridge), so every benchmark was skipped. It now
+    runs with NeMo-RL's Megatron worker venv, found where NeMo-RL puts it."""
+    run = _megatron_run(tmp_path)
+    data = _data_dir(tmp_path)
+    nemo_rl = tmp_path / "NeMo-RL"
+    nemo_rl.mkdir()
+    step, hf = run.resolve() / "checkpoints" / "step_5", run.resolve() / "hf" / "step_5"
+    boot_tail = ["export", str(step), str(hf), "--no-verify"]
+
+    # nothing with Megatron-Bridge anywhere: refused up front, naming every place looked at (before the
+    # fix: planned with this interpreter, whose export then failed with ImportError, benchmarks skipped)
+    rc, err = _dry_run_export_line(run, nemo_rl, data)
+    assert rc == 2 and err.count("\n") == 0 and "needs Megatron-Bridge" in err
+    assert str(nemo_rl / "venvs" / "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker") in err
+
+    # NeMo-RL's default NEMO_RL_VENV_DIR (<checkout>/venvs): the plugin's worker venv, then the stock one wins
+    import sysconfig
+
+    # a worker venv has torch and transformers (here: this venv's packages; no nemo_granular, no Megatron)
+    plugin = _make_venv(nemo_rl / "venvs" / "nemo_granular.nemo_rl.megatron_worker.GranularMegatronPolicyWorker",
+                        sysconfig.get_paths()["purelib"])
+    rc, argv = _dry_run_export_line(run, nemo_rl, data)
+    assert rc == 0 and argv[0] == str(plugin) and argv[1] == "-c" and argv[3:] == boot_tail
+    stock = _make_venv(nemo_rl / "venvs" / "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker",
+                       sysconfig.get_paths()["purelib"])
+    rc, argv = _dry_run_export_line(run, nemo_rl, data)
+    assert rc == 0 and argv[0] == str(stock)
+
+    # the container: the image's NEMO_RL_VENV_DIR (/opt/ray_venvs there) is where NeMo-RL looks
+    image = _make_venv(tmp_path / "ray_venvs" / "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker")
+    rc, argv = _dry_run_export_line(run, nemo_rl, data, NEMO_RL_VENV_DIR=str(tmp_path / "ray_venvs"))
+    assert rc == 0 and argv[0] == str(image)
+
+    # explicit choices: NG_EXPORT_PYTHON, and NeMo-RL's NEMO_RL_PY_EXECUTABLES_SYSTEM=1 (workers use the driver's)
+    rc, argv = _dry_run_export_line(run, nemo_rl, data, NG_EXPORT_PYTHON=f"{plugin} -X utf8")
+    assert rc == 0 and argv[:3] == [str(plugin), "-X", "utf8"]
+    rc, argv = _dry_run_export_line(run, nemo_rl, data, NEMO_RL_PY_EXECUTABLES_SYSTEM="1")
+    assert rc == 0 and argv == [sys.executable, "-m", "nemo_granular", *boot_tail]
+
+    # the printed command really starts the exporter from that interpreter (nemo_granular found by the boot line)
+    import subprocess
+
+    from conftest import env_without_nemo_rl
+
+    _, argv = _dry_run_export_line(run, nemo_rl, data)
+    res = subprocess.run(argv[:3] + ["export", "--help"], capture_output=True, text=True, timeout=300,
+                         env=env_without_nemo_rl(PYTHONPATH=""))
+    assert res.returncode == 0 and "nemo-granular export" in res.stdout, res.stderr[-2000:]
+
+
+def test_preflight_export_interpreter_must_import_megatron_bridge(tmp_path, capsys):
+    """The preflight runs the chosen interpreter: a venv without Megatron-Bridge is one error line
+    with that interpreter's own error (eval-checkpoints stops on the same line before running)."""
+    from nemo_granular.cli import main
+    from nemo_granular.preflight import eval_checks
+
+    bare = _make_venv(tmp_path / "bare")
+    found = eval_checks.check_export_interpreter(None, export_python=str(bare))
+    assert len(found) == 1 and found[0].level == "error"
+    assert f"({bare}; --export-python / NG_EXPORT_PYTHON) cannot import Megatron-Bridge" in found[0].message
+    assert "No module named 'megatron'" in found[0].message
+    run = _megatron_run(tmp_path)
+    capsys.readouterr()
+    rc = main(["eval-checkpoints", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path), "--data-dir",
+               str(_data_dir(tmp_path)), "--export-python", str(bare)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "cannot import Megatron-Bridge" in err
+    assert not (run / "hf").exists() and not (run / "evals").exists()   # nothing ran
+
+
+def test_dtensor_export_keeps_this_interpreter(tmp_path):
+    run = _fake_run(tmp_path, steps=(7,))
+    (run / "checkpoints" / "step_7" / "policy" / "weights").mkdir()   # DTensor layout: no Megatron needed
+    cmds = ev.plan(run, protocols_for("espo"), nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path))
+    assert cmds[0].kind == "export" and cmds[0].argv[:3] == [sys.executable, "-m", "nemo_granular"]
+    assert cmds[0].exporter is None
+
+
 def test_select_checkpoint_best_and_last():
     res = {"benchmarks": {"a": {}, "b": {}},
            "checkpoints": {"10": {"a": 0.5, "b": 0.1}, "20": {"a": 0.2, "b": 0.2}, "30": {"a": 0.1, "b": 0.5},

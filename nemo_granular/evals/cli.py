@@ -37,8 +37,13 @@ def build_parser():
     g.add_argument("--nemo-rl", default=os.environ.get("NEMO_RL_SRC"),
                    help="NeMo-RL checkout where run_eval runs (default: $NEMO_RL_SRC)")
     g.add_argument("--data-dir", default=None,
-                   help="local JSONL benchmarks <key>.jsonl (problem/answer): needed for amc23, minerva_math, "
-                        "olympiadbench, hmmt25; also overrides NeMo-RL's loader for aime24/aime25/math500")
+                   help="local JSONL benchmarks <key>.jsonl (problem/answer; `nemo-granular stage-benchmarks` "
+                        "writes them): needed for amc23, minerva_math, olympiadbench, hmmt25; also replaces "
+                        "NeMo-RL's loader for aime24/aime25/math500 (offline nodes)")
+    g.add_argument("--export-python", default=None, metavar="PYTHON",
+                   help="interpreter that exports Megatron checkpoints (needs Megatron-Bridge; default: "
+                        "$NG_EXPORT_PYTHON, else this one if it has Megatron-Bridge, else NeMo-RL's Megatron "
+                        "worker venv under $NEMO_RL_VENV_DIR; see docs/export.md)")
     g.add_argument("--launcher", default=DEFAULT_LAUNCHER, help=f"how to start run_eval (default: {DEFAULT_LAUNCHER!r})")
     g.add_argument("--config-dir", default=str(CONFIG_DIR), help="the benchmark configs (default: the packaged nemo_granular/configs/evals)")
     g.add_argument("--gpus-per-node", type=int, default=8)
@@ -53,6 +58,28 @@ def build_parser():
                    help="cap samples per problem (CPU time); the report states the number used")
     ap.add_argument("overrides", nargs="*", default=[], help="key=value overrides passed to every run_eval")
     return ap
+
+
+def runtime_checks(cmds, suite: str, data_dir: Path | None) -> None:
+    """Before anything runs: each Megatron export's interpreter imports Megatron-Bridge, and every
+    benchmark still to evaluate can be loaded (offline too). One-line ``ValueError`` on the first problem."""
+    import subprocess
+
+    from .export_python import bridge_probe_argv
+    from .staging import staging_problems
+
+    pending = {c.benchmark for c in cmds if c.kind == "eval" and not c.result.is_file()}
+    problems = staging_problems(suite, data_dir, keys=pending)
+    if problems:
+        raise ValueError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
+    for exporter in {c.exporter for c in cmds if c.kind == "export" and c.exporter is not None}:
+        probe = subprocess.run(bridge_probe_argv(exporter), capture_output=True, text=True, timeout=900)
+        if probe.returncode != 0:
+            last = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
+            raise ValueError(f"the interpreter that exports Megatron checkpoints ({' '.join(exporter.python)}; "
+                             f"{exporter.why}) cannot import Megatron-Bridge: {last}")
+        print(f"[eval-checkpoints] Megatron checkpoints exported by {' '.join(exporter.python)} ({exporter.why})",
+              file=sys.stderr, flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -91,11 +118,12 @@ def main(argv: list[str]) -> int:
                             data_dir=Path(args.data_dir) if args.data_dir else None, launcher=args.launcher,
                             config_dir=Path(args.config_dir), gpus_per_node=args.gpus_per_node,
                             num_nodes=args.num_nodes, tensor_parallel=args.tensor_parallel, steps=steps,
-                            extra=args.overrides)
+                            export_python=args.export_python, extra=args.overrides)
         if args.dry_run:
             for c in cmds:
                 print(c.shell())
             continue
+        runtime_checks(cmds, args.suite, Path(args.data_dir) if args.data_dir else None)
         failures += [f"{run}: {f}" for f in nemo_rl.run_plan(cmds, log=lambda m: print(m, file=sys.stderr, flush=True))]
         nemo_rl.collect(run, protocols, cmds)
         print(f"{run}: {run / 'evals.json'}")

@@ -3,7 +3,8 @@
 For each checkpoint ``<run>/checkpoints/step_N`` the protocol asks for (:mod:`.suite`):
 
 1. export it to Hugging Face format once: ``python -m nemo_granular export <step_N> <run>/hf/step_N
-   --no-verify`` (skipped when ``<run>/hf/step_N/config.json`` exists);
+   --no-verify`` (skipped when ``<run>/hf/step_N/config.json`` exists); a Megatron checkpoint is
+   exported by an interpreter that has Megatron-Bridge (:mod:`.export_python`);
 2. per benchmark: ``<launcher> --config nemo_granular/configs/evals/<benchmark>.yaml
    generation.model_name=<hf> tokenizer.name=<hf> eval.num_tests_per_prompt=<n> ...
    eval.save_path=<run>/evals/<suite>/step_N/<benchmark>``, in the NeMo-RL checkout (its prompt
@@ -25,6 +26,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .export_python import ExportPython, megatron_export_python
 from .results import merge_write
 from .suite import BENCHMARKS, Protocol
 
@@ -43,6 +45,7 @@ class Command:
     benchmark: str | None = None
     result: Path | None = None  # evaluation_data.json that marks it done
     settings: dict = field(default_factory=dict)
+    exporter: ExportPython | None = None  # export of a Megatron checkpoint: the interpreter chosen
 
     def shell(self) -> str:
         cmd = shlex.join(self.argv)
@@ -69,10 +72,22 @@ def benchmark_data(key: str, data_dir: Path | None) -> list[str]:
             "data.file_format=json", "data.split=train"]
 
 
+def is_megatron_checkpoint(step_dir: Path) -> bool:
+    from ..export.source import detect
+
+    try:
+        return detect(Path(step_dir), "policy") == "megatron"
+    except ValueError:
+        return False  # not a checkpoint the exporter knows: it says so itself
+
+
 def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: Path | None = None,
          launcher: str = DEFAULT_LAUNCHER, config_dir: Path = CONFIG_DIR, gpus_per_node: int = 8,
          num_nodes: int = 1, tensor_parallel: int = 1, prompt_tokens: int = 1024,
-         python: str = sys.executable, steps: list[int] | None = None, extra: list[str] | None = None) -> list[Command]:
+         python: str = sys.executable, export_python: str | None = None, steps: list[int] | None = None,
+         extra: list[str] | None = None) -> list[Command]:
+    """The commands, in order. ``python`` exports DTensor checkpoints; ``export_python`` is the
+    interpreter for Megatron ones (default: :func:`.export_python.megatron_export_python`)."""
     run = Path(run).resolve()
     ckpts = checkpoint_steps(run)
     if not ckpts:
@@ -92,8 +107,14 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
             if step not in exported:
                 exported.add(step)
                 if not (hf / "config.json").is_file():
-                    cmds.append(Command("export", [python, "-m", "nemo_granular", "export", str(ckpts[step]), str(hf),
-                                                   "--no-verify"], None, step))
+                    exporter = None
+                    args = [str(ckpts[step]), str(hf), "--no-verify"]
+                    if is_megatron_checkpoint(ckpts[step]):
+                        exporter = megatron_export_python(nemo_rl_dir, explicit=export_python)
+                        argv = exporter.export_argv(*args)
+                    else:
+                        argv = [python, "-m", "nemo_granular", "export", *args]
+                    cmds.append(Command("export", argv, None, step, exporter=exporter))
             for key, setting in proto.benchmarks.items():
                 save = run / "evals" / proto.name / f"step_{step}" / key
                 argv = shlex.split(launcher) + [
