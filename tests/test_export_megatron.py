@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from nemo_granular.cli import main as top_main
+
+from export_cpu.tiny_hf import YARN_OVERRIDES  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -50,6 +53,8 @@ def megatron_checkpoints(megatron_workers, tmp_path_factory):
     make_hf_model(root / "hf_dense", moe=False, seed=2)
     jobs = [{"hf_dir": str(root / hf), "checkpoint_dir": str(root / name), "step": STEP, "tp": tp, "pp": pp,
              "ep": ep, "precision": precision} for name, (hf, tp, pp, ep, precision, _) in CASES.items()]
+    jobs.append({"hf_dir": str(root / "hf_dense"), "checkpoint_dir": str(root / "dense_yarn"), "step": STEP,
+                 "tp": 2, "pp": 1, "ep": 1, "precision": "float32", "hf_config_overrides": YARN_OVERRIDES})
     run_ranks("megatron_writer", jobs, world=2, log_dir=root)
     return root
 
@@ -132,6 +137,45 @@ def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM" if hf == "hf_moe" else "Qwen3ForCausalLM"]
 
 
+def test_megatron_export_applies_training_hf_config_overrides(megatron_checkpoints, tmp_path):
+    """A run trained with ``policy.hf_config_overrides`` (YaRN, TP2): NeMo-RL imported the HF model
+    with ``AutoBridge.from_hf_pretrained(model_name, **hf_config_overrides)``, so the Megatron model
+    it trained used YaRN; the export must carry it and compute what the HF model with the same
+    override computes. The export runs in its own process with the shared CPU stand-ins
+    (``tests/export_cpu/export_on_cpu.py``: Megatron's YaRN embedding asks for a CUDA device when built)."""
+    import subprocess
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from nemo_granular.export.source import read_yaml
+    from export_cpu.tiny_hf import assert_same_weights, max_logit_diff
+
+    step = megatron_checkpoints / "dense_yarn" / f"step_{STEP}"
+    assert read_yaml(step / "config.yaml")["policy"]["hf_config_overrides"] == YARN_OVERRIDES
+    run_cfg = read_yaml(step / "policy" / "weights" / "iter_0000000" / "run_config.yaml")["model"]
+    assert run_cfg["position_embedding_type"] == "yarn"   # what Megatron trained with
+    out = tmp_path / "hf"
+    res = subprocess.run([sys.executable, str(Path(__file__).parent / "export_cpu" / "export_on_cpu.py"), str(step),
+                          str(out), "--dtype", "fp32"], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 0, res.stderr[-4000:]
+    stdout = res.stdout
+
+    hf = megatron_checkpoints / "hf_dense"
+    trained_cfg = AutoConfig.from_pretrained(str(hf), **YARN_OVERRIDES)
+    assert json.loads((out / "config.json").read_text())["rope_parameters"] == trained_cfg.rope_parameters
+    trained = AutoModelForCausalLM.from_pretrained(str(hf), config=trained_cfg, dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert_same_weights(trained, exported)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    same, without = max_logit_diff(trained, exported, tok), max_logit_diff(plain, exported, tok)
+    print(f"max |logit diff| exported vs HF+YaRN {same:.3g}, vs HF without the override {without:.3g}")
+    assert same <= LOGIT_TOL
+    assert without > 1e-3   # the override changes what the model computes
+    assert "note: policy.hf_config_overrides applied as in training: rope_scaling" in stdout
+
+
 def test_upstream_single_process_moe_build_needs_cuda(megatron_checkpoints, local_spec, monkeypatch):
     """Why a CPU-only single-process export of a Qwen3-MoE checkpoint stopped (at any EP): Bridge's
     ``load_megatron_model`` keeps the recorded ``alltoall`` dispatcher, whose constructor creates a
@@ -146,3 +190,53 @@ def test_upstream_single_process_moe_build_needs_cuda(megatron_checkpoints, loca
         with pytest.raises(RuntimeError, match=r"torch\.cuda\.Stream requires CUDA support"):
             bridge.load_megatron_model(str(iter_dir))
 
+
+
+def test_eval_job_exports_with_nemo_rl_megatron_worker_venv(megatron_checkpoints, nemo_rl_src, tmp_path):
+    """Issue 24.1 end to end: ``eval-checkpoints`` started by an interpreter without Megatron-Bridge
+    (NeMo-RL's ``.venv`` of a bare ``uv sync``) exports the Megatron checkpoint with the Megatron
+    worker venv under ``NEMO_RL_VENV_DIR`` (where NeMo-RL's image keeps it), then evaluates it
+    (``run_eval`` replaced by the shim of tests/test_evals.py: vLLM needs a GPU). The worker venv is
+    a real venv whose site holds this machine's packages, the pinned Megatron sources and the
+    shared CPU stand-ins (a ``.pth``); nemo_granular it gets from the export command itself.
+    Before the fix the export ran with the driver's interpreter: ImportError, no benchmark."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from conftest import HOST_PATHS, env_without_nemo_rl
+    from export_cpu.tiny_hf import assert_same_weights
+    from test_evals import SHIM, _data_dir, _expected, _make_venv
+    from transformers import AutoModelForCausalLM
+
+    from nemo_granular.evals.export_python import STOCK_MEGATRON_WORKER
+
+    run = tmp_path / "espo_seed0"
+    shutil.copytree(megatron_checkpoints / "dense_tp2" / f"step_{STEP}", run / "checkpoints" / f"step_{STEP}")
+    tests = str(Path(__file__).parent)
+    # the pinned sources first (as conftest puts them first on this process's path), then the packages
+    worker = _make_venv(tmp_path / "ray_venvs" / STOCK_MEGATRON_WORKER, *HOST_PATHS, tests,
+                        sysconfig.get_paths()["purelib"], "import cpu_stand_ins; cpu_stand_ins.install()")
+    data = _data_dir(tmp_path, ["aime24", "aime25", "math500", "hmmt25"])
+    shim = tmp_path / "run_eval_shim.py"
+    shim.write_text(SHIM)
+    env = env_without_nemo_rl(PYTHONPATH=str(Path(tests).parent), NEMO_RL_VENV_DIR=str(tmp_path / "ray_venvs"),
+                              HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    for var in ("NG_EXPORT_PYTHON", "NEMO_RL_PY_EXECUTABLES_SYSTEM"):
+        env.pop(var, None)
+    launcher = f"env PYTHONPATH={os.pathsep.join(HOST_PATHS)} {sys.executable} {shim}"
+    res = subprocess.run([sys.executable, "-m", "nemo_granular", "eval-checkpoints", str(run), "--suite", "espo",
+                          "--nemo-rl", str(nemo_rl_src), "--data-dir", str(data), "--launcher", launcher],
+                         env=env, capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"Megatron checkpoints exported by {worker}" in res.stderr
+
+    hf = run / "hf" / f"step_{STEP}"
+    source = AutoModelForCausalLM.from_pretrained(str(megatron_checkpoints / "hf_dense"), dtype=torch.float32)
+    for p in source.parameters():  # eval-checkpoints exports in bf16
+        p.data = p.data.to(torch.bfloat16).float()
+    assert_same_weights(source, AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32))
+    scores = json.loads((run / "evals.json").read_text())["suites"]["espo"]["checkpoints"][str(STEP)]
+    for key, n in (("aime24", 32), ("aime25", 32), ("math500", 1), ("hmmt25", 32)):
+        problems = len((data / f"{key}.jsonl").read_text().splitlines())
+        assert scores[key] == pytest.approx(_expected(problems, n, STEP)), key
