@@ -28,8 +28,8 @@ from .core.clipping import (ESPO_AUTO_TARGET_EPS, calibrate_espo_alpha, espo_ent
 from .core.fused import (LinearizedLoss, RowIndex, compute_dtype, finite_valid, indicator, masked_values,
                          substitute_nonfinite)
 from .core.groups import build_delimiter_table, group_ids_for
-from .core.objective import (LOG_RATIO_BOUND, aggregation_weights, group_ratios, objective_logp_grad,
-                             surrogate_terms)
+from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights, group_ratios,
+                             objective_logp_grad, surrogate_terms)
 from .core.offpolicy import importance_weights, kl_penalty_per_token, truncate_importance_weights
 from .core.ratios import GroupIndex
 from .loss_metrics import metric_kinds, policy_metrics
@@ -55,10 +55,11 @@ def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> to
 
 
 def _count(x, like: torch.Tensor) -> torch.Tensor:
-    """A global count (tensor or number) as a 0-d tensor of ``like``'s dtype, clamped to 1e-8."""
+    """A global count (tensor or number) as NeMo-RL's ``masked_mean`` divides by it: count + 1e-8,
+    a 0-d tensor of ``like``'s dtype (docs/algorithms/math.md, Notation)."""
     x = x.to(like.device, like.dtype) if torch.is_tensor(x) else torch.tensor(float(x), dtype=like.dtype,
                                                                                device=like.device)
-    return x.reshape(()).clamp(min=1e-8)
+    return x.reshape(()) + COUNT_EPS
 
 
 @dataclass
@@ -76,8 +77,8 @@ class PolicyBatch:
     sample_mask: torch.Tensor     # [B]
     row_on: torch.Tensor          # sample_mask != 0, [B]
     n_row: torch.Tensor           # valid tokens per row, [B]
-    inv_gvt: torch.Tensor         # 1 / global_valid_toks
-    inv_gvs: torch.Tensor         # 1 / global_valid_seqs
+    inv_gvt: torch.Tensor         # 1 / (global_valid_toks + 1e-8)
+    inv_gvs: torch.Tensor         # 1 / (global_valid_seqs + 1e-8)
     w_tok: torch.Tensor           # valid·sample_mask/global_valid_toks: NeMo-RL's token-mean weight
 
 
@@ -169,7 +170,17 @@ class GranularPolicyLoss:
             self.set_tokenizer(tokenizer, vocab_size)
         self._loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level else LossType.SEQUENCE_LEVEL
         self._metric_kinds = {k: MetricNormalizer(v) for k, v in metric_kinds(
-            self.cfg.token_level, self.granular.granularity, self.cfg.truncated_importance_sampling_type).items()}
+            self.cfg.token_level, self.granular.granularity, self.cfg.truncated_importance_sampling_type,
+            self.cfg.metrics_level, self.cfg.use_importance_sampling_correction).items()}
+        self.metrics_level = self.cfg.metrics_level
+        self.enable_torch_compile = self.cfg.enable_torch_compile
+        # compiled lazily on the worker, after Ray has serialised the loss (as NeMo-RL does)
+        self._compiled_objective = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_compiled_objective"] = None  # a compiled function does not pickle; recompiled where used
+        return state
 
     @property
     def loss_type(self):
@@ -214,6 +225,27 @@ class GranularPolicyLoss:
         cfg, g = self.cfg, self.granular
         b = read_policy_batch(next_token_logprobs, data, global_valid_seqs, global_valid_toks, cfg)
         index = None if g.granularity == "token" else self._index(data, b)
+        if g.clip == "espo_entropy":
+            self._check_espo_ready()
+        metrics: dict[str, torch.Tensor] = {}
+        objective = self._objective if not self.enable_torch_compile else self._compiled()
+        obj, grad, ratios, terms, bounds, group_bounds, fraction_weights, is_weight = objective(b, index, metrics)
+        loss = LinearizedLoss.apply(next_token_logprobs, -obj, grad.neg_())
+        loss, kl, nll = self._penalties(loss, next_token_logprobs, data, b)
+        with torch.no_grad():
+            metrics.update(policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss,
+                                          kl, nll, kl_coef=self.reference_policy_kl_penalty,
+                                          kl_type=cfg.reference_policy_kl_type, granularity=g.granularity,
+                                          surrogate=g.surrogate, level=self.metrics_level))
+            names = list(metrics)
+            values = torch.stack([metrics[k] for k in names]).tolist()  # 0-d tensors of dt; one sync
+        return loss, dict(zip(names, values))
+
+    def _objective(self, b: PolicyBatch, index, metrics: dict):
+        """The tensor-only part (docs/algorithms/math.md §2–§5, off-policy weights): the objective
+        Σ W·c, its gradient with respect to the logprobs, and what the metrics read. This is what
+        ``enable_torch_compile`` compiles."""
+        cfg, g = self.cfg, self.granular
         ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row)                     # §2
         bounds, group_bounds = self._bounds(b, ratios)                                     # §3
         terms = surrogate_terms(g.surrogate, ratios.ratio, b.logp, b.adv, *bounds, cfg.ratio_clip_c)  # §4
@@ -224,7 +256,6 @@ class GranularPolicyLoss:
                                           index, ratios.counts, ratios.n_groups_row)
         per_group_mean = g.aggregation == "seq_mean_group_mean" or (index is None and g.aggregation != "token_mean")
         fraction_weights = weights if per_group_mean else None
-        metrics: dict[str, torch.Tensor] = {}
         is_weight = None
         if cfg.use_importance_sampling_correction:  # off-policy correction π_old/π_gen (detached)
             is_weight = self._importance_weights(b, index, metrics)
@@ -232,16 +263,15 @@ class GranularPolicyLoss:
         objective = (torch.dot(weights.reshape(-1), terms.value.reshape(-1)) if weights.shape == terms.value.shape
                      else (weights * terms.value).sum())
         grad = objective_logp_grad(weights, terms, ratios, g.ratio, b.valid)
-        loss = LinearizedLoss.apply(next_token_logprobs, -objective, grad.neg_())
-        loss, kl, nll = self._penalties(loss, next_token_logprobs, data, b)
-        with torch.no_grad():
-            metrics.update(policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss,
-                                          kl, nll, kl_coef=self.reference_policy_kl_penalty,
-                                          kl_type=cfg.reference_policy_kl_type, granularity=g.granularity,
-                                          surrogate=g.surrogate))
-            names = list(metrics)
-            values = torch.stack([metrics[k] for k in names]).tolist()  # 0-d tensors of dt; one sync
-        return loss, dict(zip(names, values))
+        return objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, is_weight
+
+    def _compiled(self):
+        """:meth:`_objective` under ``torch.compile``, built on first use (NeMo-RL's settings for its
+        actor objective: dynamic shapes, ``max-autotune-no-cudagraphs``)."""
+        if self._compiled_objective is None:
+            self._compiled_objective = torch.compile(self._objective, dynamic=True,
+                                                     mode="max-autotune-no-cudagraphs")
+        return self._compiled_objective
 
     # ------------------------------------------------------------------ the steps
     def _index(self, data, b: PolicyBatch):
@@ -288,12 +318,14 @@ class GranularPolicyLoss:
         g = self.granular
         if g.clip == "sspo_entropy":
             return sspo_entropy_clip_bounds(mean_entropy, g.sspo.alpha, g.sspo.beta, g.sspo.gamma)
+        return espo_entropy_clip_bounds(mean_entropy, g.espo.alpha, self.vocab_size)
+
+    def _check_espo_ready(self) -> None:
         if self.vocab_size is None:
             raise ValueError("loss_fn.granular.espo.vocab_size is unset and no model vocabulary size was given")
         if self.espo_alpha_pending:
             raise ValueError("loss_fn.granular.espo.alpha is 'auto' but no π_old pass has set it: call "
                              "GranularPolicyLoss.calibrate_espo_alpha on the first rollout (the trainers do)")
-        return espo_entropy_clip_bounds(mean_entropy, g.espo.alpha, self.vocab_size)
 
     def _importance_weights(self, b: PolicyBatch, index, metrics) -> torch.Tensor:
         """π_old/π_gen per group, truncated as configured; logs ``is_oob_ratio``."""
@@ -301,7 +333,7 @@ class GranularPolicyLoss:
         kind = cfg.truncated_importance_sampling_type
         seq_mean = None
         if kind == "seq-mask-tis":
-            seq_mean = (b.prev - b.gen).sum(-1) / b.valid.sum(-1).clamp(min=1)
+            seq_mean = (b.prev - b.gen).sum(-1) / (b.valid.sum(-1) + COUNT_EPS)
         w, oob = truncate_importance_weights(importance_weights(b.prev, b.gen, index), kind,
                                              cfg.truncated_importance_sampling_ratio,
                                              cfg.truncated_importance_sampling_ratio_min, seq_mean)
@@ -326,7 +358,7 @@ class GranularPolicyLoss:
         if use_nll:
             rewards = data["rewards"].to(b.logp.device, b.logp.dtype).reshape(-1)
             correct = b.valid * b.sample_mask[:, None] * (rewards > 0).to(b.logp.dtype)[:, None]
-            nll = -(logp * correct).sum() / correct.sum().clamp(min=1)
+            nll = -(logp * correct).sum() / (correct.sum() + COUNT_EPS)
             loss = loss + cfg.positive_example_nll_weight * nll
         return loss, kl, nll
 
