@@ -195,7 +195,8 @@ def _tiny_batch(seed: int, B: int, S: int):
             "advantages": torch.randn(B, S, generator=g, dtype=torch.float64) * token_mask,
             "prev_logprobs": prev * token_mask,
             "generation_logprobs": (prev + 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64)) * token_mask,
-            "reference_policy_logprobs": (prev + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)) * token_mask,
+            "reference_policy_logprobs": (prev + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64))
+            * token_mask,
             "rewards": (torch.rand(B, generator=g) > 0.3).double()}
     logp = ((prev + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)) * token_mask)[:, 1:]
     gvs = sample_mask.sum()
@@ -205,11 +206,13 @@ def _tiny_batch(seed: int, B: int, S: int):
 
 TINY_CASES = {
     "defaults": {},
-    "sequence_loss_kl_nll": dict(token_level_loss=False, reference_policy_kl_penalty=0.2, positive_example_nll_weight=0.3),
-    "gspo": dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05, ratio_clip_max=0.05),
+    "sequence_loss_kl_nll": dict(token_level_loss=False, reference_policy_kl_penalty=0.2,
+                                 positive_example_nll_weight=0.3),
+    "gspo": dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05,
+                 ratio_clip_max=0.05),
     "tis": TIS,
-    "seq_mask_tis": dict(TIS, truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=1.2,
-                         truncated_importance_sampling_ratio_min=0.8),
+    "seq_mask_tis": dict(TIS, truncated_importance_sampling_type="seq-mask-tis",
+                         truncated_importance_sampling_ratio=1.2, truncated_importance_sampling_ratio_min=0.8),
     "cispo": dict(use_cispo=True, ratio_clip_max=0.05),
 }
 
