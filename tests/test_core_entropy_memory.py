@@ -1,5 +1,5 @@
-"""The π_old entropy pass holds one bounded ``[chunk, V/TP]`` float32 temporary, also when
-``logprob_chunk_size`` is null (issue 26, item 7).
+"""The π_old entropy pass holds one bounded chunk of ``[chunk, V/TP]`` float32 temporaries, also
+when ``logprob_chunk_size`` is null (issue 26, item 7).
 
 Every tensor an aten op creates during the pass is recorded by a ``TorchDispatchMode`` (its
 storage, its size, a weak reference that says when it is freed); the peak of the bytes alive at
@@ -83,7 +83,7 @@ def _peak(fn, z):
 @pytest.mark.parametrize("chunk_size", [None, 24])
 def test_entropy_pass_holds_one_bounded_chunk(monkeypatch, dtype, chunk_size):
     n, V = 300, 512
-    monkeypatch.setattr(vocab_parallel, "MAX_BLOCK_ELEMENTS", 16 * V)  # null chunk size: 16 positions
+    monkeypatch.setattr(vocab_parallel, "MAX_BLOCK_ELEMENTS", 32 * V)  # null chunk size: 16 positions
     rows = chunk_size or 16
     z = _logits(n, V, dtype)
     h, mode = _peak(lambda: vocab_parallel_entropy(z, None, chunk_size), z)
@@ -100,7 +100,7 @@ def test_entropy_pass_holds_one_bounded_chunk(monkeypatch, dtype, chunk_size):
 def test_fused_pass_bounded_and_float64_exact(monkeypatch):
     """float64 logits stay float64: chunked logprob + entropy equal the unchunked float64 values."""
     n, V = 97, 256
-    monkeypatch.setattr(vocab_parallel, "MAX_BLOCK_ELEMENTS", 10 * V)
+    monkeypatch.setattr(vocab_parallel, "MAX_BLOCK_ELEMENTS", 20 * V)
     z = _logits(n, V, torch.float64, seed=1)
     tgt = torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(2))
     tgt[3] = V - 1  # a finite logit in the masked row
@@ -116,7 +116,7 @@ def test_fused_pass_bounded_and_float64_exact(monkeypatch):
 def test_worker_entropy_post_processing_bounded(monkeypatch, worker):
     """The workers' π_old entropy (``logprob_chunk_size: null``) through the same pass."""
     B, S, V = 3, 40, 384
-    monkeypatch.setattr(vocab_parallel, "MAX_BLOCK_ELEMENTS", 8 * V)
+    monkeypatch.setattr(vocab_parallel, "MAX_BLOCK_ELEMENTS", 16 * V)
     z = _logits(B * S, V, torch.bfloat16, seed=3).view(B, S, V)
     lengths = torch.tensor([40, 25, 31])
     fn = megatron_entropy if worker == "megatron" else dtensor_entropy

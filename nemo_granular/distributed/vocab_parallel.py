@@ -19,11 +19,12 @@ Gradients (no collective needed: lse and H are global and saved):
 Both are recomputed chunk by chunk in backward from the saved logits, so the extra memory
 is one ``[chunk, V/TP]`` float32 block. Positions are processed in chunks of ``chunk_size``
 (NeMo-RL's ``logprob_chunk_size``); every rank runs the same chunks, so the collectives match.
-With ``chunk_size`` null, chunks hold at most :data:`MAX_BLOCK_ELEMENTS` values
-(``MAX_BLOCK_ELEMENTS // (V/TP)`` positions, the smallest over the ranks): the forward pass
-(the π_old entropy pass) then holds ONE bounded ``[chunk, V/TP]`` float32 temporary whatever
-the number of tokens — bf16/fp16 logits are read in their own dtype, never copied to float32
-as a whole (issue 26 item 7: with 18k packed tokens × 151,936 that copy alone was ≈ 11 GB).
+With ``chunk_size`` null, a chunk has ``MAX_BLOCK_ELEMENTS // (2·V/TP)`` positions (the smallest
+over the ranks): the forward pass (the π_old entropy pass) then holds at most
+:data:`MAX_BLOCK_ELEMENTS` float32 temporaries (256 MiB) whatever the number of tokens — the
+exponentials of one chunk, and, on CPU, the float32 cast a mixed bf16/float32 op makes of one
+chunk of logits. bf16/fp16 logits are never copied to float32 as a whole (issue 26 item 7: with
+18k packed tokens × 151,936 that copy alone was ≈ 11 GB, and the exponentials another).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ import torch.distributed as dist
 __all__ = ["vocab_parallel_logprob", "vocab_parallel_entropy", "vocab_parallel_logprob_and_entropy",
            "group_rank_size", "MAX_BLOCK_ELEMENTS", "chunk_rows"]
 
-# float32 values per [chunk, V/TP] temporary when no chunk size is given (128 MiB)
-MAX_BLOCK_ELEMENTS = 1 << 25
+# float32 temporaries of one chunk when no chunk size is given (256 MiB): two [chunk, V/TP] blocks
+MAX_BLOCK_ELEMENTS = 1 << 26
 
 
 def group_rank_size(group) -> tuple[int, int]:
@@ -74,11 +75,11 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def chunk_rows(chunk_size: int | None, v_local: int, group=None, device=None) -> int:
-    """Positions per chunk: ``chunk_size`` when given (> 0), else ``MAX_BLOCK_ELEMENTS // v_local``
+    """Positions per chunk: ``chunk_size`` when given (> 0), else ``MAX_BLOCK_ELEMENTS // (2·v_local)``
     (at least 1), the minimum over ``group`` so that every rank runs the same chunks."""
     if chunk_size and chunk_size > 0:
         return int(chunk_size)
-    rows = max(1, MAX_BLOCK_ELEMENTS // max(int(v_local), 1))
+    rows = max(1, MAX_BLOCK_ELEMENTS // (2 * max(int(v_local), 1)))
     if group_rank_size(group)[1] > 1:  # vocabulary shards may differ in size: agree on the rows
         t = torch.tensor([rows], dtype=torch.long, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
