@@ -15,6 +15,7 @@ the order of docs/algorithms/math.md and reports :mod:`nemo_granular.loss_metric
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,8 +26,8 @@ from .core.advantages import first_response_index, sppo_critic_bce
 from .core.aggregation import safe_divide
 from .core.clipping import (ESPO_AUTO_TARGET_EPS, calibrate_espo_alpha, espo_entropy_clip_bounds,
                             sspo_entropy_clip_bounds)
-from .core.fused import (LinearizedLoss, RowIndex, compute_dtype, finite_valid, indicator, masked_values,
-                         substitute_nonfinite)
+from .core.fused import (FEW_GROUPS_MAX, FewGroupIndex, LinearizedLoss, RowIndex, compute_dtype, finite_valid,
+                         indicator, masked_values, substitute_nonfinite)
 from .core.groups import build_delimiter_table, group_ids_for
 from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights, group_ratios,
                              objective_logp_grad, surrogate_terms)
@@ -83,9 +84,11 @@ class PolicyBatch:
 
 
 def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
-                      cfg: PolicyLossConfig) -> PolicyBatch:
+                      cfg: PolicyLossConfig, assume_finite: bool = False) -> PolicyBatch:
     """NeMo-RL's batch keys as a :class:`PolicyBatch`. NaN/inf tokens (in logp, π_old logp,
-    advantage, and π_gen logp / entropy where they are used) leave the valid mask (math.md, Notation)."""
+    advantage, and π_gen logp / entropy where they are used) leave the valid mask (math.md, Notation).
+    ``assume_finite``: skip the finiteness test (the caller checks its results instead: a
+    non-finite input anywhere makes them non-finite, and it calls again without)."""
     lp_in, g = next_token_logprobs, cfg.granular
     if lp_in.dim() != 2:
         raise ValueError(f"next_token_logprobs must be [B, S-1], got shape {tuple(lp_in.shape)}")
@@ -106,7 +109,7 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
 
     mask_f = indicator(torch.gt, token_mask, 0, L)
     present = [x for x in (L, Q, A, G, H) if x is not None]
-    if bool(torch.isfinite(torch.stack([x.sum() for x in present])).all()):  # one sync; the usual case
+    if assume_finite or bool(torch.isfinite(torch.stack([x.sum() for x in present])).all()):  # the usual case
         valid = mask_f
         logp, adv = L * mask_f, A * mask_f
         prev = logp if Q is L else Q * mask_f
@@ -222,8 +225,17 @@ class GranularPolicyLoss:
 
     def __call__(self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs,
                  global_valid_toks, **kwargs) -> tuple[torch.Tensor, dict]:
+        # First on the batch as it comes: a non-finite input anywhere (valid or masked) turns the
+        # objective or a metric non-finite, and only then is the batch read again with the
+        # non-finite tokens taken out of the valid mask (saves one pass per input key per call)
+        loss, metrics = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
+        if not all(math.isfinite(v) for v in metrics.values()):
+            loss, metrics = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
+        return loss, metrics
+
+    def _call(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, assume_finite: bool):
         cfg, g = self.cfg, self.granular
-        b = read_policy_batch(next_token_logprobs, data, global_valid_seqs, global_valid_toks, cfg)
+        b = read_policy_batch(next_token_logprobs, data, global_valid_seqs, global_valid_toks, cfg, assume_finite)
         index = None if g.granularity == "token" else self._index(data, b)
         if g.clip == "espo_entropy":
             self._check_espo_ready()
@@ -247,8 +259,14 @@ class GranularPolicyLoss:
         ``enable_torch_compile`` compiles."""
         cfg, g = self.cfg, self.granular
         ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row)                     # §2
-        bounds, group_bounds = self._bounds(b, ratios)                                     # §3
-        terms = surrogate_terms(g.surrogate, ratios.ratio, b.logp, b.adv, *bounds, cfg.ratio_clip_c)  # §4
+        # clipped surrogate with per-group bounds: clip(s_g, lo_g, hi_g) on the group table, one gather
+        group_clip = index is not None and g.clip != "fixed" and g.surrogate == "clipped"
+        bounds, group_bounds = self._bounds(b, ratios, per_token=not group_clip)           # §3
+        rc = None
+        if group_clip:
+            rc = index.gather(torch.clamp(ratios.group_ratio, *group_bounds))
+            bounds = group_bounds  # the metrics read the group tables
+        terms = surrogate_terms(g.surrogate, ratios.ratio, b.logp, b.adv, *bounds, cfg.ratio_clip_c, rc)  # §4
         if g.aggregation == "token_mean":                                                  # §5
             weights = b.w_tok
         else:
@@ -299,11 +317,14 @@ class GranularPolicyLoss:
             top = len(g.entropy_cut_points) + 1
         # ids are >= -1; a token with an id but not valid (non-finite) is a member whose values are
         # 0 and which the counts (Σ valid) leave out
+        if top <= FEW_GROUPS_MAX:
+            return FewGroupIndex(ids, max(top, 1), like.dtype)
         return GroupIndex.from_ids(ids, max(top, 1))
 
-    def _bounds(self, b: PolicyBatch, ratios):
+    def _bounds(self, b: PolicyBatch, ratios, per_token: bool = True):
         """([lo, hi] per token, [lo, hi] per group): numbers for `fixed` (clamp broadcasts them),
-        else from each unit's mean π_old entropy (docs/algorithms/math.md §3)."""
+        else from each unit's mean π_old entropy (docs/algorithms/math.md §3); ``per_token``
+        False: the group tables only (None per token)."""
         g = self.granular
         if g.clip == "fixed":
             fixed = (1.0 - self.cfg.eps_low, 1.0 + self.cfg.eps_high)
@@ -312,6 +333,8 @@ class GranularPolicyLoss:
             return self._entropy_bounds(b.ent), None
         idx = ratios.index
         lo_g, hi_g = self._entropy_bounds(idx.sum(b.ent) / ratios.counts.clamp(min=1))
+        if not per_token:
+            return None, (lo_g, hi_g)
         return (idx.gather(lo_g), idx.gather(hi_g)), (lo_g, hi_g)
 
     def _entropy_bounds(self, mean_entropy):

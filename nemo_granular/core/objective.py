@@ -73,17 +73,18 @@ class SurrogateTerms:
 
 
 def surrogate_terms(kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo, hi,
-                    dual_clip: float | None = None) -> SurrogateTerms:
+                    dual_clip: float | None = None, ratio_clamped=None) -> SurrogateTerms:
     """c_it for ``kind`` (docs/algorithms/math.md §4):
 
     * ``clipped`` (PPO): c = min(r·A, clip(r, lo, hi)·A) (+ dual clip), dc/dr = A where no clip acts;
     * ``cispo`` (CISPO): c = sg[clip(r, lo, hi)]·A·logp, dc/dlogp = clip(r, lo, hi)·A;
     * ``reinforce``: c = A·logp (+ dual clip, as NeMo-RL applies it), dc/dlogp = A where it does not act.
 
-    ``ratio``/``lo``/``hi`` may be ``[B, T]``, ``[B, 1]`` or numbers; ``logp``, ``adv`` are ``[B, T]``.
+    ``ratio``/``lo``/``hi`` may be ``[B, T]``, ``[B, 1]`` or numbers; ``logp``, ``adv`` are ``[B, T]``;
+    ``ratio_clamped``: clip(r, lo, hi) per token when the caller has it (clipped surrogate only).
     """
     if kind == "clipped":
-        c, rc, low, high, keep = clip_terms(ratio, adv, lo, hi, dual_clip)
+        c, rc, low, high, keep = clip_terms(ratio, adv, lo, hi, dual_clip, ratio_clamped)
         return SurrogateTerms(c, rc, low, high, keep.mul_(adv), True)
     if kind == "cispo":
         rc = torch.clamp(ratio, lo, hi)
