@@ -127,10 +127,13 @@ def _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, i
     m: dict[str, torch.Tensor] = {}
     w_tok, sm = b.w_tok, b.sample_mask
     w_flat = w_tok.view(-1)
+    w_sum = []
 
     def tok(x):
         if not torch.is_tensor(x) or x.dim() == 0:
-            return w_tok.sum() * x
+            if not w_sum:
+                w_sum.append(w_tok.sum())
+            return w_sum[0] * x
         if x.shape == w_tok.shape and x.is_contiguous():
             return torch.dot(x.view(-1), w_flat)
         return (x * w_tok).sum()
@@ -177,7 +180,8 @@ def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, 
         m["clip_bound_low_mean"] = (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g
         m["clip_bound_high_mean"] = (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g
     m["prev_entropy_mean"] = tok(b.ent) if b.ent is not None else torch.zeros_like(sm[0])
-    nonfinite = ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
+    # valid is the mask itself when no token was taken out (the optimistic read)
+    nonfinite = torch.zeros_like(sm[0]) if b.valid is b.mask else ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
     m["nonfinite_tokens"] = nonfinite
     m["nonfinite_token_frac"] = nonfinite * b.inv_gvt
     return m

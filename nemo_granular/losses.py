@@ -66,7 +66,8 @@ def _count(x, like: torch.Tensor) -> torch.Tensor:
 @dataclass
 class PolicyBatch:
     """One loss call's batch, shifted to ``next_token_logprobs``' columns, in the compute dtype;
-    every per-token value is 0 outside the valid tokens (masked and finite)."""
+    every per-token value is 0 outside the valid tokens (masked and finite) — except in the
+    optimistic read (``assume_finite``), where the values are as given (see there)."""
 
     logp: torch.Tensor            # log π_θ, detached
     prev: torch.Tensor            # log π_old
@@ -109,7 +110,18 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
 
     mask_f = indicator(torch.gt, token_mask, 0, L)
     present = [x for x in (L, Q, A, G, H) if x is not None]
-    if assume_finite or bool(torch.isfinite(torch.stack([x.sum() for x in present])).all()):  # the usual case
+    if assume_finite:
+        # values as given (finite is checked on the results): every use is weighted by a weight
+        # that is 0 outside the valid tokens, or sums over group members only; the row sums of
+        # π_old − π_gen (importance sampling; GSPO's full metrics) and of the entropy
+        # (sequence groups) need them masked
+        valid, logp, adv = mask_f, L, A
+        masked_pg = cfg.use_importance_sampling_correction or (cfg.metrics_level == "full" and
+                                                               g.granularity == "sequence")
+        prev = Q * mask_f if masked_pg else Q
+        gen = prev if G is None else G * mask_f if masked_pg else G
+        ent = None if H is None else H * mask_f if g.granularity == "sequence" else H
+    elif bool(torch.isfinite(torch.stack([x.sum() for x in present])).all()):  # one sync; the usual case
         valid = mask_f
         logp, adv = L * mask_f, A * mask_f
         prev = logp if Q is L else Q * mask_f

@@ -50,6 +50,8 @@ def group_ratios(logp: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, in
     """L_g = Σ_{t∈g} ℓ_t / (|g| + 1e-8), s_g = exp(L_g) and r_it = s_{g(i,t)} (docs/algorithms/math.md §2;
     GSPO eq. 6, SSPO eq. 9); token groups: r_it = exp(ℓ_it). One scatter for |g| and Σℓ together."""
     log_ratio = logp - logq
+    if index is not None:
+        log_ratio.mul_(valid)  # group sums: only valid tokens (values may be unmasked)
     if index is None:
         n = valid.sum(-1) if n_row is None else n_row
         return GroupRatios(log_ratio, torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)), n)
