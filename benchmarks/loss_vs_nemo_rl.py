@@ -22,7 +22,8 @@ its scheduling delays then do not count; at 2 threads it sums both threads' work
     NEMO_RL_SRC=... python benchmarks/loss_vs_nemo_rl.py --nemo-rl-next ... --device cuda   # on a GPU
     python benchmarks/loss_vs_nemo_rl.py --quick --no-write                                   # a smoke run
 
-Writes the ``loss_vs_nemo_rl`` section of docs/benchmarks.md (``--no-write``: print only).
+Writes the ``loss_vs_nemo_rl_<device>_<clock>[_t<threads>]`` section of docs/benchmarks.md
+(``--no-write``: print only).
 """
 
 from __future__ import annotations
@@ -222,8 +223,9 @@ def main(argv=None):
     md = to_markdown(args, device, rows, why) + f"\nTotal {time.time() - t0:.0f} s.\n"
     print()
     print(md)
-    if not args.no_write:
-        update_section("loss_vs_nemo_rl" + ("_cuda" if device.type == "cuda" else ""), md)
+    if not args.no_write:  # one section per device, clock and thread counts
+        threads = "" if device.type == "cuda" else "_t" + "-".join(map(str, args.threads))
+        update_section(f"loss_vs_nemo_rl_{device.type}_{args.clock}{threads}", md)
     return md
 
 
