@@ -23,8 +23,10 @@ every NeMo-RL key left out otherwise gets NeMo-RL's default, so with the default
 (``grpo``) an empty config is NeMo-RL's default ``ClippedPGLossConfig``. A NeMo-RL key that
 is given keeps NeMo-RL's meaning and wins over the preset; one that contradicts an explicit
 ``granular`` field is refused. :data:`NEMO_RL_LOSS_KEYS` says, key by key, how each composes
-with ``granular`` (docs/nemo-rl.md §3 is rendered from it). Every validation error is a
-one-line ``ValueError`` naming the field.
+with ``granular`` (docs/nemo-rl.md §3 is rendered from it). Every validation error of the
+loss config is a one-line :class:`LossConfigError` naming the field: both a ``ValueError`` and an
+``AssertionError``, so code written for NeMo-RL (whose ``ClippedPGLossFn`` refuses with ``assert``)
+and code written for us catch it alike.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError, field_validator, model_validator
 
 __all__ = [
+    "LossConfigError",
     "PRESETS",
     "NEMO_RL_LOSS_KEYS",
+    "NEMO_RL_NEXT_LOSS_KEYS",
     "NEMO_RL_ESTIMATOR_KEYS",
     "SSPOClipConfig",
     "ESPOClipConfig",
@@ -55,6 +59,13 @@ RatioForm = Literal["shared", "token_decomposed"]
 ClipKind = Literal["fixed", "sspo_entropy", "espo_entropy"]
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_group_mean"]
 Surrogate = Literal["clipped", "cispo", "reinforce"]
+MetricsLevel = Literal["full", "minimal"]
+
+
+class LossConfigError(ValueError, AssertionError):
+    """A refused ``loss_fn`` config: one line naming the key. NeMo-RL's ``ClippedPGLossFn`` refuses
+    with ``AssertionError`` (and pydantic's ``ValueError``): this is both, so ``except
+    AssertionError`` / ``pytest.raises(AssertionError)`` written for NeMo-RL catch it too."""
 
 # docs/algorithms/math.md §8 (ε of `fixed` clipping as (low, high); advantage estimator name)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -196,6 +207,11 @@ class PolicyLossConfig(BaseModel):
     force_on_policy_ratio: bool = False
     use_cispo: bool = False
     positive_example_nll_weight: float = 0.0
+    # NeMo-RL's next ClippedPGLossFn (NVIDIA-NeMo/RL pull request 3751): `minimal` skips the
+    # diagnostics that do not feed the objective; `enable_torch_compile` compiles the tensor-only
+    # objective lazily on first call (torch.compile, dynamic shapes)
+    metrics_level: MetricsLevel = "full"
+    enable_torch_compile: bool = False
     granular: GranularConfig = Field(default_factory=GranularConfig)
 
     @model_validator(mode="after")
@@ -362,7 +378,7 @@ def _given(cfg) -> dict:
     return {k: v for k, v in dumped.items() if k in given}
 
 
-def _parse(model, cfg, prefix):
+def _parse(model, cfg, prefix, error=ValueError):
     if isinstance(cfg, model):
         return cfg
     if cfg is None:
@@ -372,12 +388,13 @@ def _parse(model, cfg, prefix):
     try:
         return model.model_validate(dict(cfg))
     except ValidationError as err:
-        raise ValueError(format_validation_error(err, prefix)) from None
+        raise error(format_validation_error(err, prefix)) from None
 
 
 def parse_policy_loss_config(cfg) -> PolicyLossConfig:
-    """Validate a ``loss_fn`` mapping (dict, OmegaConf container or pydantic model)."""
-    return _parse(PolicyLossConfig, cfg, "loss_fn")
+    """Validate a ``loss_fn`` mapping (dict, OmegaConf container or pydantic model); a refusal
+    raises :class:`LossConfigError` (a ``ValueError`` and an ``AssertionError``)."""
+    return _parse(PolicyLossConfig, cfg, "loss_fn", LossConfigError)
 
 
 def parse_advantage_config(cfg) -> AdvantageConfig:
@@ -441,6 +458,19 @@ NEMO_RL_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
                   "dual clip, no forced ratio, no sequence-level ratios); CISPO at any granularity or "
                   "aggregation: `algorithm: cispo`. false leaves the surrogate to `granular`"),
     "positive_example_nll_weight": ("float", 0.0, "NeMo-RL", "VAPO's NLL on correct responses, as NeMo-RL"),
+}
+
+# The keys NVIDIA-NeMo/RL pull request 3751 (the rewrite of ClippedPGLossFn) adds to
+# ClippedPGLossConfig; NeMo-RL 7ea279ab and v0.7.0 do not declare them (same columns as above)
+NEMO_RL_NEXT_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
+    "metrics_level": ("str", "full", "NeMo-RL",
+                      "`full` | `minimal`; minimal drops the diagnostics NeMo-RL's minimal mode drops (the "
+                      "`probs_ratio*` statistics, π_old-vs-π_gen errors, `approx_entropy`, and "
+                      "`sampling_importance_ratio` unless the IS correction is on); the granular metrics stay"),
+    "enable_torch_compile": ("bool", False, "NeMo-RL",
+                             "true: the tensor-only objective (ratios, surrogate, weights, closed-form gradient) "
+                             "is compiled with `torch.compile` on the first call, as NeMo-RL compiles its actor "
+                             "objective"),
 }
 
 # NeMo-RL's AdvEstimatorConfig keys as our `grpo` / `espo` estimators read them (same columns)

@@ -15,7 +15,7 @@ import torch
 from .core.fused import masked_extrema, prob_error_sums
 from .core.objective import LOG_RATIO_BOUND, aggregation_weights
 
-__all__ = ["metric_kinds", "policy_metrics"]
+__all__ = ["MINIMAL_SKIPS", "metric_kinds", "policy_metrics"]
 
 TOKEN_METRICS = (
     "probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
@@ -27,28 +27,47 @@ RAW_METRICS = ("num_valid_samples", "nonfinite_tokens", "positive_nll_loss",
                "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max")
 
 
-def metric_kinds(token_level: bool, granularity: str, truncation: str | None) -> dict[str, str]:
+# what NeMo-RL's `metrics_level: minimal` leaves out (NVIDIA-NeMo/RL pull request 3751);
+# `sampling_importance_ratio` too, unless the importance-sampling correction is on
+MINIMAL_SKIPS = frozenset((
+    "probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min",
+    "probs_ratio_clamped_max", "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
+    "approx_entropy",
+))
+
+
+def metric_kinds(token_level: bool, granularity: str, truncation: str | None, level: str = "full",
+                 importance_correction: bool = False) -> dict[str, str]:
     """Metric name → ``MetricNormalizer`` value (``tokens`` / ``sequences`` / ``none``), as NeMo-RL's
     ``ClippedPGLossFn`` advertises them: ``loss`` and ``kl_penalty`` like the gradient
     (``token_level_loss``), ``is_oob_ratio`` by the truncation, ``sampling_importance_ratio``
-    per response for sequence ratios."""
+    per response for sequence ratios. ``level`` ``minimal``: without :data:`MINIMAL_SKIPS`."""
     grad = "tokens" if token_level else "sequences"
     kinds = {"loss": grad, "kl_penalty": grad}
     kinds.update({k: "tokens" for k in TOKEN_METRICS})
     kinds.update({k: "sequences" for k in SEQ_METRICS})
     kinds.update({k: "none" for k in RAW_METRICS})
-    kinds["sampling_importance_ratio"] = "sequences" if granularity == "sequence" else "tokens"
+    if level == "minimal":
+        kinds = {k: v for k, v in kinds.items() if k not in MINIMAL_SKIPS}
+    if level == "full" or importance_correction:
+        kinds["sampling_importance_ratio"] = "sequences" if granularity == "sequence" else "tokens"
     if truncation is not None:
         kinds["is_oob_ratio"] = "sequences" if truncation == "seq-mask-tis" else "tokens"
     return kinds
 
 
 def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
-                   kl_coef: float, kl_type: str, granularity: str, surrogate: str) -> dict[str, torch.Tensor]:
+                   kl_coef: float, kl_type: str, granularity: str, surrogate: str,
+                   level: str = "full") -> dict[str, torch.Tensor]:
     """0-d tensors, one per metric. ``b`` is the loss's batch view (``PolicyBatch``), ``ratios`` /
     ``terms`` the :mod:`~nemo_granular.core.objective` results, ``bounds`` = (lo, hi) per token (or
     numbers), ``group_bounds`` = (lo, hi) per group (or numbers, or None), ``fraction_weights``
-    the per-group-mean weights when the objective already built them (else None)."""
+    the per-group-mean weights when the objective already built them (else None). ``level``
+    ``minimal`` leaves out :data:`MINIMAL_SKIPS` (and ``sampling_importance_ratio`` when
+    ``is_weight`` is None), the others keep their values."""
+    if level == "minimal":
+        return _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll,
+                                kl_coef=kl_coef, granularity=granularity, surrogate=surrogate)
     m: dict[str, torch.Tensor] = {}
     w_tok, sm = b.w_tok, b.sample_mask
     w_flat = w_tok.view(-1)
@@ -97,6 +116,72 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
     m["group_size_mean"] = seq(b.n_row / ratios.n_groups_row.clamp(min=1))
     m["prev_entropy_mean"] = tok(b.ent) if b.ent is not None else torch.zeros_like(sm[0])
     nonfinite = ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
+    m["nonfinite_tokens"] = nonfinite
+    m["nonfinite_token_frac"] = nonfinite * b.inv_gvt
+    return m
+
+
+def _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
+                     kl_coef: float, granularity: str, surrogate: str) -> dict[str, torch.Tensor]:
+    """The metrics :func:`policy_metrics` keeps at ``metrics_level: minimal``, each computed as there."""
+    m: dict[str, torch.Tensor] = {}
+    w_tok, sm = b.w_tok, b.sample_mask
+    w_flat = w_tok.view(-1)
+    w_sum = []
+
+    def tok(x):
+        if not torch.is_tensor(x) or x.dim() == 0:
+            if not w_sum:
+                w_sum.append(w_tok.sum())
+            return w_sum[0] * x
+        if x.shape == w_tok.shape and x.is_contiguous():
+            return torch.dot(x.view(-1), w_flat)
+        return (x * w_tok).sum()
+
+    def seq(x_row):
+        return (x_row * sm).sum() * b.inv_gvs
+
+    m["loss"] = loss.detach()
+    m["num_valid_samples"] = sm.sum()
+    m["kl_penalty"] = kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)
+    if is_weight is not None:
+        if granularity == "sequence":
+            m["sampling_importance_ratio"] = seq((is_weight * b.valid).amax(-1))
+        else:
+            m["sampling_importance_ratio"] = tok(is_weight)
+    m["positive_nll_loss"] = nll.detach()
+    m.update(_granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, tok, seq,
+                               per_token_bounds=surrogate == "reinforce" or ratios.index is None))
+    return m
+
+
+def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, tok, seq,
+                      per_token_bounds: bool) -> dict[str, torch.Tensor]:
+    """Ours beside NeMo-RL's: clip fractions per token and per group, group counts and sizes,
+    mean clip bounds, mean π_old entropy, non-finite tokens."""
+    m: dict[str, torch.Tensor] = {}
+    sm = b.sample_mask
+    m["clip_frac_low"] = tok(terms.low)
+    m["clip_frac_high"] = tok(terms.high)
+    if fraction_weights is None:
+        fraction_weights = aggregation_weights("seq_mean_group_mean", b.valid, sm, b.inv_gvt, b.inv_gvs, b.n_row,
+                                               ratios.index, ratios.counts, ratios.n_groups_row)
+    fw = fraction_weights.reshape(-1)
+    m["clip_frac_low_groups"] = torch.dot(terms.low.reshape(-1), fw)
+    m["clip_frac_high_groups"] = torch.dot(terms.high.reshape(-1), fw)
+    m["groups_per_response"] = seq(ratios.n_groups_row)
+    m["group_size_mean"] = seq(b.n_row / ratios.n_groups_row.clamp(min=1))
+    lo, hi = bounds
+    if per_token_bounds:
+        m["clip_bound_low_mean"], m["clip_bound_high_mean"] = tok(lo), tok(hi)
+    else:
+        lo_g, hi_g = group_bounds
+        gw = ratios.counts * (sm * b.inv_gvt)[:, None]
+        m["clip_bound_low_mean"] = (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g
+        m["clip_bound_high_mean"] = (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g
+    m["prev_entropy_mean"] = tok(b.ent) if b.ent is not None else torch.zeros_like(sm[0])
+    # valid is the mask itself when no token was taken out (the optimistic read)
+    nonfinite = torch.zeros_like(sm[0]) if b.valid is b.mask else ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
     m["nonfinite_tokens"] = nonfinite
     m["nonfinite_token_frac"] = nonfinite * b.inv_gvt
     return m

@@ -15,6 +15,7 @@ the order of docs/algorithms/math.md and reports :mod:`nemo_granular.loss_metric
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,11 +26,11 @@ from .core.advantages import first_response_index, sppo_critic_bce
 from .core.aggregation import safe_divide
 from .core.clipping import (ESPO_AUTO_TARGET_EPS, calibrate_espo_alpha, espo_entropy_clip_bounds,
                             sspo_entropy_clip_bounds)
-from .core.fused import (LinearizedLoss, RowIndex, compute_dtype, finite_valid, indicator, masked_values,
-                         substitute_nonfinite)
+from .core.fused import (FEW_GROUPS_MAX, FewGroupIndex, LinearizedLoss, RowIndex, compute_dtype, finite_valid,
+                         indicator, masked_values, substitute_nonfinite)
 from .core.groups import build_delimiter_table, group_ids_for
-from .core.objective import (LOG_RATIO_BOUND, aggregation_weights, group_ratios, objective_logp_grad,
-                             surrogate_terms)
+from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights, group_ratios,
+                             objective_logp_grad, surrogate_terms)
 from .core.offpolicy import importance_weights, kl_penalty_per_token, truncate_importance_weights
 from .core.ratios import GroupIndex
 from .loss_metrics import metric_kinds, policy_metrics
@@ -55,16 +56,18 @@ def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> to
 
 
 def _count(x, like: torch.Tensor) -> torch.Tensor:
-    """A global count (tensor or number) as a 0-d tensor of ``like``'s dtype, clamped to 1e-8."""
+    """A global count (tensor or number) as NeMo-RL's ``masked_mean`` divides by it: count + 1e-8,
+    a 0-d tensor of ``like``'s dtype (docs/algorithms/math.md, Notation)."""
     x = x.to(like.device, like.dtype) if torch.is_tensor(x) else torch.tensor(float(x), dtype=like.dtype,
                                                                                device=like.device)
-    return x.reshape(()).clamp(min=1e-8)
+    return x.reshape(()) + COUNT_EPS
 
 
 @dataclass
 class PolicyBatch:
     """One loss call's batch, shifted to ``next_token_logprobs``' columns, in the compute dtype;
-    every per-token value is 0 outside the valid tokens (masked and finite)."""
+    every per-token value is 0 outside the valid tokens (masked and finite) — except in the
+    optimistic read (``assume_finite``), where the values are as given (see there)."""
 
     logp: torch.Tensor            # log π_θ, detached
     prev: torch.Tensor            # log π_old
@@ -76,15 +79,17 @@ class PolicyBatch:
     sample_mask: torch.Tensor     # [B]
     row_on: torch.Tensor          # sample_mask != 0, [B]
     n_row: torch.Tensor           # valid tokens per row, [B]
-    inv_gvt: torch.Tensor         # 1 / global_valid_toks
-    inv_gvs: torch.Tensor         # 1 / global_valid_seqs
+    inv_gvt: torch.Tensor         # 1 / (global_valid_toks + 1e-8)
+    inv_gvs: torch.Tensor         # 1 / (global_valid_seqs + 1e-8)
     w_tok: torch.Tensor           # valid·sample_mask/global_valid_toks: NeMo-RL's token-mean weight
 
 
 def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
-                      cfg: PolicyLossConfig) -> PolicyBatch:
+                      cfg: PolicyLossConfig, assume_finite: bool = False) -> PolicyBatch:
     """NeMo-RL's batch keys as a :class:`PolicyBatch`. NaN/inf tokens (in logp, π_old logp,
-    advantage, and π_gen logp / entropy where they are used) leave the valid mask (math.md, Notation)."""
+    advantage, and π_gen logp / entropy where they are used) leave the valid mask (math.md, Notation).
+    ``assume_finite``: skip the finiteness test (the caller checks its results instead: a
+    non-finite input anywhere makes them non-finite, and it calls again without)."""
     lp_in, g = next_token_logprobs, cfg.granular
     if lp_in.dim() != 2:
         raise ValueError(f"next_token_logprobs must be [B, S-1], got shape {tuple(lp_in.shape)}")
@@ -105,7 +110,18 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
 
     mask_f = indicator(torch.gt, token_mask, 0, L)
     present = [x for x in (L, Q, A, G, H) if x is not None]
-    if bool(torch.isfinite(torch.stack([x.sum() for x in present])).all()):  # one sync; the usual case
+    if assume_finite:
+        # values as given (finite is checked on the results): every use is weighted by a weight
+        # that is 0 outside the valid tokens, or sums over group members only; the row sums of
+        # π_old − π_gen (importance sampling; GSPO's full metrics) and of the entropy
+        # (sequence groups) need them masked
+        valid, logp, adv = mask_f, L, A
+        masked_pg = cfg.use_importance_sampling_correction or (cfg.metrics_level == "full" and
+                                                               g.granularity == "sequence")
+        prev = Q * mask_f if masked_pg else Q
+        gen = prev if G is None else G * mask_f if masked_pg else G
+        ent = None if H is None else H * mask_f if g.granularity == "sequence" else H
+    elif bool(torch.isfinite(torch.stack([x.sum() for x in present])).all()):  # one sync; the usual case
         valid = mask_f
         logp, adv = L * mask_f, A * mask_f
         prev = logp if Q is L else Q * mask_f
@@ -169,7 +185,17 @@ class GranularPolicyLoss:
             self.set_tokenizer(tokenizer, vocab_size)
         self._loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level else LossType.SEQUENCE_LEVEL
         self._metric_kinds = {k: MetricNormalizer(v) for k, v in metric_kinds(
-            self.cfg.token_level, self.granular.granularity, self.cfg.truncated_importance_sampling_type).items()}
+            self.cfg.token_level, self.granular.granularity, self.cfg.truncated_importance_sampling_type,
+            self.cfg.metrics_level, self.cfg.use_importance_sampling_correction).items()}
+        self.metrics_level = self.cfg.metrics_level
+        self.enable_torch_compile = self.cfg.enable_torch_compile
+        # compiled lazily on the worker, after Ray has serialised the loss (as NeMo-RL does)
+        self._compiled_objective = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_compiled_objective"] = None  # a compiled function does not pickle; recompiled where used
+        return state
 
     @property
     def loss_type(self):
@@ -211,12 +237,48 @@ class GranularPolicyLoss:
 
     def __call__(self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs,
                  global_valid_toks, **kwargs) -> tuple[torch.Tensor, dict]:
+        # First on the batch as it comes: a non-finite input anywhere (valid or masked) turns the
+        # objective or a metric non-finite, and only then is the batch read again with the
+        # non-finite tokens taken out of the valid mask (saves one pass per input key per call)
+        loss, metrics = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
+        if not all(math.isfinite(v) for v in metrics.values()):
+            loss, metrics = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
+        return loss, metrics
+
+    def _call(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, assume_finite: bool):
         cfg, g = self.cfg, self.granular
-        b = read_policy_batch(next_token_logprobs, data, global_valid_seqs, global_valid_toks, cfg)
+        b = read_policy_batch(next_token_logprobs, data, global_valid_seqs, global_valid_toks, cfg, assume_finite)
         index = None if g.granularity == "token" else self._index(data, b)
+        if g.clip == "espo_entropy":
+            self._check_espo_ready()
+        metrics: dict[str, torch.Tensor] = {}
+        objective = self._objective if not self.enable_torch_compile else self._compiled()
+        obj, grad, ratios, terms, bounds, group_bounds, fraction_weights, is_weight = objective(b, index, metrics)
+        loss = LinearizedLoss.apply(next_token_logprobs, -obj, grad.neg_())
+        loss, kl, nll = self._penalties(loss, next_token_logprobs, data, b)
+        with torch.no_grad():
+            metrics.update(policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss,
+                                          kl, nll, kl_coef=self.reference_policy_kl_penalty,
+                                          kl_type=cfg.reference_policy_kl_type, granularity=g.granularity,
+                                          surrogate=g.surrogate, level=self.metrics_level))
+            names = list(metrics)
+            values = torch.stack([metrics[k] for k in names]).tolist()  # 0-d tensors of dt; one sync
+        return loss, dict(zip(names, values))
+
+    def _objective(self, b: PolicyBatch, index, metrics: dict):
+        """The tensor-only part (docs/algorithms/math.md §2–§5, off-policy weights): the objective
+        Σ W·c, its gradient with respect to the logprobs, and what the metrics read. This is what
+        ``enable_torch_compile`` compiles."""
+        cfg, g = self.cfg, self.granular
         ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row)                     # §2
-        bounds, group_bounds = self._bounds(b, ratios)                                     # §3
-        terms = surrogate_terms(g.surrogate, ratios.ratio, b.logp, b.adv, *bounds, cfg.ratio_clip_c)  # §4
+        # clipped surrogate with per-group bounds: clip(s_g, lo_g, hi_g) on the group table, one gather
+        group_clip = index is not None and g.clip != "fixed" and g.surrogate == "clipped"
+        bounds, group_bounds = self._bounds(b, ratios, per_token=not group_clip)           # §3
+        rc = None
+        if group_clip:
+            rc = index.gather(torch.clamp(ratios.group_ratio, *group_bounds))
+            bounds = group_bounds  # the metrics read the group tables
+        terms = surrogate_terms(g.surrogate, ratios.ratio, b.logp, b.adv, *bounds, cfg.ratio_clip_c, rc)  # §4
         if g.aggregation == "token_mean":                                                  # §5
             weights = b.w_tok
         else:
@@ -224,7 +286,6 @@ class GranularPolicyLoss:
                                           index, ratios.counts, ratios.n_groups_row)
         per_group_mean = g.aggregation == "seq_mean_group_mean" or (index is None and g.aggregation != "token_mean")
         fraction_weights = weights if per_group_mean else None
-        metrics: dict[str, torch.Tensor] = {}
         is_weight = None
         if cfg.use_importance_sampling_correction:  # off-policy correction π_old/π_gen (detached)
             is_weight = self._importance_weights(b, index, metrics)
@@ -232,16 +293,15 @@ class GranularPolicyLoss:
         objective = (torch.dot(weights.reshape(-1), terms.value.reshape(-1)) if weights.shape == terms.value.shape
                      else (weights * terms.value).sum())
         grad = objective_logp_grad(weights, terms, ratios, g.ratio, b.valid)
-        loss = LinearizedLoss.apply(next_token_logprobs, -objective, grad.neg_())
-        loss, kl, nll = self._penalties(loss, next_token_logprobs, data, b)
-        with torch.no_grad():
-            metrics.update(policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss,
-                                          kl, nll, kl_coef=self.reference_policy_kl_penalty,
-                                          kl_type=cfg.reference_policy_kl_type, granularity=g.granularity,
-                                          surrogate=g.surrogate))
-            names = list(metrics)
-            values = torch.stack([metrics[k] for k in names]).tolist()  # 0-d tensors of dt; one sync
-        return loss, dict(zip(names, values))
+        return objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, is_weight
+
+    def _compiled(self):
+        """:meth:`_objective` under ``torch.compile``, built on first use (NeMo-RL's settings for its
+        actor objective: dynamic shapes, ``max-autotune-no-cudagraphs``)."""
+        if self._compiled_objective is None:
+            self._compiled_objective = torch.compile(self._objective, dynamic=True,
+                                                     mode="max-autotune-no-cudagraphs")
+        return self._compiled_objective
 
     # ------------------------------------------------------------------ the steps
     def _index(self, data, b: PolicyBatch):
@@ -269,11 +329,14 @@ class GranularPolicyLoss:
             top = len(g.entropy_cut_points) + 1
         # ids are >= -1; a token with an id but not valid (non-finite) is a member whose values are
         # 0 and which the counts (Σ valid) leave out
+        if top <= FEW_GROUPS_MAX:
+            return FewGroupIndex(ids, max(top, 1), like.dtype)
         return GroupIndex.from_ids(ids, max(top, 1))
 
-    def _bounds(self, b: PolicyBatch, ratios):
+    def _bounds(self, b: PolicyBatch, ratios, per_token: bool = True):
         """([lo, hi] per token, [lo, hi] per group): numbers for `fixed` (clamp broadcasts them),
-        else from each unit's mean π_old entropy (docs/algorithms/math.md §3)."""
+        else from each unit's mean π_old entropy (docs/algorithms/math.md §3); ``per_token``
+        False: the group tables only (None per token)."""
         g = self.granular
         if g.clip == "fixed":
             fixed = (1.0 - self.cfg.eps_low, 1.0 + self.cfg.eps_high)
@@ -282,18 +345,22 @@ class GranularPolicyLoss:
             return self._entropy_bounds(b.ent), None
         idx = ratios.index
         lo_g, hi_g = self._entropy_bounds(idx.sum(b.ent) / ratios.counts.clamp(min=1))
+        if not per_token:
+            return None, (lo_g, hi_g)
         return (idx.gather(lo_g), idx.gather(hi_g)), (lo_g, hi_g)
 
     def _entropy_bounds(self, mean_entropy):
         g = self.granular
         if g.clip == "sspo_entropy":
             return sspo_entropy_clip_bounds(mean_entropy, g.sspo.alpha, g.sspo.beta, g.sspo.gamma)
+        return espo_entropy_clip_bounds(mean_entropy, g.espo.alpha, self.vocab_size)
+
+    def _check_espo_ready(self) -> None:
         if self.vocab_size is None:
             raise ValueError("loss_fn.granular.espo.vocab_size is unset and no model vocabulary size was given")
         if self.espo_alpha_pending:
             raise ValueError("loss_fn.granular.espo.alpha is 'auto' but no π_old pass has set it: call "
                              "GranularPolicyLoss.calibrate_espo_alpha on the first rollout (the trainers do)")
-        return espo_entropy_clip_bounds(mean_entropy, g.espo.alpha, self.vocab_size)
 
     def _importance_weights(self, b: PolicyBatch, index, metrics) -> torch.Tensor:
         """π_old/π_gen per group, truncated as configured; logs ``is_oob_ratio``."""
@@ -301,7 +368,7 @@ class GranularPolicyLoss:
         kind = cfg.truncated_importance_sampling_type
         seq_mean = None
         if kind == "seq-mask-tis":
-            seq_mean = (b.prev - b.gen).sum(-1) / b.valid.sum(-1).clamp(min=1)
+            seq_mean = (b.prev - b.gen).sum(-1) / (b.valid.sum(-1) + COUNT_EPS)
         w, oob = truncate_importance_weights(importance_weights(b.prev, b.gen, index), kind,
                                              cfg.truncated_importance_sampling_ratio,
                                              cfg.truncated_importance_sampling_ratio_min, seq_mean)
@@ -326,7 +393,7 @@ class GranularPolicyLoss:
         if use_nll:
             rewards = data["rewards"].to(b.logp.device, b.logp.dtype).reshape(-1)
             correct = b.valid * b.sample_mask[:, None] * (rewards > 0).to(b.logp.dtype)[:, None]
-            nll = -(logp * correct).sum() / correct.sum().clamp(min=1)
+            nll = -(logp * correct).sum() / (correct.sum() + COUNT_EPS)
             loss = loss + cfg.positive_example_nll_weight * nll
         return loss, kl, nll
 

@@ -26,6 +26,8 @@ from fractions import Fraction
 import torch
 
 F64 = torch.float64
+# NeMo-RL's masked_mean divides by (count + 1e-8); the granular loss forms every token mean so
+COUNT_EPS = 1e-8
 
 # ---------------------------------------------------------------------------------- helpers
 
@@ -126,12 +128,13 @@ def group_log_ratio_means(logp, logq, ids: list[list[int]]) -> list[dict[int, fl
     return out
 
 
-def token_ratios(logp, logq, ids: list[list[int]], form: str):
-    """r_it (float64, with autograd through ``logp``) for every valid token: dict (i, t) -> r."""
+def token_ratios(logp, logq, ids: list[list[int]], form: str, count_eps: float = 0.0):
+    """r_it (float64, with autograd through ``logp``) for every valid token: dict (i, t) -> r.
+    The group mean divides by |g| + ``count_eps`` (the loss: NeMo-RL's 1e-8, :data:`COUNT_EPS`)."""
     r = {}
     for i, row in enumerate(ids):
         for grp in groups_of_row(row):
-            L = sum(logp[i, t] - logq[i, t] for t in grp) / len(grp)
+            L = sum(logp[i, t] - logq[i, t] for t in grp) / (len(grp) + count_eps)
             s = torch.exp(L)
             for t in grp:
                 if form == "shared":
@@ -199,8 +202,11 @@ def reinforce_term(logp_t, A: float, dual_clip=None):
 # ---------------------------------------------------------------------------------- §5 aggregation
 
 
-def aggregate(per_token: dict, ids: list[list[int]], sample_mask, kind: str, gvs: float, gvt: float):
-    """Partial objective of this batch with global denominators ``gvs`` / ``gvt``."""
+def aggregate(per_token: dict, ids: list[list[int]], sample_mask, kind: str, gvs: float, gvt: float,
+              count_eps: float = 0.0):
+    """Partial objective of this batch with global denominators ``gvs`` / ``gvt``; every token count
+    (global, per response, per group) is taken + ``count_eps`` (the loss: :data:`COUNT_EPS`)."""
+    gvs, gvt = gvs + count_eps, gvt + count_eps
     total = torch.zeros((), dtype=F64)
     for i, row in enumerate(ids):
         sm = float(sample_mask[i])
@@ -210,10 +216,10 @@ def aggregate(per_token: dict, ids: list[list[int]], sample_mask, kind: str, gvs
         if kind == "token_mean":
             total = total + sm * sum(per_token[(i, t)] for t in toks) / gvt
         elif kind == "seq_mean_token_mean":
-            total = total + sm * (sum(per_token[(i, t)] for t in toks) / len(toks)) / gvs
+            total = total + sm * (sum(per_token[(i, t)] for t in toks) / (len(toks) + count_eps)) / gvs
         elif kind == "seq_mean_group_mean":
             grps = groups_of_row(row)
-            gm = sum(sum(per_token[(i, t)] for t in g) / len(g) for g in grps) / len(grps)
+            gm = sum(sum(per_token[(i, t)] for t in g) / (len(g) + count_eps) for g in grps) / len(grps)
             total = total + sm * gm / gvs
         else:
             raise ValueError(kind)
@@ -444,8 +450,13 @@ def _shifted(data, name):
 
 def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=0.2, eps_high=0.2,
                   sspo=(0.0, 0.8, 1.75), espo_alpha=1.0, vocab_size=None, cuts=(0.2,),
-                  delimiter_ids=DELIMITERS, gvs, gvt, dual_clip=None, kl=None, surrogate="clipped"):
+                  delimiter_ids=DELIMITERS, gvs, gvt, dual_clip=None, kl=None, surrogate="clipped",
+                  count_eps=COUNT_EPS):
     """Spec §1–§5 for a NeMo-style batch, float64: returns (loss, metrics).
+
+    Every mean over tokens (group log-ratio, per-response and per-group means, the global token
+    and sequence counts) divides by count + ``count_eps``, NeMo-RL's ``masked_mean`` regulariser
+    (docs/algorithms/math.md, Notation).
 
     ``logp`` is a float64 ``[B, S-1]`` leaf (gradient reference). Non-finite tokens (logp, logq,
     advantage or, when used, entropy) are excluded. ``kl`` = dict(coef, type, in_clamp, out_clamp).
@@ -473,7 +484,10 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
         ids = segment_group_ids(data["input_ids"][:, 1:], valid, delimiter_ids)
     else:
         ids = entropy_group_ids(ent, valid, list(cuts))
-    r = token_ratios(logp, logq, ids, ratio)
+    # token groups are no mean (NeMo-RL's exp(logp − logq)); their per-group mean is the token mean
+    r = token_ratios(logp, logq, ids, ratio, count_eps if granularity != "token" else 0.0)
+    if granularity == "token" and aggregation == "seq_mean_group_mean":
+        aggregation = "seq_mean_token_mean"
     c, lows, highs, los, his = {}, {}, {}, {}, {}
     for i, row in enumerate(ids):
         for grp in groups_of_row(row):
@@ -492,7 +506,7 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
                     term = clipped_term(r[(i, t)], float(adv[i, t]), lo, hi, dual_clip)
                 c[(i, t)], lows[(i, t)], highs[(i, t)] = term
                 los[(i, t)], his[(i, t)] = lo, hi
-    loss = -aggregate(c, ids, sm, aggregation, gvs, gvt)
+    loss = -aggregate(c, ids, sm, aggregation, gvs, gvt, count_eps)
     if kl is not None and kl.get("coef", 0):
         ref = _shifted(data, "reference_policy_logprobs")
         per = {}
@@ -503,8 +517,9 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
                     per[(i, t)] = kl["coef"] * kl_token(logp[i, t], ref[i, t], kl.get("type", "k3"),
                                                         kl.get("in_clamp", 20.0), kl.get("out_clamp", 10.0), w)
         kind = "token_mean" if aggregation == "token_mean" else "seq_mean_token_mean"
-        loss = loss + aggregate(per, ids, sm, kind, gvs, gvt)
+        loss = loss + aggregate(per, ids, sm, kind, gvs, gvt, count_eps)
     # metrics
+    gvs, gvt = gvs + count_eps, gvt + count_eps
     m = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "probs_ratio": 0.0, "groups_per_response": 0.0,
          "group_size_mean": 0.0, "clip_bound_low_mean": 0.0, "clip_bound_high_mean": 0.0}
     rmin, rmax = float("inf"), float("-inf")

@@ -17,6 +17,9 @@ from __future__ import annotations
 import torch
 
 CACHE_ELEMENTS = 1 << 18  # floats per working block (1 MiB in float32): cache-resident on CPU
+# floats per working block when no chunk size is given (128 MiB in float32): a null chunk size
+# still keeps the extra memory at two bounded blocks, whatever the number of positions
+MAX_BLOCK_ELEMENTS = 1 << 25
 
 __all__ = ["entropy_from_logits", "logprobs_from_logits", "logprobs_and_entropy_from_logits"]
 
@@ -28,11 +31,14 @@ def _chunk_stats(logits: torch.Tensor, chunk_size: int | None, targets=None, ent
     H = log s − Σ e·y / s (shifted form: no cancellation between two terms of the size of z).
     Two float32 ``[step, V]`` buffers are allocated once and reused: on CPU, allocating (and
     page-faulting) a fresh block per chunk costs as much as the arithmetic. ``step`` is
-    ``chunk_size`` capped at ``CACHE_ELEMENTS // V`` positions (at least one).
+    ``chunk_size`` (null: ``MAX_BLOCK_ELEMENTS // V``) capped on CPU at ``CACHE_ELEMENTS // V``
+    positions per thread (at least one).
     """
     flat = logits.detach().reshape(-1, logits.shape[-1])
     n, V = flat.shape
-    step = n if not chunk_size or chunk_size <= 0 else min(chunk_size, max(n, 1))
+    if not chunk_size or chunk_size <= 0:
+        chunk_size = max(1, MAX_BLOCK_ELEMENTS // max(V, 1))
+    step = min(chunk_size, max(n, 1))
     if flat.device.type == "cpu":  # on GPU the kernels stream; larger blocks mean fewer launches
         # a block per thread: each of the ~12 ops per block is one parallel region, so more
         # threads get proportionally larger blocks (fewer regions)

@@ -27,6 +27,8 @@ __all__ = [
     "masked_extrema",
     "LinearizedLoss",
     "RowIndex",
+    "FewGroupIndex",
+    "FEW_GROUPS_MAX",
 ]
 
 # a penalty that pushes excluded entries out of a min/max (ratios are ≤ exp(20) ≈ 4.9e8)
@@ -73,20 +75,23 @@ def substitute_nonfinite(x: torch.Tensor, fallback: torch.Tensor, valid: torch.T
     return masked_values(x, ok).add_(fallback * (1 - ok))
 
 
-def clip_terms(ratio, adv, lo, hi, dual_clip: float | None = None):
+def clip_terms(ratio, adv, lo, hi, dual_clip: float | None = None, ratio_clamped=None):
     """Per-token clipped surrogate (docs/algorithms/math.md §4) and the derivative of it with respect to the ratio.
 
     c = min(r·A, clip(r, lo, hi)·A), with dual clip C: c = max(c, C·A) where A < 0.
-    Returns ``(c, r_clamped, low, high, keep)``: ``low``/``high`` (0/1) mark the tokens whose
-    gradient the min removes (A < 0 and r < lo; A > 0 and r > hi); ``keep`` = 1 where dc/dr = A
-    (neither clipped nor held by the dual clip), so dc/dr = keep·A. ``ratio``/``lo``/``hi`` may
-    be per-row ``[B, 1]`` tensors or numbers; ``adv`` is ``[B, T]``.
+    Returns ``(c, r_clamped, low, high, keep)``: ``keep`` = 1 where the min keeps the unclipped
+    branch, r·A ≤ clip(r)·A (then dc/dr = A), else the clip removes the gradient — low when A < 0
+    (r < lo), high when A > 0 (r > hi); the dual clip also removes it where it holds c at C·A.
+    So dc/dr = keep·A. ``ratio``/``lo``/``hi`` may be per-row ``[B, 1]`` tensors or numbers;
+    ``adv`` is ``[B, T]``; ``ratio_clamped`` = clip(r, lo, hi) when the caller has it (per group).
     """
-    rc = torch.clamp(ratio, lo, hi)
-    c = torch.minimum(ratio * adv, rc * adv)
-    low = indicator(torch.lt, adv, 0, adv).mul_(indicator(torch.lt, ratio, lo, adv))
-    high = indicator(torch.gt, adv, 0, adv).mul_(indicator(torch.gt, ratio, hi, adv))
-    keep = 1 - low - high
+    rc = torch.clamp(ratio, lo, hi) if ratio_clamped is None else ratio_clamped
+    ra, rca = ratio * adv, rc * adv
+    c = torch.minimum(ra, rca)
+    keep = indicator(torch.le, ra, rca, adv)  # one comparison instead of four (A's sign × the two bounds)
+    clipped = 1 - keep
+    low = indicator(torch.lt, adv, 0, adv).mul_(clipped)
+    high = clipped.sub_(low)
     if dual_clip is not None:
         # for A >= 0, c >= 0 = C·min(A, 0): the max leaves it alone, so no mask is needed
         floor = adv.clamp(max=0).mul_(dual_clip)
@@ -182,3 +187,33 @@ class RowIndex:
 
     def gather(self, per_group: torch.Tensor) -> torch.Tensor:
         return per_group
+
+
+# up to this many groups per row :class:`FewGroupIndex` is used (ESPO: 2): on CPU a `scatter_add`
+# of a [64, 4095] float32 tensor costs ~25 element-wise passes, the one-hot form ~2 per group
+FEW_GROUPS_MAX = 4
+
+
+class FewGroupIndex:
+    """:class:`~nemo_granular.core.ratios.GroupIndex` for a few groups per row (ESPO's entropy
+    groups), as a one-hot table O_igt = [id_it = g] ``[B, G, T]`` of the compute dtype:
+    group sums Σ_t O_igt·x_it, gathers Σ_g O_igt·v_ig (exact: one term is v, the others 0·v).
+    Ids must be in −1..G−1 (−1: no group: sums skip it, gathers read 0); values summed and
+    gathered must be finite (0·inf is NaN)."""
+
+    def __init__(self, group_ids: torch.Tensor, num_groups: int, dtype: torch.dtype):
+        self.B, self.T = group_ids.shape
+        self.G = num_groups
+        ids = group_ids.to(dtype)  # small integers: exact in float (a float comparison is ~4x an int64 one)
+        cols = torch.arange(num_groups, dtype=dtype, device=ids.device)
+        self.onehot = torch.empty(self.B, num_groups, self.T, dtype=dtype, device=ids.device)
+        torch.eq(ids[:, None, :], cols[None, :, None], out=self.onehot)
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.mul(self.onehot, values[:, None, :]).sum(-1)
+
+    def sum2(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sum(a), self.sum(b)
+
+    def gather(self, per_group: torch.Tensor) -> torch.Tensor:
+        return torch.mul(self.onehot, per_group[:, :, None]).sum(1)

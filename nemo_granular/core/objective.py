@@ -20,12 +20,16 @@ import torch
 
 from .fused import clip_terms, indicator
 
-__all__ = ["LOG_RATIO_BOUND", "GroupRatios", "group_ratios", "SurrogateTerms", "surrogate_terms",
+__all__ = ["COUNT_EPS", "LOG_RATIO_BOUND", "GroupRatios", "group_ratios", "SurrogateTerms", "surrogate_terms",
            "aggregation_weights", "objective_logp_grad"]
 
 # exp() is applied to log-ratios clamped to ±LOG_RATIO_BOUND (ratio ≤ 4.8e8): an extreme
 # token then cannot turn a zero gradient into inf·0 = NaN. Exact below the bound (math.md, Notation).
 LOG_RATIO_BOUND = 20.0
+
+# Every mean over tokens divides by (count + COUNT_EPS), as NeMo-RL's ``masked_mean`` does, so
+# float64 results equal NeMo-RL's ClippedPGLossFn on any batch size (math.md, Notation).
+COUNT_EPS = 1e-8
 
 
 @dataclass
@@ -43,14 +47,16 @@ class GroupRatios:
 
 def group_ratios(logp: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, index=None,
                  n_row: torch.Tensor | None = None) -> GroupRatios:
-    """L_g = mean_{t∈g} ℓ_t, s_g = exp(L_g) and r_it = s_{g(i,t)} (docs/algorithms/math.md §2; GSPO
-    eq. 6, SSPO eq. 9); token groups: r_it = exp(ℓ_it). One scatter for |g| and Σℓ together."""
+    """L_g = Σ_{t∈g} ℓ_t / (|g| + 1e-8), s_g = exp(L_g) and r_it = s_{g(i,t)} (docs/algorithms/math.md §2;
+    GSPO eq. 6, SSPO eq. 9); token groups: r_it = exp(ℓ_it). One scatter for |g| and Σℓ together."""
     log_ratio = logp - logq
+    if index is not None:
+        log_ratio.mul_(valid)  # group sums: only valid tokens (values may be unmasked)
     if index is None:
         n = valid.sum(-1) if n_row is None else n_row
         return GroupRatios(log_ratio, torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)), n)
     counts, group_lr = index.sum2(valid, log_ratio)
-    group_lr = group_lr / counts.clamp(min=1)
+    group_lr = group_lr / (counts + COUNT_EPS)
     cap = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)  # d clamp / d x
     s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))
     return GroupRatios(log_ratio, index.gather(s), counts.clamp(max=1).sum(-1), index, s, counts, cap)
@@ -69,17 +75,18 @@ class SurrogateTerms:
 
 
 def surrogate_terms(kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo, hi,
-                    dual_clip: float | None = None) -> SurrogateTerms:
+                    dual_clip: float | None = None, ratio_clamped=None) -> SurrogateTerms:
     """c_it for ``kind`` (docs/algorithms/math.md §4):
 
     * ``clipped`` (PPO): c = min(r·A, clip(r, lo, hi)·A) (+ dual clip), dc/dr = A where no clip acts;
     * ``cispo`` (CISPO): c = sg[clip(r, lo, hi)]·A·logp, dc/dlogp = clip(r, lo, hi)·A;
     * ``reinforce``: c = A·logp (+ dual clip, as NeMo-RL applies it), dc/dlogp = A where it does not act.
 
-    ``ratio``/``lo``/``hi`` may be ``[B, T]``, ``[B, 1]`` or numbers; ``logp``, ``adv`` are ``[B, T]``.
+    ``ratio``/``lo``/``hi`` may be ``[B, T]``, ``[B, 1]`` or numbers; ``logp``, ``adv`` are ``[B, T]``;
+    ``ratio_clamped``: clip(r, lo, hi) per token when the caller has it (clipped surrogate only).
     """
     if kind == "clipped":
-        c, rc, low, high, keep = clip_terms(ratio, adv, lo, hi, dual_clip)
+        c, rc, low, high, keep = clip_terms(ratio, adv, lo, hi, dual_clip, ratio_clamped)
         return SurrogateTerms(c, rc, low, high, keep.mul_(adv), True)
     if kind == "cispo":
         rc = torch.clamp(ratio, lo, hi)
@@ -104,15 +111,17 @@ def aggregation_weights(kind: str, valid: torch.Tensor, sample_mask: torch.Tenso
     """W_it with objective = Σ_it W_it·c_it (docs/algorithms/math.md §5, global denominators):
 
     token_mean: m/gvt; seq_mean_token_mean: m/(n_i·gvs); seq_mean_group_mean: m/(G_i·|g|·gvs),
-    m = valid·sample_mask. With token groups the two per-sequence means coincide.
+    m = valid·sample_mask, where every token count (n_i, |g|, and the global counts behind
+    ``inv_gvt``/``inv_gvs``) is taken + 1e-8 as NeMo-RL's ``masked_mean`` does; G_i is exact.
+    With token groups the two per-sequence means coincide.
     """
     if kind == "token_mean":
         return valid * (sample_mask * inv_gvt)[:, None]
     if kind == "seq_mean_token_mean" or index is None:
-        return valid * (sample_mask * inv_gvs / n_row.clamp(min=1))[:, None]
+        return valid * (sample_mask * inv_gvs / (n_row + COUNT_EPS))[:, None]
     if kind != "seq_mean_group_mean":
         raise ValueError(f"unknown aggregation {kind!r}")
-    per_group = (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / counts.clamp(min=1)
+    per_group = (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / (counts + COUNT_EPS)
     return valid * index.gather(per_group)
 
 
@@ -120,7 +129,7 @@ def objective_logp_grad(weights: torch.Tensor, terms: SurrogateTerms, ratios: Gr
                         valid: torch.Tensor) -> torch.Tensor:
     """d(Σ W·c)/d logp (docs/algorithms/math.md §2 for the ratio's part): W·dc/dlogp directly for
     CISPO/REINFORCE; otherwise W·dc/dr times dr/dlogp — token: r (0 where ℓ is clamped);
-    ``token_decomposed``: s_g; ``shared``: s_g/|g| summed over the group's tokens."""
+    ``token_decomposed``: s_g; ``shared``: s_g/(|g| + 1e-8) summed over the group's tokens."""
     grad = weights * terms.slope
     if not terms.through_ratio:
         return grad
@@ -130,4 +139,4 @@ def objective_logp_grad(weights: torch.Tensor, terms: SurrogateTerms, ratios: Gr
     if form == "token_decomposed":  # sg[s_g]·exp(logp − sg[logp]): d/dlogp_t = s_g
         return grad.mul_(ratios.ratio)
     idx = ratios.index  # shared: r = exp(L_g), d/dlogp_u = s_g/|g| for every u in g
-    return idx.gather(ratios.group_ratio * ratios.cap / ratios.counts.clamp(min=1) * idx.sum(grad)) * valid
+    return idx.gather(ratios.group_ratio * ratios.cap / (ratios.counts + COUNT_EPS) * idx.sum(grad)) * valid

@@ -19,6 +19,12 @@ Gradients (no collective needed: lse and H are global and saved):
 Both are recomputed chunk by chunk in backward from the saved logits, so the extra memory
 is one ``[chunk, V/TP]`` float32 block. Positions are processed in chunks of ``chunk_size``
 (NeMo-RL's ``logprob_chunk_size``); every rank runs the same chunks, so the collectives match.
+With ``chunk_size`` null, a chunk has ``MAX_BLOCK_ELEMENTS // (2·V/TP)`` positions (the smallest
+over the ranks): the forward pass (the π_old entropy pass) then holds at most
+:data:`MAX_BLOCK_ELEMENTS` float32 temporaries (256 MiB) whatever the number of tokens — the
+exponentials of one chunk, and, on CPU, the float32 cast a mixed bf16/float32 op makes of one
+chunk of logits. bf16/fp16 logits are never copied to float32 as a whole (issue 26 item 7: with
+18k packed tokens × 151,936 that copy alone was ≈ 11 GB, and the exponentials another).
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["vocab_parallel_logprob", "vocab_parallel_entropy", "vocab_parallel_logprob_and_entropy",
-           "group_rank_size"]
+           "group_rank_size", "MAX_BLOCK_ELEMENTS", "chunk_rows"]
+
+# float32 temporaries of one chunk when no chunk size is given (256 MiB): two [chunk, V/TP] blocks
+MAX_BLOCK_ELEMENTS = 1 << 26
 
 
 def group_rank_size(group) -> tuple[int, int]:
@@ -54,7 +63,7 @@ def _row_dot_inplace(e: torch.Tensor, z: torch.Tensor, m: torch.Tensor) -> torch
     bad = torch.isnan(out)
     if bool(bad.any()):
         rows = bad.nonzero().squeeze(-1)
-        zb = z[rows]
+        zb = z[rows].to(e.dtype)
         eb = torch.exp(zb - m[rows, None])
         out[rows] = torch.where(eb > 0, eb * zb, torch.zeros_like(zb)).sum(-1)
     return out
@@ -65,9 +74,21 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _bounds(n: int, chunk_size: int | None):
-    step = n if not chunk_size or chunk_size <= 0 else int(chunk_size)
-    step = max(step, 1)
+def chunk_rows(chunk_size: int | None, v_local: int, group=None, device=None) -> int:
+    """Positions per chunk: ``chunk_size`` when given (> 0), else ``MAX_BLOCK_ELEMENTS // (2·v_local)``
+    (at least 1), the minimum over ``group`` so that every rank runs the same chunks."""
+    if chunk_size and chunk_size > 0:
+        return int(chunk_size)
+    rows = max(1, MAX_BLOCK_ELEMENTS // (2 * max(int(v_local), 1)))
+    if group_rank_size(group)[1] > 1:  # vocabulary shards may differ in size: agree on the rows
+        t = torch.tensor([rows], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        rows = int(t.item())
+    return rows
+
+
+def _bounds(n: int, step: int):
+    step = max(int(step), 1)
     return [(a, min(a + step, n)) for a in range(0, n, step)] or [(0, 0)]
 
 
@@ -87,17 +108,19 @@ class _VocabParallelStats(torch.autograd.Function):
             tgt = target.reshape(-1).long() - vocab_start
             in_range = (tgt >= 0) & (tgt < v_local)
             tgt_local = tgt.clamp(0, v_local - 1)
-        for a, b in _bounds(n, chunk_size):  # loop over chunks of positions, not over tokens
-            z = flat[a:b].to(cdt)
-            m = z.amax(dim=-1)
+        step = chunk_rows(chunk_size, v_local, group, logits.device)
+        for a, b in _bounds(n, step):  # loop over chunks of positions, not over tokens
+            z = flat[a:b]  # in the logits' dtype: a bf16 value is exact in float32, no float32 copy
+            m = z.amax(dim=-1).to(cdt)
             _all_reduce(m, dist.ReduceOp.MAX, group)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-            e = (z - m[:, None]).exp_()  # one [chunk, V/TP] temporary
+            e = torch.sub(z, m[:, None]).to(cdt).exp_()  # the one [chunk, V/TP] temporary of this chunk
             sums = [e.sum(-1)]
             if want_h:
                 sums.append(_row_dot_inplace(e, z, m))  # e is not used after this
+            del e  # freed before the next chunk's block is allocated
             if want_lp:
-                zt = z.gather(-1, tgt_local[a:b, None]).squeeze(-1)
+                zt = z.gather(-1, tgt_local[a:b, None]).squeeze(-1).to(cdt)
                 sums.append(torch.where(in_range[a:b], zt, torch.zeros_like(zt)))
             red = _all_reduce(torch.stack(sums, dim=-1), dist.ReduceOp.SUM, group)
             lse[a:b] = m + torch.log(red[:, 0])
@@ -106,7 +129,7 @@ class _VocabParallelStats(torch.autograd.Function):
             if want_lp:
                 lp[a:b] = red[:, -1] - lse[a:b]
         ctx.save_for_backward(logits, target if want_lp else None, lse, ent)
-        ctx.vocab_start, ctx.chunk_size, ctx.want_lp, ctx.want_h = vocab_start, chunk_size, want_lp, want_h
+        ctx.vocab_start, ctx.chunk_size, ctx.want_lp, ctx.want_h = vocab_start, step, want_lp, want_h
         shape = logits.shape[:-1]
         lp_out = lp.view(shape) if want_lp else lp
         ent_out = ent.view(shape) if want_h else ent

@@ -1,0 +1,109 @@
+"""``loss_fn.metrics_level`` and ``loss_fn.enable_torch_compile``: the keys of NeMo-RL's rewritten
+``ClippedPGLossFn`` (NVIDIA-NeMo/RL pull request 3751), with its meaning.
+
+* ``minimal`` returns what the rewrite's minimal mode returns of NeMo-RL's metrics — ``loss``,
+  ``kl_penalty``, ``num_valid_samples``, ``positive_nll_loss``, ``is_oob_ratio`` with a truncation,
+  ``sampling_importance_ratio`` only with the importance-sampling correction — plus every granular
+  metric, each with exactly the value of the ``full`` call; ``metric_normalizations`` advertises
+  exactly the returned metrics. Loss and gradient do not depend on the level.
+* ``enable_torch_compile: true`` runs the tensor-only objective through ``torch.compile`` with
+  NeMo-RL's arguments (``dynamic=True``, ``mode="max-autotune-no-cudagraphs"``), built on the first
+  call and not pickled; results equal the eager ones. (Here the compiled function is traced by
+  TorchDynamo with the ``aot_eager`` backend: inductor's C++ build on a 2-core CI machine would
+  cost minutes; the trace — the part that can break on our code — is the same.)
+* Bad values are refused in one line naming the key, as NeMo-RL's pydantic config refuses them.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+import reference as R
+from nemo_granular.config import PRESETS
+from nemo_granular.loss_metrics import MINIMAL_SKIPS
+from nemo_granular.losses import GranularPolicyLoss
+
+V = 16
+# what the rewrite's minimal mode keeps of NeMo-RL's metric set (its ClippedPGLossFn.__call__)
+NEMO_MINIMAL = {"loss", "kl_penalty", "num_valid_samples", "positive_nll_loss"}
+NEMO_FULL_ONLY = {"probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max",
+                  "probs_ratio_clamped_min", "probs_ratio_clamped_max", "token_mult_prob_error", "gen_kl_error",
+                  "policy_kl_error", "js_divergence_error", "approx_entropy"}
+TIS = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+           truncated_importance_sampling_ratio=1.03)
+
+
+def _make(name, **extra):
+    return GranularPolicyLoss({"granular": {"algorithm": name, "espo": {"vocab_size": V}}, **extra},
+                              delimiter_table=R.delimiter_table(V))
+
+
+def _run(fn, seed=0):
+    data, logp, gvs, gvt = R.make_batch(B=6, S=14, V=V, seed=seed, per_token_adv=True, noise=(1e-3, 0.05, 0.4))
+    data = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
+    data["rewards"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    lp = logp.double().requires_grad_(True)
+    loss, m = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(gvs, dtype=torch.float64),
+                 global_valid_toks=torch.tensor(gvt, dtype=torch.float64))
+    (grad,) = torch.autograd.grad(loss, lp)
+    return loss.detach(), grad, m
+
+
+def test_skip_list_is_the_rewrites():
+    assert set(MINIMAL_SKIPS) == NEMO_FULL_ONLY
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("extra", [{}, dict(reference_policy_kl_penalty=0.05, positive_example_nll_weight=0.2),
+                                   TIS], ids=["plain", "kl_nll", "tis"])
+def test_minimal_drops_only_the_diagnostics(name, extra):
+    full_fn, min_fn = _make(name, **extra), _make(name, metrics_level="minimal", **extra)
+    loss, grad, full = _run(full_fn)
+    mloss, mgrad, minimal = _run(min_fn)
+    assert torch.equal(loss, mloss) and torch.equal(grad, mgrad)
+    dropped = set(full) - set(minimal)
+    want = NEMO_FULL_ONLY | ({"sampling_importance_ratio"} if "use_importance_sampling_correction" not in extra
+                             else set())
+    assert dropped == want & set(full), sorted(dropped ^ (want & set(full)))
+    assert set(minimal) <= set(full)
+    for k, v in minimal.items():
+        assert v == full[k], f"{k}: minimal {v} != full {full[k]}"
+    assert NEMO_MINIMAL <= set(minimal)
+    if extra is TIS:
+        assert {"is_oob_ratio", "sampling_importance_ratio"} <= set(minimal)
+    # the advertised normalisers are those of the returned metrics
+    assert set(min_fn.metric_normalizations) == set(minimal)
+    assert set(full_fn.metric_normalizations) <= set(full) | {"is_oob_ratio"}
+
+
+@pytest.mark.parametrize("value,key", [("medium", "metrics_level"), ("yes please", "enable_torch_compile")])
+def test_bad_values_refused(value, key):
+    with pytest.raises(ValueError) as err:
+        GranularPolicyLoss({key: value})
+    assert "\n" not in str(err.value) and f"loss_fn.{key}" in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["grpo", "sspo"])  # token ratios; group ratios with entropy bounds
+def test_torch_compile_objective(monkeypatch, name):
+    calls = []
+    real = torch.compile
+
+    def compile_(fn, **kw):
+        calls.append(kw)
+        return real(fn, backend="aot_eager", dynamic=kw.get("dynamic"))
+    monkeypatch.setattr(torch, "compile", compile_)
+    torch._dynamo.reset()
+    eager, compiled = _make(name), _make(name, enable_torch_compile=True)
+    assert compiled._compiled_objective is None  # built lazily, on the worker
+    for seed in (0, 1):  # a second batch of another size: dynamic shapes, no rebuild
+        loss, grad, m = _run(eager, seed)
+        closs, cgrad, cm = _run(compiled, seed)
+        torch.testing.assert_close(closs, loss, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(cgrad, grad, rtol=1e-12, atol=1e-15)
+        assert set(cm) == set(m) and all(cm[k] == pytest.approx(v, rel=1e-12, abs=1e-15) for k, v in m.items())
+    assert calls == [{"dynamic": True, "mode": "max-autotune-no-cudagraphs"}]
+    clone = pickle.loads(pickle.dumps(compiled))  # Ray ships the loss: the compiled function stays behind
+    assert clone._compiled_objective is None and clone.enable_torch_compile
