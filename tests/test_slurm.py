@@ -8,14 +8,17 @@ from a directory outside the repository and must
    checkpoint, and end COMPLETED — after, on a USR1 to the batch shell (what
    ``--signal=B:USR1@T`` sends before the time limit), having made the driver save a checkpoint
    and exit 99, requeued the job, and resumed it with no step lost or repeated (one job for
-   both: each Ray start costs ~30 s on the 2-core CI machine). The same job is launched as on a
-   pyxis cluster (``CONTAINER``, through ``tests/pyxis_srun_shim.sh``: the exact srun command
-   lines are recorded, the pyxis options dropped) from a home where an earlier ``ray.init()``
-   left ``~/.ray/auth_token``: Ray token auth, ray.sub's fixed ports, ``ulimit -n`` and
-   ``UV_CACHE_DIR`` are checked on the way;
+   both: each Ray start costs ~30 s on the 2-core CI machine). The same job runs as on a pyxis
+   cluster, in the local cluster's pyxis (``slurm/local_cluster/pyxis``: each container step in a
+   root with only the mounts, no ``$HOME``, the image's environment first; the exact srun command
+   lines are recorded) with an image directory made by ``slurm/local_cluster/make_image.sh``, from
+   a home where an earlier ``ray.init()`` left ``~/.ray/auth_token``: Ray token auth, ray.sub's
+   fixed ports, ``ulimit -n``, ``UV_CACHE_DIR`` and what each step sees in its container are
+   checked on the way; the head's name also maps to 127.0.1.1;
 2. requeue and resume a NeMo-RL run (the real ``run_grpo`` / ``run_sppo`` around
    ``tests/nemo_rl_loop_driver.py``'s stand-in loop) that stopped at NeMo-RL's own time limit,
-   and one sent USR1 while starting up and again in the middle of a (slow) checkpoint save;
+   one sent USR1 while starting up and again in the middle of a (slow) checkpoint save, and one
+   preempted with SIGTERM (``scontrol requeue``);
 3. fail within a bounded time, with a message naming the node, when a worker node dies (every
    process in its namespace — slurmd, slurmstepd, raylet — is SIGKILLed), when a worker's srun
    fails, when Ray's readiness probe is refused (Ray's own reason), and before Ray when the
@@ -40,8 +43,8 @@ The driver of (1) is the real ``nemo-granular train --config examples/configs/lo
 when ``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_driver.py`` (same
 signal / exit-code / resume contract) otherwise; ``NG_SLURM_TEST_DRIVER=stub|train`` forces one.
 Every job runs with a private ``HOME`` (never the real one). What it does to the machine (as
-root): apt-installs the Debian packages slurmctld, slurmd, slurm-client, munge and shellcheck when
-missing, adds tagged node-name lines to ``/etc/hosts``, creates a bridge, veths and network
+root): apt-installs the Debian packages slurmctld, slurmd, slurm-client, munge and shellcheck (and
+util-linux, coreutils for the pyxis emulation) when missing, adds tagged node-name lines to ``/etc/hosts``, creates a bridge, veths and network
 namespaces on a private 10.231.78.0/24 subnet (no outside network), and starts munged, slurmctld
 and two slurmd; the teardown (``down.sh``) removes all of it. ``NEMO_GRANULAR_SLURM_TESTS=0``
 opts out: the cluster tests and the shellcheck test then skip (a failure under CI, which allows
@@ -183,6 +186,7 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "HOME": str(home), "NG_SLURM_DIR": str(state), "NG_SLURM_PREFIX": prefix, "NG_SLURM_SUBNET": "10.231.78",
            "NG_SLURM_CTLD_PORT": "16827", "NG_SLURM_SLURMD_PORT": "16828", "NG_SLURM_NODES": "2",
            "NG_SLURM_FAKE_GPUS": str(FAKE_GPUS),   # GRES gpu:2 per node (device-less) -> GRES detection
+           "NG_PYXIS_STATE": str(state / "pyxis"),   # the containers' /tmp, per job: removed with the cluster
            "NG_SLURM_HEAD_LOOPBACK": "1",   # ngt1 also maps to 127.0.1.1 (Debian/Ubuntu): the head must not bind it
            "SLURM_CONF": str(state / "slurm.conf"), "RAY_TMP_BASE": str(ray_tmp), "VENV": sys.prefix,
            "OMP_NUM_THREADS": "1", "WATCH_INTERVAL": "2", "RAY_WAIT_TIMEOUT": "180",
@@ -484,6 +488,28 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
         first_resumed = next(r for r in rows if r["attempt"] == 1)
         assert 1 < first_resumed["step"] < steps and first_resumed["resumed_from"] == first_resumed["step"] - 1
     print(f"driver={_driver_kind()} job={job}: steps 1..{steps} over 2 attempts (preempted, requeued, resumed)")
+
+
+def test_preempted_job_saves_on_sigterm_and_slurm_requeues_it(cluster, tmp_path):
+    """Preemption with ``PreemptMode=REQUEUE`` does what ``scontrol requeue`` does: SIGTERM to every
+    step (the driver's too) and to the batch shell, SIGKILL after KillWait, then Slurm requeues. The
+    driver (a one-node embedded run, its state in its own process) must finish its step, save and
+    exit 99, and the launcher must live until then and say so (its log pipe died of the same
+    SIGTERM, and the launcher with it, before); the requeued job resumes, no step lost or repeated."""
+    run_dir, steps = tmp_path / "run", (8 if _driver_kind() == "train" else 30)
+    job = _submit(cluster, tmp_path, "ng-term", _driver_cmd(run_dir, steps, every=100, slow=True), nodes=1,
+                  env={"START_RAY": "0", "DRIVER_HANDLES_PREEMPT": "1"})
+    _wait_for("2 steps", lambda: len(_steps(run_dir)) >= 2, cluster, job, tmp_path, 240)
+    cluster.run("scontrol", "requeue", job)
+    state = cluster.wait_terminal(job, timeout=300)
+    info = _explain(cluster, tmp_path, job)
+    logs = tmp_path / "slurm-logs" / f"ng-term-{job}"
+    assert state == "COMPLETED" and int(cluster.job_fields(job)["Restarts"]) == 1, info
+    launcher = (logs / "launcher.log").read_text()
+    assert "received SIGTERM" in launcher and "driver exited with code 99 after SIGTERM" in launcher, info
+    assert "checkpoint saved after SIGTERM; not requeued by the launcher" in launcher, info
+    assert _steps(run_dir) == list(range(1, steps + 1)), f"lost or repeated steps: {_steps(run_dir)}\n{info}"
+    assert "resumed from" in (logs / "driver.log").read_text(), info
 
 
 def test_gpus_per_node_contradicting_gres_fails_before_ray(cluster, tmp_path):
@@ -804,7 +830,7 @@ def _nemo_rl_steps(run: Path) -> list[tuple[int, int]]:
 
 
 def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src, tmp_path):
-    """Three one-node NeMo-RL jobs (two side by side, the third when a node frees) (a Ray head each; NeMo-RL's own ``init_ray`` attaches
+    """Two one-node NeMo-RL jobs side by side (a Ray head each; NeMo-RL's own ``init_ray`` attaches
     to it), the real ``run_grpo`` / ``run_sppo`` with tests/nemo_rl_loop_driver.py's loop:
 
     * SPPO stopped by NeMo-RL's own time limit (``checkpointing.checkpoint_must_save_by``): NeMo-RL
@@ -813,10 +839,7 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
       ``uv run`` syncing its environment) and again in the middle of a slow checkpoint save: the
       save must complete, NeMo-RL must stop at the end of the step with a checkpoint, exit 99, and
       the requeued job resume from it. Its home holds an earlier ``ray.init()``'s token, the SPPO
-      job's home none: NeMo-RL's ``init_ray`` must attach with the job's token either way;
-    * SSPO preempted (``scontrol requeue``: SIGTERM to every step and the batch shell, as Slurm's
-      preemption with ``PreemptMode=REQUEUE``): the driver must stop at the end of the step with
-      a checkpoint (it used to die at once, without one), Slurm requeues it, and it resumes. Its
+      job's home none: NeMo-RL's ``init_ray`` must attach with the job's token either way. Its
       ``--time=30`` sets the driver's time budget: the job's end minus ``NG_SAVE_RESERVE_SECONDS``.
 
     The launcher's preflight here is the STAND-IN (``NG_FAKE_PREFLIGHT=1``), which records each
@@ -837,22 +860,13 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
 
     usr1 = _submit(cluster, tmp_path / "w-usr1", "ng-usr1",
                    cmd("nemo_granular.run_grpo", cfgs["grpo"], usr1_run, "grpo.max_num_steps=6",
-                       "checkpointing.save_period=2"), nodes=1,
+                       "checkpointing.save_period=2"), nodes=1, sbatch=("--time=30",),
                    env={**base, "HOME": str(homes["usr1"]), "NG_FAKE_STARTUP_SECONDS": "6",
-                        "NG_FAKE_SAVE_SECONDS": "4"})
+                        "NG_FAKE_SAVE_SECONDS": "4", "NG_SAVE_RESERVE_SECONDS": "600"})
     limit = _submit(cluster, tmp_path / "w-limit", "ng-limit",
                     cmd("nemo_granular.run_sppo", cfgs["sppo"], limit_run, "ppo.max_num_steps=6",
                         "checkpointing.save_period=100", "checkpointing.checkpoint_must_save_by=00:00:00:03"),
                     nodes=1, env={**base, "HOME": str(homes["limit"])})
-    # preemption (Slurm's PreemptMode=REQUEUE does what `scontrol requeue` does: SIGTERM to every
-    # step, the driver's too, and to the batch shell; SIGKILL after KillWait) with a 30-minute
-    # --time: the driver's budget comes from the job's end (NG_SAVE_RESERVE_SECONDS before it)
-    term_run = tmp_path / "term"
-    term = _submit(cluster, tmp_path / "w-term", "ng-term",
-                   cmd("nemo_granular.run_grpo", cfgs["grpo"], term_run, "grpo.max_num_steps=8",
-                       "checkpointing.save_period=100"), nodes=1, sbatch=("--time=30",),
-                   env={**base, "HOME": str(_home(tmp_path / "home-term")), "NG_FAKE_STEP_SECONDS": "1.0",
-                        "NG_SAVE_RESERVE_SECONDS": "600"})
     w = tmp_path / "w-usr1"
     _wait_for("the driver's start", lambda: (usr1_run / "startup.0").exists(), cluster, usr1, w)
     _signal_usr1(cluster, usr1)
@@ -860,28 +874,7 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
     _wait_for("a checkpoint save", lambda: any(ckpt.glob("tmp_step_*")), cluster, usr1, w, 400)
     saving = sorted(p.name for p in ckpt.glob("tmp_step_*"))
     _signal_usr1(cluster, usr1)
-    wt = tmp_path / "w-term"
-    _wait_for("2 steps of the SIGTERM run", lambda: len(_nemo_rl_steps(term_run)) >= 2, cluster, term, wt, 400)
-    cluster.run("scontrol", "requeue", term)
-    states = {job: cluster.wait_terminal(job, timeout=480) for job in (usr1, limit, term)}
-    info = _explain(cluster, wt, term)
-    logs = wt / "slurm-logs" / f"ng-term-{term}"
-    launcher, driver = (logs / "launcher.log").read_text(), (logs / "driver.log").read_text()
-    assert states[term] == "COMPLETED" and int(cluster.job_fields(term)["Restarts"]) == 1, info
-    steps = _nemo_rl_steps(term_run)
-    first = [s for s, a in steps if a == 0]
-    assert [s for s, _ in steps] == list(range(1, 9)) and first and max(first) < 8, (steps, info)
-    assert f"stopped by SIGTERM after step {max(first)} of 8: checkpoint saved" in driver, info
-    assert "checkpoint saved after SIGTERM; not requeued by the launcher" in launcher, info
-    assert f"stand-in grpo loop: from step {max(first)}," in driver, info
-    # the time budget: the job's end (NG_JOB_END_TIME from Slurm's EndTime) minus the reserve,
-    # counted from the driver's start; checkpoint_must_save_by is null in this config
-    end = re.findall(r"^export NG_JOB_END_TIME=(\d+)$", (logs / "driver.sh").read_text(), re.M)
-    start = int(time.mktime(time.strptime(cluster.job_fields(term)["StartTime"], "%Y-%m-%dT%H:%M:%S")))
-    assert len(end) == 1 and abs(int(end[0]) - (start + 1800)) <= 2, (end, start)
-    budget = [float(x) for x in re.findall(r"NeMo-RL will save and stop within (\d+) s \(job end minus "
-                                           r"NG_SAVE_RESERVE_SECONDS=600\)", driver)]
-    assert len(budget) == 2 and all(1800 - 600 - 120 < b <= 1800 - 600 for b in budget), (budget, info)
+    states = {job: cluster.wait_terminal(job, timeout=480) for job in (usr1, limit)}
     for job, run, name in ((usr1, usr1_run, "usr1"), (limit, limit_run, "limit")):
         wd = tmp_path / f"w-{name}"
         info = _explain(cluster, wd, job)
@@ -911,6 +904,14 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
                    f"{max(first)} of 6" in driver, info
         else:
             assert saving, "no save was in progress when the second USR1 was sent"
+            # the time budget (--time=30): the job's end (NG_JOB_END_TIME, from Slurm's EndTime)
+            # minus the reserve, counted from the driver's start (checkpoint_must_save_by is null here)
+            end = re.findall(r"^export NG_JOB_END_TIME=(\d+)$", (logs / "driver.sh").read_text(), re.M)
+            start = int(time.mktime(time.strptime(cluster.job_fields(job)["StartTime"], "%Y-%m-%dT%H:%M:%S")))
+            assert len(end) == 1 and abs(int(end[0]) - (start + 1800)) <= 2, (end, start)
+            budget = [float(x) for x in re.findall(r"NeMo-RL will save and stop within (\d+) s \(job end minus "
+                                                   r"NG_SAVE_RESERVE_SECONDS=600\)", driver)]
+            assert len(budget) == 2 and all(1800 - 600 - 120 < b <= 1800 - 600 for b in budget), (budget, info)
             assert "driver exited with code 99 after SIGUSR1" in launcher, info
             assert f"stopped by SIGUSR1 after step {max(first)} of 6" in driver, info
     assert sorted(p.name for p in (homes["usr1"] / ".ray").iterdir()) == ["auth_token"]
@@ -1095,7 +1096,8 @@ def test_container_with_a_host_venv_outside_the_mounts_fails_before_ray(cluster,
     --no-container-mount-home) that interpreter does not exist. The job must fail before Ray with
     one line that says so and what to do; it used to fail in the Ray head step ("bad interpreter")."""
     j = one_node_jobs["venv"]
-    logs, info = _finished(cluster, j, "ng-venv", "FAILED")
+    _, info = _finished(cluster, j, "ng-venv", "FAILED")
+    logs = j.shared / "slurm-logs" / f"ng-venv-{j.job}"
     errors = [line for line in (j.workdir / f"slurm-{j.job}.out").read_text().splitlines() if "ERROR:" in line]
     target = Path(sys.executable).resolve()
     assert len(errors) == 1 and errors[0].split("ERROR: ", 1)[1] == (
