@@ -989,6 +989,9 @@ def one_node_jobs(cluster, images, tmp_path_factory):
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(uv_python)
     (venv / "bin" / "activate").write_text(f'export VIRTUAL_ENV={venv} PATH="{venv}/bin:$PATH"\n')
+    # its console scripts start with the venv's python, as uv writes them
+    (venv / "bin" / "ray").write_text(f"#!{venv}/bin/python\nfrom ray.scripts.scripts import main\nmain()\n")
+    (venv / "bin" / "ray").chmod(0o755)
     env = {"HOME": str(home), **_pyxis_env(cluster, images["release"], [shared, ROOT]), "VENV": str(venv),
            "WORKDIR": str(shared)}
     jobs["venv"] = SimpleNamespace(job=_submit(cluster, d / "venv-home", "ng-venv", ["python", "-c", "print(1)"],
