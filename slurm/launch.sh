@@ -294,7 +294,7 @@ if [[ -n "$CONTAINER" ]]; then
     py=$(readlink -m "$VENV/bin/python")
     if ! in_mounts "$VENV"; then
       fail "VENV=$VENV is not inside MOUNTS=${MOUNTS:-<none>}: the container does not have it. With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
-    elif [[ -e "$py" ]] && ! in_mounts "$py"; then
+    elif [[ -e "$py" && "$py" != /usr/* ]] && ! in_mounts "$py"; then   # (/usr: the image's base system too)
       fail "VENV=$VENV: its python is a link to $py, outside MOUNTS (${MOUNTS}): in the container (no \$HOME: --no-container-mount-home) it does not exist. With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
     fi
   fi
