@@ -44,7 +44,8 @@ when ``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_d
 signal / exit-code / resume contract) otherwise; ``NG_SLURM_TEST_DRIVER=stub|train`` forces one.
 Every job runs with a private ``HOME`` (never the real one). What it does to the machine (as
 root): apt-installs the Debian packages slurmctld, slurmd, slurm-client, munge and shellcheck (and
-util-linux, coreutils for the pyxis emulation) when missing, adds tagged node-name lines to ``/etc/hosts``, creates a bridge, veths and network
+util-linux, coreutils, mount for the pyxis emulation) when missing, adds tagged node-name lines
+to ``/etc/hosts``, creates a bridge, veths and network
 namespaces on a private 10.231.78.0/24 subnet (no outside network), and starts munged, slurmctld
 and two slurmd; the teardown (``down.sh``) removes all of it. ``NEMO_GRANULAR_SLURM_TESTS=0``
 opts out: the cluster tests and the shellcheck test then skip (a failure under CI, which allows
@@ -83,7 +84,7 @@ MAKE_IMAGE = SLURM / "local_cluster" / "make_image.sh"
 SHIMS = ROOT / "tests" / "host_shims"
 SMOKE = ROOT / "examples" / "configs" / "local" / "smoke.yaml"
 PKGS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge",
-        "ip": "iproute2", "shellcheck": "shellcheck", "unshare": "util-linux", "chroot": "coreutils"}
+        "ip": "iproute2", "shellcheck": "shellcheck", "unshare": "util-linux", "chroot": "coreutils", "mount": "mount"}
 FAKE_GPUS = 2
 # the ports launch.sh pins (NeMo-RL ray.sub's layout, all below 9000): GCS, node/object manager, metrics
 PINNED = {"gcs": 1200, "node_manager": 1301, "object_manager": 1303, "metrics_export": 1309}
@@ -186,7 +187,7 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "HOME": str(home), "NG_SLURM_DIR": str(state), "NG_SLURM_PREFIX": prefix, "NG_SLURM_SUBNET": "10.231.78",
            "NG_SLURM_CTLD_PORT": "16827", "NG_SLURM_SLURMD_PORT": "16828", "NG_SLURM_NODES": "2",
            "NG_SLURM_FAKE_GPUS": str(FAKE_GPUS),   # GRES gpu:2 per node (device-less) -> GRES detection
-           "NG_PYXIS_STATE": str(state / "pyxis"),   # the containers' /tmp, per job: removed with the cluster
+           "NG_PYXIS_STATE": str(state / "pyxis"),   # the containers' /tmp: removed with the cluster
            "NG_SLURM_HEAD_LOOPBACK": "1",   # ngt1 also maps to 127.0.1.1 (Debian/Ubuntu): the head must not bind it
            "SLURM_CONF": str(state / "slurm.conf"), "RAY_TMP_BASE": str(ray_tmp), "VENV": sys.prefix,
            "OMP_NUM_THREADS": "1", "WATCH_INTERVAL": "2", "RAY_WAIT_TIMEOUT": "180",
