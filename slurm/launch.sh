@@ -285,19 +285,28 @@ in_mounts() {  # in_mounts PATH: is PATH (host view) under the source of one of 
   done
   return 1
 }
-if [[ -n "$CONTAINER" ]]; then
+if [[ -n "$CONTAINER" && -z "$MOUNTS" ]]; then
+  # site-wide enroot mounts (mounts.d) are not visible from here: nothing to check against
+  log "WARNING: CONTAINER without MOUNTS: the launcher cannot check that $NG_ROOT and $BASE_LOG_DIR${VENV:+ and VENV=$VENV} exist in the container"
+  py=$(readlink -m "${VENV:-/nonexistent}/bin/python")
+  if [[ -n "$VENV" && -n "${HOME:-}" && "$py" == "$HOME"/* ]]; then
+    fail "VENV=$VENV: its python is a link to $py, under \$HOME, which the container does not have (--no-container-mount-home). With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
+  fi
+elif [[ -n "$CONTAINER" ]]; then
   for p in "$NG_ROOT" "$BASE_LOG_DIR"; do   # (WORKDIR may be the image's, e.g. /opt/nemo-rl)
     rp=$(readlink -m "$p")
-    in_mounts "$p" || in_mounts "$rp" || fail "CONTAINER: $p is not inside MOUNTS=${MOUNTS:-<none>}; the steps could not see it (add it to MOUNTS)" 2
+    in_mounts "$p" || in_mounts "$rp" || fail "CONTAINER: $p is not inside MOUNTS=$MOUNTS; the steps could not see it (add it to MOUNTS)" 2
   done
   if [[ -n "$VENV" ]]; then
     py=$(readlink -m "$VENV/bin/python")
     if ! in_mounts "$VENV"; then
-      fail "VENV=$VENV is not inside MOUNTS=${MOUNTS:-<none>}: the container does not have it. With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
+      fail "VENV=$VENV is not inside MOUNTS=$MOUNTS: the container does not have it. With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
     elif [[ -e "$py" && "$py" != /usr/* ]] && ! in_mounts "$py"; then   # (/usr: the image's base system too)
       fail "VENV=$VENV: its python is a link to $py, outside MOUNTS (${MOUNTS}): in the container (no \$HOME: --no-container-mount-home) it does not exist. With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
     fi
   fi
+fi
+if [[ -n "$CONTAINER" ]]; then
   # pyxis: the image's values of these win over the host's unless named in --container-env; a
   # NEMO_RL_VENV_DIR set for the job (where its worker venvs were built) must reach NeMo-RL
   [[ -n "${NEMO_RL_VENV_DIR:-}" && ",$CONTAINER_ENV," != *",NEMO_RL_VENV_DIR,"* ]] && CONTAINER_ENV=${CONTAINER_ENV:+$CONTAINER_ENV,}NEMO_RL_VENV_DIR

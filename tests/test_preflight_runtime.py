@@ -47,6 +47,18 @@ def test_a_host_venv_linking_outside_the_mounts_is_an_error_with_container(tmp_p
     assert runtime_findings({}, {**env, "MOUNTS": f"{shared}:{shared},{target.parents[1]}:{target.parents[1]}"}) == []
 
 
+def test_without_mounts_only_a_python_under_home_is_certain_to_be_missing(tmp_path):
+    """No MOUNTS: site-wide enroot mounts may hold the venv; a python under $HOME is missing anyway."""
+    venv, shared = _uv_venv(tmp_path)
+    home = tmp_path / "home"
+    real = home / ".local/share/uv/python/cpython-3.13/bin/python3.13"
+    real.unlink()
+    real.write_text("")                       # uv's managed Python is a real file under $HOME
+    [f] = runtime_findings({}, {"CONTAINER": "/images/x.sqsh", "VENV": str(venv), "HOME": str(home)})
+    assert f.level == "error" and f.message.startswith(f"VENV={venv}: its python is a link to {real}, under $HOME")
+    assert runtime_findings({}, {"CONTAINER": "/images/x.sqsh", "VENV": str(venv), "HOME": str(shared)}) == []
+
+
 def test_inside_the_container_the_link_must_resolve(tmp_path):
     venv, _ = _uv_venv(tmp_path)
     (tmp_path / "home" / ".local/share/uv/python/cpython-3.13/bin/python3.13").unlink()   # $HOME not mounted

@@ -61,15 +61,23 @@ def _inside(path: str, roots: list[str]) -> bool:
     return any(path == r or path.startswith(r + "/") for r in roots)
 
 
-def container_venv_problem(venv: str, mounts: str, in_container: bool) -> str | None:
+def container_venv_problem(venv: str, mounts: str, in_container: bool, home: str = "") -> str | None:
     """Why ``VENV`` cannot work in the container, or None. ``in_container``: this process runs in
-    the job's container (the link must resolve here); else the submit host's view (``MOUNTS``)."""
+    the job's container (the link must resolve here); else the submit host's view (``MOUNTS``;
+    without MOUNTS, site-wide enroot mounts may hold anything: only a python under ``home``,
+    which pyxis does not mount with --no-container-mount-home, is certain to be missing)."""
     python = os.path.join(venv, "bin", "python")
     target = os.path.realpath(python)
     if in_container:
         if not os.path.exists(target):
             return (f"VENV={venv}: its python ({python} -> {target}) does not exist in the container; with CONTAINER "
                     "leave VENV unset (the image's environment runs the job; docs/slurm.md)")
+        return None
+    if not mounts:
+        if home and _inside(target, [home.rstrip("/")]):
+            return (f"VENV={venv}: its python is a link to {target}, under $HOME, which the container does not have "
+                    "(--no-container-mount-home); with CONTAINER leave VENV unset (the image's environment runs the "
+                    "job; docs/slurm.md)")
         return None
     roots = _mount_sources(mounts)
     if not _inside(os.path.abspath(venv), roots) and not _inside(os.path.realpath(venv), roots):
@@ -132,7 +140,8 @@ def runtime_findings(cfg: Mapping, environ: Mapping[str, str] = os.environ, venv
     container = environ.get("NG_CONTAINER") or environ.get("CONTAINER")
     venv = environ.get("NG_VENV") if inside else environ.get("VENV")
     if container and venv:
-        problem = container_venv_problem(venv, environ.get("NG_MOUNTS" if inside else "MOUNTS", ""), inside)
+        problem = container_venv_problem(venv, environ.get("NG_MOUNTS" if inside else "MOUNTS", ""), inside,
+                                         environ.get("HOME", ""))
         if problem:
             out.append(error(SOURCE, problem))
     out += _venv_dir_findings(environ, venv_dir)
