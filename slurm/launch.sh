@@ -19,7 +19,7 @@
 #   0. for `run_grpo` / `run_sppo`: `nemo-granular preflight` on the final command line (PREFLIGHT=0
 #      skips it), so a config NeMo-RL would reject fails the job before any node starts Ray;
 #   1. a Ray head on the first node and one Ray worker per other node (srun steps), each with the
-#      node's CPUs and GPUs (GPU count from the node's GRES), inside CONTAINER (pyxis; the head's
+#      node's CPUs and the job's GPUs per node (its --gres request), inside CONTAINER (pyxis; the head's
 #      steps share the named container `ray-head`, as in NeMo-RL's ray.sub) or VENV, with one Ray
 #      token-auth mode and token for every Ray process, ray.sub's fixed ports and `ulimit -n`;
 #   2. waits until every node has joined (`ray.nodes()` count printed and saved), then runs the
@@ -28,7 +28,8 @@
 #      within seconds with one clear ERROR line (no hang);
 #   4. USR1 (sent by Slurm --signal=B:USR1@300 before the time limit, or by
 #      `scancel --signal=USR1 --batch JOBID`) is forwarded to the driver, which saves a checkpoint
-#      and exits 99; the launcher then requeues the job, and the requeued job resumes. A driver
+#      and exits 99; the launcher then requeues the job, and the requeued job resumes. SIGTERM
+#      (scancel, preemption: Slurm sends it to every step) makes the known drivers save too. A driver
 #      that stops early by itself with exit 99 (run_grpo/run_sppo at NeMo-RL's time limit,
 #      checkpointing.checkpoint_must_save_by) is requeued the same way.
 # Logs: $BASE_LOG_DIR/<job name>-<job id>/ (launcher.log, ray-head.log, ray-worker-<node>.log,
@@ -40,9 +41,10 @@ WORKDIR=${WORKDIR:-${SLURM_SUBMIT_DIR:-$PWD}}
 BASE_LOG_DIR=${BASE_LOG_DIR:-$WORKDIR/slurm-logs}
 CONTAINER=${CONTAINER:-}            # pyxis/enroot image (.sqsh or registry ref); empty: run on the host
 MOUNTS=${MOUNTS:-}                  # pyxis --container-mounts, comma list src:dst[:ro]
-VENV=${VENV:-}                      # virtual environment activated on every node (host or container)
+VENV=${VENV:-}                      # virtual environment activated on every node (host; with CONTAINER only one inside MOUNTS)
+CONTAINER_ENV=${CONTAINER_ENV:-}    # CONTAINER: variables whose host value beats the image's (pyxis --container-env)
 SETUP_COMMAND=${SETUP_COMMAND:-}    # shell run on every node before Ray starts
-GPUS_PER_NODE=${GPUS_PER_NODE:-}    # default: the node's GRES gpu count (0 without GRES)
+GPUS_PER_NODE=${GPUS_PER_NODE:-}    # default: the GPUs per node the job asked for (--gres/--gpus-per-node), else the node's GRES
 CPUS_PER_NODE=${CPUS_PER_NODE:-}    # CPUs each Ray node advertises; default: Slurm's CPUs on the node
 # Ray's ports as NeMo-RL's ray.sub pins them, all below 9000: the kernel hands out ephemeral source
 # ports from 9000 up on some clusters, and a Ray port picked at random can collide with one
@@ -64,7 +66,7 @@ WATCH_INTERVAL=${WATCH_INTERVAL:-5}
 DRIVER_STOP_GRACE=${DRIVER_STOP_GRACE:-20}  # seconds between SIGTERM and SIGKILL when failing
 AUTO_RESUME=${AUTO_RESUME:-1}       # add --auto-resume to `nemo-granular train`
 CLUSTER_OVERRIDES=${CLUSTER_OVERRIDES:-1}  # add cluster.num_nodes/gpus_per_node to run_grpo/run_sppo
-MAX_RESTARTS=${MAX_RESTARTS:-20}    # stop requeueing after this many restarts
+MAX_RESTARTS=${MAX_RESTARTS:-100}   # stop requeueing after this many restarts (docs/slurm.md: sized for 500 steps of the 30B pair)
 START_RAY=${START_RAY:-auto}        # 1/0; auto: 0 only for `nemo-granular train` on one node
 PREFLIGHT=${PREFLIGHT:-1}           # 0: skip `nemo-granular preflight` before a run_grpo/run_sppo job
 PREEMPT_SIGNAL=${PREEMPT_SIGNAL:-USR1}  # what the driver receives when the job is preempted
@@ -101,7 +103,9 @@ ATTEMPT=${SLURM_RESTART_COUNT:-0}
 LOG_DIR=${LOG_DIR:-$BASE_LOG_DIR/${SLURM_JOB_NAME:-job}-$SLURM_JOB_ID}
 mkdir -p "$LOG_DIR"
 # everything the launcher says also goes to launcher.log
-exec > >(tee -a "$LOG_DIR/launcher.log") 2>&1
+# (tee ignores SIGTERM: scancel and preemption send it to the whole batch step, and a dead tee
+# would end the launcher with SIGPIPE while the driver is still saving)
+exec > >(trap '' TERM INT; exec tee -a "$LOG_DIR/launcher.log") 2>&1
 log "=== job $SLURM_JOB_ID attempt $ATTEMPT on $(hostname) nodes=$SLURM_JOB_NODELIST logs=$LOG_DIR"
 
 # ------------------------------------------------------------------ bookkeeping, exit -----------
@@ -235,13 +239,20 @@ node_field() {  # node_field NODE FIELD -> value of FIELD= in `scontrol show nod
 GRES=$(node_field "$HEAD" Gres || true)
 GRES_GPUS=0
 if [[ "$GRES" =~ gpu(:[A-Za-z0-9_.-]+)?:([0-9]+) ]]; then GRES_GPUS=${BASH_REMATCH[2]}; fi
+# what the job asked for per node (--gres=gpu:N, --gpus-per-node=N): under --exclusive a 4-GPU
+# job on an 8-GPU node holds the whole node, and the node's GRES would give Ray 8 GPUs
+JOB_GPUS=""
+job_tres=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^TresPerNode=//p' | head -n1 || true)
+if [[ "$job_tres" =~ gpu(:[A-Za-z0-9_.-]+)?[:=]([0-9]+) ]]; then JOB_GPUS=${BASH_REMATCH[2]}; fi
+REQ_GPUS=${JOB_GPUS:-$GRES_GPUS}
 GRES_ARGS=()
-if (( GRES_GPUS > 0 )); then
-  if [[ -n "$GPUS_PER_NODE" && "$GPUS_PER_NODE" != "$GRES_GPUS" ]]; then
-    fail "GPUS_PER_NODE=$GPUS_PER_NODE but node $HEAD has GRES $GRES ($GRES_GPUS GPUs); unset GPUS_PER_NODE or make them equal" 2
+if (( REQ_GPUS > 0 )); then
+  if [[ -n "$GPUS_PER_NODE" && "$GPUS_PER_NODE" != "$REQ_GPUS" ]]; then
+    if [[ -n "$JOB_GPUS" ]]; then have="the job asked for $JOB_GPUS GPUs per node"; else have="node $HEAD has GRES $GRES ($GRES_GPUS GPUs)"; fi
+    fail "GPUS_PER_NODE=$GPUS_PER_NODE but $have; unset GPUS_PER_NODE or make them equal" 2
   fi
-  GPUS_PER_NODE=$GRES_GPUS
-  GRES_ARGS=("--gres=gpu:$GRES_GPUS")
+  GPUS_PER_NODE=$REQ_GPUS
+  GRES_ARGS=("--gres=gpu:$REQ_GPUS")
 fi
 GPUS_PER_NODE=${GPUS_PER_NODE:-0}
 if [[ -z "$CPUS_PER_NODE" ]]; then
@@ -249,14 +260,57 @@ if [[ -z "$CPUS_PER_NODE" ]]; then
 fi
 [[ "$CPUS_PER_NODE" =~ ^[0-9]+$ ]] || fail "cannot determine CPUs per node; set CPUS_PER_NODE" 2
 
-if [[ -n "${HEAD_IP:-}" ]]; then :
-else
-  HEAD_IP=$(getent ahostsv4 "$HEAD" 2>/dev/null | awk 'NR==1{print $1}' || true)
-  [[ -n "$HEAD_IP" ]] || HEAD_IP=$(hostname -I | awk '{print $1}')
+if [[ -z "${HEAD_IP:-}" ]]; then
+  # not a loopback address: Debian/Ubuntu's /etc/hosts maps a machine's own name to 127.0.1.1,
+  # and Ray workers on other nodes cannot join a head bound there. The batch shell runs on the head.
+  HEAD_IP=$(getent ahostsv4 "$HEAD" 2>/dev/null | awk '$1 !~ /^127\./ {print $1; exit}' || true)
+  [[ -n "$HEAD_IP" ]] || HEAD_IP=$(hostname -I 2>/dev/null | tr ' ' '\n' | grep -E '^[0-9]+(\.[0-9]+){3}$' | grep -v '^127\.' | head -n1 || true)
+  [[ -n "$HEAD_IP" ]] || fail "no non-loopback IPv4 address for the head node $HEAD (getent ahostsv4, hostname -I); set HEAD_IP" 2
 fi
 RAY_ADDRESS_HEAD="$HEAD_IP:$RAY_PORT"
-log "nodes=${NODES[*]} head=$HEAD ($RAY_ADDRESS_HEAD) gpus_per_node=$GPUS_PER_NODE (gres='${GRES:-none}') cpus_per_node=$CPUS_PER_NODE"
+log "nodes=${NODES[*]} head=$HEAD ($RAY_ADDRESS_HEAD) gpus_per_node=$GPUS_PER_NODE (job asked: ${JOB_GPUS:-none}, node gres: '${GRES:-none}') cpus_per_node=$CPUS_PER_NODE"
 log "container=${CONTAINER:-none} venv=${VENV:-none} workdir=$WORKDIR ng_root=$NG_ROOT"
+
+# ------------------------------------------------------------------ container checks -----------
+# Under pyxis only MOUNTS exist in the container (the steps run with --no-container-mount-home).
+# A VENV made on the host links its python to an interpreter outside it (uv's managed Pythons
+# live under $HOME): that link dangles in the container and every step fails ("bad interpreter").
+in_mounts() {  # in_mounts PATH: is PATH (host view) under the source of one of MOUNTS?
+  local p=$1 spec src
+  local -a specs=()
+  IFS=, read -r -a specs <<<"$MOUNTS"
+  for spec in "${specs[@]}"; do
+    src=${spec%%:*}; src=${src%/}
+    [[ -n "$src" ]] && [[ "$p" == "$src" || "$p" == "$src"/* ]] && return 0
+  done
+  return 1
+}
+if [[ -n "$CONTAINER" && -z "$MOUNTS" ]]; then
+  # site-wide enroot mounts (mounts.d) are not visible from here: nothing to check against
+  log "WARNING: CONTAINER without MOUNTS: the launcher cannot check that $NG_ROOT and $BASE_LOG_DIR${VENV:+ and VENV=$VENV} exist in the container"
+  py=$(readlink -m "${VENV:-/nonexistent}/bin/python")
+  if [[ -n "$VENV" && -n "${HOME:-}" && "$py" == "$HOME"/* ]]; then
+    fail "VENV=$VENV: its python is a link to $py, under \$HOME, which the container does not have (--no-container-mount-home). With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
+  fi
+elif [[ -n "$CONTAINER" ]]; then
+  for p in "$NG_ROOT" "$BASE_LOG_DIR"; do   # (WORKDIR may be the image's, e.g. /opt/nemo-rl)
+    rp=$(readlink -m "$p")
+    in_mounts "$p" || in_mounts "$rp" || fail "CONTAINER: $p is not inside MOUNTS=$MOUNTS; the steps could not see it (add it to MOUNTS)" 2
+  done
+  if [[ -n "$VENV" ]]; then
+    py=$(readlink -m "$VENV/bin/python")
+    if ! in_mounts "$VENV"; then
+      fail "VENV=$VENV is not inside MOUNTS=$MOUNTS: the container does not have it. With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
+    elif [[ -e "$py" && "$py" != /usr/* ]] && ! in_mounts "$py"; then   # (/usr: the image's base system too)
+      fail "VENV=$VENV: its python is a link to $py, outside MOUNTS (${MOUNTS}): in the container (no \$HOME: --no-container-mount-home) it does not exist. With CONTAINER, leave VENV unset (the image's environment runs the job; docs/slurm.md)" 2
+    fi
+  fi
+fi
+if [[ -n "$CONTAINER" ]]; then
+  # pyxis: the image's values of these win over the host's unless named in --container-env; a
+  # NEMO_RL_VENV_DIR set for the job (where its worker venvs were built) must reach NeMo-RL
+  [[ -n "${NEMO_RL_VENV_DIR:-}" && ",$CONTAINER_ENV," != *",NEMO_RL_VENV_DIR,"* ]] && CONTAINER_ENV=${CONTAINER_ENV:+$CONTAINER_ENV,}NEMO_RL_VENV_DIR
+fi
 
 # ------------------------------------------------------------------ Ray token authentication -----
 # Ray 2.60 picks the auth mode per process when RAY_AUTH_MODE is unset: `ray start --head` and
@@ -297,6 +351,8 @@ NODE_ENV=$LOG_DIR/node_env.sh
   # shellcheck disable=SC2016  # expanded on the node, not here
   printf 'export PYTHONPATH=%q${PYTHONPATH:+:$PYTHONPATH}\n' "$NG_ROOT"
   printf 'export NG_NUM_NODES=%q NG_GPUS_PER_NODE=%q NG_LOG_DIR=%q\n' "$NNODES" "$GPUS_PER_NODE" "$LOG_DIR"
+  # for the preflight's runtime checks (nemo_granular/preflight/runtime.py), in the container too
+  [[ -n "$CONTAINER" ]] && printf 'export NG_CONTAINER=%q NG_MOUNTS=%q NG_VENV=%q\n' "$CONTAINER" "$MOUNTS" "$VENV"
   echo 'export RAY_DISABLE_USAGE_STATS=1 RAY_USAGE_STATS_ENABLED=0'
   # ray.sub: Ray builds no uv venv per task (NeMo-RL builds its worker venvs itself, once per node)
   echo 'export RAY_ENABLE_UV_RUN_RUNTIME_ENV=0'
@@ -328,6 +384,7 @@ if [[ -n "$CONTAINER" ]]; then
   fi
   SRUN_COMMON+=("--container-image=$CONTAINER" "--container-workdir=$WORKDIR" --no-container-mount-home)
   [[ -n "$MOUNTS" ]] && SRUN_COMMON+=("--container-mounts=$MOUNTS")
+  [[ -n "$CONTAINER_ENV" ]] && SRUN_COMMON+=("--container-env=$CONTAINER_ENV")
   # the head's steps (Ray head, preflight, probe, watchdog, driver) share one named container on the
   # head node, as ray.sub runs its driver in the head's: what the driver builds in the container
   # (NeMo-RL's worker venvs) is there for the head's Ray workers too
@@ -479,15 +536,23 @@ fi
 
 # ------------------------------------------------------------------ 5. driver -------------------
 DRIVER_SH=$LOG_DIR/driver.sh
+JOB_END_TIME=""
+job_end=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^EndTime=//p' | head -n1 || true)
+job_limit=$(scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^TimeLimit=//p' | head -n1 || true)
+if [[ "$job_end" =~ ^[0-9]{4}- && "$job_limit" != UNLIMITED ]]; then JOB_END_TIME=$(date -d "$job_end" +%s 2>/dev/null || true); fi
 {
   echo "# generated by slurm/launch.sh for job $SLURM_JOB_ID attempt $ATTEMPT"
   printf 'source %q\n' "$NODE_ENV"
   (( START_RAY )) && printf 'export RAY_ADDRESS=%q\n' "$RAY_ADDRESS_HEAD"
   printf 'export NG_SLURM_ATTEMPT=%q\n' "$ATTEMPT"
+  # when the job ends (epoch s), for the driver's time budget (nemo_granular/nemo_rl/time_limit.py);
+  # a container has no Slurm commands to ask
+  [[ -n "$JOB_END_TIME" ]] && printf 'export NG_JOB_END_TIME=%q\n' "$JOB_END_TIME"
   if (( DRIVER_HANDLES_PREEMPT )) && [[ "$PREEMPT_SIGNAL" == USR[12] ]]; then
     # ignored (inherited through exec by uv run and python) until the driver installs its own
-    # handler: one that comes earlier must not kill it; the launcher repeats the signal
-    printf "trap '' %s\n" "$PREEMPT_SIGNAL"
+    # handlers: one that comes earlier must not kill it; the launcher repeats the signal. TERM
+    # too: scancel and preemption send it to every step, the driver's included
+    printf "trap '' %s TERM\n" "$PREEMPT_SIGNAL"
   fi
   printf 'exec'; printf ' %q' "${CMD[@]}"; printf '\n'
 } >"$DRIVER_SH"

@@ -38,6 +38,7 @@
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 LAUNCH=$HERE/launch.sh
+NG_ROOT=$(cd "$HERE/.." && pwd)
 
 OUT="" SEED=0 NODES=2 DRIVER=auto DRY=0 EVAL_SUITE="" NEMO_RL_DIR=${NEMO_RL_SRC:-} PREFLIGHT=${PREFLIGHT:-1}
 EVAL_ARGS=() SBATCH_ALL=() SBATCH_TRAIN=() SBATCH_REPORT=(--time=00:30:00 --cpus-per-task=2)
@@ -111,10 +112,11 @@ if [[ -n "$EVAL_SUITE" ]] && (( NRL_RUNS )); then
 fi
 
 # the allocation every training job will have, for the preflight (launch.sh adds the same overrides)
-TRAIN_GPUS=""
+TRAIN_GPUS="" TRAIN_TIME=""
 for a in "${SBATCH_TRAIN[@]}"; do
   if [[ "$a" =~ ^--gres=(.*,)?gpu(:[A-Za-z0-9_.-]+)?:([0-9]+) ]]; then TRAIN_GPUS=${BASH_REMATCH[3]}
-  elif [[ "$a" =~ ^--gpus-per-node=([0-9]+)$ ]]; then TRAIN_GPUS=${BASH_REMATCH[1]}; fi
+  elif [[ "$a" =~ ^--gpus-per-node=([0-9]+)$ ]]; then TRAIN_GPUS=${BASH_REMATCH[1]}
+  elif [[ "$a" =~ ^--time=(.+)$ ]]; then TRAIN_TIME=${BASH_REMATCH[1]}; fi
 done
 run_args() {  # run_args I -> the driver command of config I, one word per line in RUN_CMD
   local i=$1 rd=$OUT/${names[$1]} section=grpo
@@ -148,7 +150,7 @@ if (( NRL_RUNS )) && [[ "$PREFLIGHT" != 0 ]]; then
     extra=()
     [[ " ${OVERRIDES[*]} " == *" cluster.num_nodes="* ]] || extra+=("cluster.num_nodes=$NODES")
     [[ -n "$TRAIN_GPUS" && " ${OVERRIDES[*]} " != *" cluster.gpus_per_node="* ]] && extra+=("cluster.gpus_per_node=$TRAIN_GPUS")
-    (cd "$WORKDIR" && exec "${NRL_PY[@]}" -m nemo_granular preflight --driver "${drivers[$i]}" "${CONFIGS[$i]}" \
+    (cd "$WORKDIR" && NG_TIME_LIMIT=$TRAIN_TIME exec "${NRL_PY[@]}" -m nemo_granular preflight --driver "${drivers[$i]}" "${CONFIGS[$i]}" \
        "${RUN_CMD[@]:${#NRL_PY[@]}+4}" "${extra[@]}" >/dev/null 2>"$PF_TMP/$i.err") &
     pf_pids[i]=$!
   done
@@ -186,17 +188,23 @@ for i in "${!CONFIGS[@]}"; do
   echo "submitted $name (${drivers[$i]}): job $jid -> $rd"
 done
 
-wrapped() {  # wrapped CMD... -> a --wrap script: cd WORKDIR, venv/setup, optional container
-  local cmd prefix mounts=${MOUNTS:-}
+wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, venv/setup, optional container
+  local cmd prefix mounts=${MOUNTS:-} env_arg=""
   cmd=$(printf '%q ' "$@")
   prefix=$(printf 'cd %q && ' "$WORKDIR")
   [[ -n "${VENV:-}" ]] && prefix+=$(printf 'source %q/bin/activate && ' "$VENV")
   [[ -n "${SETUP_COMMAND:-}" ]] && prefix+="$SETUP_COMMAND && "
   if [[ -n "${CONTAINER:-}" ]]; then
-    # as launch.sh: no host uv cache path inside the container; UV_CACHE_DIR_OVERRIDE mounted instead
-    prefix="unset UV_CACHE_DIR && $prefix"
+    # the image has NeMo-RL's environment but no nemo-granular: the checkout this script is in
+    # (on the shared file system, in MOUNTS) on PYTHONPATH, `python -m nemo_granular`, as launch.sh
+    # does for its steps; no host uv cache path inside the container (UV_CACHE_DIR_OVERRIDE is mounted)
+    shift
+    cmd="python -m nemo_granular $(printf '%q ' "$@")"
+    # shellcheck disable=SC2016  # expanded in the container
+    prefix="unset UV_CACHE_DIR && export PYTHONPATH=$(printf '%q' "$NG_ROOT")\${PYTHONPATH:+:\$PYTHONPATH} && $prefix"
     [[ -n "${UV_CACHE_DIR_OVERRIDE:-}" ]] && mounts=${mounts:+$mounts,}$UV_CACHE_DIR_OVERRIDE:/root/.cache/uv
-    echo "srun --container-image=${CONTAINER} ${mounts:+--container-mounts=$mounts} --container-workdir=$WORKDIR --no-container-mount-home bash -c $(printf '%q' "$prefix$cmd")"
+    [[ -n "${NEMO_RL_VENV_DIR:-}" ]] && env_arg=" --container-env=NEMO_RL_VENV_DIR"
+    echo "srun --container-image=${CONTAINER} ${mounts:+--container-mounts=$mounts} --container-workdir=$WORKDIR --no-container-mount-home$env_arg bash -c $(printf '%q' "$prefix$cmd")"
   else
     echo "exec bash -c $(printf '%q' "$prefix$cmd")"   # --wrap scripts run under /bin/sh
   fi

@@ -8,14 +8,17 @@ from a directory outside the repository and must
    checkpoint, and end COMPLETED — after, on a USR1 to the batch shell (what
    ``--signal=B:USR1@T`` sends before the time limit), having made the driver save a checkpoint
    and exit 99, requeued the job, and resumed it with no step lost or repeated (one job for
-   both: each Ray start costs ~30 s on the 2-core CI machine). The same job is launched as on a
-   pyxis cluster (``CONTAINER``, through ``tests/pyxis_srun_shim.sh``: the exact srun command
-   lines are recorded, the pyxis options dropped) from a home where an earlier ``ray.init()``
-   left ``~/.ray/auth_token``: Ray token auth, ray.sub's fixed ports, ``ulimit -n`` and
-   ``UV_CACHE_DIR`` are checked on the way;
+   both: each Ray start costs ~30 s on the 2-core CI machine). The same job runs as on a pyxis
+   cluster, in the local cluster's pyxis (``slurm/local_cluster/pyxis``: each container step in a
+   root with only the mounts, no ``$HOME``, the image's environment first; the exact srun command
+   lines are recorded) with an image directory made by ``slurm/local_cluster/make_image.sh``, from
+   a home where an earlier ``ray.init()`` left ``~/.ray/auth_token``: Ray token auth, ray.sub's
+   fixed ports, ``ulimit -n``, ``UV_CACHE_DIR`` and what each step sees in its container are
+   checked on the way; the head's name also maps to 127.0.1.1;
 2. requeue and resume a NeMo-RL run (the real ``run_grpo`` / ``run_sppo`` around
    ``tests/nemo_rl_loop_driver.py``'s stand-in loop) that stopped at NeMo-RL's own time limit,
-   and one sent USR1 while starting up and again in the middle of a (slow) checkpoint save;
+   one sent USR1 while starting up and again in the middle of a (slow) checkpoint save, and one
+   preempted with SIGTERM (``scontrol requeue``);
 3. fail within a bounded time, with a message naming the node, when a worker node dies (every
    process in its namespace — slurmd, slurmstepd, raylet — is SIGKILLed), when a worker's srun
    fails, when Ray's readiness probe is refused (Ray's own reason), and before Ray when the
@@ -40,8 +43,9 @@ The driver of (1) is the real ``nemo-granular train --config examples/configs/lo
 when ``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_driver.py`` (same
 signal / exit-code / resume contract) otherwise; ``NG_SLURM_TEST_DRIVER=stub|train`` forces one.
 Every job runs with a private ``HOME`` (never the real one). What it does to the machine (as
-root): apt-installs the Debian packages slurmctld, slurmd, slurm-client, munge and shellcheck when
-missing, adds tagged node-name lines to ``/etc/hosts``, creates a bridge, veths and network
+root): apt-installs the Debian packages slurmctld, slurmd, slurm-client, munge and shellcheck (and
+util-linux, coreutils, mount for the pyxis emulation) when missing, adds tagged node-name lines
+to ``/etc/hosts``, creates a bridge, veths and network
 namespaces on a private 10.231.78.0/24 subnet (no outside network), and starts munged, slurmctld
 and two slurmd; the teardown (``down.sh``) removes all of it. ``NEMO_GRANULAR_SLURM_TESTS=0``
 opts out: the cluster tests and the shellcheck test then skip (a failure under CI, which allows
@@ -75,10 +79,12 @@ LAUNCH = SLURM / "launch.sh"
 STUB = ROOT / "tests" / "slurm_stub_driver.py"
 NRL_DRIVER = ROOT / "tests" / "nemo_rl_logger_driver.py"
 LOOP_DRIVER = ROOT / "tests" / "nemo_rl_loop_driver.py"
-SRUN_SHIM = ROOT / "tests" / "pyxis_srun_shim.sh"
+PYXIS = SLURM / "local_cluster" / "pyxis"            # the local cluster's pyxis (srun + enter.sh)
+MAKE_IMAGE = SLURM / "local_cluster" / "make_image.sh"
+SHIMS = ROOT / "tests" / "host_shims"
 SMOKE = ROOT / "examples" / "configs" / "local" / "smoke.yaml"
 PKGS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge",
-        "ip": "iproute2", "shellcheck": "shellcheck"}
+        "ip": "iproute2", "shellcheck": "shellcheck", "unshare": "util-linux", "chroot": "coreutils", "mount": "mount"}
 FAKE_GPUS = 2
 # the ports launch.sh pins (NeMo-RL ray.sub's layout, all below 9000): GCS, node/object manager, metrics
 PINNED = {"gcs": 1200, "node_manager": 1301, "object_manager": 1303, "metrics_export": 1309}
@@ -181,6 +187,8 @@ def cluster(tmp_path_factory):
     env = {**os.environ, "HOME": str(home), "NG_SLURM_DIR": str(state), "NG_SLURM_PREFIX": prefix, "NG_SLURM_SUBNET": "10.231.78",
            "NG_SLURM_CTLD_PORT": "16827", "NG_SLURM_SLURMD_PORT": "16828", "NG_SLURM_NODES": "2",
            "NG_SLURM_FAKE_GPUS": str(FAKE_GPUS),   # GRES gpu:2 per node (device-less) -> GRES detection
+           "NG_PYXIS_STATE": str(state / "pyxis"),   # the containers' /tmp: removed with the cluster
+           "NG_SLURM_HEAD_LOOPBACK": "1",   # ngt1 also maps to 127.0.1.1 (Debian/Ubuntu): the head must not bind it
            "SLURM_CONF": str(state / "slurm.conf"), "RAY_TMP_BASE": str(ray_tmp), "VENV": sys.prefix,
            "OMP_NUM_THREADS": "1", "WATCH_INTERVAL": "2", "RAY_WAIT_TIMEOUT": "180",
            # faster dead-node detection by Ray's GCS (defaults: 3000 ms x 5)
@@ -208,24 +216,72 @@ def cluster(tmp_path_factory):
         shutil.rmtree(state, ignore_errors=True)
 
 
-def _driver_cmd(run_dir: Path, steps: int, every: int, slow: bool) -> list[str]:
+def _driver_cmd(run_dir: Path, steps: int, every: int, slow: bool, python: str | None = None) -> list[str]:
+    """``python``: the driver's interpreter (default this one; "python" in a container: the image's)."""
     if _driver_kind() == "train":
-        return ["nemo-granular", "train", "--config", str(SMOKE), f"output_dir={run_dir}", "seed=0",
+        train = ["nemo-granular", "train"] if python is None else [python, "-m", "nemo_granular", "train"]
+        return [*train, "--config", str(SMOKE), f"output_dir={run_dir}", "seed=0",
                 f"rl.steps={steps}", f"checkpoint.every={every}",
                 "warmstart.enabled=false"]        # CI time; the launcher adds --auto-resume
-    return [sys.executable, str(STUB), f"output_dir={run_dir}", f"rl.steps={steps}", f"checkpoint.every={every}",
-            f"step_seconds={0.3 if slow else 0.05}", "--auto-resume"]
+    return [python or sys.executable, str(STUB), f"output_dir={run_dir}", f"rl.steps={steps}",
+            f"checkpoint.every={every}", f"step_seconds={0.3 if slow else 0.05}", "--auto-resume"]
+
+
+def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = ()) -> Path:
+    """An image directory for the local cluster's pyxis (slurm/local_cluster/make_image.sh): this
+    test environment's packages as the image's /opt/nemo_rl_venv, ``nemo_rl`` (when given) as the
+    image's /opt/nemo-rl, the test world's NeMo-RL shims and Megatron/Automodel sources as image
+    layers on the image's PYTHONPATH. No nemo-granular in it."""
+    layers, path = [f"{SHIMS / 'typing_shim'}:/opt/shims/typing_shim"], ["/opt/shims/typing_shim"]
+    if nemo_rl is not None:
+        path.append("/opt/nemo-rl")
+    for var in ("MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC", "AUTOMODEL_SRC"):
+        if os.environ.get(var) and os.environ.get("NEMO_RL_SRC"):
+            layers.append(f"{Path(os.environ[var]).resolve()}:/opt/src/{var.lower()}")
+            path.append(f"/opt/src/{var.lower()}")
+    args = ["bash", str(MAKE_IMAGE), str(dest), "--venv", sys.prefix, "--env", "PYTHONPATH=" + ":".join(path)]
+    if nemo_rl is not None:
+        args += ["--nemo-rl", str(nemo_rl)]
+    for layer in layers:
+        args += ["--layer", layer]
+    for fqn in workers:
+        args += ["--worker-venv", fqn]
+    subprocess.run(args, check=True, capture_output=True, text=True)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """``release``: NeMo-RL's release container as pyxis runs it (NeMo-RL in the image at
+    /opt/nemo-rl, the stock Megatron worker's venv prebuilt under /opt/ray_venvs); ``deps``: an
+    image built from a NeMo-RL checkout that the jobs mount (no NeMo-RL inside)."""
+    d = tmp_path_factory.mktemp("images")
+    src = Path(os.environ["NEMO_RL_SRC"]).resolve() if os.environ.get("NEMO_RL_SRC") else None
+    return {"release": _make_image(d / "release", src, (MEGATRON_WORKER,)), "deps": _make_image(d / "deps", None)}
+
+
+MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
+
+
+def _pyxis_env(cluster: Cluster, image: Path, mounts: list[Path], srun_log: Path | None = None) -> dict:
+    """A job's environment on a pyxis cluster: pyxis' srun first on PATH, CONTAINER, MOUNTS (each
+    at its own path) and no VENV (the image's environment runs the job)."""
+    env = {"PATH": f"{PYXIS}:{cluster.env['PATH']}", "CONTAINER": str(image), "VENV": None,
+           "MOUNTS": ",".join(f"{m}:{m}" for m in mounts)}
+    if srun_log is not None:
+        env["NG_SRUN_LOG"] = str(srun_log)
+    return env
 
 
 def _submit(cluster: Cluster, workdir: Path, name: str, cmd: list[str], *, nodes: int = 2, env: dict | None = None,
-            soft_nofile: int | None = None) -> str:
+            soft_nofile: int | None = None, sbatch: tuple[str, ...] = ()) -> str:
     """sbatch launch.sh from a directory outside the repository (script by absolute path), with
     ``env`` on top of the cluster's (a value None removes the variable: sbatch hands the job the
     submitting environment); ``soft_nofile``: submit with that soft ``ulimit -n`` (Slurm
     propagates the submitting shell's soft limits to the job)."""
     workdir.mkdir(parents=True, exist_ok=True)
     argv = ["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={name}", f"--output={workdir}/slurm-%j.out",
-            str(LAUNCH), *cmd]
+            *sbatch, str(LAUNCH), *cmd]
     if soft_nofile is not None:
         argv = ["bash", "-c", f'ulimit -Sn {soft_nofile} && exec "$@"', "_", *argv]
     job_env = {k: v for k, v in {**cluster.env, **(env or {})}.items() if v is not None}
@@ -327,29 +383,37 @@ def _pinned_ports(nodes: dict) -> None:
             {k: PINNED[k] for k in ("node_manager", "object_manager", "metrics_export")}, n
 
 
-def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, tmp_path):
+def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, images, tmp_path):
     """Success + preemption in one job (each Ray start costs ~30 s on the CI machine), launched as
-    on a pyxis cluster (CONTAINER, MOUNTS, a host UV_CACHE_DIR, UV_CACHE_DIR_OVERRIDE, a low soft
-    ``ulimit -n``) from a home that holds the ``~/.ray/auth_token`` an earlier ``ray.init()`` left
-    (Ray 2.60): the head and the joining nodes agreed on the auth mode only by chance before."""
+    on a pyxis cluster and run in the local cluster's pyxis (slurm/local_cluster/pyxis: every step
+    in a container root of the ``release`` image with only MOUNTS, no $HOME, the image's
+    environment first): CONTAINER, MOUNTS = a shared folder and the nemo-granular checkout, no
+    VENV, the driver started with the image's ``python``; a host UV_CACHE_DIR,
+    UV_CACHE_DIR_OVERRIDE, a host UV_PROJECT_ENVIRONMENT (the image's wins) and NEMO_RL_VENV_DIR
+    (the launcher passes it with --container-env), a low soft ``ulimit -n``; from a home that
+    holds the ``~/.ray/auth_token`` an earlier ``ray.init()`` left (Ray 2.60): the head and the
+    joining nodes agreed on the auth mode only by chance before. The head node's name also maps
+    to 127.0.1.1 (the cluster fixture): the head must bind its real address."""
     train = _driver_kind() == "train"
-    run_dir, steps = tmp_path / "run", (8 if train else 30)
+    shared, outside = tmp_path / "shared", tmp_path / "outside"
+    shared.mkdir()
+    outside.mkdir()
+    run_dir, steps = shared / "run", (8 if train else 30)
     token = "token-an-earlier-ray-init-left-in-home-0123456789abcdef"
     home = _home(tmp_path / "home", token=token)
-    shim = tmp_path / "pyxis"
-    shim.mkdir()
-    (shim / "srun").symlink_to(SRUN_SHIM)
-    srun_log, facts, uv_cache = tmp_path / "srun.log", tmp_path / "node_facts.txt", tmp_path / "uv-cache"
-    env = {"HOME": str(home), "PATH": f"{shim}:{cluster.env['PATH']}", "NG_SRUN_LOG": str(srun_log),
-           "NG_REAL_SRUN": shutil.which("srun", path=cluster.env["PATH"]),
-           "CONTAINER": "/images/nemo-rl-7ea279abf.sqsh", "MOUNTS": "/data:/data",
-           "UV_CACHE_DIR": "/host/only/uv-cache", "UV_CACHE_DIR_OVERRIDE": str(uv_cache),
+    srun_log, facts, uv_cache = shared / "srun.log", shared / "node_facts.txt", shared / "uv-cache"
+    env = {"HOME": str(home), **_pyxis_env(cluster, images["release"], [shared, ROOT], srun_log),
+           "WORKDIR": str(shared), "UV_CACHE_DIR": "/host/only/uv-cache", "UV_CACHE_DIR_OVERRIDE": str(uv_cache),
+           "UV_PROJECT_ENVIRONMENT": "/host/only/nemo_rl_venv", "NEMO_RL_VENV_DIR": str(shared / "venvs"),
            # what every step sees on its node once the launcher's environment is applied
-           "SETUP_COMMAND": f'echo "$(hostname) $(ulimit -Sn) $(ulimit -Hn) ${{UV_CACHE_DIR-unset}}" >>{facts}',
+           "SETUP_COMMAND": f'echo "$(hostname) $(ulimit -Sn) $(ulimit -Hn) ${{UV_CACHE_DIR-unset}} '
+                            f'$(command -v python) $UV_PROJECT_ENVIRONMENT $NEMO_RL_VENV_DIR $PWD '
+                            f'$([[ -e {outside} ]] && echo outside || echo no-outside) '
+                            f'$([[ -e $HOME ]] && echo home || echo no-home)" >>{facts}',
            "PREEMPT_RESEND": "2", "DRIVER_HANDLES_PREEMPT": "1"}
-    job = _submit(cluster, tmp_path, "ng-pre", _driver_cmd(run_dir, steps, every=100, slow=True), env=env,
-                  soft_nofile=1024)
-    logs = tmp_path / "slurm-logs" / f"ng-pre-{job}"
+    job = _submit(cluster, tmp_path, "ng-pre", _driver_cmd(run_dir, steps, every=100, slow=True, python="python"),
+                  env=env, soft_nofile=1024)
+    logs = shared / "slurm-logs" / f"ng-pre-{job}"
     # wait for the driver to make progress, then send what `--signal=B:USR1@T` sends before the limit
     _wait_for("2 steps of the first attempt", lambda: len(_steps(run_dir)) >= 2, cluster, job, tmp_path, 240)
     first = json.loads((logs / "ray_nodes.json").read_text())     # ray.nodes() seen before the driver
@@ -396,17 +460,21 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, tmp_p
     for kind, lines in steps_by_kind.items():
         name = "ray-worker" if kind == "workers" else "ray-head"
         for argv in lines:
-            assert {"--container-image=/images/nemo-rl-7ea279abf.sqsh", f"--container-name={name}",
-                    f"--container-mounts=/data:/data,{uv_cache}:/root/.cache/uv", f"--container-workdir={tmp_path}",
-                    "--no-container-mount-home"} <= set(argv), (kind, argv)
+            assert {f"--container-image={images['release']}", f"--container-name={name}",
+                    f"--container-mounts={shared}:{shared},{ROOT}:{ROOT},{uv_cache}:/root/.cache/uv",
+                    f"--container-workdir={shared}", "--no-container-mount-home",
+                    "--container-env=NEMO_RL_VENV_DIR"} <= set(argv), (kind, argv)
     assert uv_cache.is_dir()
-    # every step on both nodes: the soft file limit raised (ray.sub: 65535, at most the hard limit),
-    # no host UV_CACHE_DIR inside the container
+    # every step on both nodes, inside the container: the soft file limit raised (ray.sub: 65535,
+    # at most the hard limit), no host UV_CACHE_DIR, the image's python and UV_PROJECT_ENVIRONMENT,
+    # the job's NEMO_RL_VENV_DIR, the workdir; nothing of the host outside MOUNTS, no $HOME
     rows = [line.split() for line in facts.read_text().splitlines()]
     assert {r[0] for r in rows} == {"ngt1", "ngt2"} and len(rows) >= 8, rows
-    for host, soft, hard, uv in rows:
+    for host, soft, hard, uv, *inside in rows:
         assert int(soft) == (65535 if hard == "unlimited" or int(hard) >= 65535 else int(hard)) > 1024, rows
         assert uv == "unset", rows
+        assert inside == ["/opt/nemo_rl_venv/bin/python", "/opt/nemo_rl_venv", str(shared / "venvs"), str(shared),
+                          "no-outside", "no-home"], rows
     # preempted: checkpoint confirmed (exit 99), requeued once, resumed with no step lost or repeated
     assert int(cluster.job_fields(job)["Restarts"]) == 1, info
     assert "driver exited with code 99 after SIGUSR1" in launcher, info
@@ -421,6 +489,28 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, tmp_p
         first_resumed = next(r for r in rows if r["attempt"] == 1)
         assert 1 < first_resumed["step"] < steps and first_resumed["resumed_from"] == first_resumed["step"] - 1
     print(f"driver={_driver_kind()} job={job}: steps 1..{steps} over 2 attempts (preempted, requeued, resumed)")
+
+
+def test_preempted_job_saves_on_sigterm_and_slurm_requeues_it(cluster, tmp_path):
+    """Preemption with ``PreemptMode=REQUEUE`` does what ``scontrol requeue`` does: SIGTERM to every
+    step (the driver's too) and to the batch shell, SIGKILL after KillWait, then Slurm requeues. The
+    driver (a one-node embedded run, its state in its own process) must finish its step, save and
+    exit 99, and the launcher must live until then and say so (its log pipe died of the same
+    SIGTERM, and the launcher with it, before); the requeued job resumes, no step lost or repeated."""
+    run_dir, steps = tmp_path / "run", (8 if _driver_kind() == "train" else 30)
+    job = _submit(cluster, tmp_path, "ng-term", _driver_cmd(run_dir, steps, every=100, slow=True), nodes=1,
+                  env={"START_RAY": "0", "DRIVER_HANDLES_PREEMPT": "1"})
+    _wait_for("2 steps", lambda: len(_steps(run_dir)) >= 2, cluster, job, tmp_path, 240)
+    cluster.run("scontrol", "requeue", job)
+    state = cluster.wait_terminal(job, timeout=300)
+    info = _explain(cluster, tmp_path, job)
+    logs = tmp_path / "slurm-logs" / f"ng-term-{job}"
+    assert state == "COMPLETED" and int(cluster.job_fields(job)["Restarts"]) == 1, info
+    launcher = (logs / "launcher.log").read_text()
+    assert "received SIGTERM" in launcher and "driver exited with code 99 after SIGTERM" in launcher, info
+    assert "checkpoint saved after SIGTERM; not requeued by the launcher" in launcher, info
+    assert _steps(run_dir) == list(range(1, steps + 1)), f"lost or repeated steps: {_steps(run_dir)}\n{info}"
+    assert "resumed from" in (logs / "driver.log").read_text(), info
 
 
 def test_gpus_per_node_contradicting_gres_fails_before_ray(cluster, tmp_path):
@@ -457,7 +547,7 @@ def test_scripts_pass_shellcheck():
         reason = _ensure_debian_packages()
         if reason or shutil.which("shellcheck") is None:
             pytest.skip(reason or "shellcheck not installable")
-    scripts = sorted(str(p) for p in SLURM.rglob("*.sh")) + [str(SRUN_SHIM)]
+    scripts = sorted(str(p) for p in SLURM.rglob("*.sh")) + [str(PYXIS / "srun")]
     assert len(scripts) >= 5, scripts
     r = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -498,9 +588,12 @@ def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     return dest
 
 
-def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, tmp_path):
+def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, images, tmp_path):
     """ESPO vs GSPO on Qwen3-30B-A3B as a user submits it (WORKDIR = the NeMo-RL checkout, no
-    NEMO_RL_SRC in the environment), with the NeMo-RL driver replaced by
+    NEMO_RL_SRC in the environment), on a pyxis cluster (the local cluster's pyxis: CONTAINER =
+    the ``deps`` image, built from the NeMo-RL checkout that MOUNTS holds, with nemo-granular's
+    checkout mounted and no VENV; the training, eval and report jobs all run in containers; the
+    submit host runs the preflight with its own Python), with the NeMo-RL driver replaced by
     tests/nemo_rl_logger_driver.py (NEMO_RL_PYTHON): NeMo-RL's own load_config, Logger
     (TensorBoard) and CheckpointManager write the run directories, plus evals.json; each run's
     eval job (--eval-suite) must find the NeMo-RL checkout (here with eval-checkpoints --dry-run:
@@ -516,10 +609,13 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     out, preflight, bench = tmp_path / "cmp", tmp_path / "preflight.log", tmp_path / "benchmarks"
     bench.mkdir()   # the launch story's --data-dir: HMMT25 has no NeMo-RL loader
     (bench / "hmmt25.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
-    env = {**cluster.env, "NEMO_RL_PYTHON": f"{sys.executable} {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
-           "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT": "1", "NG_FAKE_PREFLIGHT_LOG": str(preflight),
-           "START_RAY": "0"}       # the stand-in driver does not use Ray (the other tests cover Ray)
-    env.pop("NEMO_RL_SRC", None)   # (NeMo-RL stays importable through PYTHONPATH)
+    pyxis = _pyxis_env(cluster, images["deps"], [tmp_path, ROOT, nemo_rl_src])
+    env = _env(cluster.env, {**pyxis, "PATH": f"{PYXIS}:{Path(sys.executable).parent}:{cluster.env['PATH']}",
+                             "NEMO_RL_PYTHON": f"python {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
+                             "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT": "1",
+                             "NG_FAKE_PREFLIGHT_LOG": str(preflight),
+                             "START_RAY": "0",     # the stand-in driver does not use Ray (the other tests cover Ray)
+                             "NEMO_RL_SRC": None})  # (on the submit host NeMo-RL stays importable through PYTHONPATH)
     r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
                         "--train-sbatch", "--time=4:00:00 --gres=gpu:2", "--eval-suite", "espo",
                         "--eval-args", f"--dry-run --data-dir {bench}",
@@ -744,7 +840,8 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
       ``uv run`` syncing its environment) and again in the middle of a slow checkpoint save: the
       save must complete, NeMo-RL must stop at the end of the step with a checkpoint, exit 99, and
       the requeued job resume from it. Its home holds an earlier ``ray.init()``'s token, the SPPO
-      job's home none: NeMo-RL's ``init_ray`` must attach with the job's token either way.
+      job's home none: NeMo-RL's ``init_ray`` must attach with the job's token either way. Its
+      ``--time=30`` sets the driver's time budget: the job's end minus ``NG_SAVE_RESERVE_SECONDS``.
 
     The launcher's preflight here is the STAND-IN (``NG_FAKE_PREFLIGHT=1``), which records each
     attempt's command line: the real one would put another NeMo-RL import (tens of seconds) in
@@ -764,9 +861,9 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
 
     usr1 = _submit(cluster, tmp_path / "w-usr1", "ng-usr1",
                    cmd("nemo_granular.run_grpo", cfgs["grpo"], usr1_run, "grpo.max_num_steps=6",
-                       "checkpointing.save_period=2"), nodes=1,
+                       "checkpointing.save_period=2"), nodes=1, sbatch=("--time=30",),
                    env={**base, "HOME": str(homes["usr1"]), "NG_FAKE_STARTUP_SECONDS": "6",
-                        "NG_FAKE_SAVE_SECONDS": "4"})
+                        "NG_FAKE_SAVE_SECONDS": "4", "NG_SAVE_RESERVE_SECONDS": "600"})
     limit = _submit(cluster, tmp_path / "w-limit", "ng-limit",
                     cmd("nemo_granular.run_sppo", cfgs["sppo"], limit_run, "ppo.max_num_steps=6",
                         "checkpointing.save_period=100", "checkpointing.checkpoint_must_save_by=00:00:00:03"),
@@ -808,6 +905,14 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
                    f"{max(first)} of 6" in driver, info
         else:
             assert saving, "no save was in progress when the second USR1 was sent"
+            # the time budget (--time=30): the job's end (NG_JOB_END_TIME, from Slurm's EndTime)
+            # minus the reserve, counted from the driver's start (checkpoint_must_save_by is null here)
+            end = re.findall(r"^export NG_JOB_END_TIME=(\d+)$", (logs / "driver.sh").read_text(), re.M)
+            start = int(time.mktime(time.strptime(cluster.job_fields(job)["StartTime"], "%Y-%m-%dT%H:%M:%S")))
+            assert len(end) == 1 and abs(int(end[0]) - (start + 1800)) <= 2, (end, start)
+            budget = [float(x) for x in re.findall(r"NeMo-RL will save and stop within (\d+) s \(job end minus "
+                                                   r"NG_SAVE_RESERVE_SECONDS=600\)", driver)]
+            assert len(budget) == 2 and all(1800 - 600 - 120 < b <= 1800 - 600 for b in budget), (budget, info)
             assert "driver exited with code 99 after SIGUSR1" in launcher, info
             assert f"stopped by SIGUSR1 after step {max(first)} of 6" in driver, info
     assert sorted(p.name for p in (homes["usr1"] / ".ray").iterdir()) == ["auth_token"]
@@ -820,23 +925,20 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
 
 # ------------------------------------------------------- one-node jobs, submitted together ---
 
-def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jobs: dict) -> None:
+def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jobs: dict, image: Path) -> None:
     """``one_node_jobs["ok"]`` and ``["bad"]`` (see there)."""
     shipped = ROOT / "examples" / "configs" / "sspo_qwen2.5_math_1.5b.yaml"
-    checkout = _nemo_rl_checkout(nemo_rl_src, d / "NeMo-RL")
-    shim, srun_log, run = d / "pyxis", d / "srun.log", d / "ok-run"
-    shim.mkdir()
-    (shim / "srun").symlink_to(SRUN_SHIM)
+    checkout = "/opt/nemo-rl"        # NeMo-RL inside the release image
+    srun_log, run = d / "srun.log", d / "ok-run"
     overrides = ["grpo.seed=3", "--config", str(shipped), "~logger.mlflow", "+logger.note=checked",
                  "grpo.max_num_steps=2", f"checkpointing.checkpoint_dir={run}/checkpoints", f"logger.log_dir={run}/logs"]
-    ok_cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", *overrides]
-    env = {"CONTAINER": "/images/nemo-rl-7ea279abf.sqsh", "PATH": f"{shim}:{cluster.env['PATH']}",
-           "NG_SRUN_LOG": str(srun_log), "NG_REAL_SRUN": shutil.which("srun", path=cluster.env["PATH"]),
-           "WORKDIR": str(checkout), "BASE_LOG_DIR": str(d / "ok" / "slurm-logs"), "START_RAY": "0",
+    ok_cmd = ["python", str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", *overrides]   # the image's python
+    env = {**_pyxis_env(cluster, image, [d, ROOT], srun_log),
+           "WORKDIR": checkout, "BASE_LOG_DIR": str(d / "ok" / "slurm-logs"), "START_RAY": "0",
            "NG_FAKE_STEP_SECONDS": "0.1", **_without_nemo_rl_src(cluster.env)}
     jobs["ok"] = SimpleNamespace(job=_submit(cluster, d / "ok", "ng-pf-ok", ok_cmd, nodes=1, env=env),
                                  workdir=d / "ok", cmd=ok_cmd, checkout=checkout, srun_log=srun_log, run=run,
-                                 config=shipped)
+                                 config=shipped, image=image)
 
     bad_cfg = d / "sspo_before_defer_fix.yaml"   # as every shipped Megatron config resolved before its fix
     bad_cfg.write_text(f"defaults: {shipped}\npolicy:\n  megatron_cfg:\n    defer_fp32_logits: false\n")
@@ -849,15 +951,16 @@ def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jo
 
 
 @pytest.fixture(scope="module")
-def one_node_jobs(cluster, tmp_path_factory):
+def one_node_jobs(cluster, images, tmp_path_factory):
     """The one-node jobs of the next three tests, submitted at once (longest first): the cluster
     runs two side by side instead of one test's job after the other's.
 
-    * ``ok``: the REAL preflight passes a shipped config inside the job, launched as on a pyxis
-      cluster (``CONTAINER`` through tests/pyxis_srun_shim.sh, which records the srun lines) with
-      WORKDIR = a NeMo-RL checkout and NeMo-RL importable only there (no ``NEMO_RL_SRC``, not on
-      ``PYTHONPATH``). The driver's Python is tests/nemo_rl_logger_driver.py, a stand-in for
-      ``python`` whose ``-m nemo_granular preflight`` is the real CLI and whose ``-m
+    * ``ok``: the REAL preflight passes a shipped config inside the job, launched as with NeMo-RL's
+      release container under pyxis (the local cluster's pyxis with the ``release`` image, which
+      records the srun lines): WORKDIR = the image's NeMo-RL (/opt/nemo-rl), nemo-granular from its
+      mounted checkout, no VENV, NeMo-RL not importable on the host side (no ``NEMO_RL_SRC``, not on
+      ``PYTHONPATH``). The driver's Python is the image's ``python`` running
+      tests/nemo_rl_logger_driver.py, a stand-in whose ``-m nemo_granular preflight`` is the real CLI and whose ``-m
       nemo_granular.run_grpo`` a short stand-in run (the real one needs GPUs). Its command line
       has ``--config`` between overrides and the override forms ``~key`` and ``+key=value``;
     * ``bad``: the REAL preflight, with the real Python (``python -m nemo_granular.run_grpo``, as a
@@ -870,12 +973,34 @@ def one_node_jobs(cluster, tmp_path_factory):
     d = tmp_path_factory.mktemp("one-node")
     jobs: dict[str, SimpleNamespace] = {}
     if os.environ.get("NEMO_RL_SRC"):
-        _submit_real_preflight_jobs(cluster, d, Path(os.environ["NEMO_RL_SRC"]).resolve(), jobs)
+        _submit_real_preflight_jobs(cluster, d, Path(os.environ["NEMO_RL_SRC"]).resolve(), jobs, images["release"])
 
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "the-token-the-head-starts-with-0123456789",
            "SETUP_COMMAND": '[[ $SLURM_STEP_ID == 0 ]] || export RAY_AUTH_TOKEN=a-different-token-9876543210'}
     jobs["probe"] = SimpleNamespace(job=_submit(cluster, d / "probe", "ng-probe", ["true"], nodes=1, env=env),
                                     workdir=d / "probe")
+
+    # CONTAINER + a VENV made on the host: its python links into $HOME (uv's managed Pythons live
+    # there), which the container does not have (--no-container-mount-home)
+    shared, home = d / "venv-home" / "shared", d / "venv-home" / "home"
+    uv_python = home / ".local" / "share" / "uv" / "python" / "cpython-3" / "bin" / "python3"
+    uv_python.parent.mkdir(parents=True)
+    uv_python.symlink_to(Path(sys.executable).resolve())
+    venv = shared / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(uv_python)
+    (venv / "bin" / "activate").write_text(f'export VIRTUAL_ENV={venv} PATH="{venv}/bin:$PATH"\n')
+    # its console scripts start with the venv's python, as uv writes them
+    (venv / "bin" / "ray").write_text(f"#!{venv}/bin/python\nfrom ray.scripts.scripts import main\nmain()\n")
+    (venv / "bin" / "ray").chmod(0o755)
+    env = {"HOME": str(home), **_pyxis_env(cluster, images["release"], [shared, ROOT]), "VENV": str(venv),
+           "WORKDIR": str(shared)}
+    jobs["venv"] = SimpleNamespace(job=_submit(cluster, d / "venv-home", "ng-venv", ["python", "-c", "print(1)"],
+                                               nodes=1, env=env), workdir=d / "venv-home", venv=venv, shared=shared)
+    # a 1-GPU job on the 2-GPU nodes under launch.sh's --exclusive: Ray and the driver get 1 GPU
+    jobs["gpus"] = SimpleNamespace(job=_submit(cluster, d / "gpus", "ng-gpus", [], nodes=1, sbatch=("--gres=gpu:1",),
+                                               env={"START_RAY": "0", "COMMAND": 'echo "gpus=$NG_GPUS_PER_NODE"'}),
+                                   workdir=d / "gpus")
 
     log = d / "off-preflight.log"
     off_cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", "--config"]   # no config: exit 2
@@ -915,10 +1040,13 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     prefix, _, words = pf[-1].partition(" && exec ")
     assert prefix == f"source '{logs}/node_env.sh'" and shlex.split(words) == argv, (pf[-1], argv)
     for argv_ in (pf, steps["driver"][0]):    # preflight and driver: one named container, in WORKDIR
-        assert {"--container-image=/images/nemo-rl-7ea279abf.sqsh", "--container-name=ray-head",
+        assert {f"--container-image={j.image}", "--container-name=ray-head",
                 f"--container-workdir={j.checkout}", "--no-container-mount-home"} <= set(argv_), argv_
     assert f"--output={logs}/preflight.log" in pf and f"--error={logs}/preflight-0.err" in pf, pf
     assert f"cd {j.checkout}\n" in (logs / "node_env.sh").read_text()
+    # the plugin's Megatron extension runs in the image's prebuilt MegatronPolicyWorker venv: nothing
+    # to build for it (the vLLM worker's venv is not in this image: that warning stays)
+    assert "worker venv missing: /opt/ray_venvs/nemo_granular" not in launcher, info
     # the real preflight's plan: the allocation, the inherited NeMo-RL recipe found in the checkout
     plan = (logs / "preflight.log").read_text()
     assert "(driver: run_grpo)" in plan and "cluster   1 node(s) × 2 GPUs" in plan, plan
@@ -926,7 +1054,8 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     assert "result    ok, " in plan, plan
     # its warnings shown, and the job went on; the venvs it looked for are the checkout's
     assert re.search(r"preflight: no problems, \d+ warning\(s\):", launcher), info
-    assert f"[preflight] preflight: warning: worker venv missing: {j.checkout}/venvs/" in launcher, info
+    # (inside the image NeMo-RL looks for them in the image's NEMO_RL_VENV_DIR, not <checkout>/venvs)
+    assert "[preflight] preflight: warning: worker venv missing: /opt/ray_venvs/" in launcher, info
     assert "[preflight] preflight: warning: TORCH_CUDA_ARCH_LIST is not set" in launcher, info
     assert "driver exited with code 0" in launcher, info
     # the driver ran the command line the preflight checked
@@ -963,6 +1092,32 @@ def test_real_preflight_stops_a_job_whose_config_nemo_rl_would_reject(cluster, n
     launcher = (logs / "launcher.log").read_text()
     assert "preflight skipped (PREFLIGHT=0)" in launcher and "driver exited with code 2" in launcher, info
     assert not off.preflight_log.exists()
+
+
+def test_container_with_a_host_venv_outside_the_mounts_fails_before_ray(cluster, one_node_jobs):
+    """``one_node_jobs["venv"]``: CONTAINER and a VENV made on the host whose python is a link into
+    $HOME (uv's managed Python), as the launch story documented before: in the container (pyxis,
+    --no-container-mount-home) that interpreter does not exist. The job must fail before Ray with
+    one line that says so and what to do; it used to fail in the Ray head step ("bad interpreter")."""
+    j = one_node_jobs["venv"]
+    _, info = _finished(cluster, j, "ng-venv", "FAILED")
+    logs = j.shared / "slurm-logs" / f"ng-venv-{j.job}"
+    errors = [line for line in (j.workdir / f"slurm-{j.job}.out").read_text().splitlines() if "ERROR:" in line]
+    target = Path(sys.executable).resolve()
+    assert len(errors) == 1 and errors[0].split("ERROR: ", 1)[1] == (
+        f"VENV={j.venv}: its python is a link to {target}, outside MOUNTS ({j.shared}:{j.shared},{ROOT}:{ROOT}): "
+        "in the container (no $HOME: --no-container-mount-home) it does not exist. With CONTAINER, leave VENV "
+        "unset (the image's environment runs the job; docs/slurm.md)"), (errors, info)
+    assert "starting the Ray head" not in (logs / "launcher.log").read_text(), info
+
+
+def test_gpus_per_node_come_from_the_jobs_request_not_the_nodes_gres(cluster, one_node_jobs):
+    """``one_node_jobs["gpus"]``: ``--gres=gpu:1`` on nodes with GRES gpu:2, under launch.sh's
+    ``--exclusive``: the launcher gives the steps (``srun --gres``), Ray and the driver 1 GPU per node."""
+    j = one_node_jobs["gpus"]
+    logs, info = _finished(cluster, j, "ng-gpus", "COMPLETED")
+    assert "gpus=1" in (logs / "driver.log").read_text(), info
+    assert "gpus_per_node=1 (job asked: 1, node gres: 'gpu:2')" in (logs / "launcher.log").read_text(), info
 
 
 def test_failed_readiness_probe_prints_rays_own_reason(cluster, one_node_jobs):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import types
 from dataclasses import dataclass
 
@@ -36,13 +37,19 @@ def algo(nemo_rl_src):
 
 
 @pytest.fixture(autouse=True)
-def usr1():
-    """SIGUSR1 through ``install_stop_signal``; the handler and the module flag restored after."""
-    old = signal.getsignal(signal.SIGUSR1)
+def usr1(monkeypatch):
+    """SIGUSR1 / SIGTERM through ``install_stop_signal``; the handlers, the module state and the
+    job's end restored after (no Slurm job: the budget is NeMo-RL's alone unless a test sets one)."""
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    for var in ("NG_JOB_END_TIME", "SLURM_JOB_END_TIME", "SLURM_JOB_ID", "NG_SAVE_RESERVE_SECONDS"):
+        monkeypatch.delenv(var, raising=False)
     time_limit._STOP["signal"] = None
+    time_limit._JOB["deadline"] = None
     yield
     time_limit._STOP["signal"] = None
-    signal.signal(signal.SIGUSR1, old)
+    time_limit._JOB["deadline"] = None
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
 
 
 def _loop(algo, must_save_by, state: State, steps: int, max_steps: int, usr1_at: int | None = None) -> int:
@@ -115,3 +122,61 @@ def test_sigusr1_stops_at_the_next_step_boundary_through_the_checker(algo, usr1,
 def test_a_module_without_timeoutchecker_is_refused_in_one_line():
     with pytest.raises(AttributeError, match="TimeoutChecker does not exist"):
         StopWatch(types.ModuleType("nemo_rl.algorithms.other")).start()
+
+
+def test_sigterm_stops_at_the_next_step_boundary_like_sigusr1(algo, capsys):
+    """``scancel`` and Slurm's preemption send SIGTERM to every step, the driver's too: the driver
+    must save at the end of the step and exit 99, not die (it handled only SIGUSR1 before)."""
+    install_stop_signal()
+    state = State()
+    with StopWatch(algo) as watch:
+        timeout = algo.TimeoutChecker(timeout=None, fit_last_save_time=True)
+        timeout.start_iterations()
+        os.kill(os.getpid(), signal.SIGTERM)                     # the process lives on
+        timeout.mark_iteration()
+        assert timeout.check_save() is True
+        state.current_step = state.total_steps = 3
+    assert watch.fired == "SIGTERM" and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    assert watch.exit_code(state, {"max_num_steps": 6}, {"enabled": True}) == PREEMPTED_EXIT_CODE
+    assert "stopped by SIGTERM after step 3 of 6: checkpoint saved; exit 99" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("must_save_by, left, reserve, expected", [
+    ("00:03:45:00", 3600.0, 900.0, 2700.0),     # the job ends first: its end minus the reserve
+    ("00:00:30:00", 7200.0, 900.0, 1800.0),     # NeMo-RL's own limit first: unchanged
+    (None, 1000.0, 900.0, 100.0),               # no NeMo-RL limit: the job's end still counts
+    ("00:03:45:00", 600.0, 900.0, 0.0),         # less left than the reserve: save at the first step
+])
+def test_the_budget_counts_from_the_driver_start_and_ends_before_the_job(algo, monkeypatch, must_save_by, left,
+                                                                          reserve, expected):
+    """The checker NeMo-RL builds after its setup fires at NeMo-RL's ``checkpoint_must_save_by``
+    or at the Slurm job's end (recorded when the driver started) minus NG_SAVE_RESERVE_SECONDS,
+    whichever comes first. Setup time spent before the checker is built counts against the job."""
+    monkeypatch.setenv("NG_JOB_END_TIME", str(int(time.time() + left)))
+    monkeypatch.setenv("NG_SAVE_RESERVE_SECONDS", str(reserve))
+    install_stop_signal()
+    deadline = time_limit._JOB["deadline"]
+    assert abs(deadline - (time.time() + left)) <= 2
+    with StopWatch(algo):
+        timeout = algo.TimeoutChecker(timeout=must_save_by, fit_last_save_time=True)
+    # independent: seconds from the checker's start to min(NeMo-RL's limit, job end - reserve)
+    own = float("inf") if must_save_by is None else sum(
+        int(x) * m for x, m in zip(must_save_by.split(":"), (86400, 3600, 60, 1)))
+    want = max(min(own, deadline - reserve - timeout.start_time), 0.0)
+    assert timeout.last_save_time == pytest.approx(want, abs=1e-6)
+    assert abs(timeout.last_save_time - expected) <= 3
+    if expected == 0.0:
+        timeout.start_iterations()
+        timeout.mark_iteration()
+        assert timeout.check_save() is True
+
+
+def test_job_seconds_left_reads_the_launcher_then_slurm(monkeypatch):
+    assert time_limit.job_seconds_left({}) is None                       # not a Slurm job
+    now = time.time()
+    assert abs(time_limit.job_seconds_left({"NG_JOB_END_TIME": str(int(now) + 100)}) - 100) <= 2
+    assert abs(time_limit.job_seconds_left({"SLURM_JOB_END_TIME": str(int(now) + 50)}) - 50) <= 2
+    for text, seconds in (("1-02:03:04", 93784), ("02:03:04", 7384), ("03:04", 184), ("5", 5)):
+        assert time_limit.parse_slurm_duration(text) == seconds
+    for text in ("UNLIMITED", "NOT_SET", "INVALID", ""):
+        assert time_limit.parse_slurm_duration(text) is None

@@ -20,6 +20,7 @@ import torch
 from megatron.core import parallel_state
 
 from . import compat
+from .conversion_lock import locked_model_import
 from .workers import megatron_entropy, stack_microbatch_entropy, swap_attr
 
 _mtrain = compat.module("megatron_train")
@@ -57,7 +58,35 @@ class EntropyLogprobsPostProcessor(_mtrain.LogprobsPostProcessor):
         return processor
 
 
+def _broadcast_from_rank0(value: bool) -> bool:
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0
+
+
 class GranularMegatronPolicyWorkerImpl(_mpw.MegatronPolicyWorkerImpl):
+    def __init__(self, *args, **kwargs):
+        # the HF→Megatron conversion under the cache folder's lock: the ESPO and GSPO jobs of a
+        # comparison, started side by side on a fresh cache, would both convert into one folder
+        locked = locked_model_import(_mpw.handle_model_import, is_rank0=_is_rank0,
+                                     broadcast=_broadcast_from_rank0, barrier=_barrier)
+        with swap_attr(_mpw, "handle_model_import", locked):
+            super().__init__(*args, **kwargs)
+
     def get_logprobs_with_entropy(self, *, data, micro_batch_size=None):
         """``get_logprobs`` + ``entropy`` ``[B, S]`` (float32, token columns, 0 on column 0/padding)."""
         sink: list[torch.Tensor] = []

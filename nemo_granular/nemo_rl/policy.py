@@ -36,6 +36,7 @@ __all__ = [
     "compute_granular_group_ids",
     "add_granular_keys",
     "extension_fqn_for",
+    "stock_venv_python",
     "register_worker_extensions",
     "make_policy_factory",
     "granular_policy_class",
@@ -103,18 +104,37 @@ EXTENDED_WORKER_FQN = {
 }
 
 
+def stock_venv_python(stock_fqn: str, venv_dir: str) -> str | None:
+    """``<venv_dir>/<stock_fqn>/bin/python`` when that venv is built (NeMo-RL's image prefetches the
+    stock workers' venvs under its ``NEMO_RL_VENV_DIR``; ``_env_builder`` uses the same test), else None."""
+    import os
+
+    python = os.path.join(venv_dir, stock_fqn, "bin", "python")
+    return python if os.path.exists(python) else None
+
+
 def register_worker_extensions() -> None:  # pragma: no cover - needs NeMo-RL
     """Register both extension fqns in NeMo-RL's actor-environment registry (driver, before ``setup``),
-    with the executable NeMo-RL's registry holds for the stock worker each one extends (Megatron:
+    in the Python environment of the stock worker each one extends: the stock worker's built venv
+    (``NEMO_RL_VENV_DIR/<stock class>/bin/python``, a plain interpreter path NeMo-RL uses as is)
+    when it exists, else the executable NeMo-RL's registry holds for the stock worker (Megatron:
     ``MCORE_EXECUTABLE``, DTensor v2: ``PY_EXECUTABLES.AUTOMODEL`` at 7ea279ab), so a deployment that
-    points the stock worker elsewhere moves the extension with it."""
+    points the stock worker elsewhere moves the extension with it. A ``uv run`` executable under the
+    extension's own class name would make NeMo-RL build one more venv of the same extra on every
+    node, in every new container (no image ships it; offline nodes fail in ``setup()``)."""
+    import os
+
     from . import compat
 
     ACTOR_ENVIRONMENT_REGISTRY, MCORE_EXECUTABLE = compat.get("ACTOR_ENVIRONMENT_REGISTRY"), compat.get("MCORE_EXECUTABLE")
     PY_EXECUTABLES = compat.get("PY_EXECUTABLES")
+    venv_dir = os.path.normpath(os.environ.get("NEMO_RL_VENV_DIR", compat.get("DEFAULT_VENV_DIR")))
     fallback = {MEGATRON_EXTENSION_FQN: MCORE_EXECUTABLE, DTENSOR_V2_EXTENSION_FQN: PY_EXECUTABLES.AUTOMODEL}
     for ext, stock in EXTENDED_WORKER_FQN.items():
-        ACTOR_ENVIRONMENT_REGISTRY.setdefault(ext, ACTOR_ENVIRONMENT_REGISTRY.get(stock, fallback[ext]))
+        executable = ACTOR_ENVIRONMENT_REGISTRY.get(stock, fallback[ext])
+        if executable.startswith("uv"):
+            executable = stock_venv_python(stock, venv_dir) or executable
+        ACTOR_ENVIRONMENT_REGISTRY.setdefault(ext, executable)
 
 
 _CLASS: dict[str, type] = {}

@@ -9,25 +9,76 @@ finished: never requeued, and the comparison report was built on the partial run
 :class:`StopWatch` rebinds ``TimeoutChecker`` in the algorithm module for the duration of the
 training call (the loop looks the class up when it starts) with a subclass that records when
 NeMo-RL's own limit fired, and that also fires at the next step boundary once SIGUSR1 has come
-(the launcher's "save a checkpoint and stop" signal, see :func:`install_stop_signal`): NeMo-RL
+or SIGTERM (the launcher's "save a checkpoint and stop" signal, see :func:`install_stop_signal`;
+SIGTERM is what ``scancel`` and Slurm's preemption send to every job step, the driver's too): NeMo-RL
 then saves through its own checkpoint path and returns, so nothing is ever cut off in the middle
 of a save. :meth:`StopWatch.exit_code` tells the launcher what happened: 0 when the run reached
 its end, :data:`PREEMPTED_EXIT_CODE` when it stopped early with a checkpoint (requeue and resume),
 1 when it stopped early without one (``checkpointing.enabled: false``).
+
+The job's time budget: NeMo-RL's ``TimeoutChecker`` counts ``checkpoint_must_save_by`` from its
+construction inside the training loop, i.e. after setup (Ray, Megatron init, vLLM, checkpoint
+conversion), which on a cluster can take a large share of the job. :func:`install_stop_signal`
+(first thing in the driver) also records how much time the Slurm job has left
+(:func:`job_seconds_left`); the checker then fires at NeMo-RL's own limit or when the job's end
+minus ``NG_SAVE_RESERVE_SECONDS`` (default 900: the last step, the save, the shutdown) comes,
+whichever is first.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import signal
+import subprocess
 import sys
 import threading
+import time
 from types import ModuleType
 from typing import Any
 
-__all__ = ["PREEMPTED_EXIT_CODE", "StopWatch", "install_stop_signal", "stop_requested"]
+__all__ = ["PREEMPTED_EXIT_CODE", "StopWatch", "install_stop_signal", "stop_requested", "job_seconds_left",
+           "parse_slurm_duration"]
 
 PREEMPTED_EXIT_CODE = 99   # slurm/launch.sh's PREEMPT_EXIT_CODE, the embedded trainer's too
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+DEFAULT_SAVE_RESERVE_SECONDS = 900.0
 _STOP: dict[str, str | None] = {"signal": None}
+_JOB: dict[str, float | None] = {"deadline": None}   # wall-clock time the Slurm job ends, when known
+
+
+def parse_slurm_duration(text: str) -> float | None:
+    """Seconds in Slurm's time format (``squeue -o %L``: ``[D-]HH:MM:SS``, ``MM:SS``, ``SS``);
+    None for ``UNLIMITED``, ``NOT_SET``, ``INVALID`` or anything else."""
+    m = re.fullmatch(r"(?:(\d+)-)?(?:(?:(\d+):)?(\d+):)?(\d+)", text.strip())
+    if not m:
+        return None
+    d, h, mi, s = (int(x) if x else 0 for x in m.groups())
+    return float(((d * 24 + h) * 60 + mi) * 60 + s)
+
+
+def job_seconds_left(environ=os.environ) -> float | None:
+    """How long the Slurm job has left, now: ``NG_JOB_END_TIME`` (epoch seconds; slurm/launch.sh
+    sets it, since a container has no Slurm commands), else ``SLURM_JOB_END_TIME``, else
+    ``squeue -h -j $SLURM_JOB_ID -o %L``. None outside Slurm or without a time limit."""
+    for var in ("NG_JOB_END_TIME", "SLURM_JOB_END_TIME"):
+        value = environ.get(var, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return float(value) - time.time()
+    job = environ.get("SLURM_JOB_ID")
+    if not job or shutil.which("squeue") is None:
+        return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_slurm_duration(out.stdout) if out.returncode == 0 else None
+
+
+def save_reserve_seconds(environ=os.environ) -> float:
+    value = environ.get("NG_SAVE_RESERVE_SECONDS", "").strip()
+    return float(value) if value else DEFAULT_SAVE_RESERVE_SECONDS
 
 
 def _on_stop_signal(signum, _frame) -> None:
@@ -37,12 +88,17 @@ def _on_stop_signal(signum, _frame) -> None:
               file=sys.stderr, flush=True)
 
 
-def install_stop_signal(sig: int = signal.SIGUSR1) -> None:
-    """Make ``sig`` request a stop at the next step boundary instead of killing the process. Call
-    it first thing in the driver (``slurm/launch.sh`` starts known drivers with the signal
+def install_stop_signal(sigs: tuple[int, ...] = STOP_SIGNALS) -> None:
+    """Make each of ``sigs`` (SIGUSR1: the launcher's signal before the time limit; SIGTERM:
+    ``scancel`` and preemption, sent by Slurm to every step) request a stop at the next step
+    boundary instead of killing the process, and record the job's end (:func:`job_seconds_left`).
+    Call it first thing in the driver (``slurm/launch.sh`` starts known drivers with both signals
     ignored until then)."""
+    left = job_seconds_left()
+    _JOB["deadline"] = None if left is None else time.time() + left
     if threading.current_thread() is threading.main_thread():
-        signal.signal(sig, _on_stop_signal)
+        for sig in sigs:
+            signal.signal(sig, _on_stop_signal)
 
 
 def stop_requested() -> str | None:
@@ -80,7 +136,20 @@ class StopWatch:
         watch = self
 
         class RecordingTimeoutChecker(base):
-            """NeMo-RL's TimeoutChecker; also fires once at the step boundary after a stop signal."""
+            """NeMo-RL's TimeoutChecker; also fires once at the step boundary after a stop signal,
+            and no later than the Slurm job's end minus the save reserve."""
+
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                if _JOB["deadline"] is not None:
+                    reserve = save_reserve_seconds()
+                    budget = _JOB["deadline"] - reserve - self.start_time
+                    if budget < self.last_save_time:
+                        print(f"time limit: the Slurm job ends in {_JOB['deadline'] - self.start_time:.0f} s; NeMo-RL "
+                              f"will save and stop within {max(budget, 0):.0f} s (job end minus "
+                              f"NG_SAVE_RESERVE_SECONDS={reserve:.0f}), before checkpointing.checkpoint_must_save_by",
+                              file=sys.stderr, flush=True)
+                        self.last_save_time = max(budget, 0.0)
 
             def check_save(self) -> bool:
                 if stop_requested() and not self.last_saved:
@@ -98,14 +167,15 @@ class StopWatch:
         return self
 
     def stop(self) -> None:
-        """Give NeMo-RL its class back, and from now on ignore SIGUSR1: the loop is over, and a
-        repeat of the launcher's signal must not kill the driver while it shuts down (at
+        """Give NeMo-RL its class back, and from now on ignore the stop signals: the loop is over,
+        and a repeat of the launcher's signal must not kill the driver while it shuts down (at
         interpreter exit Python resets a Python-level handler to the default action, which for
-        SIGUSR1 is to terminate; an ignored signal stays ignored)."""
+        SIGUSR1 and SIGTERM is to terminate; an ignored signal stays ignored)."""
         if getattr(self.module, "TimeoutChecker", None) is self._patched:
             self.module.TimeoutChecker = self._original
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
 
     def __enter__(self) -> StopWatch:
         return self.start()

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import batches, memory, model, plugin_checks, recipe, setup_checks, venvs, worker_checks
+from . import batches, memory, model, plugin_checks, recipe, runtime, setup_checks, venvs, worker_checks
 from .findings import Finding, error, warning
 from .layout import cluster_layout, dig, policy_parallel, vllm_parallel
 
@@ -181,4 +181,5 @@ def run_preflight(path: str | os.PathLike, overrides: Sequence[str] = (), driver
         res.plan["recipe"] = dict(reference=diff.reference, changed=diff.changed, added=diff.added)
     if check_venvs:
         res.findings += _venv_findings(cfg, driver, res.plan)
+    res.findings += runtime.runtime_findings(cfg, venv_dir=res.plan.get("venvs", {}).get("dir"))
     return res

@@ -102,6 +102,11 @@ for i in $(seq 1 "$NG_SLURM_NODES"); do
 done
 # node names resolve everywhere through /etc/hosts (tagged lines, removed by down.sh)
 sed -i "\|${NG_HOSTS_TAG}\$|d" /etc/hosts
+# NG_SLURM_HEAD_LOOPBACK=1: the first node's name also maps to 127.0.1.1, listed first, as
+# Debian/Ubuntu's installer writes a machine's own name into /etc/hosts (what a DGX node has)
+if [[ "${NG_SLURM_HEAD_LOOPBACK:-0}" == 1 ]]; then
+  echo "127.0.1.1 $(ng_node_name 1) ${NG_HOSTS_TAG}" >>/etc/hosts
+fi
 for i in $(seq 1 "$NG_SLURM_NODES"); do
   echo "$(ng_node_ip "$i") $(ng_node_name "$i") ${NG_HOSTS_TAG}" >>/etc/hosts
 done

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The task side of the local cluster's pyxis emulation (started by ./srun inside the job step, on
+# the node): runs "$@" in a container root that follows pyxis' rules for --container-image, made
+# with util-linux's unshare (a private mount namespace), bind mounts and chroot. Each stage is
+# exec'd: no process stays in between to die of the signals Slurm sends the step (USR1, TERM).
+#
+# * the file system is the image: the image directory's rootfs/ (read-only) and its layers
+#   (read-only), over the node's /usr and /etc as the image's base system; the node's other
+#   directories ($HOME, /work, /opt, ...) do not exist inside. /tmp is the container's own: one per
+#   --container-name per node and job, shared by the steps that name it (as a named container's
+#   file system is), a fresh one per step otherwise;
+# * --container-mounts SRC:DST[:ro|:rw] are bind-mounted; $HOME only without --no-container-mount-home;
+# * environment (pyxis' --container-env help): every exported variable of the step is set, but the
+#   image's values (IMAGE/env) take precedence, except for the variables named in --container-env;
+# * the working directory is --container-workdir (it must exist inside), else /.
+# Network, PIDs, /dev (with /dev/shm) and /sys are the node's, as in an enroot container. Unlike
+# enroot's, the image's own directories are read-only (only /tmp and the mounts are writable).
+set -euo pipefail
+if [[ -z "${NG_PYXIS_INNER:-}" ]]; then
+  NG_PYXIS_INNER=1 exec unshare --mount --propagation private bash "${BASH_SOURCE[0]}" "$@"
+fi
+unset NG_PYXIS_INNER
+image=${NG_PYXIS_IMAGE:?} mounts=${NG_PYXIS_MOUNTS:-} workdir=${NG_PYXIS_WORKDIR:-} name=${NG_PYXIS_NAME:-}
+envs=${NG_PYXIS_ENV:-} mount_home=${NG_PYXIS_MOUNT_HOME:-1}
+unset NG_PYXIS_IMAGE NG_PYXIS_MOUNTS NG_PYXIS_WORKDIR NG_PYXIS_NAME NG_PYXIS_ENV NG_PYXIS_MOUNT_HOME
+die() { echo "pyxis (emulation): $*" >&2; exit 125; }
+
+# the container's own /tmp: per named container (job, node, name), else per step
+state=${NG_PYXIS_STATE:-/tmp/ng-pyxis}/${SLURM_JOB_ID:-nojob}/$(hostname)
+if [[ -n "$name" ]]; then ctmp=$state/named-$name/tmp; else ctmp=$state/step-${SLURM_STEP_ID:-0}.${SLURM_PROCID:-0}/tmp; fi
+mkdir -p "$ctmp" && chmod 1777 "$ctmp"
+
+root=$state/root-${SLURM_STEP_ID:-0}.${SLURM_PROCID:-0}.$$
+mkdir -p "$root"
+mount -t tmpfs -o mode=755 ng-pyxis-root "$root"
+bind() {  # bind ro|rw SRC DEST: SRC visible at DEST inside the root
+  if [[ -d "$2" ]]; then mkdir -p "$root$3"; else mkdir -p "$(dirname "$root$3")"; : >>"$root$3"; fi
+  mount --rbind "$2" "$root$3"
+  [[ "$1" == rw ]] || mount -o remount,bind,ro "$root$3"
+}
+bind ro /usr /usr
+bind ro /etc /etc
+bind ro /sys /sys
+bind rw /dev /dev
+bind rw /proc /proc
+bind rw "$ctmp" /tmp
+mkdir -p "$root/var/tmp" "$root/run"
+for l in bin lib lib64 sbin; do
+  if [[ -L /$l ]]; then ln -s "$(readlink "/$l")" "$root/$l"; elif [[ -d /$l ]]; then bind ro "/$l" "/$l"; fi
+done
+for entry in "$image"/rootfs/*; do
+  [[ -e "$entry" ]] || continue
+  top=$(basename "$entry")
+  case "$top" in usr|etc|proc|dev|sys|tmp|bin|lib|lib64|sbin) die "image $image: rootfs/$top would replace the base system" ;; esac
+  bind ro "$entry" "/$top"
+done
+if [[ -f "$image/layers" ]]; then
+  while read -r src dst; do
+    [[ -z "$src" || "$src" == \#* ]] && continue
+    [[ -e "$src" ]] || die "image $image: layer source $src does not exist"
+    bind ro "$src" "$dst"
+  done <"$image/layers"
+fi
+if [[ "$mount_home" == 1 && -n "${HOME:-}" && -d "$HOME" ]]; then bind rw "$HOME" "$HOME"; fi
+if [[ -n "$mounts" ]]; then
+  IFS=, read -r -a specs <<<"$mounts"
+  for spec in "${specs[@]}"; do
+    IFS=: read -r src dst flags extra <<<"$spec"
+    [[ -z "${extra:-}" ]] || die "--container-mounts: cannot parse '$spec' (SRC:DST[:ro|rw])"
+    dst=${dst:-$src}
+    [[ -e "$src" ]] || die "--container-mounts: $src: No such file or directory"
+    case "${flags:-rw}" in
+      rw|ro) bind "${flags:-rw}" "$src" "$dst" ;;
+      *) die "--container-mounts: unknown flag '$flags' in '$spec' (ro or rw)" ;;
+    esac
+  done
+fi
+workdir=${workdir:-/}
+[[ -d "$root$workdir" ]] || die "--container-workdir: $workdir does not exist in the container"
+
+# the image's environment wins, except for the variables named in --container-env
+declare -A from_host=()
+if [[ -n "$envs" ]]; then IFS=, read -r -a names <<<"$envs"; for n in "${names[@]}"; do from_host[$n]=1; done; fi
+while IFS= read -r line || [[ -n "$line" ]]; do
+  [[ -z "$line" || "$line" == \#* ]] && continue
+  key=${line%%=*}
+  [[ "$key" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || die "image $image: bad line in env: $line"
+  if [[ -n "${from_host[$key]:-}" && -v "$key" ]]; then continue; fi
+  export "$key=${line#*=}"
+done <"$image/env"
+# shellcheck disable=SC2016  # expanded inside the container
+exec chroot "$root" /bin/bash -c 'cd "$1" && shift && exec "$@"' _ "$workdir" "$@"
