@@ -95,6 +95,33 @@ def test_plan_sppo_espo_settings_and_last_checkpoint(tmp_path):
     assert f"data.dataset_name={data.resolve() / 'aime24.jsonl'}" in aime.argv
 
 
+def test_plan_sizes_vllm_tp_from_the_training_run(tmp_path):
+    """Issue 24.9: the eval's vLLM tensor_parallel_size is the training run's (the ``config.yaml``
+    NeMo-RL saves in each checkpoint), not 1: Qwen3-30B-A3B's bf16 weights (~61 GB) leave ~8 GiB
+    of an H100's 80 GB (x 0.85) for the KV cache at TP 1. The shipped 30B configs' value is read
+    from the file; an explicit --tensor-parallel wins; a TP larger than the eval's GPUs is refused."""
+    shipped = yaml.safe_load((ROOT / "examples" / "configs" / "espo_qwen3_30b_a3b_megatron.yaml").read_text())
+    want = shipped["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"]
+    assert want > 1
+    run = _fake_run(tmp_path, steps=(10, 20), hf=(10, 20))
+    (run / "checkpoints" / "step_20" / "config.yaml").write_text(yaml.safe_dump(shipped))
+    espo = protocols_for("espo")
+    cmds = ev.plan(run, espo, nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), gpus_per_node=8)
+
+    def tps(cmds):
+        return {(c.step, c.benchmark): next(a for a in c.argv if "tensor_parallel_size" in a).split("=")[1]
+                for c in cmds if c.kind == "eval"}
+
+    assert set(tps(cmds).values()) == {str(want)}     # espo: the last checkpoint, step 20
+    every = ev.plan(run, espo, nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), steps=[10, 20])
+    assert {s: v for (s, _), v in tps(every).items()} == {10: "1", 20: str(want)}   # step 10: no config.yaml
+    forced = ev.plan(run, espo, nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), tensor_parallel=2)
+    assert set(tps(forced).values()) == {"2"}
+    with pytest.raises(ValueError, match=rf"tensor_parallel_size {want} \(the run's policy.generation.vllm_cfg\) "
+                                         r"needs more GPUs than the eval has \(1 node\(s\) x 2\)"):
+        ev.plan(run, espo, nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), gpus_per_node=2)
+
+
 def test_plan_errors_name_the_problem(tmp_path):
     run = _fake_run(tmp_path)
     with pytest.raises(ValueError, match="benchmark amc23: NeMo-RL has no loader.*--data-dir"):

@@ -48,7 +48,9 @@ def build_parser():
     g.add_argument("--config-dir", default=str(CONFIG_DIR), help="the benchmark configs (default: the packaged nemo_granular/configs/evals)")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--num-nodes", type=int, default=1)
-    g.add_argument("--tensor-parallel", type=int, default=1, help="vLLM tensor parallel size")
+    g.add_argument("--tensor-parallel", type=int, default=None,
+                   help="vLLM tensor parallel size (default: the run's policy.generation.vllm_cfg.tensor_parallel_size "
+                        "from each checkpoint's config.yaml, else 1)")
     g.add_argument("--steps", default=None, help="comma-separated steps to evaluate (default: the protocol's)")
     g.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     e = ap.add_argument_group("embedded runs")

@@ -81,13 +81,32 @@ def is_megatron_checkpoint(step_dir: Path) -> bool:
         return False  # not a checkpoint the exporter knows: it says so itself
 
 
+def training_vllm_tp(step_dir: Path) -> int | None:
+    """The vLLM ``tensor_parallel_size`` the run generated with (``policy.generation.vllm_cfg`` of
+    the ``config.yaml`` NeMo-RL's CheckpointManager saves in every checkpoint): the size the run
+    chose for its model (e.g. 4 for Qwen3-30B-A3B, whose bf16 weights leave ~8 GiB of an H100 for
+    the KV cache at TP 1). None when the checkpoint has no such config."""
+    from ..export.source import read_yaml
+
+    cfg = Path(step_dir) / "config.yaml"
+    if not cfg.is_file():
+        return None
+    try:
+        tp = read_yaml(cfg)["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"]
+    except (KeyError, TypeError, ValueError):
+        return None
+    return tp if isinstance(tp, int) and tp >= 1 else None
+
+
 def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: Path | None = None,
          launcher: str = DEFAULT_LAUNCHER, config_dir: Path = CONFIG_DIR, gpus_per_node: int = 8,
-         num_nodes: int = 1, tensor_parallel: int = 1, prompt_tokens: int = 1024,
+         num_nodes: int = 1, tensor_parallel: int | None = None, prompt_tokens: int = 1024,
          python: str = sys.executable, export_python: str | None = None, steps: list[int] | None = None,
          extra: list[str] | None = None) -> list[Command]:
     """The commands, in order. ``python`` exports DTensor checkpoints; ``export_python`` is the
-    interpreter for Megatron ones (default: :func:`.export_python.megatron_export_python`)."""
+    interpreter for Megatron ones (default: :func:`.export_python.megatron_export_python`).
+    ``tensor_parallel``: vLLM's TP for every benchmark; None = the training run's
+    (:func:`training_vllm_tp`, else 1), at most the eval's GPUs (``gpus_per_node * num_nodes``)."""
     run = Path(run).resolve()
     ckpts = checkpoint_steps(run)
     if not ckpts:
@@ -104,6 +123,12 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
             chosen = [all_steps[-1]]
         for step in chosen:
             hf = run / "hf" / f"step_{step}"
+            tp = tensor_parallel if tensor_parallel is not None else (training_vllm_tp(ckpts[step]) or 1)
+            if tp > gpus_per_node * num_nodes:
+                source = "--tensor-parallel" if tensor_parallel is not None else "the run's policy.generation.vllm_cfg"
+                raise ValueError(f"vLLM tensor_parallel_size {tp} ({source}) needs more GPUs than the eval has "
+                                 f"({num_nodes} node(s) x {gpus_per_node}); give --gpus-per-node/--num-nodes "
+                                 "or --tensor-parallel")
             if step not in exported:
                 exported.add(step)
                 if not (hf / "config.json").is_file():
@@ -123,7 +148,7 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
                     "eval.metric=pass@k", "eval.k_value=1", f"eval.num_tests_per_prompt={setting.samples}",
                     f"generation.temperature={setting.temperature:g}", f"generation.top_p={setting.top_p:g}",
                     f"generation.vllm_cfg.max_model_len={prompt_tokens + proto.max_new_tokens}",
-                    f"generation.vllm_cfg.tensor_parallel_size={tensor_parallel}",
+                    f"generation.vllm_cfg.tensor_parallel_size={tp}",
                     f"cluster.gpus_per_node={gpus_per_node}", f"cluster.num_nodes={num_nodes}",
                     *benchmark_data(key, data_dir), f"eval.save_path={save}", *(extra or [])]
                 cmds.append(Command("eval", argv, Path(nemo_rl_dir), step, proto.name, key,
