@@ -21,7 +21,10 @@
 #   --eval-suite SUITE     after each training job (afterok), an eval job on one node with the
 #                          training resources runs `nemo-granular eval-checkpoints RUN --suite SUITE`
 #                          (sspo | sppo | espo | all) so the report has the benchmark table; the
-#                          report waits for it (default: no eval jobs)
+#                          report waits for it (default: no eval jobs). For NeMo-RL runs the job
+#                          first runs `python -m nemo_granular.preflight.eval_checks` where
+#                          eval-checkpoints runs (in its container): the staged benchmarks of
+#                          --data-dir, the interpreter that exports the run's Megatron checkpoints
 #   --eval-args "ARGS"     extra eval-checkpoints arguments (e.g. "--data-dir /data/benchmarks")
 #   --nemo-rl DIR          the NeMo-RL checkout in which the eval jobs run NeMo-RL's run_eval
 #                          (default: $NEMO_RL_SRC, else WORKDIR when it is one, as in the launch story)
@@ -34,7 +37,9 @@
 # `submit_comparison: preflight: CONFIG: <the preflight's message>`). Environment:
 # CONTAINER, MOUNTS, VENV, WORKDIR, ... are passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON
 # (default "uv run python") is how NeMo-RL drivers start Python (docs/slurm.md, "One launch
-# story"). Prints the job ids and the report path.
+# story"). CONTAINER with a VENV the container would not have (outside MOUNTS, or its python
+# linked outside them) is refused before anything is submitted (exit 2), as launch.sh refuses it
+# in the job. Prints the job ids and the report path.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 LAUNCH=$HERE/launch.sh
@@ -75,6 +80,31 @@ for a in "${SBATCH_ALL[@]}"; do
       die "--sbatch is for every job (account, partition); put $a in --train-sbatch (the report job has --report-sbatch)" ;;
   esac
 done
+
+# CONTAINER + VENV: the eval and report jobs (and every step of the training jobs, which launch.sh
+# refuses there) activate VENV inside the container, where only MOUNTS exist (no $HOME): refuse a
+# VENV the container would not have now, before anything is submitted (launch.sh's rules)
+in_mounts() {  # in_mounts PATH: is PATH (host view) under the source of one of MOUNTS?
+  local spec src
+  local -a specs=()
+  IFS=, read -r -a specs <<<"${MOUNTS:-}"
+  for spec in "${specs[@]}"; do
+    src=${spec%%:*}; src=${src%/}
+    [[ -n "$src" ]] && [[ "$1" == "$src" || "$1" == "$src"/* ]] && return 0
+  done
+  return 1
+}
+if [[ -n "${CONTAINER:-}" && -n "${VENV:-}" ]]; then
+  venv_py=$(readlink -m "$VENV/bin/python")
+  keep="With CONTAINER, leave VENV unset (the image's environment runs the jobs; docs/slurm.md)"
+  if [[ -z "${MOUNTS:-}" ]]; then
+    [[ -z "${HOME:-}" || "$venv_py" != "$HOME"/* ]] || die "VENV=$VENV: its python is a link to $venv_py, under \$HOME, which the container does not have (--no-container-mount-home). $keep"
+  elif ! in_mounts "$VENV"; then
+    die "VENV=$VENV is not inside MOUNTS=$MOUNTS: the container does not have it. $keep"
+  elif [[ -e "$venv_py" && "$venv_py" != /usr/* ]] && ! in_mounts "$venv_py"; then
+    die "VENV=$VENV: its python is a link to $venv_py, outside MOUNTS ($MOUNTS): in the container (no \$HOME: --no-container-mount-home) it does not exist. $keep"
+  fi
+fi
 
 WORKDIR=${WORKDIR:-$PWD}
 NEMO_RL_PYTHON=${NEMO_RL_PYTHON:-uv run python}
@@ -189,6 +219,7 @@ for i in "${!CONFIGS[@]}"; do
 done
 
 wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, venv/setup, optional container
+  # (CHECK: a command run first in the same place, e.g. the eval preflight; the job stops if it fails)
   local cmd prefix mounts=${MOUNTS:-} env_arg=""
   cmd=$(printf '%q ' "$@")
   prefix=$(printf 'cd %q && ' "$WORKDIR")
@@ -200,12 +231,15 @@ wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, ven
     # does for its steps; no host uv cache path inside the container (UV_CACHE_DIR_OVERRIDE is mounted)
     shift
     cmd="python -m nemo_granular $(printf '%q ' "$@")"
+    [[ -n "${CHECK:-}" ]] && cmd="$CHECK && $cmd"
     # shellcheck disable=SC2016  # expanded in the container
     prefix="unset UV_CACHE_DIR && export PYTHONPATH=$(printf '%q' "$NG_ROOT")\${PYTHONPATH:+:\$PYTHONPATH} && $prefix"
     [[ -n "${UV_CACHE_DIR_OVERRIDE:-}" ]] && mounts=${mounts:+$mounts,}$UV_CACHE_DIR_OVERRIDE:/root/.cache/uv
     [[ -n "${NEMO_RL_VENV_DIR:-}" ]] && env_arg=" --container-env=NEMO_RL_VENV_DIR"
     echo "srun --container-image=${CONTAINER} ${mounts:+--container-mounts=$mounts} --container-workdir=$WORKDIR --no-container-mount-home$env_arg bash -c $(printf '%q' "$prefix$cmd")"
   else
+    # (the check's nemo_granular: this checkout, as in the container; eval-checkpoints: the installed one)
+    [[ -n "${CHECK:-}" ]] && cmd="PYTHONPATH=$(printf '%q' "$NG_ROOT")\${PYTHONPATH:+:\$PYTHONPATH} $CHECK && $cmd"
     echo "exec bash -c $(printf '%q' "$prefix$cmd")"   # --wrap scripts run under /bin/sh
   fi
 }
@@ -213,10 +247,24 @@ wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, ven
 # benchmark evaluation: one job per run after its training job succeeded, on one node with the
 # training jobs' resources (run_eval needs the GPUs); the report then also waits for these
 if [[ -n "$EVAL_SUITE" ]]; then
+  # the eval preflight (nemo_granular.preflight.eval_checks) runs first in each eval job, in its
+  # container: the staged benchmarks of --data-dir, the interpreter that exports the run's Megatron
+  # checkpoints (--run: checked when the run has one); a problem fails the job before any export
+  check_opts=()
+  for ((k = 0; k < ${#EVAL_ARGS[@]}; k++)); do
+    case "${EVAL_ARGS[$k]}" in
+      --data-dir|--export-python) check_opts+=("${EVAL_ARGS[$k]}" "${EVAL_ARGS[$((k + 1))]:-}"); k=$((k + 1)) ;;
+      --data-dir=*|--export-python=*) check_opts+=("${EVAL_ARGS[$k]}") ;;
+    esac
+  done
   train_jobs=("${jobs[@]}")
   for i in "${!train_jobs[@]}"; do
     nrl=()
     [[ "${drivers[$i]}" == train ]] || nrl=(--nemo-rl "$NEMO_RL_DIR")
+    CHECK=""
+    [[ "${drivers[$i]}" == train ]] || CHECK="python -m nemo_granular.preflight.eval_checks $(printf '%q ' \
+      --eval-suite "$EVAL_SUITE" --run "${run_dirs[$i]}" "${nrl[@]}" "${check_opts[@]}")"
+    CHECK=${CHECK% }
     ejid=$(run sbatch --parsable --nodes=1 --dependency="afterok:${train_jobs[$i]}" --kill-on-invalid-dep=yes \
            --job-name="cmp-eval-${names[$i]}" --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
            --wrap="$(wrapped nemo-granular eval-checkpoints "${run_dirs[$i]}" --suite "$EVAL_SUITE" "${nrl[@]}" "${EVAL_ARGS[@]}")")
@@ -224,6 +272,7 @@ if [[ -n "$EVAL_SUITE" ]]; then
     jobs+=("$ejid")
     echo "submitted eval of ${names[$i]} (suite $EVAL_SUITE): job $ejid (after ${train_jobs[$i]})"
   done
+  CHECK=""
 fi
 
 # the report: afterany, so a failed or cancelled run still gets a report of the others; its own

@@ -801,6 +801,114 @@ def test_submit_comparison_eval_jobs_follow_training_and_precede_the_report(tmp_
                          cwd=tmp_path)
     assert bad.returncode == 2 and "--eval-suite" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
 
+def _fake_nemo_rl_checkout(d: Path) -> Path:
+    """What submit_comparison.sh checks of a NeMo-RL checkout (--nemo-rl): examples/run_eval.py, nemo_rl/."""
+    (d / "examples").mkdir(parents=True)
+    (d / "examples" / "run_eval.py").write_text("")
+    (d / "nemo_rl").mkdir()
+    return d
+
+
+def test_submit_comparison_eval_jobs_run_the_eval_preflight_first(tmp_path):
+    """Issue 24: each NeMo-RL run's eval job runs ``python -m nemo_granular.preflight.eval_checks``
+    first, in the same place as eval-checkpoints (its container with CONTAINER), with the suite,
+    the run, the checkout and --eval-args' --data-dir/--export-python; it fails the job before any
+    export. The dry run's --wrap script is then EXECUTED (no container): with a benchmark not
+    staged it stops with the preflight's line and eval-checkpoints never starts; with the run's
+    Megatron checkpoint and no interpreter that has Megatron-Bridge it stops with that line; with
+    the data staged and no Megatron checkpoint the check passes and eval-checkpoints runs (and
+    says what it lacks: the run has no checkpoints)."""
+    cfgs = [str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo")]
+    checkout, data, out = _fake_nemo_rl_checkout(tmp_path / "NeMo-RL"), tmp_path / "bench", tmp_path / "cmp"
+    data.mkdir()
+    for key in ("aime24", "aime25", "math500"):   # hmmt25 missing
+        (data / f"{key}.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    env = _env(os.environ, {"CONTAINER": None, "VENV": None, "NEMO_RL_VENV_DIR": str(tmp_path / "no-venvs"),
+                            "NG_EXPORT_PYTHON": None, "NEMO_RL_PY_EXECUTABLES_SYSTEM": None,
+                            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--no-preflight", "--out", str(out),
+                        "--nodes", "1", "--eval-suite", "espo", "--nemo-rl", str(checkout),
+                        "--eval-args", f"--data-dir {data}", *cfgs], capture_output=True, text=True, cwd=tmp_path,
+                       env=env)
+    assert r.returncode == 0, r.stderr
+    evals = [shlex.split(line) for line in r.stderr.splitlines() if line.startswith("sbatch") and "cmp-eval-" in line]
+    assert len(evals) == 2, r.stderr
+    wraps = [next(a.split("=", 1)[1] for a in argv if a.startswith("--wrap=")) for argv in evals]
+    for wrap, name in zip(wraps, ("espo", "gspo")):
+        inner = shlex.split(wrap)[-1]   # exec bash -c SCRIPT
+        check = f"python -m nemo_granular.preflight.eval_checks --eval-suite espo --run {out}/{name}_qwen3_30b_a3b_megatron"
+        assert check in inner and f"--nemo-rl {checkout} --data-dir {data} && nemo-granular eval-checkpoints" in inner, inner
+        assert inner.index(check) < inner.index("eval-checkpoints")
+    run = out / "espo_qwen3_30b_a3b_megatron"
+
+    def job(**extra):
+        return subprocess.run(["sh", "-c", wraps[0]], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={**env, "OMP_NUM_THREADS": "1", **extra})
+
+    missing = job()
+    assert missing.returncode == 1, missing.stdout + missing.stderr
+    assert missing.stderr.splitlines() == [
+        f"preflight: error: hmmt25: no {data}/hmmt25.jsonl and NeMo-RL has no loader for it; stage it: "
+        f"nemo-granular stage-benchmarks --suite espo --data-dir {data} [nemo-granular stage-benchmarks]"], missing.stderr
+    (data / "hmmt25.jsonl").write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
+    weights = run / "checkpoints" / "step_4" / "policy" / "weights"
+    (weights / "iter_0000004").mkdir(parents=True)   # a Megatron checkpoint of the run
+    no_bridge = job()
+    assert no_bridge.returncode == 1, no_bridge.stderr
+    [line] = no_bridge.stderr.splitlines()   # the preflight's line only: eval-checkpoints did not start
+    assert line.startswith("preflight: error: exporting a Megatron checkpoint needs Megatron-Bridge") and \
+        f"{tmp_path}/no-venvs/" in line, line
+    shutil.rmtree(run / "checkpoints")
+    clean = job()
+    assert clean.returncode != 0 and "preflight:" not in clean.stderr, clean.stderr
+    assert clean.stderr.startswith(f"nemo-granular eval-checkpoints: error: {run}: neither"), clean.stderr
+
+
+def test_submit_comparison_refuses_a_venv_the_container_would_not_have(tmp_path):
+    """CONTAINER + VENV at submit time (launch.sh refuses it in the training job, before Ray; the
+    eval and report jobs activate VENV in their containers too): a VENV outside MOUNTS, or whose
+    python links outside MOUNTS (uv's managed Python under $HOME), or, without MOUNTS, under $HOME,
+    stops the submission with one line, exit 2, nothing written; a VENV (and its python) inside
+    MOUNTS is accepted."""
+    local = ROOT / "examples" / "configs" / "local"
+    home, shared = tmp_path / "home", tmp_path / "shared"
+    uv_python = home / ".local" / "share" / "uv" / "python" / "cpython-3.13" / "bin" / "python3.13"
+    uv_python.parent.mkdir(parents=True)
+    uv_python.write_text("")   # (uv's managed Python: a real file under $HOME)
+    (shared / "venv" / "bin").mkdir(parents=True)
+    (shared / "venv" / "bin" / "python").symlink_to(uv_python)
+    (shared / "own" / "bin").mkdir(parents=True)
+    (shared / "own" / "bin" / "python").symlink_to(shared / "own" / "bin" / "python3")
+    (shared / "own" / "bin" / "python3").write_text("")
+
+    def submit(**env):
+        out = tmp_path / f"cmp{len(list(tmp_path.iterdir()))}"
+        r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(out),
+                            str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True,
+                           cwd=tmp_path, env=_env(os.environ, {"HOME": str(home), "CONTAINER": "img.sqsh", **env}))
+        return r
+
+    keep = "With CONTAINER, leave VENV unset (the image's environment runs the jobs; docs/slurm.md)"
+    for env, want in (
+            ({"VENV": str(shared / "venv"), "MOUNTS": f"{tmp_path / 'other'}:/x"},
+             f"VENV={shared / 'venv'} is not inside MOUNTS={tmp_path / 'other'}:/x: the container does not have it. "),
+            ({"VENV": str(shared / "venv"), "MOUNTS": f"{shared}:{shared}"},
+             f"VENV={shared / 'venv'}: its python is a link to {uv_python}, outside MOUNTS "
+             f"({shared}:{shared}): in the container (no $HOME: --no-container-mount-home) it does not exist. "),
+            ({"VENV": str(home / "venv"), "MOUNTS": None},
+             None)):
+        if want is None:   # no MOUNTS: only a python under $HOME is refused
+            (home / "venv" / "bin").mkdir(parents=True)
+            (home / "venv" / "bin" / "python").symlink_to(uv_python)
+            want = (f"VENV={home / 'venv'}: its python is a link to {uv_python}, under $HOME, "
+                    "which the container does not have (--no-container-mount-home). ")
+        r = submit(**env)
+        assert r.returncode == 2 and not r.stdout, r.stdout + r.stderr
+        assert r.stderr.splitlines() == [f"submit_comparison: {want}{keep}"], r.stderr
+    ok = submit(VENV=str(shared / "own"), MOUNTS=f"{shared}:{shared}")
+    assert ok.returncode == 0 and len([x for x in ok.stderr.splitlines() if x.startswith("sbatch")]) == 3, ok.stderr
+
+
 def _nemo_rl_world(d: Path) -> dict[str, Path]:
     """A tiny tokenizer+config model folder, a JSONL dataset, and children of the repo's GRPO
     (SSPO) and SPPO configs on them, as ``run_grpo`` / ``run_sppo`` load them on a cluster."""

@@ -8,8 +8,10 @@
   loader when the node may download.
 
 ``python -m nemo_granular.preflight.eval_checks --eval-suite espo --data-dir DIR [--nemo-rl DIR]
-[--megatron] [--export-python PYTHON]``: one line per problem on stderr, exit 1 when there is one
-(0 clean, 2 bad arguments). Run it in the environment of the eval job (inside its container).
+[--megatron | --run RUN_DIR ...] [--export-python PYTHON]``: one line per problem on stderr, exit 1
+when there is one (0 clean, 2 bad arguments). ``--run``: the export interpreter is checked when a
+checkpoint of that run is a Megatron one (``slurm/submit_comparison.sh`` runs it so, first in each
+eval job, inside its container). Run it in the environment of the eval job.
 ``eval-checkpoints`` makes the same checks itself before it runs anything.
 """
 
@@ -23,7 +25,7 @@ from typing import Mapping
 
 from .findings import Finding, error
 
-__all__ = ["check_export_interpreter", "check_staged_benchmarks", "main"]
+__all__ = ["check_export_interpreter", "check_staged_benchmarks", "has_megatron_checkpoint", "main"]
 
 SOURCE = "nemo-granular eval-checkpoints"
 
@@ -56,6 +58,13 @@ def check_staged_benchmarks(suite: str, data_dir: Path | None, env: Mapping[str,
     return [error("nemo-granular stage-benchmarks", p) for p in staging_problems(suite, data_dir, env)]
 
 
+def has_megatron_checkpoint(run: Path) -> bool:
+    """Is any ``<run>/checkpoints/step_N`` a Megatron checkpoint (exported with Megatron-Bridge)?"""
+    from ..evals.nemo_rl import checkpoint_steps, is_megatron_checkpoint
+
+    return any(is_megatron_checkpoint(step) for step in checkpoint_steps(run).values())
+
+
 def main(argv: list[str] | None = None) -> int:
     from ..cli_common import ArgumentParser
     from ..evals.suite import SUITES
@@ -66,10 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--nemo-rl", default=os.environ.get("NEMO_RL_SRC"), help="NeMo-RL checkout (default $NEMO_RL_SRC)")
     ap.add_argument("--megatron", action="store_true", help="the runs are Megatron runs: check the export interpreter")
+    ap.add_argument("--run", action="append", default=[], metavar="RUN_DIR",
+                    help="a run directory to evaluate: check the export interpreter when it has a Megatron checkpoint")
     ap.add_argument("--export-python", default=None)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     findings = check_staged_benchmarks(args.eval_suite, Path(args.data_dir) if args.data_dir else None)
-    if args.megatron:
+    if args.megatron or any(has_megatron_checkpoint(Path(r)) for r in args.run):
         findings += check_export_interpreter(Path(args.nemo_rl) if args.nemo_rl else None,
                                              export_python=args.export_python)
     for f in findings:
