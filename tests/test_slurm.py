@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
@@ -800,6 +801,32 @@ def test_submit_comparison_eval_jobs_follow_training_and_precede_the_report(tmp_
                           str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True,
                          cwd=tmp_path)
     assert bad.returncode == 2 and "--eval-suite" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
+def test_max_restarts_default_covers_the_30b_pair_at_4_hours_per_attempt():
+    """Issue 24.9: launch.sh's MAX_RESTARTS default against the arithmetic docs/slurm.md states:
+    the 30B pair's grpo.max_num_steps, its checkpoint_must_save_by (4 h jobs), the docs' per-step
+    estimate, one step's time for setup per attempt. The default must cover it, also with steps
+    twice as slow; the old default (20) did not (the docs' "step ~300")."""
+    cfg = yaml.safe_load((ROOT / "examples" / "configs" / "espo_qwen3_30b_a3b_megatron.yaml").read_text())
+    steps = cfg["grpo"]["max_num_steps"]
+    d, h, m, sec = map(int, cfg["checkpointing"]["checkpoint_must_save_by"].split(":"))
+    budget = ((d * 24 + h) * 60 + m) * 60 + sec
+    default = int(re.search(r"^MAX_RESTARTS=\$\{MAX_RESTARTS:-(\d+)\}", LAUNCH.read_text(), re.M).group(1))
+    row = next(line for line in (ROOT / "docs" / "slurm.md").read_text().splitlines() if line.startswith("| `MAX_RESTARTS` |"))
+    minutes = int(re.search(r"a step of about (\d+) minutes", row).group(1))
+    restarts_doc, per_attempt_doc = map(int, re.search(r"e\.g\. (\d+) at (\d+) steps per attempt", row).groups())
+
+    def restarts(step_s: float) -> tuple[int, int]:   # (steps per attempt, restarts after the first attempt)
+        per_attempt = budget // step_s - 1             # one step's time goes to setup (Ray, Megatron, vLLM)
+        return int(per_attempt), math.ceil(steps / per_attempt) - 1
+
+    per_attempt, needed = restarts(minutes * 60)
+    slow = restarts(2 * minutes * 60)[1]
+    assert (per_attempt, needed) == (per_attempt_doc, restarts_doc), row   # the docs' numbers
+    assert f"twice as slow need {slow};" in row and f"| {default} |" in row, row
+    assert default >= needed and default >= slow, (default, needed, slow)
+    assert 20 < needed and per_attempt * 21 == int(re.search(r"at step (\d+)", row).group(1)), row
+
 
 def _fake_nemo_rl_checkout(d: Path) -> Path:
     """What submit_comparison.sh checks of a NeMo-RL checkout (--nemo-rl): examples/run_eval.py, nemo_rl/."""
