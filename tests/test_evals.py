@@ -97,8 +97,8 @@ def test_plan_sppo_espo_settings_and_last_checkpoint(tmp_path):
 
 def test_plan_sizes_vllm_tp_from_the_training_run(tmp_path):
     """Issue 24.9: the eval's vLLM tensor_parallel_size is the training run's (the ``config.yaml``
-    NeMo-RL saves in each checkpoint), not 1: Qwen3-30B-A3B's bf16 weights (~61 GB) leave ~8 GiB
-    of an H100's 80 GB (x 0.85) for the KV cache at TP 1. The shipped 30B configs' value is read
+    NeMo-RL saves in each checkpoint), not 1: Qwen3-30B-A3B's bf16 weights (~57 GiB) leave little
+    of an H100's 80 GB for the KV cache at TP 1. The shipped 30B configs' value is read
     from the file; an explicit --tensor-parallel wins; a TP larger than the eval's GPUs is refused."""
     shipped = yaml.safe_load((ROOT / "examples" / "configs" / "espo_qwen3_30b_a3b_megatron.yaml").read_text())
     want = shipped["policy"]["generation"]["vllm_cfg"]["tensor_parallel_size"]

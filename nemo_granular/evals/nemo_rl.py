@@ -84,8 +84,8 @@ def is_megatron_checkpoint(step_dir: Path) -> bool:
 def training_vllm_tp(step_dir: Path) -> int | None:
     """The vLLM ``tensor_parallel_size`` the run generated with (``policy.generation.vllm_cfg`` of
     the ``config.yaml`` NeMo-RL's CheckpointManager saves in every checkpoint): the size the run
-    chose for its model (e.g. 4 for Qwen3-30B-A3B, whose bf16 weights leave ~8 GiB of an H100 for
-    the KV cache at TP 1). None when the checkpoint has no such config."""
+    chose for its model (e.g. 4 for Qwen3-30B-A3B, whose bf16 weights, ~57 GiB, leave little of
+    an H100 for the KV cache at TP 1). None when the checkpoint has no such config."""
     from ..export.source import read_yaml
 
     cfg = Path(step_dir) / "config.yaml"
