@@ -812,7 +812,8 @@ def test_max_restarts_default_covers_the_30b_pair_at_4_hours_per_attempt():
     d, h, m, sec = map(int, cfg["checkpointing"]["checkpoint_must_save_by"].split(":"))
     budget = ((d * 24 + h) * 60 + m) * 60 + sec
     default = int(re.search(r"^MAX_RESTARTS=\$\{MAX_RESTARTS:-(\d+)\}", LAUNCH.read_text(), re.M).group(1))
-    row = next(line for line in (ROOT / "docs" / "slurm.md").read_text().splitlines() if line.startswith("| `MAX_RESTARTS` |"))
+    docs = (ROOT / "docs" / "slurm.md").read_text().splitlines()
+    row = next(line for line in docs if line.startswith("| `MAX_RESTARTS` |"))
     minutes = int(re.search(r"a step of about (\d+) minutes", row).group(1))
     restarts_doc, per_attempt_doc = map(int, re.search(r"e\.g\. (\d+) at (\d+) steps per attempt", row).groups())
 
@@ -863,8 +864,10 @@ def test_submit_comparison_eval_jobs_run_the_eval_preflight_first(tmp_path):
     wraps = [next(a.split("=", 1)[1] for a in argv if a.startswith("--wrap=")) for argv in evals]
     for wrap, name in zip(wraps, ("espo", "gspo")):
         inner = shlex.split(wrap)[-1]   # exec bash -c SCRIPT
-        check = f"python -m nemo_granular.preflight.eval_checks --eval-suite espo --run {out}/{name}_qwen3_30b_a3b_megatron"
-        assert check in inner and f"--nemo-rl {checkout} --data-dir {data} && nemo-granular eval-checkpoints" in inner, inner
+        check = ("python -m nemo_granular.preflight.eval_checks --eval-suite espo "
+                 f"--run {out}/{name}_qwen3_30b_a3b_megatron")
+        assert check in inner, inner
+        assert f"--nemo-rl {checkout} --data-dir {data} && nemo-granular eval-checkpoints" in inner, inner
         assert inner.index(check) < inner.index("eval-checkpoints")
     run = out / "espo_qwen3_30b_a3b_megatron"
 
@@ -876,7 +879,8 @@ def test_submit_comparison_eval_jobs_run_the_eval_preflight_first(tmp_path):
     assert missing.returncode == 1, missing.stdout + missing.stderr
     assert missing.stderr.splitlines() == [
         f"preflight: error: hmmt25: no {data}/hmmt25.jsonl and NeMo-RL has no loader for it; stage it: "
-        f"nemo-granular stage-benchmarks --suite espo --data-dir {data} [nemo-granular stage-benchmarks]"], missing.stderr
+        f"nemo-granular stage-benchmarks --suite espo --data-dir {data} [nemo-granular stage-benchmarks]"
+    ], missing.stderr
     (data / "hmmt25.jsonl").write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
     weights = run / "checkpoints" / "step_4" / "policy" / "weights"
     (weights / "iter_0000004").mkdir(parents=True)   # a Megatron checkpoint of the run
