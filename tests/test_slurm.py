@@ -598,7 +598,9 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     tests/nemo_rl_logger_driver.py (NEMO_RL_PYTHON): NeMo-RL's own load_config, Logger
     (TensorBoard) and CheckpointManager write the run directories, plus evals.json; each run's
     eval job (--eval-suite) must find the NeMo-RL checkout (here with eval-checkpoints --dry-run:
-    the evaluation itself needs GPUs); the small afterany report job must turn them into
+    the evaluation itself needs GPUs; no checkpoint is exported) and, first, pass the eval
+    preflight in its container, offline, on the benchmarks staged by ``stage-benchmarks
+    --mirror``; the small afterany report job must turn them into
     report.md with the benchmark table. The preflight checks every config before anything is
     submitted, and again in each training job: here the STAND-IN (``NG_FAKE_PREFLIGHT=1``), which
     records its command lines: the real one would rightly refuse these 64-GPU layouts on the local
@@ -608,13 +610,24 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     cfgs = ROOT / "examples" / "configs"
     checkout = _nemo_rl_checkout(nemo_rl_src, tmp_path / "NeMo-RL")
     out, preflight, bench = tmp_path / "cmp", tmp_path / "preflight.log", tmp_path / "benchmarks"
-    bench.mkdir()   # the launch story's --data-dir: HMMT25 has no NeMo-RL loader
-    (bench / "hmmt25.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    # the launch story's --data-dir, staged as docs/slurm.md says (from local copies of the dataset
+    # repositories: no network here); the jobs run offline, so the eval preflight in each eval
+    # job's container passes only if it finds every ESPO benchmark staged there
+    from test_stage_benchmarks import write_mirror
+
+    write_mirror(tmp_path / "mirror")
+    staged = subprocess.run([sys.executable, "-m", "nemo_granular", "stage-benchmarks", "--suite", "espo",
+                             "--data-dir", str(bench), "--mirror", str(tmp_path / "mirror")],
+                            capture_output=True, text=True, timeout=300)
+    assert staged.returncode == 0, staged.stderr
+    assert sorted(p.name for p in bench.glob("*.jsonl")) == ["aime24.jsonl", "aime25.jsonl", "hmmt25.jsonl",
+                                                            "math500.jsonl"]
     pyxis = _pyxis_env(cluster, images["deps"], [tmp_path, ROOT, nemo_rl_src])
     env = _env(cluster.env, {**pyxis, "PATH": f"{PYXIS}:{Path(sys.executable).parent}:{cluster.env['PATH']}",
                              "NEMO_RL_PYTHON": f"python {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
                              "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT": "1",
                              "NG_FAKE_PREFLIGHT_LOG": str(preflight),
+                             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                              "START_RAY": "0",     # the stand-in driver does not use Ray (the other tests cover Ray)
                              "NEMO_RL_SRC": None})  # (on the submit host NeMo-RL stays importable through PYTHONPATH)
     r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
@@ -654,6 +667,8 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
         # the eval job planned NeMo-RL's run_eval in the checkout (not: "--nemo-rl: give the NeMo-RL checkout")
         ev = next(out.glob(f"slurm-cmp-eval-{name}-*.out")).read_text()
         assert f"cd {checkout} && uv run python examples/run_eval.py --config" in ev and "aime24" in ev, ev
+        # ... reading every benchmark from the staged files (checked first by the eval preflight)
+        assert all(f"data.dataset_name={bench}/{key}.jsonl" in ev for key in ("aime24", "aime25", "math500", "hmmt25")), ev
     report = (out / "report" / "report.md").read_text()
     assert "Runs: 2 usable of 2" in report, report[:600]
     assert "## Benchmark suite" in report and "| AIME24 |" in report and "| HMMT25 |" in report, report
