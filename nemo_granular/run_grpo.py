@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
     from .nemo_rl import compat, install
 
     try:
-        print(f"nemo_granular.run_grpo: {compat.version()}", file=sys.stderr)
+        print(f"nemo_granular.run_grpo: {compat.version()}", flush=True)
     except compat.UnsupportedNemoRL as err:
         print(f"nemo_granular.run_grpo: {err}", file=sys.stderr)
         return 2

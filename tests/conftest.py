@@ -13,7 +13,7 @@ that silently skips proves nothing (the NeMo-RL tests used to skip in CI).
 
 The one exception is named in the test itself: ``@pytest.mark.needs_nemo_rl("Name")`` on a test of a
 NeMo-RL name that ``nemo_granular.nemo_rl.compat.VERSIONED`` lists as absent from one supported version
-(e.g. ``MetricNormalizer`` on v0.7.0). In that version's world the test is skipped with compat's
+(e.g. ``MetricNormalizer`` on v0.7.0), or of a ``compat.FEATURES`` entry that version lacks. In that version's world the test is skipped with compat's
 one-line reason and listed as such in the summary; docs/nemo-rl.md ("NeMo-RL versions") names every
 such test (``tests/test_nemo_rl_compat.py`` checks the list). Any other skip still fails CI, and a
 marker naming something compat does not list is a collection error.
@@ -109,8 +109,8 @@ LONG_UNITS = ("host_ray", "test_slurm", "test_megatron_worker", "test_preflight_
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "needs_nemo_rl(name): tests a NeMo-RL name that compat.VERSIONED lists as "
-                                       "absent in one supported version; skipped (documented) in that world only")
+    config.addinivalue_line("markers", "needs_nemo_rl(name): tests a NeMo-RL name (compat.VERSIONED) or feature "
+                                       "(compat.FEATURES) one supported version lacks; skipped (documented) there only")
 
 
 def _version_skips(items) -> None:
@@ -121,13 +121,14 @@ def _version_skips(items) -> None:
     from nemo_granular.nemo_rl import compat
 
     for item, name in marked:
-        if name not in compat.VERSIONED:
-            raise pytest.UsageError(f"{item.nodeid}: needs_nemo_rl({name!r}) is not in compat.VERSIONED")
+        if name not in compat.VERSIONED and name not in compat.FEATURES:
+            raise pytest.UsageError(f"{item.nodeid}: needs_nemo_rl({name!r}) is in neither compat.VERSIONED nor "
+                                    f"compat.FEATURES")
         if not HOST_PATHS:
             continue      # no NeMo-RL at all: the test's nemo_rl_src fixture decides (a failure under CI)
         try:
-            compat.get(name)
-        except compat.NotInThisVersion as err:
+            compat.require(name) if name in compat.FEATURES else compat.get(name)
+        except (compat.NotInThisVersion, compat.VersionRefusal) as err:
             item.add_marker(pytest.mark.skip(reason=f"{VERSION_SKIP}{err}"))
 
 

@@ -91,6 +91,30 @@ def test_docs_version_table_is_rendered_from_compat():
     assert block.group(1) == compat.render_version_table()
 
 
+def _version_marked_tests() -> list[tuple[str, str]]:
+    """``(tests/file.py::test_name, name)`` for every ``@pytest.mark.needs_nemo_rl("name")``."""
+    out = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for dec in node.decorator_list:
+                    if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                            and dec.func.attr == "needs_nemo_rl"):
+                        out.append((f"tests/{path.name}::{node.name}", dec.args[0].value))
+    return out
+
+
+def test_every_version_skip_is_documented():
+    """The tests a version skips (conftest.py: ``needs_nemo_rl``) are named in docs/nemo-rl.md with the
+    compat entry that decides it; every name they give is one compat knows."""
+    doc = (ROOT / "docs" / "nemo-rl.md").read_text()
+    marked = _version_marked_tests()
+    assert marked, "no needs_nemo_rl test found: the scan is broken"
+    for test, name in marked:
+        assert name in compat.VERSIONED or name in compat.FEATURES, (test, name)
+        assert f"`{test}` (`{name}`)" in doc, f"docs/nemo-rl.md does not name {test} ({name})"
+
+
 def test_the_detected_version_is_this_world(nemo_rl_src):
     ver = compat.version()
     assert Path(ver.root).resolve() == (nemo_rl_src / "nemo_rl").resolve()

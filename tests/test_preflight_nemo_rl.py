@@ -1,6 +1,8 @@
 """``nemo-granular preflight`` against NeMo-RL's own behaviour, config by config.
 
-World: NeMo-RL (``nemo_rl_src``; the Megatron validators also ``megatron_workers``).
+World: NeMo-RL (``nemo_rl_src``; the Megatron validators also ``megatron_workers``), both versions: on
+v0.7.0 the shipped configs and the pre-fix case run against v0.7.0's own ``setup()``; the check-by-check
+cases and the drift guards are main's (``needs_nemo_rl("preflight_setup_parity")``).
 
 * Every shipped config (``examples/configs/*.yaml``, ``examples/configs/nemo_rl/*.yaml``) passes
   preflight with no error, AND NeMo-RL's real start-up accepts it: ``MasterConfig``, ``setup()``
@@ -372,6 +374,7 @@ def _nemo_rl_verdict(stage: str, cfg: dict, driver: str, tmp_path, monkeypatch) 
     raise AssertionError(stage)
 
 
+@pytest.mark.needs_nemo_rl("preflight_setup_parity")
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_each_check_fails_its_config_like_nemo_rl(case, nemo_rl_src, megatron_workers, tmp_path, monkeypatch):
     _, base, overrides, source, stage, fragment = case
@@ -435,6 +438,7 @@ def function_source(module: str, func: str) -> str:
     return ast.get_source_segment(text, node)
 
 
+@pytest.mark.needs_nemo_rl("preflight_setup_parity")
 @pytest.mark.parametrize("guard", GUARDS, ids=[f"{g[0].rsplit(':', 1)[1]}-{i}" for i, g in enumerate(GUARDS)])
 def test_restated_check_still_guards_nemo_rl_source(guard, nemo_rl_src, megatron_workers):
     source, target, expressions, base, overrides = guard

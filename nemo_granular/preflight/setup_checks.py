@@ -3,7 +3,8 @@
 Each function mirrors the assertions of one NeMo-RL function at commit 7ea279ab (main) and returns
 findings instead of raising. On NeMo-RL v0.7.0 the same checks run with the config read through
 ``compat.conf`` (its sections are dicts there); the NeMo-RL check functions v0.7.0 lacks are not
-called, and the inlined checks on keys v0.7.0 does not have see main's defaults, so they pass. Where NeMo-RL has the check as a callable pure function of the
+called, and the inlined checks on keys v0.7.0 does not have see main's defaults, so they pass.
+Where NeMo-RL has the check as a callable pure function of the
 config, it is called (``_call``); where the check is inlined in ``setup()``, it is re-stated here
 with the exact NeMo-RL ``file:function`` in the finding's source. ``tests/test_preflight_nemo_rl.py``
 drives NeMo-RL's real ``setup()`` on each failing case and on every shipped config to prove the
