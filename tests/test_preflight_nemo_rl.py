@@ -79,6 +79,26 @@ def test_shipped_config_passes_preflight_and_nemo_rl_accepts_it(name, nemo_rl_sr
             assert drive_megatron_validators(cfg[section]) == "accepted"
 
 
+def test_preflight_names_the_nemo_rl_version_it_checked_against(nemo_rl_src, capsys):
+    """The plan's second line is the detected NeMo-RL version (both worlds); on v0.7.0 a key that version
+    lacks, with a value that would change what it does, is refused in one line naming both versions."""
+    from nemo_granular.nemo_rl import compat
+    from nemo_granular.preflight.cli import main
+
+    cfg = str(CFG / "grpo_r1_distill_qwen_1.5b.yaml")
+    assert main([cfg, "--no-venv-check"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == f"  nemo-rl   checked against {compat.version()}"
+    rc = main([cfg, "policy.generation.val_temperature=0.9" if compat.version().key == compat.MAIN
+               else "++policy.generation.val_temperature=0.9", "--no-venv-check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    if compat.version().key == compat.V0_7:
+        assert rc == 2 and err[-1] == ("nemo-granular preflight: error: policy.generation.val_temperature: 0.9 needs "
+                                       "NeMo-RL main (7ea279ab); NeMo-RL v0.7.0 does not have this key (validation "
+                                       "samples at policy.generation.temperature)")
+    else:   # main has the key; NeMo-RL's setup() allows a different value only with NeMo-Gym
+        assert rc == 1 and any("val_temperature" in line for line in err)
+
+
 def test_report_preflight_runtime_per_config():
     """Not an assertion on time: prints the per-config preflight runtime measured above (the drive and
     NeMo-RL's import are not included)."""
