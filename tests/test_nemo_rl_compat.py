@@ -82,6 +82,26 @@ def test_version_detection_from_the_package_folder(tmp_path):
         compat.classify(_fake_nemo_rl(tmp_path, (0, 6, 0), False))
 
 
+def test_conf_reads_dicts_and_pydantic_models_alike():
+    """NeMo-RL's config sections: pydantic models on main (fields and extras), dicts on v0.7.0."""
+    from pydantic import BaseModel
+
+    class Section(BaseModel, extra="allow"):
+        enabled: bool = False
+
+    class Master(BaseModel, extra="allow"):
+        grpo: Section
+        ppo: dict
+
+    m = Master(grpo=Section(enabled=True, max_age=3), ppo={"x": {"x": 1}, "none": None}, plugin={"k": 2})
+    assert compat.conf(m, "grpo.enabled") is True and compat.conf(m, "grpo.max_age") == 3
+    assert compat.conf(m, "ppo.x.x") == 1 and compat.conf(m, "plugin.k") == 2
+    assert compat.conf(m, "ppo.none") is None and compat.conf(m, "ppo.none.deeper", "d") == "d"
+    assert compat.conf(m, "grpo.async_grpo.enabled", False) is False
+    with pytest.raises(KeyError, match="ppo.async_ppo.enabled"):
+        compat.conf(m, "ppo.async_ppo.enabled")
+
+
 def test_docs_version_table_is_rendered_from_compat():
     """docs/nemo-rl.md's version table is compat's three tables exactly (each row is checked against the
     real NeMo-RL of this world below): neither can drift."""

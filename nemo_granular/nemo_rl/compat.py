@@ -273,7 +273,8 @@ def conf(obj: Any, dotted: str, default: Any = _UNSET) -> Any:
     config sections are pydantic models on main and TypedDicts (plain dicts) on v0.7.0. A missing
     level gives ``default`` (a ``KeyError`` naming the key without one)."""
     cur = obj
-    for part in dotted.split("."):
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
         if isinstance(cur, Mapping):
             found = part in cur
             nxt = cur.get(part)
@@ -281,7 +282,7 @@ def conf(obj: Any, dotted: str, default: Any = _UNSET) -> Any:
             extra = getattr(cur, "model_extra", None) or {}
             found = part in extra or (part in getattr(type(cur), "model_fields", {}) or hasattr(cur, part))
             nxt = extra[part] if part in extra else getattr(cur, part, None)
-        if not found or (nxt is None and part != dotted.rsplit(".", 1)[-1]):
+        if not found or (nxt is None and i < len(parts) - 1):
             if default is _UNSET:
                 raise KeyError(dotted)
             return default
