@@ -52,6 +52,7 @@ __all__ = ["V0_7", "MAIN", "VERSIONS", "TITLES", "NemoRLVersion", "NotInThisVers
            "VersionRefusal", "version", "LOCATIONS", "VERSIONED", "MODULES", "CONFIG_KEYS", "BEHAVIOURS",
            "LOGPROB_OPTIONAL_KEYS", "get", "find", "module", "logprob_outputs", "conf", "adapt_config", "require",
            "shutdown_environments", "checkpoint_flush", "should_use_async_rollouts", "estimator_config",
+           "fused_linear_logprobs",
            "render_version_table"]
 
 V0_7, MAIN = "v0.7.0", "main"
@@ -391,6 +392,18 @@ def should_use_async_rollouts(master_config) -> bool:
     return bool(fn(master_config) if version().key == V0_7 else fn(master_config.policy["generation"]))
 
 
+# Megatron's fused linear + logprob kernel: the post-processor's flag and the config key, per version
+FUSED_LOGPROBS_ATTR = {V0_7: "use_linear_ce_fusion", MAIN: "use_fused_linear_logprobs"}
+FUSED_LOGPROBS_KEY = {V0_7: "policy.megatron_cfg.use_linear_ce_fusion_loss",
+                      MAIN: "policy.megatron_cfg.use_fused_linear_logprobs"}
+
+
+def fused_linear_logprobs(post_processor) -> bool:
+    """Whether NeMo-RL's Megatron ``LogprobsPostProcessor`` runs the fused kernel (it returns logprobs,
+    not logits); the flag is ``use_linear_ce_fusion`` on v0.7.0, ``use_fused_linear_logprobs`` on main."""
+    return bool(getattr(post_processor, FUSED_LOGPROBS_ATTR[version().key]))
+
+
 # keys of grpo.adv_estimator that NeMo-RL reads with [...] (KeyError when missing), per version
 ESTIMATOR_REQUIRED: dict[str, tuple[str, ...]] = {
     V0_7: ("name", "normalize_rewards", "use_leave_one_out_baseline"),
@@ -452,6 +465,10 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
                      "section: " + ESTIMATOR_WITHOUT_SECTION[V0_7].split(": ", 1)[1],
                MAIN: "defaults name grpo, normalize_rewards true, use_leave_one_out_baseline true"},
               "estimator_config"),
+    Behaviour("Megatron's fused linear + logprob kernel (the worker extension refuses it: no logits)",
+              {V0_7: f"`{FUSED_LOGPROBS_KEY[V0_7]}`, post-processor flag `{FUSED_LOGPROBS_ATTR[V0_7]}`",
+               MAIN: f"`{FUSED_LOGPROBS_KEY[MAIN]}`, post-processor flag `{FUSED_LOGPROBS_ATTR[MAIN]}`"},
+              "fused_linear_logprobs"),
     Behaviour("async PPO (`ppo.async_ppo.enabled: true`)",
               {V0_7: "absent: refused in one line", MAIN: "`async_ppo_train`"}, "require"),
     Behaviour("preflight's restated `setup()` checks",

@@ -94,7 +94,9 @@ def install_generation_seam(algo_module) -> None:
         master = args[0] if args else kwargs["master_config"]
         policy_cfg = master.policy if hasattr(master, "policy") else master["policy"]
         megatron = bool((policy_cfg.get("megatron_cfg") or {}).get("enabled"))
-        BUILT["refit"] = "ipc_zmq" if megatron else "checkpoint"
+        # NeMo-RL v0.7.0 has no weight synchronizer (its grpo refits through IPC/ZMQ itself): NeMo-RL's path
+        synchronizer = hasattr(algo_module, "create_weight_synchronizer")
+        BUILT["refit"] = "ipc_zmq" if megatron or not synchronizer else "checkpoint"
         out = real_setup(*args, **kwargs)
         policy, generation = out[0], out[1]
         if isinstance(generation, CpuHFGeneration):
