@@ -88,7 +88,8 @@ def test_megatron_extension_reaches_the_module_globals_in_the_shipped_class(real
              else "get_microbatch_iterator")
     monkeypatch.setattr(real.mpw, first, _sentinel)
     obj = _bare(shipped, cfg={"logprob_batch_size": 2}, model=SimpleNamespace(eval=lambda: None),
-                media_placeholder_token_id=None, mcore_state=SimpleNamespace(straggler_timer=None))
+                media_placeholder_token_id=None, mcore_state=SimpleNamespace(straggler_timer=None),
+                delegate_pack_to_model=False)
     grad = torch.is_grad_enabled()   # NeMo-RL's get_logprobs enters no_grad without a with-block
     try:
         with pytest.raises(Reached):
