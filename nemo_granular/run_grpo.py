@@ -51,7 +51,7 @@ ASYNC_GRPO_UNSUPPORTED = (("grpo", "use_dynamic_sampling"), ("grpo", "reward_sca
 
 # the same sentences in run_sppo (tests/test_user_text.py)
 OVERRIDES_HELP = "Unknown arguments are Hydra overrides (a.b=v, +a.b=v, ++a.b=v, ~a.b)."
-INSTALL_HINT = ("run it inside NeMo-RL's environment (commit 7ea279ab) with nemo-granular installed into it: "
+INSTALL_HINT = ("run it inside NeMo-RL's environment (v0.7.0 or main 7ea279ab) with nemo-granular installed into it: "
                 "`cd <NeMo-RL> && uv pip install --no-deps -e <nemo-granular>`, then `uv run python -m {prog} "
                 "--config ...` (docs/nemo-rl.md §1)")
 
