@@ -51,7 +51,7 @@ ASYNC_GRPO_UNSUPPORTED = (("grpo", "use_dynamic_sampling"), ("grpo", "reward_sca
 
 # the same sentences in run_sppo (tests/test_user_text.py)
 OVERRIDES_HELP = "Unknown arguments are Hydra overrides (a.b=v, +a.b=v, ++a.b=v, ~a.b)."
-INSTALL_HINT = ("run it inside NeMo-RL's environment (commit 7ea279ab) with nemo-granular installed into it: "
+INSTALL_HINT = ("run it inside NeMo-RL's environment (v0.7.0 or main 7ea279ab) with nemo-granular installed into it: "
                 "`cd <NeMo-RL> && uv pip install --no-deps -e <nemo-granular>`, then `uv run python -m {prog} "
                 "--config ...` (docs/nemo-rl.md §1)")
 
@@ -213,8 +213,13 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
 
     from .nemo_rl import compat, install
 
+    try:
+        print(f"nemo_granular.run_grpo: {compat.version()}", flush=True)
+    except compat.UnsupportedNemoRL as err:
+        print(f"nemo_granular.run_grpo: {err}", file=sys.stderr)
+        return 2
     MasterConfig, grpo_train, setup = compat.get("MasterConfig"), compat.get("grpo_train"), compat.get("setup")
-    shutdown_environments, get_tokenizer = compat.get("shutdown_environments"), compat.get("get_tokenizer")
+    get_tokenizer = compat.get("get_tokenizer")
     setup_response_data, init_ray = compat.get("setup_response_data"), compat.get("init_ray")
     configure_generation_config = compat.get("configure_generation_config")
     get_next_experiment_dir = compat.get("get_next_experiment_dir")
@@ -265,29 +270,31 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
 
     logger = EstimatorMetricsLogger(logger)
     watch = StopWatch(compat.module("grpo")).start()   # NeMo-RL's time limit, SIGUSR1
+    async_on = bool(compat.conf(master_config, "grpo.async_grpo.enabled", False))
     try:
-        if master_config.grpo.async_grpo.enabled:
+        if async_on:
             async_grpo_train = compat.get("async_grpo_train")
             async_grpo_train(policy=policy, policy_generation=policy_generation, dataloader=dataloader,
                              val_dataloader=val_dataloader, tokenizer=tokenizer, loss_fn=loss_fn,
                              task_to_env=task_to_env, val_task_to_env=val_task_to_env, logger=logger,
                              checkpointer=checkpointer, grpo_save_state=grpo_state, master_config=master_config,
-                             max_trajectory_age_steps=master_config.grpo.async_grpo.max_trajectory_age_steps,
+                             max_trajectory_age_steps=compat.conf(master_config,
+                                                                  "grpo.async_grpo.max_trajectory_age_steps"),
                              teacher_worker_groups=teacher_worker_groups, alias_to_group_alias=alias_to_group_alias)
         else:
-            with checkpointer:
+            with compat.checkpoint_flush(checkpointer):
                 grpo_train(policy, policy_generation, dataloader, val_dataloader, tokenizer, loss_fn, task_to_env,
                            val_task_to_env, logger, checkpointer, grpo_state, master_config)
     finally:
         watch.stop()
-        shutdown_environments(task_to_env, val_task_to_env)
+        compat.shutdown_environments(task_to_env, val_task_to_env)
         try:
             policy_generation.shutdown()
         except Exception as err:  # noqa: BLE001
             print(f"error shutting down generation: {err}", file=sys.stderr)
     # 99 when NeMo-RL stopped at its time limit (or after SIGUSR1) before the end: slurm/launch.sh requeues
     return watch.exit_code(grpo_state, master_config.grpo, master_config.checkpointing,
-                           None if master_config.grpo.async_grpo.enabled else dataloader)
+                           None if async_on else dataloader)
 
 
 if __name__ == "__main__":

@@ -59,15 +59,18 @@ def _import_nemo_rl() -> SimpleNamespace:
         from .nemo_rl import compat
         from .nemo_rl.configs import load_resolved
 
+        compat.version()        # refuses a NeMo-RL that is none of the supported versions, in one line
         ppo_module = compat.module("ppo")
         get_tokenizer, setup_response_data = compat.get("get_tokenizer"), compat.get("setup_response_data")
         init_ray, configure_generation_config = compat.get("init_ray"), compat.get("configure_generation_config")
         get_next_experiment_dir = compat.get("get_next_experiment_dir")
+    except compat.UnsupportedNemoRL as err:
+        raise MissingDependencyError(str(err)) from None
     except ImportError as err:
         raise MissingDependencyError(
             f"NeMo-RL is installed but {err.name or 'one of its modules'!r} cannot be imported ({err}); "
             f"{PROG} needs NeMo-RL's PPO (nemo_rl.algorithms.ppo)") from None
-    return SimpleNamespace(OmegaConf=OmegaConf, ppo=ppo_module, get_tokenizer=get_tokenizer,
+    return SimpleNamespace(OmegaConf=OmegaConf, ppo=ppo_module, compat=compat, get_tokenizer=get_tokenizer,
                            setup_response_data=setup_response_data, init_ray=init_ray,
                            configure_generation_config=configure_generation_config, load_resolved=load_resolved,
                            get_next_experiment_dir=get_next_experiment_dir)
@@ -101,9 +104,20 @@ def prepare_config(nr: SimpleNamespace, path: str, overrides: list[str]):
         raise ValueError(f"{path}: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}") from None
 
 
+def async_ppo_enabled(config) -> bool:
+    """``ppo.async_ppo.enabled`` (false where the NeMo-RL version has no async PPO section)."""
+    from .nemo_rl.compat import conf
+
+    return bool(conf(config, "ppo.async_ppo.enabled", False))
+
+
 def _check_async(config, policy_generation=None) -> None:
     """NeMo-RL's async-PPO checks (``examples/run_ppo.py`` ``_validate_async_ppo_config``), as one-line
-    ``ValueError``s. Without ``policy_generation`` (before setup) the FP8 KV-scale check is skipped."""
+    ``ValueError``s. Without ``policy_generation`` (before setup) the FP8 KV-scale check is skipped.
+    A NeMo-RL without async PPO (v0.7.0) refuses first, naming its version."""
+    from .nemo_rl.compat import conf, require
+
+    require("async_ppo", "ppo.async_ppo.enabled: true")
     gen = config.policy["generation"] or {}
     vllm = gen.get("vllm_cfg") or {}
     if gen.get("backend") != "vllm" or not vllm.get("async_engine"):
@@ -114,13 +128,13 @@ def _check_async(config, policy_generation=None) -> None:
         raise ValueError("async PPO needs loss_fn.force_on_policy_ratio=false")
     if (gen.get("colocated") or {}).get("enabled", True):
         raise ValueError("async PPO needs policy.generation.colocated.enabled=false")
-    if config.ppo.max_num_epochs != -1:
+    if conf(config, "ppo.max_num_epochs") != -1:
         raise ValueError("async PPO does not support an epoch limit: set ppo.max_num_epochs=-1 and use "
                          "ppo.max_num_steps to control the training length")
     unsupported = {
-        "ppo.use_dynamic_sampling": config.ppo.use_dynamic_sampling,
-        "ppo.reward_scaling.enabled": config.ppo.reward_scaling.enabled,
-        "ppo.reward_shaping.enabled": config.ppo.reward_shaping.enabled,
+        "ppo.use_dynamic_sampling": conf(config, "ppo.use_dynamic_sampling", False),
+        "ppo.reward_scaling.enabled": conf(config, "ppo.reward_scaling.enabled", False),
+        "ppo.reward_shaping.enabled": conf(config, "ppo.reward_shaping.enabled", False),
         "data.use_multiple_dataloader": config.data.get("use_multiple_dataloader", False),
         "env.should_use_nemo_gym (NeMo Gym rollout)": (config.env or {}).get("should_use_nemo_gym", False),
     }
@@ -137,7 +151,7 @@ def _startup(argv: list[str] | None):
     args, overrides = parse_args(argv)
     nr = _import_nemo_rl()
     config, opts = prepare_config(nr, args.config, overrides)
-    if config.ppo.async_ppo.enabled:
+    if async_ppo_enabled(config):
         _check_async(config)
     if opts.check_tokenizers:
         from .sppo.validate import check_critic_tokenizer
@@ -164,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     from .sppo.critic import PromptOnlyValue
     from .sppo.install import sppo_estimator_installed
 
-    print(f"Loaded configuration from: {args.config}")
+    print(f"Loaded configuration from: {args.config} ({nr.compat.version()})")
     config.logger["log_dir"] = nr.get_next_experiment_dir(config.logger["log_dir"])
     nr.init_ray()
     tokenizer = nr.get_tokenizer(config.policy["tokenizer"])
@@ -176,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     with sppo_estimator_installed(nr.ppo):
         (policy, policy_generation, value_model, _cluster, dataloader, val_dataloader, loss_fn, _mse_value_loss,
          logger, checkpointer, ppo_state, master_config) = nr.ppo.setup(config, tokenizer, dataset, val_dataset)
-        if config.ppo.async_ppo.enabled:
+        async_on = async_ppo_enabled(config)
+        if async_on:
             try:
                 _check_async(config, policy_generation)
             except ValueError as err:
@@ -189,14 +204,14 @@ def main(argv: list[str] | None = None) -> int:
                 pad_to_multiple=config.value.get("make_sequence_length_divisible_by", 1) or 1,
                 dedup=opts.dedup_prompts, logger=logger if opts.log_diagnostics else None,
                 start_step=int(ppo_state["total_steps"]), diagnostics_prefix=opts.diagnostics_prefix)
-        train = nr.ppo.async_ppo_train if config.ppo.async_ppo.enabled else nr.ppo.ppo_train
-        print(f"🚀 Running SPPO ({'async' if config.ppo.async_ppo.enabled else 'sync'} PPO loop)", flush=True)
-        with checkpointer, StopWatch(nr.ppo) as watch:   # NeMo-RL's time limit, SIGUSR1
+        train = nr.compat.get("async_ppo_train") if async_on else nr.ppo.ppo_train
+        print(f"🚀 Running SPPO ({'async' if async_on else 'sync'} PPO loop)", flush=True)
+        with nr.compat.checkpoint_flush(checkpointer), StopWatch(nr.ppo) as watch:   # NeMo-RL's time limit, SIGUSR1
             train(policy, policy_generation, value_model, dataloader, val_dataloader, tokenizer, loss_fn,
                   value_loss_fn, task_to_env, val_task_to_env, logger, checkpointer, ppo_state, master_config)
     # 99 when NeMo-RL stopped at its time limit (or after SIGUSR1) before the end: slurm/launch.sh requeues
     return watch.exit_code(ppo_state, master_config.ppo, master_config.checkpointing,
-                           None if config.ppo.async_ppo.enabled else dataloader)
+                           None if async_on else dataloader)
 
 
 if __name__ == "__main__":

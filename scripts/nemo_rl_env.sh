@@ -3,10 +3,13 @@
 #
 #   NEMO_RL_SRC=/path/to/NeMo-RL  source scripts/nemo_rl_env.sh   # your own clone
 #   NEMO_RL_VENDOR=/dir/of/tarballs source scripts/nemo_rl_env.sh # unmodified source snapshots
+#   NEMO_RL_VENDOR=/dir/of/tarballs NEMO_RL_VERSION=v0.7.0 source scripts/nemo_rl_env.sh
 #
-# With NEMO_RL_VENDOR, the snapshots nemo-rl-*.tar.gz, megatron-lm-*.tar.gz,
+# With NEMO_RL_VENDOR, the snapshot nemo-rl-$NEMO_RL_VERSION.tar.gz (default 7ea279abf, the commit
+# the plugin is written against; v0.7.0 is the release) and the megatron-lm-*.tar.gz,
 # megatron-bridge-*.tar.gz and automodel-*.tar.gz found there are extracted into .vendor/
-# (once; keyed by the tarball name). With NEMO_RL_SRC, the Megatron-LM / Megatron-Bridge /
+# (once; keyed by the tarball name). The Megatron/Automodel snapshots are the ones 7ea279abf pins;
+# v0.7.0 pins the same Automodel but a Megatron-Bridge that the vendor folder does not hold. With NEMO_RL_SRC, the Megatron-LM / Megatron-Bridge /
 # Automodel sources default to NeMo-RL's own submodules under 3rdparty/ when present.
 # Exports NEMO_RL_SRC, MEGATRON_LM_SRC, MEGATRON_BRIDGE_SRC, AUTOMODEL_SRC (those found) and
 # installs the `nemo-rl-test` extra into .venv with torch held at the installed version.
@@ -16,10 +19,15 @@
 # shellcheck disable=SC2317
 _ng_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
-_ng_extract() {  # _ng_extract NAME -> extracts NEMO_RL_VENDOR/NAME-*.tar.gz (the first), prints its top folder
+_ng_extract() {  # _ng_extract NAME [VERSION] -> extracts NEMO_RL_VENDOR/NAME-VERSION.tar.gz (no VERSION: the
+  # only / first NAME-*.tar.gz), prints its top folder
   local tarball="" candidate name dest
+  if [ -n "${2:-}" ]; then
+    tarball="$NEMO_RL_VENDOR/$1-$2.tar.gz"
+    [ -f "$tarball" ] || { echo "nemo_rl_env: no $1-$2.tar.gz in NEMO_RL_VENDOR=$NEMO_RL_VENDOR" >&2; return 1; }
+  fi
   for candidate in "$NEMO_RL_VENDOR/$1"-*.tar.gz; do
-    [ -f "$candidate" ] && { tarball=$candidate; break; }
+    [ -z "$tarball" ] && [ -f "$candidate" ] && { tarball=$candidate; break; }
   done
   [ -n "$tarball" ] || return 0
   name=$(basename "$tarball" .tar.gz)
@@ -35,7 +43,7 @@ _ng_extract() {  # _ng_extract NAME -> extracts NEMO_RL_VENDOR/NAME-*.tar.gz (th
 
 if [ -z "${NEMO_RL_SRC:-}" ] && [ -n "${NEMO_RL_VENDOR:-}" ]; then
   [ -d "$NEMO_RL_VENDOR" ] || { echo "nemo_rl_env: NEMO_RL_VENDOR=$NEMO_RL_VENDOR is not a folder" >&2; return 1 2>/dev/null || exit 1; }
-  NEMO_RL_SRC=$(_ng_extract nemo-rl)
+  NEMO_RL_SRC=$(_ng_extract nemo-rl "${NEMO_RL_VERSION:-7ea279abf}") || { unset NEMO_RL_SRC; return 1 2>/dev/null || exit 1; }
   _d=$(_ng_extract megatron-lm); [ -n "$_d" ] && export MEGATRON_LM_SRC=${MEGATRON_LM_SRC:-$_d}
   _d=$(_ng_extract megatron-bridge); [ -n "$_d" ] && export MEGATRON_BRIDGE_SRC=${MEGATRON_BRIDGE_SRC:-$_d/src}
   _d=$(_ng_extract automodel); [ -n "$_d" ] && export AUTOMODEL_SRC=${AUTOMODEL_SRC:-$_d}

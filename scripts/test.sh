@@ -3,6 +3,11 @@
 #
 # With NEMO_RL_SRC=<NeMo-RL checkout> (or NEMO_RL_VENDOR=<folder of source snapshots>), the
 # real-host tests run against that NeMo-RL: scripts/nemo_rl_env.sh installs what they need.
+# Two NeMo-RL worlds (docs/nemo-rl.md, "NeMo-RL versions"): the whole suite runs against the first
+# (NEMO_RL_SRC, or the vendor folder's main snapshot, 7ea279abf), then V070_TESTS against the release
+# v0.7.0 (NEMO_RL_V070_SRC=<v0.7.0 checkout>, or nemo-rl-v0.7.0.tar.gz in NEMO_RL_VENDOR); opt out
+# with NEMO_GRANULAR_V070_TESTS=0. Tests named on the command line run in the first world only
+# (NEMO_RL_VERSION=v0.7.0 makes that world v0.7.0).
 # The Slurm tests (tests/test_slurm.py) install Debian's Slurm/munge packages, add node names
 # to /etc/hosts and start daemons in network namespaces when run as root; opt out with
 # NEMO_GRANULAR_SLURM_TESTS=0 (they then skip, which CI does not allow).
@@ -11,7 +16,10 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 if [ -n "${NEMO_RL_SRC:-}" ] || [ -n "${NEMO_RL_VENDOR:-}" ]; then
   # shellcheck source=scripts/nemo_rl_env.sh
+  given_src=${NEMO_RL_SRC:-}
   source scripts/nemo_rl_env.sh
+  # the vendor folder's default snapshot is main (tests/test_nemo_rl_compat.py checks the detection)
+  if [ -z "$given_src" ] && [ -z "${NEMO_RL_VERSION:-}" ]; then export NEMO_GRANULAR_EXPECT_NEMO_RL=main; fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # The suite runs on pytest-xdist workers (NEMO_GRANULAR_TEST_WORKERS, default 2; 0: one process): much
@@ -25,11 +33,42 @@ PYTEST=(.venv/bin/python -m pytest -q)
 for arg in "$@"; do
   if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec "${PYTEST[@]}" "$@"; fi  # tests named: just those
 done
-rc=0 slurm_rc=0
+# The NeMo-RL v0.7.0 world: the NeMo-RL-world modules that pass on v0.7.0 (the import, the losses and
+# estimators against NeMo-RL's own, run_grpo / run_sppo up to setup(), preflight on the shipped configs
+# and NeMo-RL's own setup(), config loading, the worker extensions against the real workers); what
+# stays untested there (the CPU loops among it): docs/nemo-rl.md, "NeMo-RL versions".
+V070_TESTS=(tests/test_package.py tests/test_nemo_rl_compat.py tests/test_nemo_rl_dropin.py
+            tests/test_nemo_rl_estimators.py tests/test_nemo_rl_glue.py tests/test_nemo_rl_loss_equivalence.py
+            tests/test_loss_nemo.py tests/test_host_configs.py tests/test_host_entrypoints.py
+            tests/test_host_estimators_loop.py tests/test_host_loss_paths.py tests/test_host_workers.py
+            tests/test_preflight.py tests/test_preflight_nemo_rl.py tests/test_sppo_configs.py
+            tests/test_sppo_entry.py tests/test_sppo_wrapper.py tests/test_loop_actor_class.py)
+v070_world() {   # in a subshell: the first world's variables stay as they are
+  unset NEMO_RL_SRC MEGATRON_LM_SRC MEGATRON_BRIDGE_SRC AUTOMODEL_SRC
+  if [ -n "${NEMO_RL_V070_SRC:-}" ]; then export NEMO_RL_SRC=$NEMO_RL_V070_SRC; else export NEMO_RL_VERSION=v0.7.0; fi
+  export NEMO_GRANULAR_EXPECT_NEMO_RL=v0.7.0
+  # shellcheck source=scripts/nemo_rl_env.sh
+  source scripts/nemo_rl_env.sh
+  "${PYTEST[@]}" "${V070_TESTS[@]}" "$@"
+}
+rc=0 slurm_rc=0 v070_rc=5   # 5: pytest's "no tests collected" (also: the v0.7.0 world did not run)
 "${PYTEST[@]}" --ignore=tests/test_slurm.py "$@" || rc=$?
 echo "--- the Slurm tests, on their own"
 .venv/bin/python -m pytest -q tests/test_slurm.py "$@" || slurm_rc=$?
-# 5 is pytest's "no tests collected": a -k/-m selection may leave one of the two runs empty
-if (( rc == 5 && slurm_rc != 5 )); then rc=0; fi
-if (( slurm_rc == 5 && rc != 5 )); then slurm_rc=0; fi
-exit $((rc ? rc : slurm_rc))
+if [ "${NEMO_GRANULAR_V070_TESTS:-1}" != 0 ] && [ -z "${NEMO_RL_VERSION:-}" ] \
+    && { [ -n "${NEMO_RL_V070_SRC:-}" ] || [ -f "${NEMO_RL_VENDOR:-/nonexistent}/nemo-rl-v0.7.0.tar.gz" ]; }; then
+  echo "--- the NeMo-RL v0.7.0 world (${#V070_TESTS[@]} modules)"
+  start=$SECONDS
+  v070_rc=0
+  (v070_world "$@") || v070_rc=$?
+  echo "--- the NeMo-RL v0.7.0 world took $((SECONDS - start)) s"
+elif [ "${NEMO_GRANULAR_V070_TESTS:-1}" != 0 ] && { [ -n "${NEMO_RL_SRC:-}" ] || [ -n "${NEMO_RL_VENDOR:-}" ]; }; then
+  echo "--- no NeMo-RL v0.7.0 here (NEMO_RL_V070_SRC, or nemo-rl-v0.7.0.tar.gz in NEMO_RL_VENDOR): its world did not run"
+  [ "${CI:-}" = true ] && v070_rc=1
+fi
+# 5 is pytest's "no tests collected": a -k/-m selection may leave some of the runs empty
+all_empty=1
+for c in "$rc" "$slurm_rc" "$v070_rc"; do [ "$c" = 5 ] || all_empty=0; done
+(( all_empty )) && exit 5
+for c in "$rc" "$slurm_rc" "$v070_rc"; do if (( c && c != 5 )); then exit "$c"; fi; done
+exit 0

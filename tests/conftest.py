@@ -10,6 +10,13 @@
 
 Under CI (``CI=true``) or ``NEMO_GRANULAR_NO_SKIP=1`` a skipped test fails the run: a test
 that silently skips proves nothing (the NeMo-RL tests used to skip in CI).
+
+The one exception is named in the test itself: ``@pytest.mark.needs_nemo_rl("Name")`` on a test of a
+NeMo-RL name that ``nemo_granular.nemo_rl.compat.VERSIONED`` lists as absent from one supported version
+(e.g. ``MetricNormalizer`` on v0.7.0), or of a ``compat.FEATURES`` entry that version lacks. In that version's world the test is skipped with compat's
+one-line reason and listed as such in the summary; docs/nemo-rl.md ("NeMo-RL versions") names every
+such test (``tests/test_nemo_rl_compat.py`` checks the list). Any other skip still fails CI, and a
+marker naming something compat does not list is a collection error.
 """
 
 from __future__ import annotations
@@ -101,8 +108,37 @@ LONG_UNITS = ("host_ray", "test_slurm", "test_megatron_worker", "test_preflight_
               "test_megatron_worker_configs", "test_export_megatron")
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_nemo_rl(name): tests a NeMo-RL name (compat.VERSIONED) or feature "
+                                       "(compat.FEATURES) one supported version lacks; skipped (documented) there only")
+
+
+def _version_skips(items) -> None:
+    """Skip the ``needs_nemo_rl`` tests whose name the importable NeMo-RL version does not have."""
+    marked = [(item, m.args[0]) for item in items for m in item.iter_markers("needs_nemo_rl")]
+    if not marked:
+        return
+    from nemo_granular.nemo_rl import compat
+
+    for item, name in marked:
+        if name not in compat.VERSIONED and name not in compat.FEATURES:
+            raise pytest.UsageError(f"{item.nodeid}: needs_nemo_rl({name!r}) is in neither compat.VERSIONED nor "
+                                    f"compat.FEATURES")
+        if not HOST_PATHS:
+            continue      # no NeMo-RL at all: the test's nemo_rl_src fixture decides (a failure under CI)
+        try:
+            compat.require(name) if name in compat.FEATURES else compat.get(name)
+        except (compat.NotInThisVersion, compat.VersionRefusal) as err:
+            item.add_marker(pytest.mark.skip(reason=f"{VERSION_SKIP}{err}"))
+
+
+VERSION_SKIP = "needs_nemo_rl: "   # the reason's prefix that marks a documented version skip
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    _version_skips(items)
+
     def unit(item) -> str:
         module = Path(str(item.fspath)).stem
         return "host_ray" if module in HOST_RAY_MODULES else module
@@ -115,11 +151,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 _skipped: list[str] = []
+_version_skipped: list[str] = []
 
 
 def pytest_runtest_logreport(report):
     if report.skipped and not hasattr(report, "wasxfail"):
-        _skipped.append(report.nodeid)
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        if reason.startswith(f"Skipped: {VERSION_SKIP}") or reason.startswith(VERSION_SKIP):
+            _version_skipped.append(f"{report.nodeid} ({reason.split(VERSION_SKIP, 1)[1]})")
+        else:
+            _skipped.append(report.nodeid)
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -132,6 +173,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_terminal_summary(terminalreporter):
     if HOST_PATHS:
         terminalreporter.write_line(f"NeMo-RL world: NEMO_RL_SRC={os.environ['NEMO_RL_SRC']}")
+        for line in _version_skipped:
+            terminalreporter.write_line(f"  skipped in this NeMo-RL version (documented): {line}")
     else:
         terminalreporter.write_line("NeMo-RL world: absent (set NEMO_RL_SRC to run the real-host tests)")
     if STRICT and _skipped:

@@ -187,13 +187,19 @@ def _check_dataset_entries(cfg: dict) -> None:
     import warnings
 
     from nemo_rl.data.datasets.response_datasets import DATASET_REGISTRY
-    from nemo_rl.data.datasets.utils import warn_on_unsupported_dataset_config_keys
+
+    from nemo_granular.nemo_rl import compat
+
+    # main only; on v0.7.0 the dataset class's own constructor (NeMo-RL's loader) is the only check
+    warn_on_unsupported_dataset_config_keys = compat.find("warn_on_unsupported_dataset_config_keys")
 
     for section in ("train", "validation"):
         entries = cfg["data"].get(section)
         for entry in entries if isinstance(entries, list) else [entries] if entries else []:
             merged = {**(cfg["data"].get("default") or {}), **entry}
             assert merged["dataset_name"] in DATASET_REGISTRY, merged["dataset_name"]
+            if warn_on_unsupported_dataset_config_keys is None:
+                continue
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 warn_on_unsupported_dataset_config_keys(DATASET_REGISTRY[merged["dataset_name"]], merged)

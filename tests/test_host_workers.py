@@ -98,7 +98,10 @@ def test_megatron_extension_matches_real_worker(real):
         real.mpw.MegatronPolicyWorkerImpl.get_logprobs))))) if isinstance(n, ast.Call)
         and getattr(n.func, "id", None) == "LogprobsPostProcessor" for k in n.keywords}
     assert init_kw and init_kw <= set(inspect.signature(real.mtrain.LogprobsPostProcessor.__init__).parameters)
-    for name in ("cfg", "use_fused_linear_logprobs"):  # attributes our processor reads
+    from nemo_granular.nemo_rl import compat
+
+    # attributes our processor reads (the fused-kernel flag's name is per version: compat)
+    for name in ("cfg", compat.FUSED_LOGPROBS_ATTR[compat.version().key]):
         assert f"self.{name}" in inspect.getsource(real.mtrain.LogprobsPostProcessor.__init__)
     # pipeline helpers it calls
     from megatron.core import parallel_state

@@ -83,9 +83,13 @@ def test_dtensor_extension_reaches_the_module_globals_in_the_shipped_class(real,
 
 def test_megatron_extension_reaches_the_module_globals_in_the_shipped_class(real, monkeypatch):
     shipped = _as_shipped(real.ours_m.GranularMegatronPolicyWorker)
-    monkeypatch.setattr(real.mpw, "attach_media_token_validity_mask", _sentinel)
+    # the first module global get_logprobs calls: main's media mask; v0.7.0 (no such function) its iterator
+    first = ("attach_media_token_validity_mask" if hasattr(real.mpw, "attach_media_token_validity_mask")
+             else "get_microbatch_iterator")
+    monkeypatch.setattr(real.mpw, first, _sentinel)
     obj = _bare(shipped, cfg={"logprob_batch_size": 2}, model=SimpleNamespace(eval=lambda: None),
-                media_placeholder_token_id=None)
+                media_placeholder_token_id=None, mcore_state=SimpleNamespace(straggler_timer=None),
+                delegate_pack_to_model=False)
     grad = torch.is_grad_enabled()   # NeMo-RL's get_logprobs enters no_grad without a with-block
     try:
         with pytest.raises(Reached):

@@ -1,30 +1,38 @@
 """``nemo_granular.nemo_rl.compat``: every NeMo-RL name the plugin imports goes through it, each resolves
-against the pinned NeMo-RL, and the NeMo-RL 0.8 locations are found when the old ones are gone.
+against the importable NeMo-RL (v0.7.0 or main 7ea279ab), every version difference of its tables is
+true of that NeMo-RL, docs/nemo-rl.md shows the tables, and the NeMo-RL 0.8 locations are found when
+the old ones are gone.
 
-World: NeMo-RL (``nemo_rl_src``; ``megatron_workers`` for the Megatron worker modules).
+World: NeMo-RL (``nemo_rl_src``; ``megatron_workers`` for the Megatron worker modules), both versions;
+the version detection and the source scans also run without NeMo-RL.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import os
+import re
 import sys
 import types
+import typing
 from pathlib import Path
 
 import pytest
 import torch
+import typing_extensions
 
 from nemo_granular.nemo_rl import compat
 
-PACKAGE = Path(__file__).resolve().parents[1] / "nemo_granular"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "nemo_granular"
 
 
 def _nemo_rl_imports(path: Path) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "nemo_rl":
-            out.append(f"from {node.module} import ...")
+            out.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
         elif isinstance(node, ast.Import):
             out += [f"import {a.name}" for a in node.names if a.name.split(".")[0] == "nemo_rl" and a.name != "nemo_rl"]
     return out
@@ -34,6 +42,253 @@ def test_the_package_imports_nemo_rl_only_through_compat():
     offenders = {str(p.relative_to(PACKAGE)): found for p in PACKAGE.rglob("*.py")
                  if p.name != "compat.py" and (found := _nemo_rl_imports(p))}
     assert offenders == {}
+
+
+def test_tests_import_version_dependent_names_only_through_compat():
+    """A test that imports a name of compat.VERSIONED (or from a module one of them moved to) straight
+    from nemo_rl works in one NeMo-RL world only: both worlds run these tests."""
+    moved_modules = {compat._place(spec)[0] for places in compat.VERSIONED.values() for spec in places.values() if spec}
+    offenders = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for line in _nemo_rl_imports(path):
+            if line.startswith("from "):
+                mod, names = line[5:].split(" import ")
+                bad = [n for n in names.split(", ") if n in compat.VERSIONED
+                       or (mod in moved_modules and n.lstrip("_") in {k.lstrip("_") for k in compat.VERSIONED})]
+                if bad:
+                    offenders.setdefault(str(path.relative_to(ROOT)), []).append(line)
+    assert offenders == {}
+
+
+def _fake_nemo_rl(tmp_path: Path, ver: tuple[int, int, int], main_marker: bool) -> Path:
+    root = tmp_path / f"nemo_rl_{'.'.join(map(str, ver))}_{main_marker}"
+    (root / "algorithms").mkdir(parents=True)
+    (root / "package_info.py").write_text(f"MAJOR = {ver[0]}\nMINOR = {ver[1]}\nPATCH = {ver[2]}\n"
+                                          f"PRE_RELEASE = ''\nVERSION = (MAJOR, MINOR, PATCH, PRE_RELEASE)\n")
+    if main_marker:
+        (root / compat.MAIN_MARKER).write_text("")
+    return root
+
+
+def test_version_detection_from_the_package_folder(tmp_path):
+    """v0.7.0 by its package version; main at 7ea279ab still says 0.6.0 and is told apart from the 0.6.0
+    release by a file only main has; anything older is refused in one line naming both supported ones."""
+    assert compat.classify(_fake_nemo_rl(tmp_path, (0, 7, 0), False)).key == compat.V0_7
+    assert compat.classify(_fake_nemo_rl(tmp_path, (0, 7, 1), False)).key == compat.V0_7
+    assert compat.classify(_fake_nemo_rl(tmp_path, (0, 6, 0), True)).key == compat.MAIN
+    assert compat.classify(_fake_nemo_rl(tmp_path, (0, 8, 0), False)).key == compat.MAIN
+    with pytest.raises(compat.UnsupportedNemoRL, match=r"^NeMo-RL 0\.6\.0 at .* is not supported: nemo-granular "
+                                                       r"runs on NeMo-RL v0\.7\.0 and NeMo-RL main \(7ea279ab\)$"):
+        compat.classify(_fake_nemo_rl(tmp_path, (0, 6, 0), False))
+
+
+def test_conf_reads_dicts_and_pydantic_models_alike():
+    """NeMo-RL's config sections: pydantic models on main (fields and extras), dicts on v0.7.0."""
+    from pydantic import BaseModel
+
+    class Section(BaseModel, extra="allow"):
+        enabled: bool = False
+
+    class Master(BaseModel, extra="allow"):
+        grpo: Section
+        ppo: dict
+
+    m = Master(grpo=Section(enabled=True, max_age=3), ppo={"x": {"x": 1}, "none": None}, plugin={"k": 2})
+    assert compat.conf(m, "grpo.enabled") is True and compat.conf(m, "grpo.max_age") == 3
+    assert compat.conf(m, "ppo.x.x") == 1 and compat.conf(m, "plugin.k") == 2
+    assert compat.conf(m, "ppo.none") is None and compat.conf(m, "ppo.none.deeper", "d") == "d"
+    assert compat.conf(m, "grpo.async_grpo.enabled", False) is False
+    with pytest.raises(KeyError, match="ppo.async_ppo.enabled"):
+        compat.conf(m, "ppo.async_ppo.enabled")
+
+
+def test_docs_version_table_is_rendered_from_compat():
+    """docs/nemo-rl.md's version table is compat's three tables exactly (each row is checked against the
+    real NeMo-RL of this world below): neither can drift."""
+    doc = (ROOT / "docs" / "nemo-rl.md").read_text()
+    block = re.search(r"<!-- nemo-rl-versions:begin[^\n]*-->\n(.*?)\n<!-- nemo-rl-versions:end -->", doc, re.S)
+    assert block is not None
+    assert block.group(1) == compat.render_version_table()
+
+
+def _version_marked_tests() -> list[tuple[str, str]]:
+    """``(tests/file.py::test_name, name)`` for every ``@pytest.mark.needs_nemo_rl("name")``."""
+    out = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef):
+                for dec in node.decorator_list:
+                    if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
+                            and dec.func.attr == "needs_nemo_rl"):
+                        out.append((f"tests/{path.name}::{node.name}", dec.args[0].value))
+    return out
+
+
+def test_every_version_skip_is_documented():
+    """The tests a version skips (conftest.py: ``needs_nemo_rl``) are named in docs/nemo-rl.md with the
+    compat entry that decides it; every name they give is one compat knows."""
+    doc = (ROOT / "docs" / "nemo-rl.md").read_text()
+    marked = _version_marked_tests()
+    assert marked, "no needs_nemo_rl test found: the scan is broken"
+    for test, name in marked:
+        assert name in compat.VERSIONED or name in compat.FEATURES, (test, name)
+        assert f"`{test}` (`{name}`)" in doc, f"docs/nemo-rl.md does not name {test} ({name})"
+
+
+def test_the_detected_version_is_this_world(nemo_rl_src):
+    ver = compat.version()
+    assert Path(ver.root).resolve() == (nemo_rl_src / "nemo_rl").resolve()
+    assert ver == compat.classify(nemo_rl_src / "nemo_rl")
+    expected = os.environ.get("NEMO_GRANULAR_EXPECT_NEMO_RL")      # scripts/test.sh names the world it built
+    if expected:
+        assert ver.key == expected
+
+
+def test_every_versioned_name_is_where_the_table_says_and_absent_elsewhere(nemo_rl_src):
+    """For the detected version: each VERSIONED name resolves from its listed place (or is absent and
+    refused in one line); the other version's place does not hold it here (it really moved)."""
+    import importlib
+
+    ver = compat.version().key
+    for name, places in compat.VERSIONED.items():
+        spec = places[ver]
+        if spec is None:
+            with pytest.raises(compat.NotInThisVersion, match=rf"^{re.escape(compat.TITLES[ver])} has no {name} \("):
+                compat.get(name)
+        else:
+            mod, attr = compat._place(spec)
+            assert compat.get(name) is getattr(importlib.import_module(mod), attr or name)
+        for other, other_spec in places.items():
+            if other == ver or other_spec is None or other_spec == spec:
+                continue
+            mod, attr = compat._place(other_spec)
+            try:
+                m = importlib.import_module(mod)
+            except ImportError:
+                continue                                    # the module itself is missing here
+            found = getattr(m, attr or name, None)   # a re-export of the moved name is no counter-example
+            assert found is None or getattr(found, "__module__", mod) != mod, \
+                f"{name}: {other_spec} is defined in {compat.TITLES[ver]} too"
+
+
+def _declares(master_cls, dotted: str) -> bool:
+    """Whether NeMo-RL's MasterConfig (through its typed dicts / models) declares ``dotted``."""
+    from pydantic import BaseModel
+
+    tp: typing.Any = master_cls
+    for part in dotted.split("."):
+        fields: dict = {}
+        stack = [tp]
+        while stack:
+            t = stack.pop()
+            origin = typing.get_origin(t)
+            if origin is typing.Annotated or getattr(origin, "_name", None) in ("NotRequired", "Required") \
+                    or origin in (typing.Union, types.UnionType):
+                stack += list(typing.get_args(t))
+            elif typing_extensions.is_typeddict(t):
+                fields.update(typing.get_type_hints(t, include_extras=True))
+            elif isinstance(t, type) and issubclass(t, BaseModel):
+                fields.update({k: f.annotation for k, f in t.model_fields.items()})
+        if part not in fields:
+            return False
+        tp = fields[part]
+    return True
+
+
+def test_every_config_key_difference_is_true_of_this_nemo_rl(nemo_rl_src):
+    ver = compat.version().key
+    for dotted, key in compat.CONFIG_KEYS.items():
+        master_cls = compat.module("ppo" if dotted.startswith("ppo.") else "grpo").MasterConfig
+        assert _declares(master_cls, dotted) == (ver in key.versions), dotted
+
+
+def test_adapt_config_drops_what_changes_nothing_and_refuses_the_rest(nemo_rl_src):
+    ver = compat.version()
+    cfg = {"policy": {"generation": {"temperature": 0.6, "top_p": 1.0, "top_k": None, "val_temperature": 0.6,
+                                     "val_top_p": 1.0, "val_top_k": None}},
+           "ppo": {"async_ppo": {"enabled": False}}, "grpo": {"adv_estimator": {"reward_weights": None}}}
+    notes = compat.adapt_config(cfg)
+    if ver.key == compat.MAIN:
+        assert notes == [] and cfg["policy"]["generation"]["val_temperature"] == 0.6
+        return
+    assert len(notes) == 5 and "val_temperature" not in cfg["policy"]["generation"] and "async_ppo" not in cfg["ppo"]
+    assert notes[0] == ("policy.generation.val_temperature: removed (NeMo-RL v0.7.0 does not have it; validation "
+                        "samples at policy.generation.temperature, which is what 0.6 asks for)")
+    for dotted, value, where in (("policy.generation.val_temperature", 1.0, ("policy", "generation")),
+                                 ("ppo.async_ppo", {"enabled": True}, ("ppo",)),
+                                 ("grpo.adv_estimator.reward_weights", [1.0, 2.0], ("grpo", "adv_estimator"))):
+        bad = {"policy": {"generation": {"temperature": 0.6}}, "ppo": {}, "grpo": {"adv_estimator": {}}}
+        node = bad
+        for part in where:
+            node = node[part]
+        node[dotted.rsplit(".", 1)[1]] = value
+        with pytest.raises(compat.VersionRefusal, match=rf"^{re.escape(dotted)}: .* needs NeMo-RL main \(7ea279ab\); "
+                                                          r"NeMo-RL v0\.7\.0 does not have this key \("):
+            compat.adapt_config(bad)
+
+
+def test_every_behaviour_difference_is_true_of_this_nemo_rl(megatron_workers):
+    """Each BEHAVIOURS row, checked on the real NeMo-RL of this world, and the compat function for it."""
+    from pydantic import BaseModel
+
+    ver = compat.version().key
+    grpo, ppo = compat.module("grpo"), compat.module("ppo")
+    assert {b.handled_by for b in compat.BEHAVIOURS} <= {*compat.__all__, "nemo_granular.protocol"}
+    # config sections: pydantic models on main, TypedDicts on v0.7.0; conf reads both
+    section = grpo.MasterConfig.model_fields["grpo"].annotation
+    assert (isinstance(section, type) and issubclass(section, BaseModel)) == (ver == compat.MAIN)
+    assert typing_extensions.is_typeddict(ppo.MasterConfig.model_fields["ppo"].annotation) == (ver == compat.V0_7)
+    # the checkpointer: a context manager on main only
+    from nemo_rl.utils.checkpoint import CheckpointManager
+
+    assert hasattr(CheckpointManager, "__enter__") == (ver == compat.MAIN)
+    plain = types.SimpleNamespace()
+    with compat.checkpoint_flush(plain) as got:
+        assert got is plain
+    # async rollouts: NeMo-RL's own function, whatever it takes
+    params = list(inspect.signature(compat.get("should_use_async_rollouts")).parameters)
+    assert params == (["master_config"] if ver == compat.V0_7 else ["generation_config"])
+    for engine in (True, False):
+        master = types.SimpleNamespace(policy={"generation": {"backend": "vllm", "vllm_cfg": {"async_engine": engine}}})
+        assert compat.should_use_async_rollouts(master) is engine
+    # Megatron's fused-kernel flag: the post-processor's attribute and the config key, per version
+    mtrain = compat.module("megatron_train")
+    init = inspect.getsource(mtrain.LogprobsPostProcessor.__init__)
+    assert f"self.{compat.FUSED_LOGPROBS_ATTR[ver]} =" in init
+    assert all(f"self.{a} =" not in init for v, a in compat.FUSED_LOGPROBS_ATTR.items() if v != ver)
+    assert _declares(grpo.MasterConfig, compat.FUSED_LOGPROBS_KEY[ver])
+    assert compat.fused_linear_logprobs(types.SimpleNamespace(**{compat.FUSED_LOGPROBS_ATTR[ver]: True}))
+    # async PPO: refused on v0.7.0 in one line
+    assert hasattr(ppo, "async_ppo_train") == (ver == compat.MAIN)
+    if ver == compat.V0_7:
+        with pytest.raises(compat.VersionRefusal, match=r"^ppo\.async_ppo\.enabled: true: NeMo-RL v0\.7\.0 has no "
+                                                          r"async PPO .*; it needs NeMo-RL main \(7ea279ab\)$"):
+            compat.require("async_ppo", "ppo.async_ppo.enabled: true")
+    else:
+        compat.require("async_ppo")
+    # environments after training: nothing to call on v0.7.0
+    compat.shutdown_environments({}, {})
+
+
+def test_estimator_config_matches_nemo_rl_s_own_estimator(nemo_rl_src):
+    """What NeMo-RL's GRPO estimator does with a partial / missing ``grpo.adv_estimator`` is what
+    ``compat.estimator_config`` hands our estimators (KeyError on v0.7.0, defaults on main)."""
+    ver = compat.version().key
+    GRPOAdvantageEstimator = compat.get("GRPOAdvantageEstimator")
+    partial = {"name": "grpo"}
+    master = {"grpo": {"adv_estimator": partial}, "loss_fn": {}}
+    if ver == compat.V0_7:
+        with pytest.raises(KeyError):
+            GRPOAdvantageEstimator(partial, {})
+        with pytest.raises(KeyError, match="grpo.adv_estimator.normalize_rewards"):
+            compat.estimator_config(master)
+        no_section = compat.estimator_config({"grpo": {}})
+        assert no_section["use_leave_one_out_baseline"] is False and no_section["normalize_rewards"] is True
+    else:
+        theirs = compat.get("AdvEstimatorConfig")(**partial)
+        assert compat.estimator_config({"grpo": {"adv_estimator": theirs}}) == theirs.model_dump()
+        ours = GRPOAdvantageEstimator(theirs, {})
+        assert ours.normalize_rewards is True and ours.use_leave_one_out_baseline is True
 
 
 def test_every_name_and_module_resolves_against_the_pinned_nemo_rl(megatron_workers):

@@ -31,14 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def nemo(nemo_rl_src):
     from types import SimpleNamespace
 
-    from nemo_rl.algorithms.advantage_estimator import AdvEstimatorConfig, GRPOAdvantageEstimator
+    from nemo_rl.algorithms.advantage_estimator import GRPOAdvantageEstimator
     from nemo_rl.algorithms.loss import loss_functions
-    from nemo_rl.algorithms.loss.interfaces import LossType, MetricNormalizer
+    from nemo_rl.algorithms.loss.interfaces import LossType
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
+    from nemo_granular.nemo_rl import compat
+
+    # AdvEstimatorConfig moved (v0.7.0: a TypedDict in grpo.py); MetricNormalizer: main only
     return SimpleNamespace(lf=loss_functions, Cfg=loss_functions.ClippedPGLossConfig, Fn=loss_functions.ClippedPGLossFn,
-                           BDD=BatchedDataDict, LossType=LossType, MN=MetricNormalizer, AdvCfg=AdvEstimatorConfig,
-                           GRPO=GRPOAdvantageEstimator)
+                           BDD=BatchedDataDict, LossType=LossType, MN=compat.find("MetricNormalizer"),
+                           AdvCfg=compat.get("AdvEstimatorConfig"), GRPO=GRPOAdvantageEstimator, compat=compat)
 
 
 @pytest.fixture
@@ -78,7 +81,7 @@ def _same_as_nemo(nemo, ours_cfg, nemo_cfg, seed=0, noise=(1e-3, 0.05, 0.3)):
             continue  # NeMo-RL's GSPO-mode value is a [B, B] broadcast (test_loss_nemo.py checks both)
         assert float(m[k]) == pytest.approx(float(v), rel=1e-12, abs=1e-13), f"metric {k}"
     assert ours.loss_type is theirs.loss_type
-    for k, kind in theirs.metric_normalizations.items():
+    for k, kind in getattr(theirs, "metric_normalizations", {}).items():   # v0.7.0 advertises none
         assert ours.metric_normalizations[k] is kind, f"normaliser of {k}"
     return m, rm
 
@@ -100,7 +103,23 @@ def test_key_tables_are_nemo_rl_configs(nemo):
     """docs/nemo-rl.md §3 is rendered from NEMO_RL_LOSS_KEYS / NEMO_RL_ESTIMATOR_KEYS
     (test_config.py checks); here the tables are checked against NeMo-RL's real config classes:
     a key added, removed or retyped upstream fails this test."""
-    for ours, model in ((NEMO_RL_LOSS_KEYS, nemo.Cfg), (NEMO_RL_ESTIMATOR_KEYS, nemo.AdvCfg)):
+    import typing
+
+    import typing_extensions
+
+    if typing_extensions.is_typeddict(nemo.AdvCfg):
+        # v0.7.0: a TypedDict without defaults; the keys it lacks and the ones it requires are compat's
+        ver = nemo.compat.version().key
+        hints = typing.get_type_hints(nemo.AdvCfg)
+        lacking = {k.rsplit(".", 1)[1] for k, c in nemo.compat.CONFIG_KEYS.items()
+                   if k.startswith("grpo.adv_estimator.") and ver not in c.versions}
+        assert set(hints) == set(NEMO_RL_ESTIMATOR_KEYS) - lacking
+        assert set(nemo.AdvCfg.__required_keys__) == {"name"}   # NotRequired, yet read with [...]: compat
+        assert set(nemo.compat.ESTIMATOR_REQUIRED[ver]) <= set(hints)
+        tables = ((NEMO_RL_LOSS_KEYS, nemo.Cfg),)
+    else:
+        tables = ((NEMO_RL_LOSS_KEYS, nemo.Cfg), (NEMO_RL_ESTIMATOR_KEYS, nemo.AdvCfg))
+    for ours, model in tables:
         fields = model.model_fields
         assert list(ours) == list(fields), f"{model.__name__}: {sorted(set(ours) ^ set(fields))}"
         for key, (typ, default, status, _) in ours.items():
@@ -353,11 +372,14 @@ def test_grpo_estimator_is_nemo_rl(nemo, rewards, cfg):
     r = torch.tensor(r)
     prompt_ids = torch.tensor(prompt)[:, None].expand(-1, 3)
     mask = torch.ones(len(r), 5)
-    theirs = nemo.GRPO(nemo.AdvCfg(**cfg), nemo.Cfg()).compute_advantage(prompt_ids, r, mask)
-    for est_cfg in ({"name": "grpo", **cfg}, nemo.AdvCfg(**cfg)):  # a mapping and NeMo-RL's config object
+    # v0.7.0 has no defaults (compat.ESTIMATOR_REQUIRED): there the left-out keys are written out as main's
+    required, left_out = nemo.compat.ESTIMATOR_REQUIRED[nemo.compat.version().key], not cfg
+    cfg = {**{k: NEMO_RL_ESTIMATOR_KEYS[k][1] for k in required if k != "name"}, **cfg}
+    theirs = nemo.GRPO(nemo.AdvCfg(name="grpo", **cfg), nemo.Cfg()).compute_advantage(prompt_ids, r, mask)
+    for est_cfg in ({"name": "grpo", **cfg}, nemo.AdvCfg(name="grpo", **cfg)):  # a mapping and NeMo-RL's config
         ours = build_advantage_estimator(est_cfg).compute_advantage(prompt_ids, r, mask)
         torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
-    if rewards == "two_two" and not cfg:
+    if rewards == "two_two" and left_out:
         assert theirs[0, 0] == pytest.approx(1.1547, abs=1e-4)
 
 
@@ -365,6 +387,7 @@ def test_grpo_estimator_is_nemo_rl(nemo, rewards, cfg):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_nemo_rl("MetricNormalizer")
 @pytest.mark.parametrize("order", ["granular_first", "nemo_rl_first"])
 def test_split_step_rescale_in_both_import_orders(megatron_workers, order):
     """NeMo-RL's Megatron split step (``_split_step_state_init`` + ``_finish_train_step_body``, the

@@ -70,7 +70,9 @@ from nemo_granular import protocol
 assert not protocol.USING_HOST_ENUMS
 pol = GranularPolicyLoss({'granular': {'algorithm': 'grpo'}})
 val = SequenceValueLoss()
-from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType, MetricNormalizer
+from nemo_rl.algorithms.loss.interfaces import LossInputType, LossType
+from nemo_granular.nemo_rl import compat
+MetricNormalizer = compat.find('MetricNormalizer')  # main only (v0.7.0 has no split-step rescale)
 from nemo_rl.algorithms.loss.utils import prepare_loss_input, prepare_packed_loss_input
 from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 assert type(protocol.LossInputType.LOGPROB) is not LossInputType  # the module's own enums are local
@@ -98,9 +100,10 @@ for loss in (pol, val):
     clone = pickle.loads(pickle.dumps(loss))
     assert clone.loss_type is loss.loss_type and clone.input_type is loss.input_type
     kinds = set(clone.metric_normalizations.values())
-    assert kinds and all(type(k) is MetricNormalizer for k in kinds), kinds
-    assert clone.metric_normalizations['loss'] is (MetricNormalizer.TOKENS if loss is pol else MetricNormalizer.SEQUENCES)
-    assert clone.metric_normalizations['num_valid_samples'] is MetricNormalizer.NONE
+    MN = MetricNormalizer or protocol.MetricNormalizer   # v0.7.0: the local enum stands in
+    assert kinds and all(type(k) is MN for k in kinds), kinds
+    assert clone.metric_normalizations['loss'] is (MN.TOKENS if loss is pol else MN.SEQUENCES)
+    assert clone.metric_normalizations['num_valid_samples'] is MN.NONE
 print('ok')
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -1,6 +1,8 @@
 """``nemo-granular preflight`` against NeMo-RL's own behaviour, config by config.
 
-World: NeMo-RL (``nemo_rl_src``; the Megatron validators also ``megatron_workers``).
+World: NeMo-RL (``nemo_rl_src``; the Megatron validators also ``megatron_workers``), both versions: on
+v0.7.0 the shipped configs and the pre-fix case run against v0.7.0's own ``setup()``; the check-by-check
+cases and the drift guards are main's (``needs_nemo_rl("preflight_setup_parity")``).
 
 * Every shipped config (``examples/configs/*.yaml``, ``examples/configs/nemo_rl/*.yaml``) passes
   preflight with no error, AND NeMo-RL's real start-up accepts it: ``MasterConfig``, ``setup()``
@@ -75,6 +77,26 @@ def test_shipped_config_passes_preflight_and_nemo_rl_accepts_it(name, nemo_rl_sr
     for section in ("policy", "value"):
         if ((cfg.get(section) or {}).get("megatron_cfg") or {}).get("enabled"):
             assert drive_megatron_validators(cfg[section]) == "accepted"
+
+
+def test_preflight_names_the_nemo_rl_version_it_checked_against(nemo_rl_src, capsys):
+    """The plan's second line is the detected NeMo-RL version (both worlds); on v0.7.0 a key that version
+    lacks, with a value that would change what it does, is refused in one line naming both versions."""
+    from nemo_granular.nemo_rl import compat
+    from nemo_granular.preflight.cli import main
+
+    cfg = str(CFG / "grpo_r1_distill_qwen_1.5b.yaml")
+    assert main([cfg, "--no-venv-check"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == f"  nemo-rl   checked against {compat.version()}"
+    rc = main([cfg, "policy.generation.val_temperature=0.9" if compat.version().key == compat.MAIN
+               else "++policy.generation.val_temperature=0.9", "--no-venv-check"])
+    err = capsys.readouterr().err.strip().splitlines()
+    if compat.version().key == compat.V0_7:
+        assert rc == 2 and err[-1] == ("nemo-granular preflight: error: policy.generation.val_temperature: 0.9 needs "
+                                       "NeMo-RL main (7ea279ab); NeMo-RL v0.7.0 does not have this key (validation "
+                                       "samples at policy.generation.temperature)")
+    else:   # main has the key; NeMo-RL's setup() allows a different value only with NeMo-Gym
+        assert rc == 1 and any("val_temperature" in line for line in err)
 
 
 def test_report_preflight_runtime_per_config():
@@ -372,6 +394,7 @@ def _nemo_rl_verdict(stage: str, cfg: dict, driver: str, tmp_path, monkeypatch) 
     raise AssertionError(stage)
 
 
+@pytest.mark.needs_nemo_rl("preflight_setup_parity")
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_each_check_fails_its_config_like_nemo_rl(case, nemo_rl_src, megatron_workers, tmp_path, monkeypatch):
     _, base, overrides, source, stage, fragment = case
@@ -435,6 +458,7 @@ def function_source(module: str, func: str) -> str:
     return ast.get_source_segment(text, node)
 
 
+@pytest.mark.needs_nemo_rl("preflight_setup_parity")
 @pytest.mark.parametrize("guard", GUARDS, ids=[f"{g[0].rsplit(':', 1)[1]}-{i}" for i, g in enumerate(GUARDS)])
 def test_restated_check_still_guards_nemo_rl_source(guard, nemo_rl_src, megatron_workers):
     source, target, expressions, base, overrides = guard

@@ -7,6 +7,7 @@ Worlds: the missing-NeMo-RL test forces the world without NeMo-RL in a subproces
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -44,10 +45,23 @@ def test_async_ppo_checks_mirror_nemo_rl(nemo_rl_src):
 
     import nemo_rl.algorithms.ppo as ppo
 
+    from nemo_granular.nemo_rl import compat
     from nemo_granular.nemo_rl.configs import load_resolved
     from nemo_granular.run_sppo import _check_async
 
-    base = load_resolved(ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml")
+    path = ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml"
+    base = load_resolved(path)
+    if compat.find("async_ppo_train") is None:
+        # v0.7.0 has no async PPO: the key is refused when the config loads, the check names the version
+        ver = re.escape(compat.version().title)
+        with pytest.raises(compat.VersionRefusal, match=rf"^ppo\.async_ppo: {{'enabled': True}} needs NeMo-RL main "
+                                                        rf"\(7ea279ab\); {ver} does not have this key \(PPO runs "
+                                                        rf"synchronously \(no async_ppo_train\)\)$"):
+            load_resolved(path, ["+ppo.async_ppo.enabled=true"])
+        with pytest.raises(compat.VersionRefusal, match=rf"^ppo\.async_ppo\.enabled: true: {ver} has no async PPO "):
+            _check_async(ppo.MasterConfig(**base))
+        assert load_resolved(path, ["+ppo.async_ppo.enabled=false"]) == base   # the same as leaving it out
+        return
     base["ppo"]["async_ppo"]["enabled"] = True
     base["ppo"]["max_num_epochs"] = -1
     base["loss_fn"]["use_importance_sampling_correction"] = True

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -152,14 +153,17 @@ def load_config(path: str | os.PathLike, nemo_configs: Path | None = None):
         return nemo_rl_load_config(str(staged))
 
 
-def load_resolved(path: str | os.PathLike, overrides: list[str] | None = None) -> dict:
+def load_resolved(path: str | os.PathLike, overrides: list[str] | None = None, notes: list[str] | None = None) -> dict:
     """What NeMo-RL's launchers do with ``--config`` and the overrides, as a plain dict:
-    :func:`load_config` → ``parse_hydra_overrides`` → ``OmegaConf.to_container(resolve=True)``.
+    :func:`load_config` → ``parse_hydra_overrides`` → ``OmegaConf.to_container(resolve=True)``, then
+    fitted to the importable NeMo-RL version (:func:`nemo_granular.nemo_rl.compat.adapt_config`: a key
+    that version does not declare is dropped where it changes nothing, refused where it would; the
+    drops are appended to ``notes``, or printed to stderr without it).
     Errors a user can fix raise a one-line :class:`ConfigFileError` / ``ValueError``."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from .compat import get
+    from .compat import adapt_config, get
 
     OverridesError, parse_hydra_overrides = get("OverridesError"), get("parse_hydra_overrides")
     register_omegaconf_resolvers = get("register_omegaconf_resolvers")
@@ -172,9 +176,16 @@ def load_resolved(path: str | os.PathLike, overrides: list[str] | None = None) -
         except OverridesError as err:
             raise ValueError(_one_line(err)) from None
     try:
-        return OmegaConf.to_container(cfg, resolve=True)
+        resolved = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         raise ValueError(f"{path}: cannot resolve the config ({_one_line(err)})") from None
+    adapted = adapt_config(resolved)
+    if notes is None:
+        for line in adapted:
+            print(f"nemo_granular: {path}: {line}", file=sys.stderr)
+    else:
+        notes += adapted
+    return resolved
 
 
 def _one_line(err: BaseException) -> str:

@@ -65,11 +65,11 @@ def config_get(cfg: Any, key: str, default: Any = None) -> Any:
 
 
 def estimator_name(master_config: Any, section: str = "grpo") -> str:
-    """``master_config.<section>.adv_estimator.name`` (NeMo-RL's default name is ``grpo``)."""
-    est = config_get(config_get(master_config, section), "adv_estimator")
-    if est is None:
-        raise ValueError(f"{section}.adv_estimator is missing from the config")
-    return str(config_get(est, "name", "grpo"))
+    """``master_config.<section>.adv_estimator.name`` (NeMo-RL's default name is ``grpo``; without the
+    section, what the NeMo-RL version does: :func:`nemo_granular.nemo_rl.compat.estimator_config`)."""
+    from .compat import estimator_config
+
+    return str(estimator_config(master_config, section).get("name", "grpo"))
 
 
 class _ESPOFromRollout:
@@ -93,8 +93,9 @@ class _ESPOFromRollout:
 
 def build_grpo_estimator(master_config: Any, section: str = "grpo"):
     """Our estimator for ``master_config.<section>.adv_estimator`` (grpo | espo)."""
-    sec = config_get(master_config, section)
-    est_cfg = config_get(sec, "adv_estimator")
+    from .compat import estimator_config
+
+    est_cfg = estimator_config(master_config, section)   # NeMo-RL's KeyError / fallbacks, per version
     est = build_advantage_estimator(est_cfg, config_get(master_config, "loss_fn"))
     name = estimator_name(master_config, section)
     print(f"  ✓ Using nemo_granular '{name}' advantage estimator", flush=True)

@@ -41,9 +41,10 @@ class EntropyLogprobsPostProcessor(_mtrain.LogprobsPostProcessor):
     def __call__(self, data_dict, input_ids, cu_seqlens_padded):
         inner = super().__call__(data_dict, input_ids, cu_seqlens_padded)
         packed = bool(self.cfg["sequence_packing"]["enabled"])
-        if self.use_fused_linear_logprobs:
-            raise ValueError("policy.megatron_cfg.use_fused_linear_logprobs: the fused kernel returns logprobs, "
-                             "not logits, so the π_old entropy cannot be computed; disable it")
+        if compat.fused_linear_logprobs(self):
+            key = compat.FUSED_LOGPROBS_KEY[compat.version().key]
+            raise ValueError(f"{key}: the fused kernel returns logprobs, not logits, so the π_old entropy cannot "
+                             f"be computed; disable it")
 
         def processor(output_tensor):
             # entropy first: NeMo-RL's logprob path may work in place on the logits

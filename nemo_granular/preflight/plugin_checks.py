@@ -69,7 +69,7 @@ def grpo_plugin_checks(cfg: Mapping) -> list[Finding]:
 def sppo_plugin_checks(cfg: Mapping, master) -> list[Finding]:
     """``master``: NeMo-RL's PPO ``MasterConfig`` (for the async checks), or None when it did not validate."""
     from ..nemo_rl.configs import check_ratio_is_active
-    from ..run_sppo import _check_async
+    from ..run_sppo import _check_async, async_ppo_enabled
     from ..sppo.validate import validate_sppo_config
 
     out: list[Finding] = []
@@ -83,7 +83,7 @@ def sppo_plugin_checks(cfg: Mapping, master) -> list[Finding]:
             check_ratio_is_active(dict(cfg), "ppo", "sppo.allow_ratio_always_one")
         except ValueError as err:
             out.append(error(RUN_SPPO, _first_line(err)))
-    if master is not None and master.ppo.async_ppo.enabled:
+    if master is not None and async_ppo_enabled(master):
         try:
             _check_async(master)
         except ValueError as err:

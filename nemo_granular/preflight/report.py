@@ -95,14 +95,16 @@ def _recipe_lines(plan: dict) -> list[str]:
 
 def plan_text(res: Result) -> str:
     """The plan, one fact per line."""
-    head = f"preflight {res.config} (driver: run_{res.driver})"
+    head = [f"preflight {res.config} (driver: run_{res.driver})", f"  nemo-rl   checked against {res.nemo_rl}"]
+    head += [f"          {line}" for line in res.adapted]
     if not res.plan:
-        return head
+        return "\n".join(head)
     body = (_layout_lines(res.plan) + _batch_lines(res.plan) + _memory_lines(res.plan) + _venv_lines(res.plan)
             + _recipe_lines(res.plan))
-    return "\n".join([head, *("  " + line for line in body)])
+    return "\n".join([*head, *("  " + line for line in body)])
 
 
 def as_json(res: Result, strict: bool = False) -> str:
-    return json.dumps(dict(config=res.config, driver=res.driver, ok=not res.errors(strict),
+    return json.dumps(dict(config=res.config, driver=res.driver, nemo_rl=res.nemo_rl, adapted=res.adapted,
+                           ok=not res.errors(strict),
                            findings=[f.as_dict() for f in res.findings], plan=res.plan), indent=2, default=str)

@@ -34,6 +34,8 @@ class Result:
     findings: list[Finding] = field(default_factory=list)
     plan: dict = field(default_factory=dict)
     resolved: dict = field(default_factory=dict, repr=False)   # the loaded config (not in --json)
+    nemo_rl: str = ""                                           # the NeMo-RL version checked against
+    adapted: list[str] = field(default_factory=list)           # keys that version lacks, dropped (compat)
 
     def errors(self, strict: bool = False) -> list[Finding]:
         return [f for f in self.findings if f.level == "error" or strict]
@@ -54,7 +56,10 @@ def _import_nemo_rl(driver: str):
 
     module = "ppo" if driver == "sppo" else "grpo"
     try:
+        compat.version()
         return compat.module(module)
+    except compat.UnsupportedNemoRL as err:
+        raise PreflightUnavailable(str(err)) from None
     except ImportError as err:
         raise PreflightUnavailable(
             f"NeMo-RL is not importable here (missing {err.name or module!r}): run preflight in NeMo-RL's "
@@ -130,10 +135,12 @@ def run_preflight(path: str | os.PathLike, overrides: Sequence[str] = (), driver
     driver = driver_for(path, driver)
     algo = "ppo" if driver == "sppo" else "grpo"
     algo_module = _import_nemo_rl(driver)
+    from ..nemo_rl.compat import version
     from ..nemo_rl.configs import load_resolved
 
-    cfg = load_resolved(path, list(overrides))
-    res = Result(str(path), driver, resolved=cfg)
+    adapted: list[str] = []
+    cfg = load_resolved(path, list(overrides), notes=adapted)
+    res = Result(str(path), driver, resolved=cfg, nemo_rl=str(version()), adapted=adapted)
     master, res.findings = _master(algo_module, cfg, f"nemo_rl/algorithms/{algo}.py:MasterConfig")
     if driver == "grpo":
         res.findings += plugin_checks.grpo_plugin_checks(cfg)

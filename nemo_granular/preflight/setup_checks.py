@@ -1,7 +1,10 @@
 """NeMo-RL's ``setup()`` / train-loop start-up checks, before any Ray or GPU work.
 
-Each function mirrors the assertions of one NeMo-RL function at commit 7ea279ab and returns
-findings instead of raising. Where NeMo-RL has the check as a callable pure function of the
+Each function mirrors the assertions of one NeMo-RL function at commit 7ea279ab (main) and returns
+findings instead of raising. On NeMo-RL v0.7.0 the same checks run with the config read through
+``compat.conf`` (its sections are dicts there); the NeMo-RL check functions v0.7.0 lacks are not
+called, and the inlined checks on keys v0.7.0 does not have see main's defaults, so they pass.
+Where NeMo-RL has the check as a callable pure function of the
 config, it is called (``_call``); where the check is inlined in ``setup()``, it is re-stated here
 with the exact NeMo-RL ``file:function`` in the finding's source. ``tests/test_preflight_nemo_rl.py``
 drives NeMo-RL's real ``setup()`` on each failing case and on every shipped config to prove the
@@ -33,10 +36,17 @@ def _call(source: str, fn: Callable[[], Any]) -> list[Finding]:
     return []
 
 
+def _nemo_rl_check(grpo, name: str, *args, **kwargs) -> list[Finding]:
+    """NeMo-RL's own check ``grpo.<name>(...)`` where the importable version has it (v0.7.0 lacks some:
+    docs/nemo-rl.md, "NeMo-RL versions")."""
+    fn = getattr(grpo, name, None)
+    return [] if fn is None else _call(f"{GRPO}:{name}", lambda: fn(*args, **kwargs))
+
+
 def _sampling_override_checks(gen: dict, nemo_gym: bool) -> list[Finding]:
     src = f"{GRPO}:setup"
-    overridden = (gen.get("val_temperature") != gen.get("temperature") or gen.get("val_top_p") != gen.get("top_p")
-                  or gen.get("val_top_k") != gen.get("top_k"))
+    # a key the NeMo-RL version does not have (v0.7.0: compat.adapt_config dropped it) means "the same"
+    overridden = any(gen.get(f"val_{k}", gen.get(k)) != gen.get(k) for k in ("temperature", "top_p", "top_k"))
     if not overridden:
         return []
     out = []
@@ -53,8 +63,6 @@ def _fp8_generation_checks(src: str, master, policy: dict, gen: dict) -> list[Fi
     """The vLLM FP8 weight / KV-cache assertions ``setup()`` makes before starting vLLM."""
     from ..nemo_rl import compat
 
-    should_use_async_rollouts = compat.get("should_use_async_rollouts")
-
     if gen.get("backend") != "vllm":
         return []
     vllm = gen.get("vllm_cfg") or {}
@@ -66,17 +74,19 @@ def _fp8_generation_checks(src: str, master, policy: dict, gen: dict) -> list[Fi
             out.append(error(src, f"vllm_cfg.kv_cache_dtype={vllm.get('kv_cache_dtype')!r} needs vllm_cfg.precision=fp8"))
         if (policy.get("dtensor_cfg") or {}).get("enabled"):
             out.append(error(src, "an fp8 vLLM KV cache is not supported with the DTensor policy backend"))
-        if should_use_async_rollouts(gen):
+        if compat.should_use_async_rollouts(master):
             out.append(error(src, "an fp8 vLLM KV cache is not supported with async rollouts"))
         if ((policy.get("megatron_cfg") or {}).get("pipeline_model_parallel_size", 1)) != 1:
             out.append(error(src, "an fp8 vLLM KV cache needs policy.megatron_cfg.pipeline_model_parallel_size=1"))
     return out
 
 
-def _force_on_policy_check(src: str, master, algo) -> list[Finding]:
+def _force_on_policy_check(src: str, master, section: str) -> list[Finding]:
+    from ..nemo_rl.compat import conf
+
     if not master.loss_fn.force_on_policy_ratio:
         return []
-    rows = algo.num_prompts_per_step * algo.num_generations_per_prompt
+    rows = conf(master, f"{section}.num_prompts_per_step") * conf(master, f"{section}.num_generations_per_prompt")
     gbs = master.policy["train_global_batch_size"]
     if rows != gbs:
         return [error(src, f"loss_fn.force_on_policy_ratio needs policy.train_global_batch_size ({gbs}) == "
@@ -94,29 +104,35 @@ def grpo_setup_checks(master) -> list[Finding]:
     should_use_nemo_gym = compat.get("should_use_nemo_gym")
 
     src = f"{GRPO}:setup"
-    policy, g, loss = master.policy, master.grpo, master.loss_fn
+    policy, loss = master.policy, master.loss_fn
+
+    def g(key: str, default=None):   # grpo.<key>: a pydantic model on main, a dict on v0.7.0 (defaults: main's)
+        return compat.conf(master, f"grpo.{key}", default)
+
     gen = policy.get("generation") or {}   # None is refused by NeMo-RL's MasterConfig already
     out: list[Finding] = []
-    if gen.get("backend") == "dynamo" and g.async_grpo.in_flight_weight_updates:
+    if gen.get("backend") == "dynamo" and g("async_grpo.in_flight_weight_updates", False):
         out.append(error(src, "grpo.async_grpo.in_flight_weight_updates must be false with policy.generation.backend=dynamo"))
-    out += _call(f"{GRPO}:_validate_multimodal_dedup_capability", lambda: grpo._validate_multimodal_dedup_capability(master))
+    out += _nemo_rl_check(grpo, "_validate_multimodal_dedup_capability", master)
     nemo_gym: list[bool] = []
     out += _call("nemo_rl/environments/nemo_gym.py:should_use_nemo_gym",
                  lambda: nemo_gym.append(bool(should_use_nemo_gym(master))))
     out += _sampling_override_checks(gen, bool(nemo_gym and nemo_gym[0]))
-    if g.val_num_generations_per_prompt < 1:
+    val_gens = g("val_num_generations_per_prompt", 1)
+    if val_gens < 1:
         out.append(error(src, "grpo.val_num_generations_per_prompt must be >= 1"))
-    if g.stop_at_validation_metric == "pass_k" and g.val_num_generations_per_prompt <= 1:
+    if g("stop_at_validation_metric") == "pass_k" and val_gens <= 1:
         out.append(error(src, "grpo.stop_at_validation_metric='pass_k' needs grpo.val_num_generations_per_prompt > 1"))
-    if not g.use_dynamic_sampling and g.batch_multiplier != 1:
-        out.append(error(src, f"grpo.batch_multiplier={g.batch_multiplier} needs grpo.use_dynamic_sampling: true"))
-    if g.stop_at_validation_metric is not None and g.stop_at_validation_threshold is None:
+    dynamic, multiplier = g("use_dynamic_sampling", False), g("batch_multiplier", 1)
+    if not dynamic and multiplier != 1:
+        out.append(error(src, f"grpo.batch_multiplier={multiplier} needs grpo.use_dynamic_sampling: true"))
+    if g("stop_at_validation_metric") is not None and g("stop_at_validation_threshold") is None:
         out.append(error(src, "grpo.stop_at_validation_threshold must be set when grpo.stop_at_validation_metric is"))
     data = master.data
     if data.get("use_multiple_dataloader"):
-        prompts = g.num_prompts_per_step * (g.batch_multiplier if g.use_dynamic_sampling else 1)
+        prompts = g("num_prompts_per_step") * (multiplier if dynamic else 1)
         per_loader = data.get("num_prompts_per_dataloader") or 0
-        per_loader = per_loader * (g.batch_multiplier if g.use_dynamic_sampling else 1)
+        per_loader = per_loader * (multiplier if dynamic else 1)
         if not per_loader or int(prompts) % int(per_loader):
             out.append(error(src, f"grpo.num_prompts_per_step ({int(prompts)}) must be a multiple of "
                                   f"data.num_prompts_per_dataloader ({int(per_loader)})"))
@@ -128,16 +144,14 @@ def grpo_setup_checks(master) -> list[Finding]:
         if need_top_k_or_top_p_filtering(TrainingSamplingParams(top_k=gen.get("top_k"), top_p=gen.get("top_p"))):
             out.append(error(src, "policy.megatron_cfg.use_fused_linear_logprobs does not support top-k/top-p "
                                   "training-time filtering (policy.generation.top_k/top_p)"))
-    out += _force_on_policy_check(src, master, g)
-    if g.skip_reference_policy_logprobs_calculation and loss.reference_policy_kl_penalty != 0:
+    out += _force_on_policy_check(src, master, "grpo")
+    if g("skip_reference_policy_logprobs_calculation", False) and loss.reference_policy_kl_penalty != 0:
         out.append(error(src, "grpo.skip_reference_policy_logprobs_calculation: true needs "
                               f"loss_fn.reference_policy_kl_penalty == 0 (got {loss.reference_policy_kl_penalty})"))
-    out += _call(f"{GRPO}:_validate_use_kl_in_reward_compat", lambda: grpo._validate_use_kl_in_reward_compat(master))
-    out += _call(f"{GRPO}:_raise_if_reward_penalties_enabled_without_nemo_gym",
-                 lambda: grpo._raise_if_reward_penalties_enabled_without_nemo_gym(
-                     master, enable_nemo_gym=bool(nemo_gym and nemo_gym[0])))
-    out += _call(f"{GRPO}:_resolve_message_level_advantage_penalties",
-                 lambda: grpo._resolve_message_level_advantage_penalties(master))
+    out += _nemo_rl_check(grpo, "_validate_use_kl_in_reward_compat", master)
+    out += _nemo_rl_check(grpo, "_raise_if_reward_penalties_enabled_without_nemo_gym", master,
+                          enable_nemo_gym=bool(nemo_gym and nemo_gym[0]))
+    out += _nemo_rl_check(grpo, "_resolve_message_level_advantage_penalties", master)
     out += _fp8_generation_checks(src, master, policy, gen)
     if gen.get("refit_transport") is not None and gen.get("backend") != "vllm":
         out.append(error(src, "policy.generation.refit_transport must be null unless policy.generation.backend=vllm"))
@@ -147,8 +161,14 @@ def grpo_setup_checks(master) -> list[Finding]:
 def ppo_setup_checks(master) -> list[Finding]:
     """``nemo_rl/algorithms/ppo.py:setup`` (up to the clusters, plus the generation-backend asserts) and
     ``ppo_train``'s reference-logprob check."""
+    from ..nemo_rl.compat import conf
+
     src = f"{PPO}:setup"
-    policy, value, p, loss = master.policy, master.value, master.ppo, master.loss_fn
+    policy, value, loss = master.policy, master.value, master.loss_fn
+
+    def p(key: str, default=None):   # ppo.<key>: a pydantic model on main, a dict on v0.7.0 (defaults: main's)
+        return conf(master, f"ppo.{key}", default)
+
     gen = policy.get("generation") or {}   # None is refused by NeMo-RL's MasterConfig already
     out: list[Finding] = []
     if gen.get("backend") == "vllm" and gen.get("refit_transport") is not None:
@@ -156,7 +176,7 @@ def ppo_setup_checks(master) -> list[Finding]:
                               f"PPO; set it to null"))
     meg = policy.get("megatron_cfg") or {}
     ckpt = master.checkpointing
-    if (meg.get("enabled") and p.policy_training_start_step > 0 and ckpt.get("enabled") and ckpt.get("save_optimizer")
+    if (meg.get("enabled") and p("policy_training_start_step", 0) > 0 and ckpt.get("enabled") and ckpt.get("save_optimizer")
             and (meg.get("checkpoint") or {}).get("ckpt_assume_constant_structure")):
         out.append(error(src, "policy.megatron_cfg.checkpoint.ckpt_assume_constant_structure is incompatible with "
                               "critic warm-up (ppo.policy_training_start_step > 0) and optimizer checkpointing"))
@@ -173,14 +193,14 @@ def ppo_setup_checks(master) -> list[Finding]:
             out.append(error(src, "value.dtensor_cfg.context_parallel_size must be 1 for the DTensor value model"))
         if value["dynamic_batching"]["enabled"] is not False:
             out.append(error(src, "value.dynamic_batching.enabled must be false for the DTensor value model"))
-    if not p.use_dynamic_sampling and p.batch_multiplier != 1:
-        out.append(error(src, f"ppo.batch_multiplier={p.batch_multiplier} needs ppo.use_dynamic_sampling: true"))
-    out += _force_on_policy_check(src, master, p)
+    if not p("use_dynamic_sampling", False) and p("batch_multiplier", 1) != 1:
+        out.append(error(src, f"ppo.batch_multiplier={p('batch_multiplier')} needs ppo.use_dynamic_sampling: true"))
+    out += _force_on_policy_check(src, master, "ppo")
     backend = gen.get("backend")
     if backend not in ("vllm", "sglang"):
         out.append(error(src, f"PPO needs policy.generation.backend vllm or sglang (got {backend!r})"))
     out += _fp8_generation_checks(src, master, policy, gen)
-    if p.skip_reference_policy_logprobs_calculation and loss.reference_policy_kl_penalty != 0:
+    if p("skip_reference_policy_logprobs_calculation", False) and loss.reference_policy_kl_penalty != 0:
         out.append(error(f"{PPO}:ppo_train", "ppo.skip_reference_policy_logprobs_calculation: true needs "
                                              f"loss_fn.reference_policy_kl_penalty == 0 "
                                              f"(got {loss.reference_policy_kl_penalty})"))

@@ -11,7 +11,7 @@ that attribute to a wrapper that builds :class:`nemo_granular.advantages.SPPOEst
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -24,9 +24,9 @@ def sppo_factory(master_config: Any):
     """``SPPOEstimator(ppo.adv_estimator, loss_fn)``: A = (R − σ(v))·mask, returns = R·mask."""
     from ..advantages import SPPOEstimator
 
-    est_cfg = config_get(config_get(master_config, "ppo"), "adv_estimator")
-    est = SPPOEstimator(dict(est_cfg) if isinstance(est_cfg, Mapping) else est_cfg,
-                        config_get(master_config, "loss_fn"))
+    from ..nemo_rl.compat import estimator_config
+
+    est = SPPOEstimator(estimator_config(master_config, "ppo"), config_get(master_config, "loss_fn"))
     print("  ✓ Using SPPO advantage estimator (A = R − σ(V(s_p)), returns = R)", flush=True)
     return est
 

@@ -94,7 +94,12 @@ def install_generation_seam(algo_module) -> None:
         master = args[0] if args else kwargs["master_config"]
         policy_cfg = master.policy if hasattr(master, "policy") else master["policy"]
         megatron = bool((policy_cfg.get("megatron_cfg") or {}).get("enabled"))
-        BUILT["refit"] = "ipc_zmq" if megatron else "checkpoint"
+        # NeMo-RL v0.7.0 has no weight synchronizer (grpo's refit, which ppo uses too, goes through IPC/ZMQ
+        # itself): then NeMo-RL's own path
+        import nemo_rl.algorithms.grpo as grpo
+
+        synchronizer = hasattr(grpo, "create_weight_synchronizer")
+        BUILT["refit"] = "ipc_zmq" if megatron or not synchronizer else "checkpoint"
         out = real_setup(*args, **kwargs)
         policy, generation = out[0], out[1]
         if isinstance(generation, CpuHFGeneration):

@@ -47,6 +47,9 @@ class StateDictSynchronizer(_weight_synchronizer_base()):
     def is_stale(self) -> bool:
         return self._stale
 
+    def mark_stale(self) -> None:   # abstract in NeMo-RL v0.7.0's WeightSynchronizer, gone on main
+        self._stale = True
+
     def init_communicator(self) -> None:
         return None
 
