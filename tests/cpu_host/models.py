@@ -56,8 +56,8 @@ def build_tokenizer(save_dir: Path):
 
 
 # output-layer scale of a "peaked" model: a random tiny model is nearly uniform (its π_old entropy
-# spans ~0.01 nats), one with this scale spans several nats across tokens
-PEAKED = 30.0
+# spans ~0.01 nats), one with this scale spans ~1.5 nats across tokens (~0.001 to ~1.5)
+PEAKED = 60.0
 
 
 def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: int = 2, seed: int = 0,
