@@ -63,7 +63,7 @@ def test_ppo_loop_three_steps_one_sample_per_prompt(sppo):
         assert c["shape"][0] == PROMPTS                      # N = 1: one response per prompt
         assert c["loss_fn"] == "ClippedPGLossFn"             # SPPO's policy loss is NeMo-RL's PPO loss
         assert c["advantages_nonzero"] > 0 and finite([c["loss"], c["grad_norm"]])
-        assert c["prev_logprobs_vs_hf"]["max"] <= 0.01       # FSDP2 bf16 parameters vs an fp32 forward
+        assert c["prev_logprobs_vs_hf"]["max"] <= 0.01       # FSDP2 bf16 parameters vs an fp32 forward (measured 5.5e-3)
     assert max(c["grad_norm"] for c in calls) > 0
     refits = run.of("refit")
     assert len(refits) == 3 and len({r["sum"] for r in refits}) == 3   # the policy moved every step
