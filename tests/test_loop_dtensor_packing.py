@@ -135,7 +135,7 @@ def test_packed_pi_old_logprobs_and_entropy_equal_the_unpacked_forward(model_dir
     err_lp = float((lp - ref_lp).abs()[inside].max())
     err_ent = float((ent - ref_ent).abs()[inside].max())
     print(f"TP {tp}, chunk {chunk}: packed vs unpacked log-probs {err_lp:.3g}, entropy {err_ent:.3g}")
-    assert err_lp <= 1e-5 and err_ent <= 1e-5, (err_lp, err_ent)     # measured ≤ 2.5e-6
+    assert err_lp <= 1e-5 and err_ent <= 1e-5, (err_lp, err_ent)     # measured ≤ 4.8e-6
     assert float(ent[~inside].abs().max()) == 0 and float(lp[~inside].abs().max()) == 0
     # the entropy differs across tokens: a misplaced column could not pass
     assert float(ref_ent[inside].max() - ref_ent[inside].min()) >= 1.0
