@@ -11,7 +11,7 @@ critic smaller than the policy (hidden 16 / 1 layer vs 32 / 2, same tokenizer).
 
 from __future__ import annotations
 
-import json
+import math
 import os
 import shutil
 import tempfile
@@ -63,7 +63,7 @@ def test_ppo_loop_three_steps_one_sample_per_prompt(sppo):
         assert c["shape"][0] == PROMPTS                      # N = 1: one response per prompt
         assert c["loss_fn"] == "ClippedPGLossFn"             # SPPO's policy loss is NeMo-RL's PPO loss
         assert c["advantages_nonzero"] > 0 and finite([c["loss"], c["grad_norm"]])
-        assert c["prev_logprobs_vs_hf"]["max"] <= 0.01       # FSDP2 bf16 parameters vs an fp32 forward
+        assert c["prev_logprobs_vs_hf"]["max"] <= 0.01       # FSDP2 bf16 parameters vs an fp32 forward (measured 5.5e-3)
     assert max(c["grad_norm"] for c in calls) > 0
     refits = run.of("refit")
     assert len(refits) == 3 and len({r["sum"] for r in refits}) == 3   # the policy moved every step
@@ -89,16 +89,31 @@ def test_critic_is_the_prompt_only_bce_value_model(sppo):
         assert found and finite(run.series(found[0]).values()), sorted(run.scalars)[:40]
 
 
+def _saved_shapes(weights_dir) -> dict:
+    """name → shape of the tensors NeMo-RL's checkpoint holds (what the workers trained)."""
+    from nemo_granular.export.dcp import find_dcp_dir, read_dcp
+
+    path, layout = find_dcp_dir(weights_dir)
+    return {k: tuple(v.shape) for k, v in read_dcp(path, safetensors=layout == "safetensors").items()}
+
+
 @pytest.mark.slow
 def test_critic_is_smaller_than_the_policy(sppo):
-    import yaml
+    step = sppo.run.dir / "checkpoints" / "step_3"
+    policy, value = _saved_shapes(step / "policy" / "weights"), _saved_shapes(step / "value" / "weights")
 
-    cfg = yaml.safe_load((sppo.run.dir / "checkpoints" / "step_3" / "config.yaml").read_text())
-    assert cfg["value"]["model_name"] == str(sppo.critic) and cfg["policy"]["model_name"] == str(sppo.policy)
-    pol = json.loads((sppo.policy / "config.json").read_text())
-    cri = json.loads((sppo.critic / "config.json").read_text())
-    assert cri["hidden_size"] < pol["hidden_size"] and cri["num_hidden_layers"] < pol["num_hidden_layers"]
-    assert cfg["sppo"]["prompt_only_critic"] is True and cfg["ppo"]["adv_estimator"]["name"] == "sppo"
+    def width(shapes):
+        (shape,) = [v for k, v in shapes.items() if k.endswith("embed_tokens.weight")]
+        return shape[1]
+
+    def layers(shapes):
+        return len({k.split(".layers.")[1].split(".")[0] for k in shapes if ".layers." in k})
+
+    # the trained critic is a narrower, shallower network than the trained policy, with a scalar head
+    assert width(value) < width(policy) and layers(value) < layers(policy), (width(value), layers(value))
+    (head,) = [v for k, v in value.items() if k.endswith("score.weight")]
+    assert head[0] == 1, value
+    assert sum(math.prod(s) for s in value.values()) < sum(math.prod(s) for s in policy.values())
 
 
 def test_multi_gpu_critic_with_a_pad_token_id_is_refused():

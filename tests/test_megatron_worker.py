@@ -31,6 +31,8 @@ LAYOUTS = {
     # name: (world, model, config file, parallel sizes, sequence packing, other policy overrides)
     "tp1": (1, "dense", "sspo_qwen2.5_math_1.5b.yaml", {}, False, {}),
     "tp2": (2, "dense", "nemo_rl/espo_math_1B.yaml", {"tp": 2}, False, {}),
+    # sequence parallelism, as every shipped Megatron config with TP > 1 runs (the norms: cpu_stand_ins)
+    "tp2_sp": (2, "dense", "sspo_qwen2.5_math_7b.yaml", {"tp": 2, "sp": True}, False, {}),
     "pp2": (2, "dense4", "gspo_qwen2.5_math_1.5b.yaml", {"pp": 2}, False, {}),
     "tp2cp2_packed": (4, "dense", "sspo_qwen2.5_math_7b.yaml", {"tp": 2, "cp": 2}, True, {}),
     # router replay needs the routes vLLM recorded during the rollout; there is no rollout here

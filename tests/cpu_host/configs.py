@@ -78,13 +78,13 @@ def write_child(path: Path, parent: Path, overrides: dict, extra: dict | None = 
 
 
 def shrink_megatron(run_dir: Path, model_dir: Path, data: Path, *, env: str = "math", steps: int = 3,
-                    seq: int = 48, micro: int = 4, generations: int = 4, train_batch: int = 8) -> dict:
-    """:func:`shrink` for a Megatron-backend parent on one worker (every parallel size 1): sequence
-    packing kept (the CPU attention stand-in takes packed sequences) with bin sizes for ``seq``, a refit buffer for a
-    tiny model (several ZMQ groups a refit), the GPU-only fusions off (Transformer Engine / CUDA
+                    seq: int = 48, micro: int = 4, generations: int = 4, train_batch: int = 8, gpus: int = 1) -> dict:
+    """:func:`shrink` for a Megatron-backend parent on ``gpus`` workers (data parallel; every model-parallel
+    size 1): sequence packing kept (the CPU attention stand-in takes packed sequences) with bin sizes for
+    ``seq``, a small refit buffer for a tiny model, the GPU-only fusions off (Transformer Engine / CUDA
     kernels: rotary fusion, fused MoE permutation, TE's precision-aware FusedAdam) and asynchronous
     checkpoint saves off (nvidia-resiliency-ext, a GPU-node package)."""
-    over = shrink(run_dir, model_dir, data, env=env, gpus=1, steps=steps, seq=seq, generations=generations,
+    over = shrink(run_dir, model_dir, data, env=env, gpus=gpus, steps=steps, seq=seq, generations=generations,
                   train_batch=train_batch)
     policy = over["policy"]
     del policy["make_sequence_length_divisible_by"]          # the parent's (= TP)

@@ -52,6 +52,8 @@ class CpuHFGeneration:
         self.state_dict_info: dict | None = None
         self.syncs = 0
         self.refit_agreement: list[float] = []            # max |worker i − worker 0| per ZMQ refit
+        # how the last weights arrived: {"path", "workers", "tensors", "payloads"}, set by the receiving code
+        self.last_refit: dict | None = None
         self.calls: list[dict] = []
 
     def attach(self, policy) -> None:
@@ -72,13 +74,16 @@ class CpuHFGeneration:
 
         if self.refit_addresses is None or self.state_dict_info is None:
             raise RuntimeError("refit before attach() / prepare_refit_info()")
-        per_worker = IpcZmqReceiver(self.refit_addresses, self.state_dict_info).receive()
+        receiver = IpcZmqReceiver(self.refit_addresses, self.state_dict_info)
+        per_worker = receiver.receive()
         first = per_worker[0]
         if set(first) != set(self.state_dict_info):
             raise RuntimeError(f"refit: {len(first)} tensors received, {len(self.state_dict_info)} announced")
         # every worker sends the whole HF model (Bridge gathers the tensor/expert-parallel shards)
         self.refit_agreement.append(max((float((w[k].float() - first[k].float()).abs().max())
                                          for w in per_worker[1:] for k in first), default=0.0))
+        self.last_refit = {"path": "ipc_zmq", "workers": len(per_worker), "tensors": [len(w) for w in per_worker],
+                           "payloads": receiver.payloads}
         scratch = Path(tempfile.mkdtemp(prefix="refit_"))
         try:
             self.load_weights(first, scratch)

@@ -7,7 +7,13 @@ This harness's own (docs/nemo-rl.md §7):
   interpreter (:func:`_patch_registry`);
 * NVML's device UUID, which names a worker's ZMQ refit socket (:func:`_patch_nvml`);
 * every actor method runs with the CUDA → CPU torch function mode on its thread
-  (:func:`_patch_ray_actor_methods`).
+  (:func:`_patch_ray_actor_methods`);
+* transformers' ``flash_attention_2`` (packing) → plain attention inside each packed sequence
+  (:func:`_varlen_attention`).
+
+And one recorder (no stand-in): every ``GranularPolicyLoss`` call inside a worker writes what
+reached the loss and what the loss returned (:func:`_record_policy_loss`), for the test's float64
+recomputation (``tests/cpu_host/loss_check.py``).
 
 Nothing here imports torch, Ray or NeMo-RL (an eager ``sitecustomize`` that imported NeMo-RL made
 Ray's node start time out): each patch runs right after its module is first imported.
@@ -62,7 +68,73 @@ def _patch_ray_actor_methods(function_manager) -> None:
     cls._make_actor_method_executor = make_executor
 
 
-AFTER_IMPORT = {"ray._private.function_manager": _patch_ray_actor_methods,
+def _record_policy_loss(losses) -> None:
+    """Each ``GranularPolicyLoss.__call__`` in this process (a policy worker) also saves, under
+    ``$NEMO_GRANULAR_CPU_HOST_FACTS.loss/``, the tensors that reached it (``next_token_logprobs``,
+    the microbatch's keys, the global counts), the loss and metrics it returned, and its gradient
+    w.r.t. ``next_token_logprobs`` (one extra autograd pass of the same object on a detached copy;
+    the training step itself is untouched). The test driver moves the files to one folder per
+    ``Policy.train`` call."""
+    import os
+
+    facts = os.environ.get("NEMO_GRANULAR_CPU_HOST_FACTS")
+    if not facts:
+        return
+    cls = losses.GranularPolicyLoss
+    real = cls.__call__
+    keys = ("input_ids", "input_lengths", "token_mask", "sample_mask", "advantages", "prev_logprobs",
+            "generation_logprobs", "reference_policy_logprobs", "prev_entropy", "granular_group_ids")
+    counter = [0]
+
+    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, **kwargs):
+        import torch
+
+        loss, metrics = real(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, **kwargs)
+        with torch.enable_grad():
+            leaf = next_token_logprobs.detach().clone().requires_grad_(True)
+            again, _ = real(self, leaf, data, global_valid_seqs, global_valid_toks, **kwargs)
+            (grad,) = torch.autograd.grad(again, leaf, allow_unused=True)
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        g, cfg = self.granular, self.cfg
+        record = {
+            "rank": rank, "call": counter[0],
+            "next_token_logprobs": next_token_logprobs.detach().cpu().clone(),
+            "data": {k: data[k].detach().cpu().clone() for k in keys if k in data and hasattr(data[k], "detach")},
+            "global_valid_seqs": float(global_valid_seqs), "global_valid_toks": float(global_valid_toks),
+            "loss": float(loss.detach()), "metrics": dict(metrics),
+            "grad": (grad if grad is not None else torch.zeros_like(leaf)).detach().cpu(),
+            "config": {"algorithm": g.algorithm, "eps_low": cfg.eps_low, "eps_high": cfg.eps_high,
+                       "ratio_clip_c": cfg.ratio_clip_c, "kl_coef": cfg.kl_coef,
+                       "kl_type": cfg.reference_policy_kl_type, "kl_in_clamp": cfg.kl_input_clamp_value,
+                       "kl_out_clamp": cfg.kl_output_clamp_value,
+                       "sspo": [g.sspo.alpha, g.sspo.beta, g.sspo.gamma], "espo_alpha": g.espo.alpha,
+                       "vocab_size": self.vocab_size, "cuts": list(g.entropy_cut_points),
+                       "aggregation": g.aggregation},
+        }
+        out = f"{facts}.loss"
+        os.makedirs(out, exist_ok=True)
+        name = f"{os.getpid()}_{counter[0]:05d}"
+        torch.save(record, os.path.join(out, name + ".tmp"))
+        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name + ".pt"))
+        counter[0] += 1
+        return loss, metrics
+
+    cls.__call__ = __call__
+
+
+def _varlen_attention(_module) -> None:
+    """Sequence packing makes the DTensor-v2 worker load its model with ``flash_attention_2``
+    (flash-attn, CUDA only): transformers' entry for it becomes plain attention inside each packed
+    sequence (``cpu_stand_ins.hf_varlen_attention``), once NeMo-RL's Automodel set-up is imported."""
+    from cpu_stand_ins import hf_varlen_attention
+
+    hf_varlen_attention.install()
+
+
+AFTER_IMPORT = {"nemo_granular.losses": _record_policy_loss,
+                "nemo_rl.models.automodel.setup": _varlen_attention,
+                "ray._private.function_manager": _patch_ray_actor_methods,
                 "nemo_rl.distributed.ray_actor_environment_registry": _patch_registry,
                 "nemo_rl.utils.nvml": _patch_nvml}
 

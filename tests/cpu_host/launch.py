@@ -102,6 +102,9 @@ def install_generation_seam(algo_module) -> None:
         BUILT["refit"] = "ipc_zmq" if megatron or not synchronizer else "checkpoint"
         out = real_setup(*args, **kwargs)
         policy, generation = out[0], out[1]
+        sharding = policy.sharding_annotations          # the layout NeMo-RL's Policy built its workers with
+        record("policy_layout", workers=len(policy.worker_group.workers),
+               **{name: sharding.get_axis_size(name) for name in sharding.names})
         if isinstance(generation, CpuHFGeneration):
             generation.attach(policy)
         BUILT["generation"] = generation
@@ -140,12 +143,30 @@ def _logprobs_vs_hf(generation, data, mask) -> dict:
     return out
 
 
+def _collect_loss_records(n: int) -> int:
+    """Move the loss records the policy workers wrote during ``Policy.train`` call ``n``
+    (``cpu_host.hooks._record_policy_loss``) into their own folder; returns how many."""
+    from pathlib import Path
+
+    facts = os.environ.get("NEMO_GRANULAR_CPU_HOST_FACTS")
+    if not facts:
+        return 0
+    src = Path(f"{facts}.loss")
+    files = sorted(src.glob("*.pt")) if src.is_dir() else []
+    dest = src / f"train_{n}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        f.rename(dest / f.name)
+    return len(files)
+
+
 def install_train_recorder() -> None:
     """Record, for each ``Policy.train`` / ``Value.train`` call, the keys and checks of the batch it received."""
     import torch
     from nemo_rl.models.policy.lm_policy import Policy
 
     real_train = Policy.train
+    calls = [0]
 
     def train(self, data, loss_fn, *args, **kwargs):
         mask = data["token_mask"].bool() if "token_mask" in data else None
@@ -166,9 +187,13 @@ def install_train_recorder() -> None:
             fact["prev_logprobs_vs_hf"] = _logprobs_vs_hf(BUILT["generation"], data, mask)
         if "advantages" in data:
             fact["advantages_nonzero"] = int((data["advantages"][mask] != 0).sum())
+        _collect_loss_records(-1)             # anything written outside a train call is not this call's
         out = real_train(self, data, loss_fn, *args, **kwargs)
         fact["loss"] = float(torch.as_tensor(out["loss"]).float().mean())
         fact["grad_norm"] = float(torch.as_tensor(out["grad_norm"]).float().max())
+        fact["loss_records"] = _collect_loss_records(calls[0])
+        fact["train_call"] = calls[0]
+        calls[0] += 1
         record("policy_train", **fact)
         return out
 
@@ -214,7 +239,7 @@ def install_refit_recorder() -> None:
         out = real(self, *args, **kwargs)
         params = torch.cat([p.detach().float().flatten() for p in self.model.parameters()])
         record("refit", sync=self.syncs, norm=float(params.norm()), head=params[:8].tolist(),
-               sum=float(params.double().sum()), refit="checkpoint" if self.weight_synchronizer else "ipc_zmq",
+               sum=float(params.double().sum()), refit=self.last_refit,
                workers_agree=self.refit_agreement[-1] if self.refit_agreement else None)
         return out
 

@@ -55,9 +55,15 @@ def build_tokenizer(save_dir: Path):
     return fast
 
 
+# output-layer scale of a "peaked" model: a random tiny model is nearly uniform (its π_old entropy
+# spans ~0.01 nats), one with this scale spans ~1.5 nats across tokens (~0.001 to ~1.5)
+PEAKED = 60.0
+
+
 def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: int = 2, seed: int = 0,
-                classifier: bool = False, kv_heads: int = 1) -> Path:
-    """A randomly initialised Qwen3 / Qwen3-MoE (or a 1-label Qwen3 sequence classifier) + tokenizer."""
+                classifier: bool = False, kv_heads: int = 1, logit_scale: float = 1.0) -> Path:
+    """A randomly initialised Qwen3 / Qwen3-MoE (or a 1-label Qwen3 sequence classifier) + tokenizer;
+    ``logit_scale`` multiplies the output layer (a peaked model: low-entropy and high-entropy tokens)."""
     import torch
     from transformers import (Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification, Qwen3MoeConfig,
                               Qwen3MoeForCausalLM)
@@ -79,6 +85,9 @@ def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: 
         model = Qwen3ForSequenceClassification(Qwen3Config(**common, intermediate_size=2 * hidden, num_labels=1))
     else:
         model = Qwen3ForCausalLM(Qwen3Config(**common, intermediate_size=2 * hidden))
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(logit_scale)
     model.save_pretrained(str(save_dir), safe_serialization=True)
     return save_dir
 

@@ -64,6 +64,9 @@ class StateDictSynchronizer(_weight_synchronizer_base()):
             self.policy.save_checkpoint(weights_path=str(scratch / "weights"), checkpointing_cfg=REFIT_CHECKPOINT)
             path, layout = find_dcp_dir(scratch / "weights")
             full = read_dcp(path, safetensors=layout == "safetensors")
+            self.generation.last_refit = {"path": "checkpoint", "workers": len(self.policy.worker_group.workers),
+                                          "tensors": [len(full)], "files": sorted(
+                                              p.name for p in Path(path).iterdir() if p.is_file())}
             self.generation.load_weights(full, scratch / "hf")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -81,6 +84,7 @@ class IpcZmqReceiver:
     def __init__(self, addresses: list[str], state_dict_info: dict):
         self.addresses = list(addresses)
         self.info = state_dict_info      # HF name → (shape, dtype), from the policy's prepare_refit_info
+        self.payloads = [0] * len(self.addresses)   # staging buffers received, per worker
 
     def _unpack(self, payload) -> dict[str, torch.Tensor]:
         from nemo_rl.models.policy.utils import calculate_aligned_size
@@ -129,6 +133,7 @@ class IpcZmqReceiver:
                         poller.unregister(sock)
                     else:
                         got[i].update(self._unpack(payload))
+                        self.payloads[i] += 1
                     sock.send(IPCProtocol.ACK.value.encode())
             return got
         finally:

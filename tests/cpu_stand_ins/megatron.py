@@ -157,10 +157,35 @@ def patch_distrib_optimizer(distrib_optimizer) -> None:
     cls.state_dict, cls.load_state_dict = state_dict, load_state_dict
 
 
+def patch_torch_norm(torch_norm) -> None:
+    """Sequence parallelism with Megatron's local layer spec: its ``WrappedTorchNorm`` refuses
+    ``sequence_parallel`` (``torch_norm.py:50``), which only Transformer Engine's norms take on a GPU.
+    What TE's norm does there: the same RMSNorm / LayerNorm on the local sequence shard, its weight
+    marked ``sequence_parallel`` so that Megatron's ``finalize_model_grads`` all-reduces its gradient
+    over the TP group (each rank saw a part of the tokens). Without sequence parallelism: unchanged."""
+    cls = torch_norm.WrappedTorchNorm
+    real_new = cls.__new__
+
+    def __new__(klass, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return real_new(klass, config, hidden_size, eps, *args, **kwargs)
+        config.sequence_parallel = False          # only for the check in __new__; restored below
+        try:
+            norm = real_new(klass, config, hidden_size, eps, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    cls.__new__ = staticmethod(__new__)
+
+
 BEFORE_IMPORT = {"megatron.bridge": lambda: import_core_then_te_placeholder()}
 AFTER_IMPORT = {
     "megatron.core.optimizer.distrib_optimizer": patch_distrib_optimizer,
     "megatron.core.tensor_parallel.random": patch_rng_tracker,
+    "megatron.core.transformer.torch_norm": patch_torch_norm,
     "megatron.core.transformer.moe.token_dispatcher": patch_token_dispatcher,
     "megatron.bridge.training.initialize": patch_bridge_initialize,
     "megatron.bridge.models.gpt_provider": lambda m: use_cpu_layer_spec(m),

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
 
 
-def tiny_overrides(model_dir: str, *, tp=1, pp=1, cp=1, ep=1, packing=None, precision=None,
+def tiny_overrides(model_dir: str, *, tp=1, pp=1, cp=1, ep=1, sp=False, packing=None, precision=None,
                    seq_len=32, gbs=8, mbs=2) -> dict:
     """Only model size, paths and cluster shrunk (``None`` keeps the shipped value), plus the
     GPU-only fusions and services turned off."""
@@ -34,7 +34,7 @@ def tiny_overrides(model_dir: str, *, tp=1, pp=1, cp=1, ep=1, packing=None, prec
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
         "expert_model_parallel_size": ep, "expert_tensor_parallel_size": 1,
         "num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
-        "sequence_parallel": False,
+        "sequence_parallel": sp,
         "train_iters": 10,  # set by GRPO's setup from the step budget
         # GPU-only: Transformer Engine / CUDA kernels / nvidia-resiliency-ext
         "apply_rope_fusion": False, "moe_permute_fusion": False,

@@ -1,0 +1,131 @@
+"""The loss a policy worker computed inside a loop, recomputed in float64 by ``tests/reference.py``.
+
+Every ``GranularPolicyLoss`` call in a policy worker saved what reached it and what it returned
+(``cpu_host.hooks._record_policy_loss``; one folder per ``Policy.train`` call, ``cpu_host.launch``).
+:func:`check_run` recomputes, for each record, the loss, its gradient w.r.t. the next-token
+log-probs and the granular metrics with the naive float64 reference — which rebuilds the groups
+itself (segments from the token ids and the tokenizer's delimiter tokens, entropy groups from
+``prev_entropy``) and never reads ``granular_group_ids`` — and returns the largest differences.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+import reference as R
+
+METRICS = ("clip_frac_low", "clip_frac_high", "groups_per_response", "group_size_mean", "probs_ratio",
+           "probs_ratio_min", "probs_ratio_max", "clip_bound_low_mean", "clip_bound_high_mean")
+
+
+def delimiter_ids(model_dir: Path, delimiter: str = "\n\n") -> tuple[int, ...]:
+    """Token ids whose text contains ``delimiter`` (what SSPO cuts after), from the tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return tuple(i for i in range(len(tok)) if delimiter in tok.decode([i]))
+
+
+def records(run_dir: Path) -> dict[int, list[dict]]:
+    """``{train call: [record, ...]}`` in worker rank, then call order."""
+    out = {}
+    for folder in sorted((run_dir / "facts.jsonl.loss").glob("train_*")):
+        n = int(folder.name.split("_")[1])
+        if n < 0:
+            continue
+        recs = [torch.load(f, weights_only=False) for f in sorted(folder.glob("*.pt"))]
+        out[n] = sorted(recs, key=lambda r: (r["rank"], r["call"]))
+    return out
+
+
+def reference_of(rec: dict, delims: tuple[int, ...]):
+    """(loss, grad, metrics, group ids) of the float64 reference for one record."""
+    cfg, data = rec["config"], rec["data"]
+    kl = None
+    if cfg["kl_coef"]:
+        kl = {"coef": cfg["kl_coef"], "type": cfg["kl_type"], "in_clamp": cfg["kl_in_clamp"],
+              "out_clamp": cfg["kl_out_clamp"]}
+    spec = dict(R.PRESET_SPECS[cfg["algorithm"]])
+    spec.pop("eps")
+    spec["aggregation"] = cfg["aggregation"]          # NeMo-RL's token_level_loss may override the preset's
+    loss, grad, metrics = R.run_ref(
+        lambda lp: R.granular_loss(lp, data, **spec, eps_low=cfg["eps_low"], eps_high=cfg["eps_high"],
+                                   sspo=tuple(cfg["sspo"]), espo_alpha=cfg["espo_alpha"],
+                                   vocab_size=cfg["vocab_size"], cuts=tuple(cfg["cuts"]), delimiter_ids=delims,
+                                   gvs=rec["global_valid_seqs"], gvt=rec["global_valid_toks"],
+                                   dual_clip=cfg["ratio_clip_c"], kl=kl),
+        rec["next_token_logprobs"])
+    tm = data["token_mask"][:, 1:] > 0
+    if spec["granularity"] == "segment":
+        ids = R.segment_group_ids(data["input_ids"][:, 1:], tm, delims)
+    elif spec["granularity"] == "entropy_group":
+        ids = R.entropy_group_ids(data["prev_entropy"][:, 1:].double(), tm, list(cfg["cuts"]))
+    else:
+        ids = None
+    return loss, grad, metrics, ids
+
+
+def group_bounds(rec: dict, ids) -> list[tuple[float, float]]:
+    """[lo, hi] of every group of a record (rows with sample_mask 1), from the reference's §3 formulas."""
+    cfg, data = rec["config"], rec["data"]
+    ent = data["prev_entropy"][:, 1:].double()
+    out = []
+    for i, row in enumerate(ids):
+        if float(data["sample_mask"][i]) == 0:
+            continue
+        for grp in R.groups_of_row(row):
+            h = sum(float(ent[i, t]) for t in grp) / len(grp)
+            if cfg["algorithm"] == "sspo":
+                out.append(R.sspo_bounds(h, *cfg["sspo"]))
+            else:
+                out.append(R.espo_bounds(h, cfg["espo_alpha"], cfg["vocab_size"]))
+    return out
+
+
+def check_run(run_dir: Path, model_dir: Path) -> dict:
+    """Recompute every record of a run; the largest |worker − reference| of each quantity (the gradient
+    relative to the reference's largest element, per record), and what the records cover."""
+    delims = delimiter_ids(model_dir)
+    by_call = records(run_dir)
+    err = {"loss": 0.0, "grad": 0.0, **{k: 0.0 for k in METRICS}}
+    summary = {"calls": sorted(by_call), "records": 0, "ids_equal": True, "grad_nonzero": 0, "per_record": []}
+    for call, recs in by_call.items():
+        for j, rec in enumerate(recs):
+            loss, grad, metrics, ids = reference_of(rec, delims)
+            summary["records"] += 1
+            err["loss"] = max(err["loss"], abs(rec["loss"] - float(loss)))
+            scale = float(grad.abs().max())
+            if scale > 0:
+                summary["grad_nonzero"] += 1
+                err["grad"] = max(err["grad"], float((rec["grad"].double() - grad).abs().max()) / scale)
+            for k in METRICS:
+                a, b = float(rec["metrics"][k]), float(metrics[k])
+                if math.isinf(b) and a == b:
+                    continue
+                err[k] = max(err[k], abs(a - b))
+            if ids is not None and "granular_group_ids" in rec["data"]:
+                got = rec["data"]["granular_group_ids"][:, 1:].tolist()
+                summary["ids_equal"] &= got == ids
+            summary["per_record"].append({
+                "call": call, "index": j, "of": len(recs), "rank": rec["rank"],
+                "rows": int(rec["next_token_logprobs"].shape[0]),
+                "clip": float(metrics["clip_frac_low"]) + float(metrics["clip_frac_high"]),
+                "ratio_min": float(metrics["probs_ratio_min"]), "ratio_max": float(metrics["probs_ratio_max"]),
+                "bounds": group_bounds(rec, ids) if ids is not None and rec["config"]["algorithm"] in ("sspo", "espo")
+                else []})
+    summary["err"] = err
+    return summary
+
+
+_CACHE: dict = {}
+
+
+def check_run_cached(run_dir: Path, model_dir: Path) -> dict:
+    """:func:`check_run`, once per run directory in this process (several tests read it)."""
+    key = (str(run_dir), str(model_dir))
+    if key not in _CACHE:
+        _CACHE[key] = check_run(run_dir, model_dir)
+    return _CACHE[key]
