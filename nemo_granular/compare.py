@@ -35,6 +35,7 @@ NOT_ALGORITHMS = ("base", "smoke")  # configs in the config directory that are n
 # freedom: 2.78 at 5 seeds, 4.30 at 3), within the demo's time budget on 2 cores (README); --smoke: the
 # fewest that give an interval at all
 DEFAULT_SEEDS, SMOKE_SEEDS = 5, 3
+DEFAULT_OUT = "outputs/compare"
 
 
 class CompareInterrupted(Exception):
@@ -304,7 +305,7 @@ def continue_command(argv: list[str]) -> str:
             again.append(a)
             i += 1
     if not has_out:
-        again += ["--out", str(Path("outputs/compare").absolute())]
+        again += ["--out", str(Path(DEFAULT_OUT).absolute())]
     return f"{command_prefix()} compare {shlex.join(again + ['--resume'])}"
 
 
@@ -329,7 +330,7 @@ def main(argv: list[str]) -> int:
                     help=f"number of seeds (0..N-1; default {DEFAULT_SEEDS}, {SMOKE_SEEDS} with --smoke: every "
                          "claim gets a 95%% interval over seeds)")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run, >= 1 (default: the config's)")
-    ap.add_argument("--out", default="outputs/compare",
+    ap.add_argument("--out", default=DEFAULT_OUT,
                     help="directory for the runs, warm starts, report.md and plots (default: %(default)s); "
                          "refused when it already holds a comparison, unless --resume or --force")
     ap.add_argument("--config-dir", default=str(LOCAL_CONFIGS), help="where <algorithm>.yaml live")

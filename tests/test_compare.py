@@ -20,8 +20,9 @@ ALGS = ["grpo", "gspo", "sspo", "espo", "sppo"]
 def test_smoke_comparison_writes_report_and_plots(tmp_path):
     out = tmp_path / "cmp"
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "compare", "--smoke", "--algorithms", ",".join(ALGS),
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+    # one seed keeps CI short (--smoke's default is 3); several seeds: test_default_is_five_paired_seeds_...
+    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "compare", "--smoke", "--seeds", "1", "--algorithms",
+                           ",".join(ALGS), "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1200)
     elapsed = time.time() - t0
     print(f"smoke comparison of {len(ALGS)} algorithms: {elapsed:.0f} s")  # recorded by CI's -rA/-s output
@@ -38,7 +39,7 @@ def test_smoke_comparison_writes_report_and_plots(tmp_path):
     assert "directional claims" in report and report.count("| inconclusive (1 seed) |") >= 4
     assert "± 0.000" not in report and "Suite `sspo`" in report  # the benchmark-suite table
     pngs = sorted(out.glob("*.png"))
-    assert len(pngs) == 9 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert len(pngs) == 10 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     for alg in ALGS:  # every run really trained: metrics for every step and a final checkpoint
         run = out / "runs" / f"{alg}_seed0"
         steps = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -93,8 +94,24 @@ def _compare(C, out, *overrides, algorithms=("grpo",), **kw):
 
     kw.setdefault("suite", None)  # the benchmark suite is tested by the smoke comparison and tests/test_evals.py
     kw.setdefault("suite", None)  # the benchmark suite is covered by the smoke comparison and tests/test_evals.py
-    return C.compare(algorithms=list(algorithms), seeds=1, steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
+    kw.setdefault("seeds", 1)
+    return C.compare(algorithms=list(algorithms), steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
                      overrides=[*TINY, *overrides], **kw)
+
+
+def test_default_is_five_paired_seeds_and_every_claim_gets_an_interval(inprocess_runs, tmp_path, capsys):
+    """The default comparison has enough seeds for a 95 % interval of every paired claim (one seed gave
+    "inconclusive (1 seed)" for 8 of 10 claims); the printed paths are absolute."""
+    report = _compare(inprocess_runs, tmp_path / "cmp", algorithms=("grpo", "gspo"), seeds=None).read_text()
+    assert sorted(p.name for p in (tmp_path / "cmp" / "runs").iterdir()) == sorted(
+        f"{a}_seed{s}" for a in ("grpo", "gspo") for s in range(5))
+    assert "| grpo | 5 |" in report and "| gspo | 5 |" in report
+    claims = [line for line in report.splitlines() if line.startswith("| GSPO reaches a higher final")
+              or line.startswith("| GSPO's clip fraction is near zero")]
+    assert len(claims) == 2 and all("95 % CI [" in c and "over 5 seeds" in c for c in claims), claims
+    assert "(1 seed)" not in report
+    out = capsys.readouterr().out
+    assert all(Path(line.rsplit("(", 1)[1].rstrip(")")).is_absolute() for line in out.splitlines() if "seed" in line)
 
 
 def _policy_config(run: Path) -> dict:

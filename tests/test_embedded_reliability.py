@@ -91,7 +91,8 @@ def test_ctrl_c_checkpoints_exits_130_with_a_resume_line_and_resume_continues(tm
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     printed = hint.removeprefix("resume with: ")
-    more = subprocess.run(f"{printed} rl.steps={state['step'] + 2}", shell=True, cwd=elsewhere, env=_env(),
+    fewer = printed.removesuffix(" --resume") + f" rl.steps={state['step'] + 2} --resume"  # later overrides win
+    more = subprocess.run(fewer, shell=True, cwd=elsewhere, env=_env(),
                           capture_output=True, text=True, timeout=300)
     assert more.returncode == 0, more.stderr[-2000:]
     assert _steps(run) == list(range(state["step"] + 3))

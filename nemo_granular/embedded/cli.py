@@ -54,6 +54,7 @@ def train_main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides (Hydra style: a.b=v, +a.b=v, ~a.b)")
     args = ap.parse_args(argv)
     cfg = load_train_config(args.config, args.overrides)
+    cfg.output_dir = str(Path(cfg.output_dir).absolute())  # every path printed holds from any directory
     import logging
 
     # import-time chatter of optional packages (torchao's kernels, torch's pytree deprecations) is not

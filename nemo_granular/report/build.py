@@ -105,8 +105,9 @@ def time_to_reward(run: Run, target: float, window: int = 10, clock: str = "wall
     return xs[hit[0]] if hit else None
 
 
-def _fmt_t(t: float | None) -> str:
-    return "never" if t is None else f"{t:.0f} s"
+def _secs(t: float) -> str:
+    """Seconds with 3 significant digits below 100 s (short smoke runs), whole seconds above."""
+    return f"{t:.3g}" if abs(t) < 100 else f"{t:.0f}"
 
 
 def _stat(values, digits=3):
@@ -307,8 +308,8 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
             horizon = summary(r)["cpu" if on_cpu else "wall"]
             target = summary(g)["reward_last"]
             t_g, t_s = time_to_reward(g, target, clock=clock), time_to_reward(r, target, clock=clock)
-            shown_s = f"{t_s:.0f} {unit}" if t_s is not None else f"not within its {horizon:.0f} {unit}"
-            shown_g = f"{t_g:.0f} {unit}" if t_g is not None else "never"
+            shown_s = f"{_secs(t_s)} {unit}" if t_s is not None else f"not within its {_secs(horizon)} {unit}"
+            shown_g = f"{_secs(t_g)} {unit}" if t_g is not None else "never"
             per.append(f"seed {r.seed}: target {target:.3f}, GRPO {shown_g}, SPPO {shown_s}")
             if t_g is not None:
                 diffs.append(t_g - (t_s if t_s is not None else max(horizon, t_g)))
