@@ -165,7 +165,7 @@ def test_summary_goes_to_stdout_and_progress_to_stderr(inprocess_runs, tmp_path,
     C, out = inprocess_runs, tmp_path / "cmp"
     monkeypatch.setattr(C, "_evaluate", lambda *a, **k: None)  # the benchmark suite: tests/test_evals.py
     capsys.readouterr()
-    assert main(["compare", "--algorithms", "grpo", "--out", str(out), "--jobs", "1", *TINY,
+    assert main(["compare", "--algorithms", "grpo", "--seeds", "1", "--out", str(out), "--jobs", "1", *TINY,
                  "model.hidden_size=32"]) == 0
     cap = capsys.readouterr()
     stdout = cap.out.strip().splitlines()

@@ -340,12 +340,12 @@ def test_sppo_speed_claim_is_judged_on_cpu_time_whatever_the_runs_shared(tmp_pat
     assert "in CPU s" in note, note
     row = next(line for line in alone.splitlines() if line.startswith("| SPPO reaches GRPO's final reward sooner"))
     # both reach the flat reward at the 10th step (the trailing 10-step mean): 10 × 1.5 s × 0.97 CPU s/s
-    assert "GRPO 15 CPU s, SPPO 15 CPU s" in row, row
+    assert "GRPO 14.6 CPU s, SPPO 14.6 CPU s" in row, row
 
     # SPPO got half the CPU per wall second (another job): the same CPU seconds, the same measurement
     starved = report_from_runs(runs(tmp_path / "c", 1000.2, sppo_cpu=0.45), tmp_path / "c" / "rep").read_text()
     row = next(line for line in starved.splitlines() if line.startswith("| SPPO reaches GRPO's final reward sooner"))
-    assert "GRPO 15 CPU s, SPPO 7 CPU s" in row, row  # 10 × 1.5 × 0.45 = 6.75
+    assert "GRPO 14.6 CPU s, SPPO 6.75 CPU s" in row, row  # 10 × 1.5 × 0.45
 
     # runs that recorded no timing (older runs, NeMo-RL runs): wall time, and the note says so
     flat = lambda s: {"train/reward": 0.5}  # noqa: E731

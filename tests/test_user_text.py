@@ -91,7 +91,7 @@ def test_readme_says_what_the_test_command_does_to_the_machine_before_the_comman
     """A reader who runs the quick start's commands as they come has read, before ``bash scripts/test.sh``,
     that it installs Slurm and edits /etc/hosts (as root)."""
     readme = (ROOT / "README.md").read_text()
-    first_command = readme.index("bash scripts/test.sh")
+    first_command = readme.index("\nbash scripts/test.sh")  # the command itself, at the start of a line
     before = readme[:first_command]
     for change in ("/etc/hosts", "slurmctld", "apt-", "root"):
         assert change in before, f"{change!r} is only said after the command"
