@@ -144,9 +144,9 @@ def smoothing_window(n_points: int) -> int:
     return max(1, n_points // 10)
 
 
-def _smoothing_text(windows: set[int], x: str) -> str:
-    """What the bold line of a panel is, exactly."""
-    unit = "RL steps" if x == "step" else "logged points"
+def _smoothing_text(windows: set[int], key: str) -> str:
+    """What the bold line of a panel is, exactly (``train/`` metrics: one point per RL step)."""
+    unit = "RL steps" if key.startswith("train/") else "evaluations"
     if windows <= {1}:
         return "bold: mean over seeds, not smoothed"
     sizes = " or ".join(str(w) for w in sorted(windows))
@@ -192,7 +192,7 @@ def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
         if not ax.has_data():
             plt.close(fig)
             continue
-        ax.set_title(f"{title}\n({_smoothing_text(windows, x)}; band: seed min–max of those curves; "
+        ax.set_title(f"{title}\n({_smoothing_text(windows, key)}; band: seed min–max of those curves; "
                      "faint: each seed, raw)", fontsize=8)
         ax.set_xlabel(X_LABEL[x])
         ax.set_ylabel(ylabel)
