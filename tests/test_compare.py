@@ -223,7 +223,8 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
     # run that finished before the Ctrl-C has nothing to resume (seen once on two xdist workers)
     total = 100
     cmd = [sys.executable, "-m", "nemo_granular", "compare", "--algorithms", "grpo,sspo", "--seeds", "1",
-           "--out", str(out), *TINY, "model.hidden_size=32", "warmstart.enabled=false", f"rl.steps={total}", "logger.log_every=1", "--jobs", "2"]
+           "--out", str(out), *TINY, "model.hidden_size=32", "warmstart.enabled=false", f"rl.steps={total}",
+           "logger.log_every=1", "--jobs", "2"]
     # its own session, as a terminal's foreground job: Ctrl-C reaches the parent and every run
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True, start_new_session=True)
