@@ -2,7 +2,7 @@
 
 Sub-commands are imported lazily so that ``nemo-granular --help`` needs torch alone.
 Errors that a user can fix (bad config, bad argument, missing or unreadable file) print one
-line and exit with code 2; Ctrl-C exits 130 (``train`` checkpoints first).
+line and exit with code 2 (so does no command at all, after the usage); Ctrl-C exits 130 (``train`` checkpoints first).
 """
 
 from __future__ import annotations
@@ -46,9 +46,15 @@ def one_line(err: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: nemo-granular {" + ",".join(COMMANDS) + "} [options]   (nemo-granular --version)\n")
+        # asked for (--help): the usage on stdout, exit 0; no command at all: a usage error, stderr, exit 2
+        stream = sys.stdout if argv else sys.stderr
+        print("usage: nemo-granular {" + ",".join(COMMANDS) + "} [options]   (nemo-granular --version)\n",
+              file=stream)
         for name, (_, _, text) in COMMANDS.items():
-            print(f"  {name:<10} {text}")
+            print(f"  {name:<10} {text}", file=stream)
+        if not argv:
+            print("nemo-granular: error: no command given (see --help)", file=stream)
+            return 2
         return 0
     if argv[0] in ("-V", "--version"):
         print(f"nemo-granular {version()}")

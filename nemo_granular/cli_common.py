@@ -1,5 +1,6 @@
 """What every ``nemo-granular`` command shares: argparse with one-line errors, the exit codes, the
-check that an output directory can be written before any work starts, and the process umask.
+command that runs the tool again as printed, the check that an output directory can be written before
+any work starts, and the process umask.
 
 A leaf module (it imports nothing else of the package): the commands import it, never the
 dispatcher ``nemo_granular.cli`` above them (tests/test_layering.py).
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
+import shutil
+import sys
 from pathlib import Path
 
 INTERRUPTED_EXIT_CODE = 130
@@ -23,6 +27,20 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def command_prefix() -> str:
+    """How to run ``nemo-granular`` again, as a shell word that works as printed from any directory:
+    ``nemo-granular`` when that name on PATH is this installation's console script, else the script's
+    absolute path (``/path/to/.venv/bin/nemo-granular``: the quick start does not activate the venv),
+    else ``<python> -m nemo_granular``."""
+    script = Path(sys.executable).parent / "nemo-granular"
+    on_path = shutil.which("nemo-granular")
+    if script.is_file():
+        if on_path and Path(on_path).resolve() == script.resolve():
+            return "nemo-granular"
+        return shlex.quote(str(script.absolute()))
+    return f"{shlex.quote(str(Path(sys.executable).absolute()))} -m nemo_granular"
 
 
 def current_umask() -> int:

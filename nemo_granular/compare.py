@@ -26,11 +26,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser, check_writable_dir
+from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser, check_writable_dir, command_prefix
 
 SMOKE = ["warmstart.max_steps=150", "rl.steps=10", "rl.prompts_per_step=8", "rl.generations_per_prompt=4",
          "rl.minibatches_per_rollout=2", "rl.eval_every=5", "logger.log_every=5"]
 NOT_ALGORITHMS = ("base", "smoke")  # configs in the config directory that are not an algorithm of their own
+# seeds by default: enough for a 95 % interval over seeds of every paired claim (t with n−1 degrees of
+# freedom: 2.78 at 5 seeds, 4.30 at 3), within the demo's time budget on 2 cores (README); --smoke: the
+# fewest that give an interval at all
+DEFAULT_SEEDS, SMOKE_SEEDS = 5, 3
+DEFAULT_OUT = "outputs/compare"
 
 
 class CompareInterrupted(Exception):
@@ -143,7 +148,7 @@ def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> Non
     print(f"[{label}] benchmark suite {suite!r} evaluated ({run / 'evals.json'})", file=sys.stderr, flush=True)
 
 
-def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, config_dir: Path,
+def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Path, config_dir: Path,
             jobs: int | None = None, smoke: bool = False, overrides: list[str] | None = None,
             force: bool = False, resume: bool = False, suite: str | None = "all",
             eval_max_samples: int | None = 8) -> Path:
@@ -160,13 +165,16 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
     unknown = [a for a in algorithms if a in NOT_ALGORITHMS or not (config_dir / f"{a}.yaml").is_file()]
     if unknown:
         raise ValueError(f"--algorithms: unknown {', '.join(map(repr, unknown))} (valid: {valid})")
+    if seeds is None:
+        seeds = SMOKE_SEEDS if smoke else DEFAULT_SEEDS
     if seeds < 1:
         raise ValueError(f"--seeds must be >= 1, got {seeds}")
     if jobs is not None and jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {jobs}")
-    if steps is not None and steps < 0:
-        raise ValueError(f"--steps must be >= 0, got {steps}")
+    if steps is not None and steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps} (a run needs RL steps to be compared)")
     check_writable_dir(out, "--out")
+    out = Path(out).absolute()  # every path printed and recorded holds from any directory
     jobs = jobs or max(1, min(2, os.cpu_count() or 1))
     extra = (SMOKE if smoke else []) + list(overrides or [])
     if steps is not None:
@@ -181,6 +189,8 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
                 cfg = load_train_config(config_dir / f"{alg}.yaml", common + [f"seed={s}", f"output_dir={run}"])
             except ValueError as err:
                 raise ValueError(f"{alg}: {err}") from None
+            if cfg.rl.steps < 1:  # a run without RL steps has nothing the report can compare
+                raise ValueError(f"{alg}: rl.steps={cfg.rl.steps}: a comparison needs at least 1 RL step")
             plan.append({"alg": alg, "seed": s, "run": run, "cfg": cfg, "init": None})
     previous = [n for n in ("report.md", "runs") if (out / n).exists()]
     if resume and not (out / "runs").is_dir():
@@ -270,6 +280,35 @@ def compare(algorithms: list[str], seeds: int, steps: int | None, out: Path, con
 
 
 # ---------------------------------------------------------------------------- the command
+def continue_command(argv: list[str]) -> str:
+    """The shell command that continues this comparison, runnable as printed from any directory:
+    the tool as it can be run (:func:`command_prefix`), --out and --config-dir made absolute."""
+    again, i = [], 0
+    has_out = False
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--force", "--resume"):
+            i += 1
+            continue
+        for opt in ("--out", "--config-dir"):
+            if a == opt and i + 1 < len(argv):
+                again += [opt, str(Path(argv[i + 1]).absolute())]
+                has_out |= opt == "--out"
+                i += 2
+                break
+            if a.startswith(opt + "="):
+                again.append(f"{opt}={Path(a.split('=', 1)[1]).absolute()}")
+                has_out |= opt == "--out"
+                i += 1
+                break
+        else:
+            again.append(a)
+            i += 1
+    if not has_out:
+        again += ["--out", str(Path(DEFAULT_OUT).absolute())]
+    return f"{command_prefix()} compare {shlex.join(again + ['--resume'])}"
+
+
 def _algorithm_list(text: str) -> list[str]:
     names = []
     for name in (a.strip() for a in text.split(",")):
@@ -287,9 +326,13 @@ def main(argv: list[str]) -> int:
                                     "and write report.md with plots.")
     ap.add_argument("--algorithms", default="grpo,gspo,sspo,espo,sppo",
                     help="comma-separated config names from --config-dir")
-    ap.add_argument("--seeds", type=int, default=1, help="number of seeds (0..N-1)")
-    ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's)")
-    ap.add_argument("--out", default="outputs/compare")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help=f"number of seeds (0..N-1; default {DEFAULT_SEEDS}, {SMOKE_SEEDS} with --smoke: every "
+                         "claim gets a 95%% interval over seeds)")
+    ap.add_argument("--steps", type=int, default=None, help="RL steps per run, >= 1 (default: the config's)")
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help="directory for the runs, warm starts, report.md and plots (default: %(default)s); "
+                         "refused when it already holds a comparison, unless --resume or --force")
     ap.add_argument("--config-dir", default=str(LOCAL_CONFIGS), help="where <algorithm>.yaml live")
     ap.add_argument("--jobs", type=int, default=None, help="parallel runs (default: number of cores, max 2)")
     ap.add_argument("--smoke", action="store_true", help="tiny budget (CI): smoke.yaml settings for every run")
@@ -311,6 +354,7 @@ def main(argv: list[str]) -> int:
             if not run.is_dir():
                 raise FileNotFoundError(f"--from-runs {run}: no such directory")
         check_writable_dir(args.out, "--out")
+        args.out = str(Path(args.out).absolute())
         if (Path(args.out) / "report.md").exists() and not args.force:
             raise FileExistsError(f"--out {args.out} already holds a report.md: add --force to replace it, "
                                   "or choose another --out")
@@ -327,12 +371,10 @@ def main(argv: list[str]) -> int:
                              out=Path(args.out), config_dir=Path(args.config_dir), jobs=args.jobs,
                              smoke=args.smoke, overrides=args.overrides, force=args.force, resume=args.resume)
         except CompareInterrupted as err:
-            again = [a for a in argv if a not in ("--force", "--resume")] + ["--resume"]
-            print(f"nemo-granular compare: {err}; continue with: nemo-granular compare {shlex.join(again)}",
-                  file=sys.stderr)
+            print(f"nemo-granular compare: {err}; continue with: {continue_command(argv)}", file=sys.stderr)
             return INTERRUPTED_EXIT_CODE
         except RunFailed as err:
             print(f"nemo-granular compare: error: {err}", file=sys.stderr)
             return 1
-    print(f"report: {report}")
+    print(f"report: {Path(report).absolute()}")
     return 0

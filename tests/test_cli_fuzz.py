@@ -105,8 +105,9 @@ CASES = [
     ("override without =", [*T, "rl.steps"], "override 'rl.steps'"),
     ("override with empty key", [*T, "=5"], "override '=5'"),
     ("override with empty segment", [*T, "rl..steps=5"], "rl..steps"),
-    ("override unknown key", [*T, "model.hiden_size=3"], "model.hiden_size"),
-    ("override unknown section", [*T, "a.b.c=1"], "a: Extra inputs"),
+    ("override unknown key", [*T, "model.hiden_size=3"],
+     "model.hiden_size: unknown key (did you mean model.hidden_size?)"),
+    ("override unknown section", [*T, "a.b.c=1"], "a: unknown key"),
     ("override adds unknown key", [*T, "+model.extra=1"], "model.extra"),
     ("delete a missing key", [*T, "~model.nothing"], "model.nothing"),
     ("override section by scalar", [*T, "rl=5"], "rl:"),
@@ -176,10 +177,16 @@ CASES = [
     ("compare: seeds not int", ["compare", "--seeds", "two", "--out", "{t}/c"], "--seeds"),
     ("compare: jobs 0", ["compare", "--algorithms", "grpo", "--jobs", "0", "--out", "{t}/c"], "--jobs"),
     ("compare: steps negative", ["compare", "--algorithms", "grpo", "--steps", "-1", "--out", "{t}/c"], "--steps"),
+    ("compare: steps 0", ["compare", "--algorithms", "grpo", "--steps", "0", "--out", "{t}/c"],
+     "--steps must be >= 1"),
+    ("compare: rl.steps=0", ["compare", "--algorithms", "grpo,sspo", "--out", "{t}/c", "rl.steps=0"],
+     "grpo: rl.steps=0: a comparison needs at least 1 RL step"),
     ("compare: config dir missing", ["compare", "--config-dir", "{f}/nodir", "--out", "{t}/c"], "nodir"),
     ("compare: bad override", ["compare", "--algorithms", "grpo", "--out", "{t}/c", "rl.temperature=0"],
      "grpo: rl.temperature"),
-    ("compare: unknown key", ["compare", "--algorithms", "sspo", "--out", "{t}/c", "rl.stepz=3"], "rl.stepz"),
+    ("compare: unknown key", ["compare", "--algorithms", "sspo", "--out", "{t}/c", "rl.stepz=3"],
+     "rl.stepz: unknown key (did you mean rl.steps?)"),
+    ("unknown key: a section's key at the top", [*T, "lr=0.1"], "lr: unknown key (did you mean rl.lr"),
     ("compare: out is a file", ["compare", "--algorithms", "grpo", "--out", "{f}/a_file"],
      "--out {f}/a_file: is a file, not a directory"),
     ("compare: out holds a report", ["compare", "--algorithms", "grpo", "--out", "{f}/cmp"],
@@ -226,6 +233,36 @@ def _main(argv):
         return main(argv)
     except SystemExit as exc:  # argparse's own exit
         return exc.code
+
+
+def test_no_command_is_a_usage_error(capsys):
+    from nemo_granular.cli import COMMANDS
+
+    assert _main([]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: nemo-granular {")
+    assert all(name in err for name in COMMANDS) and err.strip().splitlines()[-1].startswith("nemo-granular: error:")
+    assert _main(["--help"]) == 0  # asked for: stdout, exit 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: nemo-granular {") and err == ""
+
+
+def test_every_compare_option_has_help(monkeypatch):
+    """Every argument of ``compare`` says what it is in --help (``--out`` said nothing)."""
+    import nemo_granular.compare as C
+
+    seen = []
+
+    def parse_args(self, argv=None):
+        seen.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(C.ArgumentParser, "parse_args", parse_args)
+    assert _main(["compare"]) == 0
+    bare = [a.dest for a in seen[0]._actions if not a.help]
+    assert not bare, bare
+    out = next(a for a in seen[0]._actions if a.dest == "out")
+    assert "report.md" in out.help and "--resume" in out.help, out.help
 
 
 def test_the_table_is_large_enough():

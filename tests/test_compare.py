@@ -20,8 +20,9 @@ ALGS = ["grpo", "gspo", "sspo", "espo", "sppo"]
 def test_smoke_comparison_writes_report_and_plots(tmp_path):
     out = tmp_path / "cmp"
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "compare", "--smoke", "--algorithms", ",".join(ALGS),
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+    # one seed keeps CI short (--smoke's default is 3); several seeds: test_default_is_five_paired_seeds_...
+    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "compare", "--smoke", "--seeds", "1", "--algorithms",
+                           ",".join(ALGS), "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1200)
     elapsed = time.time() - t0
     print(f"smoke comparison of {len(ALGS)} algorithms: {elapsed:.0f} s")  # recorded by CI's -rA/-s output
@@ -38,7 +39,7 @@ def test_smoke_comparison_writes_report_and_plots(tmp_path):
     assert "directional claims" in report and report.count("| inconclusive (1 seed) |") >= 4
     assert "± 0.000" not in report and "Suite `sspo`" in report  # the benchmark-suite table
     pngs = sorted(out.glob("*.png"))
-    assert len(pngs) == 9 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert len(pngs) == 10 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     for alg in ALGS:  # every run really trained: metrics for every step and a final checkpoint
         run = out / "runs" / f"{alg}_seed0"
         steps = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -93,8 +94,24 @@ def _compare(C, out, *overrides, algorithms=("grpo",), **kw):
 
     kw.setdefault("suite", None)  # the benchmark suite is tested by the smoke comparison and tests/test_evals.py
     kw.setdefault("suite", None)  # the benchmark suite is covered by the smoke comparison and tests/test_evals.py
-    return C.compare(algorithms=list(algorithms), seeds=1, steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
+    kw.setdefault("seeds", 1)
+    return C.compare(algorithms=list(algorithms), steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
                      overrides=[*TINY, *overrides], **kw)
+
+
+def test_default_is_five_paired_seeds_and_every_claim_gets_an_interval(inprocess_runs, tmp_path, capsys):
+    """The default comparison has enough seeds for a 95 % interval of every paired claim (one seed gave
+    "inconclusive (1 seed)" for 8 of 10 claims); the printed paths are absolute."""
+    report = _compare(inprocess_runs, tmp_path / "cmp", algorithms=("grpo", "gspo"), seeds=None).read_text()
+    assert sorted(p.name for p in (tmp_path / "cmp" / "runs").iterdir()) == sorted(
+        f"{a}_seed{s}" for a in ("grpo", "gspo") for s in range(5))
+    assert "| grpo | 5 |" in report and "| gspo | 5 |" in report
+    claims = [line for line in report.splitlines() if line.startswith("| GSPO reaches a higher final")
+              or line.startswith("| GSPO's clip fraction is near zero")]
+    assert len(claims) == 2 and all("95 % CI [" in c and "over 5 seeds" in c for c in claims), claims
+    assert "(1 seed)" not in report
+    out = capsys.readouterr().out
+    assert all(Path(line.rsplit("(", 1)[1].rstrip(")")).is_absolute() for line in out.splitlines() if "seed" in line)
 
 
 def _policy_config(run: Path) -> dict:
@@ -148,7 +165,7 @@ def test_summary_goes_to_stdout_and_progress_to_stderr(inprocess_runs, tmp_path,
     C, out = inprocess_runs, tmp_path / "cmp"
     monkeypatch.setattr(C, "_evaluate", lambda *a, **k: None)  # the benchmark suite: tests/test_evals.py
     capsys.readouterr()
-    assert main(["compare", "--algorithms", "grpo", "--out", str(out), "--jobs", "1", *TINY,
+    assert main(["compare", "--algorithms", "grpo", "--seeds", "1", "--out", str(out), "--jobs", "1", *TINY,
                  "model.hidden_size=32"]) == 0
     cap = capsys.readouterr()
     stdout = cap.out.strip().splitlines()
@@ -205,8 +222,9 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
     # many steps: under load one run's start-up can lag the other's by more than 20 tiny steps, and a
     # run that finished before the Ctrl-C has nothing to resume (seen once on two xdist workers)
     total = 100
-    cmd = [sys.executable, "-m", "nemo_granular", "compare", "--algorithms", "grpo,sspo", "--out", str(out),
-           *TINY, "model.hidden_size=32", "warmstart.enabled=false", f"rl.steps={total}", "logger.log_every=1", "--jobs", "2"]
+    cmd = [sys.executable, "-m", "nemo_granular", "compare", "--algorithms", "grpo,sspo", "--seeds", "1",
+           "--out", str(out), *TINY, "model.hidden_size=32", "warmstart.enabled=false", f"rl.steps={total}",
+           "logger.log_every=1", "--jobs", "2"]
     # its own session, as a terminal's foreground job: Ctrl-C reaches the parent and every run
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True, start_new_session=True)
@@ -222,7 +240,7 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
     rest = proc.stderr.read()
     assert proc.wait(timeout=120) == 130, "".join(seen) + rest
     last = rest.strip().splitlines()[-1]
-    assert "continue with: nemo-granular compare" in last and last.endswith("--resume"), rest
+    assert "continue with: " in last and last.endswith("--resume"), rest
     # one way to continue: compare's own command, not one per run as well
     hints = [line for line in rest.splitlines() if "--resume" in line]
     assert hints == [last], hints
@@ -232,8 +250,11 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
         latest = (run / "checkpoints" / "latest").read_text().strip()
         steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
         assert int(latest.split("_")[1]) == steps[-1] < total  # stopped early, with the last step checkpointed
-    again = subprocess.run(cmd + ["--resume"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                           capture_output=True, text=True, timeout=600)
+    # the printed command, run as printed by a shell in another directory (its --out made absolute)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = subprocess.run(last.split("continue with: ", 1)[1], shell=True, cwd=elsewhere,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming at step" in again.stderr and (out / "report.md").is_file()
     for alg in ("grpo", "sspo"):

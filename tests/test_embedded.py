@@ -280,3 +280,24 @@ def test_start_line_announces_the_checkpoints_that_will_be_written(tmp_path, ste
     logs = []
     Trainer(_cfg("grpo", tmp_path, f"rl.steps={steps}", f"checkpoint.every={every}"), log=logs.append).close()
     assert logs[0].endswith(f"(metrics.jsonl; {said}"), logs[0]
+
+
+def test_a_warm_start_that_misses_its_target_says_so_in_one_line(tmp_path):
+    """--smoke's warm start ended at 0.195 held-out accuracy (target 0.5) and nothing said so."""
+    from nemo_granular.embedded.trainer import Trainer
+
+    def warm(target, where):
+        lines = []
+        cfg = _cfg("grpo", tmp_path / where, "warmstart.enabled=true", "warmstart.max_steps=2",
+                   "warmstart.eval_every=2", "warmstart.batch_size=4", f"warmstart.target_accuracy={target}",
+                   "rl.steps=0")
+        assert Trainer(cfg, log=lines.append, summary=lambda m: None).run() == 0
+        evals = [line for line in lines if line.startswith("warm start step 2:")]
+        missed = [line for line in lines if "missed its target" in line]
+        return evals, missed
+
+    evals, missed = warm(1.0, "miss")  # 2 SFT steps cannot get every held-out problem right
+    acc = evals[-1].rsplit("accuracy ", 1)[1]
+    assert len(missed) == 1 and "\n" not in missed[0], missed
+    assert f"accuracy {acc} < warmstart.target_accuracy=1" in missed[0] and "warmstart.max_steps=2" in missed[0]
+    assert warm(0.0, "hit")[1] == []  # reached (any accuracy >= 0): nothing to say

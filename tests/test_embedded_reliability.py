@@ -81,11 +81,19 @@ def test_ctrl_c_checkpoints_exits_130_with_a_resume_line_and_resume_continues(tm
     assert "SIGINT received: will save a checkpoint after this step" in err
     stopped = [line for line in err.splitlines() if line.startswith("stopped by SIGINT")]
     assert len(stopped) == 1 and "checkpoint" in stopped[0]
-    assert "resume with: nemo-granular train" in err and err.strip().splitlines()[-1].endswith("--resume")
+    hint = err.strip().splitlines()[-1]
+    assert hint.startswith("resume with: ") and hint.endswith("--resume"), hint
     state = _latest_state(run)
     assert state["step"] == _steps(run)[-1] >= 2  # no step lost: the checkpoint holds the last logged step
     assert not list((run / "checkpoints").glob(".tmp_*"))
-    more = _cli("rl.steps=" + str(state["step"] + 2), "checkpoint.every=1000", f"output_dir={run}", "--resume")
+    # the printed command, run as printed by a shell in another directory (no venv on PATH, so the tool's
+    # own path; the config file and output_dir absolute), with 2 more steps instead of the 400
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    printed = hint.removeprefix("resume with: ")
+    fewer = printed.removesuffix(" --resume") + f" rl.steps={state['step'] + 2} --resume"  # later overrides win
+    more = subprocess.run(fewer, shell=True, cwd=elsewhere, env=_env(),
+                          capture_output=True, text=True, timeout=300)
     assert more.returncode == 0, more.stderr[-2000:]
     assert _steps(run) == list(range(state["step"] + 3))
     assert more.stdout.startswith("done: grpo step") and "checkpoint" in more.stdout

@@ -11,7 +11,7 @@ So the statistic is less noisy: per seed, the mean of the evaluations at steps 3
 minus the warm start's accuracy; then the mean over seeds 0 and 1. Over seeds 0-4 the per-seed
 statistic was GRPO +0.282/+0.242/+0.200/+0.197/+0.103 (mean 0.205, sd 0.067) and SSPO
 +0.128/+0.122/+0.203/+0.036/+0.070 (mean 0.112, sd 0.064): SSPO learns less than GRPO on this task
-(its responses rarely hold "\\n\\n", so SSPO is close to GSPO here). The margin, 0.03, is 1.8 sd of a
+(why was not measured; its responses hold about 4 segments each, docs/embedded.md). The margin, 0.03, is 1.8 sd of a
 two-seed mean below SSPO's measured mean; a run whose updates do nothing scores exactly 0 (the
 greedy policy never changes) and a sign error in the gradient scores below 0.
 """

@@ -323,31 +323,115 @@ def _wall_verdict(report: str, setting: str = "equal samples") -> tuple[str, str
     return row.split("|")[4].strip(), row.split("|")[5].strip()
 
 
-def test_wall_time_verdict_is_unusable_when_the_runs_did_not_get_equal_cpu(tmp_path):
-    """The demo's 5 runs, 2 at a time: GRPO trains beside GSPO, SPPO trains last, alone. Their wall times
-    are not comparable, and the report says so instead of judging the claim on them."""
-    from nemo_granular.report.stats import UNUSABLE
-
-    def runs(root, sppo_t0, sppo_cpu=0.97):
+def test_sppo_speed_claim_is_judged_on_cpu_time_whatever_the_runs_shared(tmp_path):
+    """The demo's 5 runs, 2 at a time: GRPO trains beside GSPO, SPPO trains last, alone, so their wall
+    times do not compare. Their CPU seconds do (one thread per run): the claim is judged on those, and
+    says so; runs without CPU records (NeMo-RL) are judged on wall time and the note says that."""
+    def runs(root, sppo_t0, sppo_cpu=0.97, sppo_reward=0.5):
+        sppo = _timed(sppo_t0, sppo_cpu)
         return [_embedded_run(root, "grpo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.0)),
                 _embedded_run(root, "gspo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.5)),
-                _embedded_run(root, "sppo", 0, [0.5, 0.6, 0.7], per_step=_timed(sppo_t0, sppo_cpu))]
+                _embedded_run(root, "sppo", 0, [0.5, 0.6, 0.7],
+                              per_step=lambda s: {**sppo(s), "train/reward": sppo_reward})]
 
     alone = report_from_runs(runs(tmp_path / "a", sppo_t0=5000.0), tmp_path / "a" / "rep").read_text()
     verdict, note = _wall_verdict(alone)
-    assert verdict == UNUSABLE, (verdict, note)
-    assert "grpo 0.98 other runs alongside" in note.lower() and "sppo 0.00 other runs alongside" in note.lower()
+    assert verdict.startswith(INCONCLUSIVE) and "(1 seed)" in verdict, (verdict, note)  # one seed: no interval
+    assert "in CPU s" in note, note
+    row = next(line for line in alone.splitlines() if line.startswith("| SPPO reaches GRPO's final reward sooner"))
+    # both reach the flat reward at the 10th step (the trailing 10-step mean): 10 × 1.5 s × 0.97 CPU s/s
+    assert "GRPO 14.6 CPU s, SPPO 14.6 CPU s" in row, row
 
-    # SPPO beside GRPO and GSPO the whole time, the same CPU per wall second: an ordinary verdict
-    together = report_from_runs(runs(tmp_path / "b", sppo_t0=1000.2), tmp_path / "b" / "rep").read_text()
-    assert _wall_verdict(together)[0].startswith(INCONCLUSIVE)  # one seed: a comparison stays inconclusive
-
-    # beside them, but it got half the CPU per wall second (another job on the machine): unusable too
+    # SPPO got half the CPU per wall second (another job): the same CPU seconds, the same measurement
     starved = report_from_runs(runs(tmp_path / "c", 1000.2, sppo_cpu=0.45), tmp_path / "c" / "rep").read_text()
-    assert _wall_verdict(starved)[0] == UNUSABLE and "0.45 cpu s per wall s" in _wall_verdict(starved)[1].lower()
+    row = next(line for line in starved.splitlines() if line.startswith("| SPPO reaches GRPO's final reward sooner"))
+    assert "GRPO 14.6 CPU s, SPPO 6.75 CPU s" in row, row  # 10 × 1.5 × 0.45
 
-    # runs that recorded no timing (older runs, NeMo-RL runs): judged as before, and the note says so
+    # runs that recorded no timing (older runs, NeMo-RL runs): wall time, and the note says so
     flat = lambda s: {"train/reward": 0.5}  # noqa: E731
     plain = [_embedded_run(tmp_path / "d", a, 0, [0.5, 0.6, 0.7], per_step=flat) for a in ("grpo", "sppo")]
     verdict, note = _wall_verdict(report_from_runs(plain, tmp_path / "d" / "rep").read_text())
-    assert verdict.startswith(INCONCLUSIVE) and "CPU sharing not recorded" in note
+    assert verdict.startswith(INCONCLUSIVE) and "CPU sharing not recorded" in note and "s wall" in note
+
+
+def _t_quantile_by_integration(df: int, p: float = 0.975) -> float:
+    """Student's t quantile from its density (log-gamma normaliser, Simpson's rule, bisection)."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    n = 400
+    simpson = np.where(np.arange(n + 1) % 2 == 1, 4.0, 2.0)
+    simpson[0] = simpson[-1] = 1.0
+
+    def cdf(x):  # 0.5 + ∫_0^x f, Simpson's rule on n intervals
+        t = np.linspace(0.0, x, n + 1)
+        return 0.5 + float((simpson * c * (1 + t ** 2 / df) ** (-(df + 1) / 2)).sum()) * (x / n) / 3
+
+    lo, hi = 0.0, 20.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def test_t_quantiles_against_the_t_density():
+    from nemo_granular.report.stats import t975
+
+    for df in (*range(1, 31), 31, 35, 40, 60, 120):
+        exact = _t_quantile_by_integration(df)
+        assert abs(t975(df) - exact) < 1e-3 * (1 + (df == 1) * 4), (df, t975(df), exact)
+
+
+def test_verdicts_are_judged_on_the_interval_and_show_it():
+    from nemo_granular.report.stats import mean_ci
+
+    diffs = [0.3, 0.05, 0.1]  # mean 0.15 > sd 0.13, but with 3 seeds the 95 % interval contains 0
+    verdict, note = verdict_greater(diffs)
+    mu, sd = statistics.mean(diffs), statistics.stdev(diffs)
+    half = _t_quantile_by_integration(2) * sd / math.sqrt(3)
+    assert verdict == INCONCLUSIVE, (verdict, note)
+    assert f"95 % CI [{mu - half:+.3g}, {mu + half:+.3g}]" in note, note
+    m, lo, hi, n = mean_ci(diffs)
+    assert n == 3 and abs(m - mu) < 1e-12 and abs(lo - (mu - half)) < 1e-3 and abs(hi - (mu + half)) < 1e-3
+    assert verdict_greater([0.3, 0.25, 0.28])[0] == HOLDS  # a consistent effect: the interval excludes 0
+    assert verdict_below([0.008, 0.002, 0.004], 0.01)[0] == INCONCLUSIVE  # mean + sd < 0.01, interval is not
+
+
+def test_report_shows_each_clip_range_and_says_how_plots_are_smoothed(tmp_path, monkeypatch):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    titles, outside = {}, {}
+    real_savefig = Figure.savefig
+
+    def savefig(fig, path, **kw):
+        ax = fig.axes[0]
+        fig.canvas.draw()
+        legend = ax.get_legend().get_window_extent()
+        outside[ax.get_title()] = legend.x0 >= ax.get_window_extent().x1  # the legend right of the axes
+        return real_savefig(fig, path, **kw)
+
+    real_title = Axes.set_title
+    monkeypatch.setattr(Axes, "set_title", lambda ax, t, **kw: (titles.setdefault(t.split("\n")[0], t),
+                                                                real_title(ax, t, **kw))[1])
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    bounds = {"grpo": (0.8, 1.2), "gspo": (0.9997, 1.0004)}
+    runs = [_embedded_run(tmp_path, alg, seed, [0.5, 0.6, 0.7],
+                          per_step=lambda s, b=bounds[alg]: {"train/clip_bound_low_mean": b[0] - 0.001 * (s % 2),
+                                                             "train/clip_bound_high_mean": b[1]})
+            for alg in bounds for seed in (0, 1)]
+    report = report_from_runs(runs, tmp_path / "rep").read_text()
+    rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| grpo |")
+            or line.startswith("| gspo |")}
+    # mean over steps: half the steps 0.001 lower
+    assert "| [0.79950, 1.20000] |" in rows["grpo"], rows["grpo"]
+    assert "| [0.99920, 1.00040] |" in rows["gspo"], rows["gspo"]
+    gs_claim = next(line for line in report.splitlines() if line.startswith("| GSPO's clip fraction is near zero"))
+    assert "range [0.99920, 1.00040]" in gs_claim, gs_claim
+    # 20 steps: the reward is a trailing mean over 2 steps; the 3 held-out evaluations are not smoothed
+    assert "trailing mean over 2 RL steps" in titles["reward (sampled, training)"], titles
+    assert "not smoothed" in titles["held-out validation accuracy"], titles
+    assert "smoothed" not in titles["held-out validation accuracy"].replace("not smoothed", ""), titles
+    assert outside and all(outside.values()), outside

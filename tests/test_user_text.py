@@ -85,3 +85,47 @@ def test_readme_says_how_long_the_full_demo_takes():
     said = re.search(r"full demo[^.]*?(\d+)\s*[–-]\s*(\d+)\s*min", quick)
     assert said, "README's quick start gives no duration for the full demo"
     assert int(said.group(1)) < int(said.group(2))
+
+
+def test_readme_says_what_the_test_command_does_to_the_machine_before_the_command():
+    """A reader who runs the quick start's commands as they come has read, before ``bash scripts/test.sh``,
+    that it installs Slurm and edits /etc/hosts (as root)."""
+    readme = (ROOT / "README.md").read_text()
+    first_command = readme.index("\nbash scripts/test.sh")  # the command itself, at the start of a line
+    before = readme[:first_command]
+    for change in ("/etc/hosts", "slurmctld", "apt-", "root"):
+        assert change in before, f"{change!r} is only said after the command"
+
+
+def test_readme_quick_start_is_two_commands_and_names_the_tool_it_installs():
+    quick = (ROOT / "README.md").read_text().split("## Quick start")[1].split("\n## ")[0]
+    block = quick.split("```bash\n")[1].split("```")[0]
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"], commands
+    assert ".venv/bin/nemo-granular" in quick  # the quick start does not put `nemo-granular` on PATH
+
+
+def test_setup_venv_says_what_it_is_doing_before_the_slow_install(tmp_path):
+    """scripts/setup_venv.sh printed nothing for a minute: a progress line comes before each install
+    (here the script runs on a copy, with a pip that records when it is called)."""
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ROOT / "scripts" / "setup_venv.sh", tmp_path / "scripts")
+    (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, body in (("pip", 'echo "PIP $*"\n'), ("python", "exit 0\n")):
+        (bin_dir / name).write_text("#!/bin/sh\n" + body)
+        (bin_dir / name).chmod(0o755)
+    # one stream for the script's lines and pip's, in the order they were written
+    r = subprocess.run(["bash", "scripts/setup_venv.sh"], cwd=tmp_path, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout
+    lines = r.stdout.splitlines()
+    pips = [i for i, line in enumerate(lines) if line.startswith("PIP ")]
+    assert len(pips) == 2, lines
+    assert lines[0].startswith("setup_venv: ") and "torch" in lines[0] and "minute" in lines[0], lines
+    assert lines[pips[0] + 1].startswith("setup_venv: "), lines  # a line before the second install too
+    assert lines[-1].startswith("setup_venv: done in ") and str(bin_dir / "nemo-granular") in lines[-1], lines
+    again = subprocess.run(["bash", "scripts/setup_venv.sh"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=60)
+    assert again.returncode == 0 and again.stderr == again.stdout == ""  # already set up: quiet

@@ -65,7 +65,8 @@ def test_wheel_in_a_clean_venv_runs_compare_smoke(tmp_path):
     assert _run([str(exe), "--version"], cwd, env).stdout.strip().startswith("nemo-granular ")
 
     # 3. the packaged configs are found: a comparison end to end from the installed wheel
-    res = _run([str(exe), "compare", "--smoke", "--algorithms", "grpo", "--out", "cmp", *TINY], cwd, env)
+    res = _run([str(exe), "compare", "--smoke", "--seeds", "1", "--algorithms", "grpo", "--out", "cmp", *TINY], cwd,
+               env)
     assert "[grpo seed0] done: grpo step 2/2" in res.stderr, res.stderr[-3000:]
     report = (cwd / "cmp" / "report.md").read_text()
     assert "warm-start cache key seed0-" in report and "| grpo |" in report

@@ -4,13 +4,37 @@ from __future__ import annotations
 
 import shlex
 import sys
+from pathlib import Path
 
-from ..cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser
+from ..cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser, command_prefix
 from .config import load_train_config, packaged_configs
 
 
 # the line that tells how to continue a stopped run (``compare`` leaves it out of its echo: it has its own)
 RESUME_HINT = "resume with: "
+
+
+def resume_command(argv: list[str], output_dir: str) -> str:
+    """The command that continues this run, runnable as printed from any directory: the tool as it can
+    be run (:func:`command_prefix`), a config file's path and ``output_dir`` made absolute."""
+    again, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a in ("--force", "--resume", "--auto-resume") or a.lstrip("+").startswith("output_dir="):
+            i += 1
+            continue
+        if a == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+            again += ["--config", str(Path(path).absolute()) if Path(path).is_file() else path]
+            i += 2
+            continue
+        if a.startswith("--config="):
+            path = a.split("=", 1)[1]
+            a = f"--config={Path(path).absolute()}" if Path(path).is_file() else a
+        again.append(a)
+        i += 1
+    again += [f"output_dir={Path(output_dir).absolute()}", "--resume"]
+    return f"{command_prefix()} train {shlex.join(again)}"
 
 
 def train_main(argv: list[str]) -> int:
@@ -30,6 +54,7 @@ def train_main(argv: list[str]) -> int:
     ap.add_argument("overrides", nargs="*", help="key=value overrides (Hydra style: a.b=v, +a.b=v, ~a.b)")
     args = ap.parse_args(argv)
     cfg = load_train_config(args.config, args.overrides)
+    cfg.output_dir = str(Path(cfg.output_dir).absolute())  # every path printed holds from any directory
     import logging
 
     # import-time chatter of optional packages (torchao's kernels, torch's pytree deprecations) is not
@@ -48,6 +73,5 @@ def train_main(argv: list[str]) -> int:
               file=sys.stderr)
         return INTERRUPTED_EXIT_CODE
     if rc in (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE):
-        again = [a for a in argv if a not in ("--force", "--resume", "--auto-resume")] + ["--resume"]
-        print(f"{RESUME_HINT}nemo-granular train {shlex.join(again)}", file=sys.stderr)
+        print(f"{RESUME_HINT}{resume_command(argv, cfg.output_dir)}", file=sys.stderr)
     return rc

@@ -277,7 +277,55 @@ def load_train_config(path: str | Path | None = None, overrides: list[str] | Non
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as err:
-        raise ValueError(format_validation_error(err)) from None
+        raise ValueError(_with_suggestions(err)) from None
+
+
+def config_keys(model=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the config (sections and leaves), in definition order."""
+    model = model or TrainConfig
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += config_keys(ann, f"{prefix}{name}.")
+    return keys
+
+
+def suggest_keys(key: str, keys: list[str] | None = None) -> list[str]:
+    """The valid keys nearest to an unknown ``key``: those with the same last part (``lr`` →
+    ``rl.lr``, ``critic.lr``, ``warmstart.lr``), else a close spelling of the last part in the same
+    section (``rl.stepz`` → ``rl.steps``), else anywhere (``stepz`` → ``rl.steps``)."""
+    import difflib
+
+    keys = config_keys() if keys is None else keys
+    parent, _, leaf = key.rpartition(".")
+    same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf and k != key]
+    if same_leaf:
+        return sorted(same_leaf, key=lambda k: -difflib.SequenceMatcher(None, key, k).ratio())[:3]
+    for pool, cutoff in (([k for k in keys if k.rpartition(".")[0] == parent], 0.6), (keys, 0.75)):
+        by_leaf: dict[str, list[str]] = {}
+        for k in pool:
+            by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
+        near = difflib.get_close_matches(leaf, list(by_leaf), n=2, cutoff=cutoff)
+        if near:
+            return [k for name in near for k in by_leaf[name]][:2]
+    return []
+
+
+def _with_suggestions(err: ValidationError) -> str:
+    """:func:`format_validation_error`, with "did you mean" for every unknown key."""
+    unknown = [".".join(str(p) for p in e["loc"]) for e in err.errors() if e.get("type") == "extra_forbidden"]
+    text = format_validation_error(err)
+    if not unknown:
+        return text
+    keys = config_keys()
+    hints = []
+    for key in unknown:
+        near = suggest_keys(key, keys)
+        hints.append(f"{key}: unknown key" + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+    others = [part for part in text.split("; ") if not any(part.startswith(f"{k}:") for k in unknown)]
+    return "; ".join(hints + others)
 
 
 def dump_config(cfg: TrainConfig) -> str:

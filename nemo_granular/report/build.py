@@ -6,9 +6,9 @@ import math
 import os
 from pathlib import Path
 
-from .cpu import cpu_usage, equal_cpu
+from .cpu import CPU_KEY, cpu_usage
 from .runs import Run, load_run
-from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, UNUSABLE, fmt, mean_sd, moving_average, seed_band,
+from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, fmt, mean_sd, moving_average, seed_band,
                     verdict_below, verdict_between, verdict_greater)
 from .suites import benchmark_tables
 
@@ -23,6 +23,7 @@ PAPERS = {
 
 PANELS = [("train/reward", "step", "reward (sampled, training)", "mean reward"),
           ("train/reward", "wall_time", "reward vs RL wall time", "mean reward"),
+          ("train/reward", "cpu_time", "reward vs RL CPU time", "mean reward"),
           ("train/reward", "samples", "reward vs samples drawn", "mean reward"),
           ("validation/accuracy", "step", "held-out validation accuracy", "accuracy"),
           ("train/clip_frac_low", "step", "clip fraction, low side (A<0, r<lo)", "fraction of tokens"),
@@ -30,11 +31,32 @@ PANELS = [("train/reward", "step", "reward (sampled, training)", "mean reward"),
           ("train/prev_entropy", "step", "π_old entropy", "entropy (nats/token)"),
           ("train/response_length", "step", "response length", "tokens"),
           ("train/groups_per_response", "step", "ratio groups per response", "groups")]
-X_LABEL = {"step": "RL step", "wall_time": "RL wall time (s, validation excluded)", "samples": "samples drawn"}
+X_LABEL = {"step": "RL step", "wall_time": "RL wall time (s, validation excluded)",
+           "cpu_time": "RL CPU time (CPU s of the run's process, validation excluded)", "samples": "samples drawn"}
+CPU_STEP_KEY = CPU_KEY  # CPU seconds of one RL step (embedded trainer), see report/cpu.py
+
+
+def _cpu_clock(run: Run) -> dict[int, float] | None:
+    """step → cumulative RL CPU seconds, when every RL step recorded its CPU time (else None)."""
+    steps = sorted((r for r in run.recs if r["step"] > 0), key=lambda r: r["step"])
+    if not steps or not all(CPU_STEP_KEY in r for r in steps):
+        return None
+    total, out = 0.0, {0: 0.0}
+    for r in steps:
+        total += r[CPU_STEP_KEY]
+        out[r["step"]] = total
+    return out
 
 
 def _series(run: Run, key: str, x: str = "step"):
-    pts = [(r[x], r[key]) for r in run.recs if key in r and r.get(x) is not None and math.isfinite(r[key])]
+    if x == "cpu_time":
+        clock = _cpu_clock(run)
+        if clock is None:
+            return [], []
+        pts = [(clock[r["step"]], r[key]) for r in run.recs
+               if key in r and r["step"] in clock and math.isfinite(r[key])]
+    else:
+        pts = [(r[x], r[key]) for r in run.recs if key in r and r.get(x) is not None and math.isfinite(r[key])]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -52,23 +74,29 @@ def summary(run: Run) -> dict:
     ke = max(1, len(ent) // 10)
     clip_lo = [r.get("train/clip_frac_low") for r in recs]
     clip_hi = [r.get("train/clip_frac_high") for r in recs]
+    clock = _cpu_clock(run)
     return {
         "acc0": acc[0] if acc else float("nan"),
         "acc": acc[-1] if acc else float("nan"),
         "reward_first": _mean(rew[:k]), "reward_last": _mean(rew[-k:]),
         "clip_low": _mean(clip_lo), "clip_high": _mean(clip_hi),
         "clip": _mean([a + b for a, b in zip(clip_lo, clip_hi) if a is not None and b is not None]),
+        # the clip range: mean over steps of the token-weighted mean bounds [lo, hi] of the ratio
+        "bound_low": _mean([r.get("train/clip_bound_low_mean") for r in recs]),
+        "bound_high": _mean([r.get("train/clip_bound_high_mean") for r in recs]),
         "entropy_first": _mean(ent[:ke]), "entropy_last": _mean(ent[-ke:]),
         "groups": _mean([r.get("train/groups_per_response") for r in recs]),
         "length": _mean([r.get("train/response_length") for r in recs]),
         "wall": recs[-1]["wall_time"] if recs else float("nan"),
+        "cpu": max(clock.values()) if clock else float("nan"),
         "samples": recs[-1].get("samples", float("nan")) if recs else float("nan"),
     }
 
 
-def time_to_reward(run: Run, target: float, window: int = 10) -> float | None:
-    """RL wall time at which the trailing mean of the reward over ``window`` steps first reaches ``target``."""
-    xs, ys = _series(run, "train/reward", "wall_time")
+def time_to_reward(run: Run, target: float, window: int = 10, clock: str = "wall_time") -> float | None:
+    """RL time (``clock``: ``wall_time`` or ``cpu_time``) at which the trailing mean of the reward over
+    ``window`` steps first reaches ``target``."""
+    xs, ys = _series(run, "train/reward", clock)
     if not ys:
         return None
     sm = moving_average(ys, window)
@@ -77,8 +105,9 @@ def time_to_reward(run: Run, target: float, window: int = 10) -> float | None:
     return xs[hit[0]] if hit else None
 
 
-def _fmt_t(t: float | None) -> str:
-    return "never" if t is None else f"{t:.0f} s"
+def _secs(t: float) -> str:
+    """Seconds with 3 significant digits below 100 s (short smoke runs), whole seconds above."""
+    return f"{t:.3g}" if abs(t) < 100 else f"{t:.0f}"
 
 
 def _stat(values, digits=3):
@@ -93,17 +122,42 @@ def _sci(values):
     return f"{mu:.2e}" + (f" ± {sd:.1e}" if sd is not None else "")
 
 
+def _clip_range(summaries) -> str:
+    """The clip range [lo, hi] of the ratio (mean bounds over steps, then over seeds)."""
+    lo, _, n_lo = mean_sd([s["bound_low"] for s in summaries])
+    hi, _, n_hi = mean_sd([s["bound_high"] for s in summaries])
+    if not (n_lo and n_hi):
+        return "n/a"
+    return f"[{lo:.5f}, {hi:.5f}]"
+
+
 # ---------------------------------------------------------------------------- plots
 def _save(fig, out: Path, name: str) -> str:
     tmp = out / f".{name}.tmp.png"
-    fig.savefig(tmp, dpi=90)
+    fig.savefig(tmp, dpi=90, bbox_inches="tight")  # "tight": the legend outside the axes stays in the file
     os.replace(tmp, out / name)
     return name
 
 
+def smoothing_window(n_points: int) -> int:
+    """The trailing-mean window of a plotted curve: a tenth of its points (1: not smoothed)."""
+    return max(1, n_points // 10)
+
+
+def _smoothing_text(windows: set[int], key: str) -> str:
+    """What the bold line of a panel is, exactly (``train/`` metrics: one point per RL step)."""
+    unit = "RL steps" if key.startswith("train/") else "evaluations"
+    if windows <= {1}:
+        return "bold: mean over seeds, not smoothed"
+    sizes = " or ".join(str(w) for w in sorted(windows))
+    return f"bold: mean over seeds of each seed's trailing mean over {sizes} {unit}"
+
+
 def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
-    """One PNG per panel: each algorithm's seeds faint, their mean smoothed (trailing mean over
-    a tenth of the points) bold, the seeds' min–max band shaded."""
+    """One PNG per panel: each algorithm's seeds faint (raw), bold the mean over seeds of each
+    seed's trailing mean over a tenth of its points (:func:`smoothing_window`; a curve of fewer
+    than 20 points, such as the held-out evaluations, is not smoothed), the seeds' min–max band of
+    those curves shaded. The title says which; the legend sits outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -112,6 +166,7 @@ def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
     files = []
     for key, x, title, ylabel in PANELS:
         fig, ax = plt.subplots(figsize=(6.4, 3.8))
+        windows = set()
         for ci, (name, runs) in enumerate(by_name.items()):
             color = f"C{ci % 10}"
             curves = []
@@ -122,7 +177,8 @@ def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
                     curves.append((xs, ys))
             if not curves:
                 continue
-            window = max(1, max(len(c[0]) for c in curves) // 10)
+            window = smoothing_window(max(len(c[0]) for c in curves))
+            windows.add(window)
             band = seed_band([(xs, moving_average(ys, window)) for xs, ys in curves])
             label = f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
             if band is None:
@@ -136,12 +192,13 @@ def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
         if not ax.has_data():
             plt.close(fig)
             continue
-        ax.set_title(f"{title}\n(smoothed mean, band: seed min–max, faint: each seed)", fontsize=9)
+        ax.set_title(f"{title}\n({_smoothing_text(windows, key)}; band: seed min–max of those curves; "
+                     "faint: each seed, raw)", fontsize=8)
         ax.set_xlabel(X_LABEL[x])
         ax.set_ylabel(ylabel)
         if key.startswith("train/clip"):
             ax.set_yscale("symlog", linthresh=1e-4)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
         fig.tight_layout()
         files.append(_save(fig, out, f"{key.split('/')[-1]}_vs_{x}.png"))
         plt.close(fig)
@@ -177,10 +234,13 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
         return [rec["train/clip_frac_low"] + rec["train/clip_frac_high"] for rec in r.recs
                 if rec["step"] > 0 and "train/clip_frac_low" in rec and "train/clip_frac_high" in rec]
 
+    def clipped(label, runs):  # the clip fraction beside the range it is measured against
+        return f"{label} {_sci([clip(r) for r in runs])} (range {_clip_range([summary(r) for r in runs])})"
+
     G, GS, SS, ES = (_pick(by_name, a) for a in ("grpo", "gspo", "sspo", "espo"))
     gs_vals = [clip(r) for r in GS]
     # an absolute claim: one seed is judged against its own step-to-step spread
-    add("GSPO's clip fraction is near zero (< 1 %)", "SSPO §1", f"GSPO {_sci(gs_vals)}",
+    add("GSPO's clip fraction is near zero (< 1 %)", "SSPO §1", clipped("GSPO", GS),
         verdict_below(gs_vals, 0.01, within=clip_per_step(GS[0]) if len(GS) == 1 else None) if GS
         else (NOT_RUN, ""))
     trip = _paired(SS, GS, lambda r: r.seed)
@@ -188,14 +248,13 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
         g_by, gs_by, ss_by = ({r.seed: clip(r) for r in rs} for rs in (G, GS, SS))
         seeds = [s for s in sorted(ss_by) if s in g_by and s in gs_by]
         add("SSPO's clip fraction lies between GRPO's and GSPO's", "SSPO §1, Fig. 1",
-            f"GRPO {_sci([clip(r) for r in G])}, SSPO {_sci([clip(r) for r in SS])}, "
-            f"GSPO {_sci(gs_vals)}",
+            f"{clipped('GRPO', G)}, {clipped('SSPO', SS)}, {clipped('GSPO', GS)}",
             verdict_between([g_by[s] for s in seeds], [ss_by[s] for s in seeds], [gs_by[s] for s in seeds]))
     else:
         add("SSPO's clip fraction lies between GRPO's and GSPO's", "SSPO §1, Fig. 1", "", (NOT_RUN, ""))
     pairs = _paired(GS, ES, clip)
     add("ESPO clips less than GSPO", "ESPO §1 (gradient underutilization)",
-        f"ESPO {_sci([clip(r) for r in ES])}, GSPO {_sci(gs_vals)}",
+        f"{clipped('ESPO', ES)}, {clipped('GSPO', GS)}",
         verdict_greater([g - e for g, e in pairs]) if pairs else (NOT_RUN, ""))
 
     def decay(r):
@@ -222,40 +281,46 @@ def claims(by_name: dict[str, list[Run]]) -> list[str]:
             f"{alg.upper()} {_stat([final_acc(r) for r in A])}, {other.upper()} {_stat([final_acc(r) for r in B])}",
             verdict_greater([a - b for a, b in pairs]))
 
-    # SPPO's wall-time claim: per seed, the RL wall time each run needs to reach GRPO's final reward;
-    # unusable when the two runs of a seed did not get the same CPU (report/cpu.py)
+    # SPPO's speed claim: per seed, the RL time each run needs to reach GRPO's final reward, in CPU
+    # seconds when both runs recorded them (the embedded trainer: one thread per run, so a run that
+    # shares the cores is not charged for waiting, and a run that trains alone gains nothing), else
+    # in wall seconds (NeMo-RL runs), where the note says that CPU sharing was not recorded
     usage = cpu_usage([r for rs in by_name.values() for r in rs])
     for label, name in (("equal samples per step (SPPO: G× more prompts, one sample each)", "sppo"),
                         ("equal prompts per step (SPPO: N = 1, G× fewer samples; the paper's setting)",
                          "sppo_equal_prompts")):
         S = by_name.get(name, [])
-        text = f"SPPO reaches GRPO's final reward sooner in RL wall time, at {label}"
+        text = f"SPPO reaches GRPO's final reward sooner in RL time, at {label}"
         if not S or not G:
             add(text, "SPPO §4.3, Fig. 5", "", (NOT_RUN, ""))
             continue
-        per, diffs, unequal, unrecorded = [], [], [], False
+        per, diffs, units, sharing = [], [], set(), []
         g_by = {r.seed: r for r in G}
         for r in sorted(S, key=lambda r: r.seed):
             if r.seed not in g_by:
                 continue
-            same = equal_cpu(usage[g_by[r.seed].dir], usage[r.dir])
-            unrecorded |= same is None
-            if same is False:
-                unequal.append(f"seed {r.seed}: GRPO {usage[g_by[r.seed].dir].describe()}, "
-                               f"SPPO {usage[r.dir].describe()}")
-            target = summary(g_by[r.seed])["reward_last"]
-            t_g, t_s = time_to_reward(g_by[r.seed], target), time_to_reward(r, target)
-            shown_s = _fmt_t(t_s) if t_s is not None else f"not within its {summary(r)['wall']:.0f} s"
-            per.append(f"seed {r.seed}: target {target:.3f}, GRPO {_fmt_t(t_g)}, SPPO {shown_s}")
+            g = g_by[r.seed]
+            on_cpu = _cpu_clock(g) is not None and _cpu_clock(r) is not None
+            clock, unit = ("cpu_time", "CPU s") if on_cpu else ("wall_time", "s wall")
+            units.add(unit)
+            if on_cpu and usage.get(g.dir) and usage.get(r.dir):
+                sharing.append(f"seed {r.seed}: GRPO {usage[g.dir].alongside:.2f}, SPPO {usage[r.dir].alongside:.2f}")
+            horizon = summary(r)["cpu" if on_cpu else "wall"]
+            target = summary(g)["reward_last"]
+            t_g, t_s = time_to_reward(g, target, clock=clock), time_to_reward(r, target, clock=clock)
+            shown_s = f"{_secs(t_s)} {unit}" if t_s is not None else f"not within its {_secs(horizon)} {unit}"
+            shown_g = f"{_secs(t_g)} {unit}" if t_g is not None else "never"
+            per.append(f"seed {r.seed}: target {target:.3f}, GRPO {shown_g}, SPPO {shown_s}")
             if t_g is not None:
-                horizon = summary(r)["wall"]
                 diffs.append(t_g - (t_s if t_s is not None else max(horizon, t_g)))
         verdict = verdict_greater(diffs) if diffs else (NOT_RUN, "")
-        if unequal and diffs:
-            verdict = (UNUSABLE, "the runs did not get equal CPU, so their wall times do not compare: "
-                       + "; ".join(unequal))
-        elif unrecorded and diffs:
-            verdict = (verdict[0], verdict[1] + " (CPU sharing not recorded)")
+        if diffs:
+            why = f" (Δ = GRPO's time − SPPO's, in {' and '.join(sorted(units))}"
+            if sharing:
+                why += "; other runs training alongside, which CPU time does not charge: " + "; ".join(sharing)
+            if "s wall" in units:
+                why += "; CPU sharing not recorded"
+            verdict = (verdict[0], verdict[1] + why + ")")
         add(text, "SPPO §4.3, Fig. 5", "; ".join(per) or "no common seed", verdict)
     return rows
 
@@ -320,37 +385,46 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
     lines += [f"- {n}" for n in (notes or [])]
     lines += ["", "Papers: " + "; ".join(PAPERS.values()) + ".", ""]
     lines += ["## Final validation accuracy and training statistics", "",
-              "Mean ± sd over seeds (one seed: no ± shown).", "",
+              "Mean ± sd over seeds (one seed: no ± shown). Clip low / high: fraction of tokens whose ratio was "
+              "clipped below / above the clip range; clip range: the mean bounds [lo, hi] the ratios were "
+              "clipped to (token-weighted over each step, mean over steps and seeds: fixed for GRPO, "
+              "entropy-adaptive for SSPO and ESPO).", "",
               "| algorithm | seeds | first val acc | final val acc | Δ acc | reward first→last 10% | clip low | "
-              "clip high | π_old entropy first→last | groups/resp | resp len | samples | RL wall (s) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "clip high | clip range [lo, hi] | π_old entropy first→last | groups/resp | resp len | samples | "
+              "RL wall (s) | RL CPU (s) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, ss in S.items():
         lines.append(
             f"| {name} | {len(ss)} | {_stat([s['acc0'] for s in ss])} | {_stat([s['acc'] for s in ss])} | "
             f"{_stat([s['acc'] - s['acc0'] for s in ss])} | {_stat([s['reward_first'] for s in ss])} → "
             f"{_stat([s['reward_last'] for s in ss])} | {_sci([s['clip_low'] for s in ss])} | "
-            f"{_sci([s['clip_high'] for s in ss])} | {_stat([s['entropy_first'] for s in ss])} → "
+            f"{_sci([s['clip_high'] for s in ss])} | {_clip_range(ss)} | {_stat([s['entropy_first'] for s in ss])} → "
             f"{_stat([s['entropy_last'] for s in ss])} | {_stat([s['groups'] for s in ss], 1)} | "
             f"{_stat([s['length'] for s in ss], 1)} | {_stat([s['samples'] for s in ss], 0)} | "
-            f"{_stat([s['wall'] for s in ss], 0)} |")
+            f"{_stat([s['wall'] for s in ss], 0)} | {_stat([s['cpu'] for s in ss], 0)} |")
     bench = benchmark_tables(by_name)
     if bench:
         lines += ["", "## Benchmark suite", "", *bench]
     lines += ["## The papers' directional claims, as measured here", "",
-              "Verdict rule: the noise threshold is the seed-to-seed spread (sample sd over seeds of the per-seed "
-              "paired difference, or of the value for a threshold claim). An effect within it is "
-              f"**{INCONCLUSIVE}**; **{HOLDS}** / **{FAILS}** need the effect beyond it. One seed gives no "
-              "spread: a comparison is then inconclusive and only its direction is shown, while a threshold "
-              "claim (one quantity against a fixed bound) is judged against the run's own step-to-step "
-              "spread.", "",
-              "| claim | paper | measured | verdict | effect vs noise |", "|---|---|---|---|---|",
+              "Verdict rule: each claim is judged on a 95 % confidence interval over seeds — for a comparison, "
+              "the Student-t interval of the mean per-seed paired difference Δ (the runs of one seed share the "
+              "warm start and the prompts), mean(Δ) ± t(0.975, n−1)·sd(Δ)/√n; for a threshold claim, the same "
+              f"interval of the quantity's mean. **{HOLDS}**: the whole interval is on the claim's side; "
+              f"**{FAILS}**: the whole interval is on the other side; **{INCONCLUSIVE}**: the interval contains "
+              "0 (the threshold). One seed gives no interval: a comparison is then inconclusive and only its "
+              "direction is shown, while a threshold claim is judged against the run's own step-to-step "
+              "spread. Mean ± sd in the measured column is over seeds.", "",
+              "| claim | paper | measured | verdict | effect, 95 % interval (paired over seeds) |",
+              "|---|---|---|---|---|",
               *claims(by_name), "",
-              "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL wall times "
-              "exclude validation. Runs that share a machine unequally (one trains beside another, one alone; "
-              f"another job takes CPU from one) are slowed unequally: a wall-time verdict is **{UNUSABLE}** "
-              "when the runs of a seed differ by more than a quarter of a run in the other runs training "
-              "alongside them, or by more than 10 % in CPU seconds per wall second (both recorded by the "
-              "embedded trainer per step; not recorded for NeMo-RL runs). The SPPO wall-time claim is given at equal samples and at "
+              "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL times "
+              "exclude validation. SPPO's speed claim is measured in RL **CPU** seconds when the runs recorded "
+              "them (the embedded trainer does, per step; each run has one torch thread), because runs that "
+              "share a machine unequally (one trains beside another, one alone; another job takes CPU from "
+              "one) are slowed unequally in wall time but not in CPU time; the note gives how many other runs "
+              "trained alongside each. Where CPU time was not recorded (NeMo-RL runs) it is measured in wall "
+              "seconds, and the note says that CPU sharing was not recorded. The SPPO claim is given at equal "
+              "samples and at "
               "equal prompts per step when both were run; the paper's speed-up is the equal-prompts one (N = 1). "
               "A run that never reaches the target counts as reaching it at the end of its RL time (censored): "
               "when that is earlier than GRPO's time the seed cannot tell either way.",

@@ -1,4 +1,5 @@
-"""Did two runs get the same CPU? The data a wall-time comparison needs before it means anything.
+"""How each run shared the CPU: what a wall-time comparison would need before it meant anything (the
+report compares SPPO's speed in CPU seconds instead, and shows these numbers beside it).
 
 The embedded trainer records, per RL step, ``timing/train/cpu_time`` (CPU seconds the process used
 in the step) and ``timing/train/step_end_unix`` (when it ended). From them, per run:
@@ -9,9 +10,7 @@ in the step) and ``timing/train/step_end_unix`` (when it ended). From them, per 
 - *CPU per wall second*: Σ cpu_time / Σ step time. Below the run's thread count when the process
   waited for a core (other jobs on the machine).
 
-Two runs got equal CPU when *alongside* differs by at most :data:`ALONGSIDE_TOLERANCE` runs and
-CPU per wall second by at most :data:`SHARE_TOLERANCE` of the larger. Runs without these records
-(NeMo-RL runs, older embedded runs) are "not recorded": their wall times are judged as before.
+Runs without these records (NeMo-RL runs, older embedded runs) are "not recorded".
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ import numpy as np
 
 from .runs import Run
 
-ALONGSIDE_TOLERANCE = 0.25
-SHARE_TOLERANCE = 0.10
 CPU_KEY, END_KEY, STEP_KEY = "timing/train/cpu_time", "timing/train/step_end_unix", "timing/train/total_step_time"
 
 
@@ -67,11 +64,3 @@ def cpu_usage(runs: list[Run]) -> dict:
         out[run.dir] = CpuUsage(alongside=shared / wall if wall > 0 else 0.0,
                                 share=float(own[:, 2].sum()) / wall if wall > 0 else 0.0)
     return out
-
-
-def equal_cpu(a: CpuUsage | None, b: CpuUsage | None) -> bool | None:
-    """True/False per the tolerances above; None when either run did not record its CPU use."""
-    if a is None or b is None:
-        return None
-    return (abs(a.alongside - b.alongside) <= ALONGSIDE_TOLERANCE
-            and abs(a.share - b.share) <= SHARE_TOLERANCE * max(a.share, b.share))

@@ -1,12 +1,13 @@
-"""Small pure statistics for the report: smoothing, seed bands, noise-aware verdicts.
+"""Small pure statistics for the report: smoothing, seed bands, verdicts with intervals.
 
-The noise threshold of a comparison is the seed-to-seed spread: the sample standard deviation
-(ddof=1) over seeds of the per-seed quantity (for a paired comparison of two algorithms, of the
-per-seed DIFFERENCE, the runs of one seed sharing warm start and prompts). A measured effect no
-larger than that spread is "inconclusive"; with one seed there is no spread to compare with,
-so a comparison is "inconclusive (1 seed)" and the measured direction is shown alone. An absolute
-claim (one quantity against a fixed threshold) is judged on one seed against the run's own
-step-to-step spread (:func:`verdict_below`).
+A claim is judged on a 95 % confidence interval over seeds: for a paired comparison of two
+algorithms, the Student-t interval of the mean per-seed DIFFERENCE (the runs of one seed share
+warm start and prompts), mean(d) ± t_{0.975, n−1} · sd(d)/√n with the sample sd (ddof=1); for a
+claim about one quantity against a fixed threshold, the same interval of the quantity's mean.
+The claim holds when the whole interval is on its side, does NOT hold when the whole interval is
+on the other side, and is "inconclusive" when the interval contains 0 (the threshold). With one
+seed there is no interval: a comparison is "inconclusive (1 seed)", while an absolute claim is
+judged against the run's own step-to-step spread (:func:`verdict_below`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,33 @@ import math
 import numpy as np
 
 HOLDS, FAILS, INCONCLUSIVE, NOT_RUN = "holds", "does NOT hold", "inconclusive", "n/a (not run)"
-UNUSABLE = "unusable (unequal CPU)"  # a wall-time claim whose runs did not get the same CPU (report/cpu.py)
+
+# t_{0.975, df}: the two-sided 95 % quantile of Student's t for df = 1..30 (standard table values;
+# tests/test_report.py checks them against a numerical integration of the t density)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """Two-sided 95 % quantile of Student's t with ``df`` degrees of freedom (df > 30: the normal
+    quantile plus two Cornish-Fisher terms, within 0.001 of the exact value)."""
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def mean_ci(values) -> tuple[float, float | None, float | None, int]:
+    """(mean, lower, upper, n): the 95 % Student-t interval of the mean over the finite values,
+    mean ± t_{0.975, n−1}·sd/√n (sd with ddof=1); lower = upper = None for fewer than 2 values."""
+    mu, sd, n = mean_sd(values)
+    if sd is None:
+        return mu, None, None, n
+    half = t975(n - 1) * sd / math.sqrt(n)
+    return mu, mu - half, mu + half, n
 
 
 def moving_average(y, window: int) -> np.ndarray:
@@ -64,25 +91,25 @@ def fmt(mu, sd=None, n: int | None = None, digits: int = 3) -> str:
 def verdict_greater(diffs) -> tuple[str, str]:
     """Claim "A > B" from per-seed paired differences d_s = A_s − B_s.
 
-    holds: mean(d) > sd(d); does NOT hold: mean(d) < −sd(d); else inconclusive (the effect is
-    within the seed-to-seed spread). Returns (verdict, explanation)."""
-    mu, sd, n = mean_sd(diffs)
+    holds: the 95 % interval of mean(d) (:func:`mean_ci`) lies above 0; does NOT hold: below 0;
+    else inconclusive (the interval contains 0). Returns (verdict, effect with its interval)."""
+    mu, lo, hi, n = mean_ci(diffs)
     if n == 0:
         return NOT_RUN, ""
     same = sum(1 for d in diffs if d is not None and math.isfinite(d) and d > 0)
-    if sd is None:
-        return f"{INCONCLUSIVE} (1 seed)", f"Δ {mu:+.3g} in the one seed, no seed-to-seed spread to compare with"
-    note = f"Δ {mu:+.3g}, seed-to-seed sd of Δ {sd:.3g}, A > B in {same}/{n} seeds"
-    if mu > sd:
+    if lo is None:
+        return f"{INCONCLUSIVE} (1 seed)", f"Δ {mu:+.3g} in the one seed, no interval from one seed"
+    note = f"Δ {mu:+.3g}, 95 % CI [{lo:+.3g}, {hi:+.3g}] (paired over {n} seeds; A > B in {same}/{n})"
+    if lo > 0:
         return HOLDS, note
-    if mu < -sd:
+    if hi < 0:
         return FAILS, note
-    return INCONCLUSIVE, note + " (|Δ| ≤ sd)"
+    return INCONCLUSIVE, note + " (the interval contains 0)"
 
 
 def verdict_below(values, threshold: float, within=None) -> tuple[str, str]:
-    """Claim "value < threshold" from per-seed values: holds when mean + sd < threshold, does
-    NOT hold when mean − sd > threshold, else inconclusive.
+    """Claim "value < threshold" from per-seed values: holds when the 95 % interval of the mean over
+    seeds (:func:`mean_ci`) lies below the threshold, does NOT hold when it lies above, else inconclusive.
 
     An absolute claim (one number against a fixed threshold, unlike a comparison of two runs) can be
     judged on one seed: ``within`` = that run's per-step values, whose step-to-step sd then stands in
@@ -101,18 +128,18 @@ def verdict_below(values, threshold: float, within=None) -> tuple[str, str]:
         if mu - step_sd > threshold:
             return FAILS, note
         return f"{INCONCLUSIVE} (1 seed)", note + " (threshold within the spread)"
-    note = f"{mu:.3g} ± {sd:.3g} over {n} seeds (threshold {threshold:g})"
-    if mu + sd < threshold:
+    _, lo, hi, _ = mean_ci(values)
+    note = f"mean {mu:.3g}, 95 % CI [{lo:.3g}, {hi:.3g}] over {n} seeds (threshold {threshold:g})"
+    if hi < threshold:
         return HOLDS, note
-    if mu - sd > threshold:
+    if lo > threshold:
         return FAILS, note
-    return INCONCLUSIVE, note + " (threshold within the spread)"
+    return INCONCLUSIVE, note + " (the interval contains the threshold)"
 
 
 def verdict_between(lo_vals, mid_vals, hi_vals) -> tuple[str, str]:
-    """Claim "min(L, H) ≤ M ≤ max(L, H)" per seed (paired): holds when M's distance inside the
-    interval exceeds the seed spread of that distance in every direction, i.e. both paired
-    claims (M above the lower one, M below the upper one) hold; fails when either fails."""
+    """Claim "min(L, H) ≤ M ≤ max(L, H)" per seed (paired): holds when both paired claims (M above
+    the lower one, M below the upper one) hold by :func:`verdict_greater`; fails when either fails."""
     n = min(len(lo_vals), len(mid_vals), len(hi_vals))
     if n == 0:
         return NOT_RUN, ""
