@@ -71,6 +71,9 @@ def check_supported_modes(config: Mapping[str, Any]) -> None:
     if bool(dp.get("enabled", False)):
         raise ValueError("data_plane.enabled: true is not supported by nemo_granular (the TransferQueue trainer "
                          "moves a fixed field list and drops prev_entropy/granular_group_ids); set it to false")
+    if _get(config, ("loss_fn", "metrics_level")) == "minimal":
+        from .nemo_rl.compat import require
+        require("grpo_minimal_loss_metrics", "loss_fn.metrics_level: minimal (use full with run_grpo)")
     if config.get("async_rl") is not None:
         raise ValueError("async_rl: the single-controller trainer is not supported by nemo_granular; "
                          "use grpo.async_grpo with this script or the synchronous trainer")

@@ -366,3 +366,20 @@ def test_get_logprobs_keeps_the_0_8_token_mask(nemo_rl_src):
     # Policy.__init__'s newer keywords (0.8: is_refit_destination, reserved_http_server_ports) pass through
     params = inspect.signature(cls.__init__).parameters
     assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def test_run_grpo_refuses_minimal_loss_metrics_that_grpo_train_would_index(nemo_rl_src):
+    """Why: the real ``grpo_train`` of this NeMo-RL indexes ``metrics["token_mult_prob_error"]`` after
+    every step, and the loss at ``metrics_level: minimal`` does not return it (NeMo-RL's next loss
+    drops it); so run_grpo (and preflight, through check_config) refuses the key in one line naming
+    the version, before any GPU work."""
+    from nemo_granular.losses import GranularPolicyLoss
+    from nemo_granular.run_grpo import check_config
+
+    assert 'metrics["token_mult_prob_error"]' in inspect.getsource(compat.module("grpo").grpo_train)
+    minimal = GranularPolicyLoss({"algorithm": "sspo", "metrics_level": "minimal"})
+    assert "token_mult_prob_error" not in minimal.metric_normalizations
+    with pytest.raises(ValueError) as err:
+        check_config({"loss_fn": {"algorithm": "sspo", "metrics_level": "minimal"}})
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("loss_fn.metrics_level: minimal") and compat.version().title in msg

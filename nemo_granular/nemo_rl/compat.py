@@ -356,6 +356,13 @@ FEATURES: dict[str, dict[str, str | None]] = {
     "preflight_setup_parity": {V0_7: "set-up checks that preflight mirrors check by check (preflight restates "
                                      "main's setup(); v0.7.0's own setup() accepts every shipped config)",
                                MAIN: None},
+    # grpo_train indexes metrics["token_mult_prob_error"] / ["gen_kl_error"] after every step on both
+    # versions; the loss drops them at metrics_level: minimal (NeMo-RL's next loss, pull request 3751)
+    "grpo_minimal_loss_metrics": {
+        V0_7: "grpo_train that runs without the loss's token_mult_prob_error / gen_kl_error metrics "
+              "(it reads them every step: KeyError)",
+        MAIN: "grpo_train that runs without the loss's token_mult_prob_error / gen_kl_error metrics "
+              "(it reads them every step: KeyError)"},
 }
 
 
@@ -364,7 +371,8 @@ def require(feature: str, where: str = "") -> None:
     ver = version()
     missing = FEATURES[feature][ver.key]
     if missing is not None:
-        have = " or ".join(TITLES[k] for k, v in FEATURES[feature].items() if v is None)
+        have = " or ".join(TITLES[k] for k, v in FEATURES[feature].items() if v is None) or \
+            "a NeMo-RL newer than the supported versions"
         raise VersionRefusal(f"{where + ': ' if where else ''}{ver.title} has no {missing}; it needs {have}")
 
 
@@ -471,6 +479,9 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
               "fused_linear_logprobs"),
     Behaviour("async PPO (`ppo.async_ppo.enabled: true`)",
               {V0_7: "absent: refused in one line", MAIN: "`async_ppo_train`"}, "require"),
+    Behaviour("`loss_fn.metrics_level: minimal` under `run_grpo`",
+              {V0_7: "refused in one line (`grpo_train` reads `token_mult_prob_error`)",
+               MAIN: "refused in one line (`grpo_train` reads `token_mult_prob_error`)"}, "require"),
     Behaviour("preflight's restated `setup()` checks",
               {V0_7: "main's, on the keys v0.7.0 has (agreement with v0.7.0's `setup()` tested on the shipped "
                      "configs only)", MAIN: "each checked against NeMo-RL's own code"}, "require"),
