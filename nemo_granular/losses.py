@@ -40,6 +40,9 @@ __all__ = ["GranularPolicyLoss", "SequenceValueLoss", "PolicyBatch", "read_polic
            "LOG_RATIO_BOUND"]
 
 
+_EXTREMA = frozenset(("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max"))
+
+
 def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> torch.Tensor:
     """``data[name][:, 1:]`` checked against ``like``'s shape (the shift convention)."""
     if name not in data:
@@ -240,9 +243,11 @@ class GranularPolicyLoss:
         # First on the batch as it comes: a non-finite input anywhere (valid or masked) turns the
         # objective or a metric non-finite, and only then is the batch read again with the
         # non-finite tokens taken out of the valid mask (saves one pass per input key per call)
-        loss, metrics = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
-        if not all(math.isfinite(v) for v in metrics.values()):
-            loss, metrics = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
+        loss, metrics, probes = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
+        # (the ratio extrema are ±inf by design when the call has no valid token)
+        if not (all(math.isfinite(v) or (k in _EXTREMA and not math.isnan(v)) for k, v in metrics.items())
+                and all(math.isfinite(v) for v in probes)):
+            loss, metrics, _ = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
         return loss, metrics
 
     def _call(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, assume_finite: bool):
@@ -262,8 +267,14 @@ class GranularPolicyLoss:
                                           kl_type=cfg.reference_policy_kl_type, granularity=g.granularity,
                                           surrogate=g.surrogate, level=self.metrics_level))
             names = list(metrics)
-            values = torch.stack([metrics[k] for k in names]).tolist()  # 0-d tensors of dt; one sync
-        return loss, dict(zip(names, values))
+            # inputs whose ±inf a clamp or a truncation could hide from every metric: their sums
+            probes = [ratios.log_ratio.sum()]
+            if cfg.use_importance_sampling_correction:
+                probes.append((b.prev - b.gen).sum())
+            if g.needs_entropy:
+                probes.append(b.ent.sum())
+            values = torch.stack([metrics[k] for k in names] + probes).tolist()  # one sync
+        return loss, dict(zip(names, values[:len(names)])), values[len(names):]
 
     def _objective(self, b: PolicyBatch, index, metrics: dict):
         """The tensor-only part (docs/algorithms/math.md §2–§5, off-policy weights): the objective

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -107,3 +108,28 @@ def test_torch_compile_objective(monkeypatch, name):
     assert calls == [{"dynamic": True, "mode": "max-autotune-no-cudagraphs"}]
     clone = pickle.loads(pickle.dumps(compiled))  # Ray ships the loss: the compiled function stays behind
     assert clone._compiled_objective is None and clone.enable_torch_compile
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "sspo", "espo"])
+@pytest.mark.parametrize("key,value", [("prev_logprobs", float("-inf")), ("prev_logprobs", float("inf")),
+                                       ("advantages", float("inf")), ("prev_entropy", float("inf")),
+                                       ("prev_logprobs", float("nan"))])
+@pytest.mark.parametrize("level", ["full", "minimal"])
+def test_first_read_never_hides_a_nonfinite_token(name, key, value, level):
+    """The loss first reads the batch without the finiteness pass; one ±inf/NaN token (whose
+    effect a clamp or the entropy bounds could hide from every metric) must still give exactly
+    the careful read's result: the token leaves the valid mask."""
+    data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=0, per_token_adv=True)
+    col = int(data["token_mask"][1].nonzero()[1])
+    data[key] = data[key].clone()
+    data[key][1, col] = value
+    fn = _make(name, metrics_level=level)
+    loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
+    lp = logp.detach().clone().float().requires_grad_(True)
+    careful, cm, _ = fn._call(lp, data, torch.tensor(float(gvs)), torch.tensor(float(gvt)), False)
+    careful.backward()
+    assert torch.isfinite(loss) and float(loss) == float(careful)
+    assert torch.equal(grad, lp.grad.double())
+    needs_entropy = fn.granular.needs_entropy
+    assert m["nonfinite_tokens"] == (1.0 if key != "prev_entropy" or needs_entropy else 0.0)
+    assert m.keys() == cm.keys() and all(m[k] == cm[k] or (math.isnan(m[k]) and math.isnan(cm[k])) for k in m)
