@@ -14,8 +14,9 @@ import torch
 
 from .core.fused import masked_extrema, prob_error_sums
 from .core.objective import LOG_RATIO_BOUND, aggregation_weights
+from .core.offpolicy import high_entropy_tokens, mismatch_sums
 
-__all__ = ["metric_kinds", "policy_metrics"]
+__all__ = ["metric_kinds", "policy_metrics", "mismatch_metrics"]
 
 TOKEN_METRICS = (
     "probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
@@ -23,28 +24,46 @@ TOKEN_METRICS = (
     "clip_bound_high_mean", "prev_entropy_mean", "nonfinite_token_frac",
 )
 SEQ_METRICS = ("clip_frac_low_groups", "clip_frac_high_groups", "groups_per_response", "group_size_mean")
+# π_old-vs-π_gen mismatch (docs/algorithms/math.md §10.3); the two entropy splits need prev_entropy
+MISMATCH_TOKEN_METRICS = ("gen_mismatch_abs_mean", "gen_kl_k3")
+MISMATCH_SEQ_METRICS = ("gen_mismatch_group_abs_mean", "gen_mismatch_abs_mean_high_entropy",
+                        "gen_mismatch_abs_mean_low_entropy")
 RAW_METRICS = ("num_valid_samples", "nonfinite_tokens", "positive_nll_loss",
                "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max")
 
 
-def metric_kinds(token_level: bool, granularity: str, truncation: str | None) -> dict[str, str]:
+def metric_kinds(token_level: bool, granularity: str, truncation: str | None,
+                 is_level: str = "group_sum") -> dict[str, str]:
     """Metric name → ``MetricNormalizer`` value (``tokens`` / ``sequences`` / ``none``), as NeMo-RL's
     ``ClippedPGLossFn`` advertises them: ``loss`` and ``kl_penalty`` like the gradient
     (``token_level_loss``), ``is_oob_ratio`` by the truncation, ``sampling_importance_ratio``
-    per response for sequence ratios."""
+    per response for one weight per response (sequence ratios, group-level correction)."""
     grad = "tokens" if token_level else "sequences"
     kinds = {"loss": grad, "kl_penalty": grad}
     kinds.update({k: "tokens" for k in TOKEN_METRICS})
     kinds.update({k: "sequences" for k in SEQ_METRICS})
     kinds.update({k: "none" for k in RAW_METRICS})
-    kinds["sampling_importance_ratio"] = "sequences" if granularity == "sequence" else "tokens"
+    kinds.update({k: "tokens" for k in MISMATCH_TOKEN_METRICS})
+    kinds.update({k: "sequences" for k in MISMATCH_SEQ_METRICS})
+    kinds["sampling_importance_ratio"] = "sequences" if granularity == "sequence" and is_level != "token" else "tokens"
     if truncation is not None:
         kinds["is_oob_ratio"] = "sequences" if truncation == "seq-mask-tis" else "tokens"
+        kinds.update(is_oob_token_frac="tokens", is_oob_group_frac="sequences")
     return kinds
 
 
+def mismatch_metrics(b, ratios, correction, entropy_top_fraction: float) -> dict[str, torch.Tensor]:
+    """The π_old-vs-π_gen diagnostics of docs/algorithms/math.md §10.3 on the ratio's groups
+    (:func:`~nemo_granular.core.offpolicy.mismatch_sums`); the high/low-entropy split when the
+    batch carries ``prev_entropy``."""
+    high = high_entropy_tokens(b.ent, b.valid, entropy_top_fraction) if b.ent is not None else None
+    return mismatch_sums(b.prev, b.gen, b.valid, b.w_tok, b.sample_mask * b.inv_gvs, index=ratios.index,
+                         counts=ratios.counts, n_groups_row=ratios.n_groups_row, high=high, correction=correction)
+
+
 def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
-                   kl_coef: float, kl_type: str, granularity: str, surrogate: str) -> dict[str, torch.Tensor]:
+                   kl_coef: float, kl_type: str, granularity: str, surrogate: str,
+                   is_level: str = "group_sum") -> dict[str, torch.Tensor]:
     """0-d tensors, one per metric. ``b`` is the loss's batch view (``PolicyBatch``), ``ratios`` /
     ``terms`` the :mod:`~nemo_granular.core.objective` results, ``bounds`` = (lo, hi) per token (or
     numbers), ``group_bounds`` = (lo, hi) per group (or numbers, or None), ``fraction_weights``
@@ -68,12 +87,13 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
     m["num_valid_samples"] = sm.sum()
     m["kl_penalty"] = kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)
     diff = b.prev - b.gen  # 0 outside the valid tokens
-    token_is = granularity != "sequence" and is_weight is None
+    row_is = granularity == "sequence" and is_level != "token"  # one π_old/π_gen weight per response
+    token_is = not row_is and is_weight is None
     m.update(prob_error_sums(diff, w_tok, kl_type, LOG_RATIO_BOUND if token_is else None))
     # GSPO: the mean over responses of one π_old/π_gen weight per response. NeMo-RL's own GSPO
     # mode multiplies a [B, 1] weight by a [B] mask, which broadcasts to [B, B], so its dashboard
     # shows Σ_i w_i (about B × ours), not a mean (docs/nemo-rl.md, "Logged metrics").
-    if granularity == "sequence":  # one weight per response
+    if row_is:
         w_row = torch.exp(diff.sum(-1).clamp(max=LOG_RATIO_BOUND))
         if is_weight is not None:
             w_row = (is_weight * b.valid).amax(-1)
