@@ -68,3 +68,20 @@ def test_bad_generation_mismatch_is_one_line_error(value):
     with pytest.raises(ValueError) as err:
         load_train_config(LOCAL_CONFIGS / "grpo.yaml", [f"rl.generation_mismatch={value}"])
     assert "\n" not in str(err.value) and "rl.generation_mismatch" in str(err.value)
+
+
+def test_comparison_report_plots_the_mismatch(tmp_path):
+    """The report's mismatch panel: one PNG from the runs' logged ``train/gen_mismatch_abs_mean``,
+    none from runs that did not log it."""
+    from nemo_granular.report.build import plots
+    from nemo_granular.report.runs import load_run
+    from test_report import _embedded_run
+
+    with_mm = [load_run(_embedded_run(tmp_path / "a", "sspo", s, [0.5, 0.6, 0.7],
+                                      per_step=lambda k: {"train/gen_mismatch_abs_mean": 0.01 + 1e-3 * k}))
+               for s in (0, 1)]
+    assert with_mm[0].recs[3]["train/gen_mismatch_abs_mean"] == pytest.approx(0.013)
+    files = plots({"sspo": with_mm}, tmp_path / "a")
+    assert "gen_mismatch_abs_mean_vs_step.png" in files
+    without = [load_run(_embedded_run(tmp_path / "b", "grpo", 0, [0.5, 0.6, 0.7]))]
+    assert "gen_mismatch_abs_mean_vs_step.png" not in plots({"grpo": without}, tmp_path / "b")
