@@ -263,8 +263,8 @@ def plots(summary, out_dir: Path):
 
 def write_doc_table(doc: Path, text: str) -> None:
     src = doc.read_text()
-    new = re.sub(r"(<!-- offpolicy-study:begin[^\n]*-->\n).*?(\n<!-- offpolicy-study:end -->)",
-                 lambda m: m.group(1) + text + m.group(2), src, flags=re.S)
+    new = re.sub(r"(<!-- offpolicy-study:begin[^\n]*-->\n)(?:.*?\n)?(<!-- offpolicy-study:end -->)",
+                 lambda m: m.group(1) + text + "\n" + m.group(2), src, flags=re.S)
     tmp = doc.with_name(doc.name + ".tmp")
     tmp.write_text(new)
     tmp.replace(doc)

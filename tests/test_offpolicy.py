@@ -48,7 +48,7 @@ def _scaled(trunc, granularity, level):
     return out
 DIAGNOSTICS = ("gen_mismatch_abs_mean", "gen_kl_k3", "gen_mismatch_group_abs_mean",
                "gen_mismatch_abs_mean_high_entropy", "gen_mismatch_abs_mean_low_entropy")
-TOL = dict(rtol=1e-10, atol=1e-12)
+TOL = dict(rtol=1e-12, atol=1e-14)  # measured: loss 2.3e-14 relative, gradient 3.3e-16 of its max
 
 
 def _loss_cfg(preset, level, trunc, **extra):
@@ -84,15 +84,15 @@ def _check_against_reference(preset, level, trunc, seed):
     torch.testing.assert_close(grad, rgrad, **TOL, msg="grad")
     ref = rm["offpolicy"]
     for k in DIAGNOSTICS:
-        assert m[k] == pytest.approx(ref[k], rel=1e-10, abs=1e-13), k
+        assert m[k] == pytest.approx(ref[k], rel=1e-12, abs=1e-15), k
     if trunc.get("kind"):
-        assert m["is_oob_token_frac"] == pytest.approx(ref["is_oob_token_frac"], rel=1e-10, abs=1e-13)
-        assert m["is_oob_group_frac"] == pytest.approx(ref["is_oob_group_frac"], rel=1e-10, abs=1e-13)
+        assert m["is_oob_token_frac"] == pytest.approx(ref["is_oob_token_frac"], rel=1e-12, abs=1e-15)
+        assert m["is_oob_group_frac"] == pytest.approx(ref["is_oob_group_frac"], rel=1e-12, abs=1e-15)
         nemo_kind = "is_oob_group_frac" if trunc["kind"] == "seq-mask-tis" else "is_oob_token_frac"
-        assert m["is_oob_ratio"] == pytest.approx(ref[nemo_kind], rel=1e-10, abs=1e-13)
+        assert m["is_oob_ratio"] == pytest.approx(ref[nemo_kind], rel=1e-12, abs=1e-15)
     granularity = R.PRESET_SPECS[preset]["granularity"]
     if granularity != "sequence" or level == "token":
-        assert m["sampling_importance_ratio"] == pytest.approx(ref["sampling_importance_ratio_tokens"], rel=1e-10)
+        assert m["sampling_importance_ratio"] == pytest.approx(ref["sampling_importance_ratio_tokens"], rel=1e-12)
     return m, grad
 
 
