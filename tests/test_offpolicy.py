@@ -273,3 +273,29 @@ def test_metric_normalizers_are_advertised():
     assert gspo_tok.metric_normalizations["sampling_importance_ratio"] == MetricNormalizer.TOKENS
     gspo_grp = GranularPolicyLoss(_loss_cfg("gspo", "group_mean", {}))
     assert gspo_grp.metric_normalizations["sampling_importance_ratio"] == MetricNormalizer.SEQUENCES
+
+
+@pytest.mark.parametrize("granularity", ["token", "sequence", "segment"])
+def test_batch_mismatch_extrema_match_loops(granularity):
+    """The whole-batch maxima the trainers log once per step (math.md §10.3), against loops."""
+    from nemo_granular.core.groups import group_ids_for
+    from nemo_granular.core.offpolicy import batch_mismatch_extrema
+    data, _, _, _ = _batch(4)
+    if granularity == "segment":
+        data["granular_group_ids"] = group_ids_for("segment", data["token_mask"] > 0, token_ids=data["input_ids"],
+                                                   delimiter_table=R.delimiter_table(V))
+    got = batch_mismatch_extrema(data, granularity)
+    valid = (data["token_mask"] * data["sample_mask"][:, None]) > 0
+    d = data["prev_logprobs"] - data["generation_logprobs"]
+    tok = max(abs(float(d[i, t])) for i in range(d.shape[0]) for t in range(d.shape[1]) if valid[i, t])
+    groups: dict = {}
+    for i in range(d.shape[0]):
+        for t in range(d.shape[1]):
+            if valid[i, t]:
+                key = (i, t) if granularity == "token" else (i, 0) if granularity == "sequence" else (
+                    i, int(data["granular_group_ids"][i, t]))
+                groups.setdefault(key, []).append(float(d[i, t]))
+    grp = max(abs(sum(v) / len(v)) for v in groups.values())
+    assert got["gen_mismatch_token_abs_max"] == pytest.approx(tok, rel=1e-12)
+    assert got["gen_mismatch_group_abs_max"] == pytest.approx(grp, rel=1e-12)
+    assert batch_mismatch_extrema({k: v for k, v in data.items() if k != "generation_logprobs"}, granularity) == {}

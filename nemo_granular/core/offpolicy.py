@@ -15,7 +15,7 @@ import torch
 from .objective import LOG_RATIO_BOUND
 
 __all__ = ["IS_LEVELS", "TRUNCATIONS", "GenerationWeights", "importance_weights", "truncate_importance_weights",
-           "generation_weights", "mismatch_sums", "mismatch_extrema", "high_entropy_tokens", "kl_penalty_per_token"]
+           "generation_weights", "mismatch_sums", "mismatch_extrema", "batch_mismatch_extrema", "high_entropy_tokens", "kl_penalty_per_token"]
 
 IS_LEVELS = ("token", "group_sum", "group_mean")
 TRUNCATIONS = ("tis", "icepop", "seq-mask-tis")
@@ -201,6 +201,19 @@ def mismatch_extrema(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Ten
     n = idx.sum(valid.to(d.dtype))
     g = (idx.sum(d) / n.clamp(min=1)).abs() * n.clamp(max=1)
     return {"gen_mismatch_token_abs_max": tok_max, "gen_mismatch_group_abs_max": float(g.amax())}
+
+
+def batch_mismatch_extrema(data, granularity: str) -> dict[str, float]:
+    """:func:`mismatch_extrema` of a NeMo-RL training batch (``[B, S]`` keys, same columns): the
+    ratio's groups from ``granular_group_ids``, whole responses for ``sequence``, tokens otherwise;
+    {} when the batch carries no ``generation_logprobs``."""
+    if "generation_logprobs" not in data:
+        return {}
+    valid = data["token_mask"].double() * data["sample_mask"].double().reshape(-1, 1)
+    ids = data["granular_group_ids"] if "granular_group_ids" in data else None
+    if ids is None and granularity == "sequence":
+        ids = torch.where(valid > 0, 0, -1)
+    return mismatch_extrema(data["prev_logprobs"].double(), data["generation_logprobs"].double(), valid, ids)
 
 
 def kl_penalty_per_token(logp, logp_ref, kl_type="k3", input_clamp=20.0, output_clamp=10.0, weights=None):

@@ -27,7 +27,7 @@ from ..advantages import build_advantage_estimator
 from ..cli_common import check_writable_dir
 from ..core.clipping import ESPO_AUTO_TARGET_EPS
 from ..core.groups import group_ids_for
-from ..core.offpolicy import mismatch_extrema
+from ..core.offpolicy import batch_mismatch_extrema
 from ..losses import GranularPolicyLoss, SequenceValueLoss
 from . import models as M
 from .checkpoint import (CheckpointError, CheckpointWriteError, NothingToResume, find_resumable, fsync_dir,
@@ -474,9 +474,8 @@ class Trainer:
         rec["train/truncated_frac"] = batch["truncated"].float().mean().item()
         rec["train/prev_entropy"] = batch["prev_entropy"][mask].mean().item() if mask.any() else 0.0
         # whole-batch maxima of the π_old/π_gen mismatch (math.md §10.3): a max does not add over microbatches
-        rec.update({f"train/{k}": v for k, v in mismatch_extrema(
-            batch["prev_logprobs"], batch["generation_logprobs"], batch["token_mask"] * batch["sample_mask"][:, None],
-            batch["granular_group_ids"]).items()})
+        rec.update({f"train/{k}": v for k, v in batch_mismatch_extrema(
+            batch, self.loss_fn.granular.granularity).items()})
         n = len(per_step)
         for k in per_step[0]:
             vals = [m[k] for m in per_step]
