@@ -14,7 +14,7 @@ import torch
 
 from .core.fused import masked_extrema, prob_error_sums
 from .core.objective import LOG_RATIO_BOUND, aggregation_weights
-from .core.offpolicy import high_entropy_tokens, mismatch_sums
+from .core.offpolicy import mismatch_sums
 
 __all__ = ["metric_kinds", "policy_metrics", "mismatch_metrics"]
 
@@ -24,10 +24,9 @@ TOKEN_METRICS = (
     "clip_bound_high_mean", "prev_entropy_mean", "nonfinite_token_frac",
 )
 SEQ_METRICS = ("clip_frac_low_groups", "clip_frac_high_groups", "groups_per_response", "group_size_mean")
-# π_old-vs-π_gen mismatch (docs/algorithms/math.md §10.3); the two entropy splits need prev_entropy
+# π_old-vs-π_gen mismatch (docs/algorithms/math.md §10.3; maxima and the entropy split: per step, by the trainer)
 MISMATCH_TOKEN_METRICS = ("gen_mismatch_abs_mean", "gen_kl_k3")
-MISMATCH_SEQ_METRICS = ("gen_mismatch_group_abs_mean", "gen_mismatch_abs_mean_high_entropy",
-                        "gen_mismatch_abs_mean_low_entropy")
+MISMATCH_SEQ_METRICS = ("gen_mismatch_group_abs_mean",)
 RAW_METRICS = ("num_valid_samples", "nonfinite_tokens", "positive_nll_loss",
                "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max")
 
@@ -52,13 +51,11 @@ def metric_kinds(token_level: bool, granularity: str, truncation: str | None,
     return kinds
 
 
-def mismatch_metrics(b, ratios, correction, entropy_top_fraction: float) -> dict[str, torch.Tensor]:
+def mismatch_metrics(b, ratios, correction) -> dict[str, torch.Tensor]:
     """The π_old-vs-π_gen diagnostics of docs/algorithms/math.md §10.3 on the ratio's groups
-    (:func:`~nemo_granular.core.offpolicy.mismatch_sums`); the high/low-entropy split when the
-    batch carries ``prev_entropy``."""
-    high = high_entropy_tokens(b.ent, b.valid, entropy_top_fraction) if b.ent is not None else None
+    (:func:`~nemo_granular.core.offpolicy.mismatch_sums`)."""
     return mismatch_sums(b.prev, b.gen, b.valid, b.w_tok, b.sample_mask * b.inv_gvs, index=ratios.index,
-                         counts=ratios.counts, n_groups_row=ratios.n_groups_row, high=high, correction=correction)
+                         counts=ratios.counts, n_groups_row=ratios.n_groups_row, correction=correction)
 
 
 def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,

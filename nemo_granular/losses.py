@@ -241,7 +241,7 @@ class GranularPolicyLoss:
                                           kl, nll, kl_coef=self.reference_policy_kl_penalty,
                                           kl_type=cfg.reference_policy_kl_type, granularity=g.granularity,
                                           surrogate=g.surrogate, is_level=g.is_level))
-            metrics.update(mismatch_metrics(b, ratios, corr, g.entropy_cut_points[0]))
+            metrics.update(mismatch_metrics(b, ratios, corr))
             names = list(metrics)
             values = torch.stack([metrics[k] for k in names]).tolist()  # 0-d tensors of dt; one sync
         return loss, dict(zip(names, values))

@@ -533,7 +533,7 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
     m["nonfinite_tokens"] = float(sum(1 for i in range(B) for t in range(T)
                                       if tm[i, t] > 0 and not valid[i, t] and sm[i] != 0))
     if offpolicy is not None:
-        m["offpolicy"] = mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share, ent, cuts[0])
+        m["offpolicy"] = mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share)
     return loss, m
 
 
@@ -573,13 +573,11 @@ def offpolicy_weights(data, ids, granularity, level, kind=None, hi=None, lo=None
     return w, oob, share
 
 
-def mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share, ent, top_fraction):
+def mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share):
     """math.md §10.3 with loops (global denominators gvt / gvs; rows with sample_mask 0 count 0)."""
     q, gen = _shifted(data, "prev_logprobs"), _shifted(data, "generation_logprobs")
     m = dict.fromkeys(("gen_mismatch_abs_mean", "gen_kl_k3", "gen_mismatch_group_abs_mean",
-                       "gen_mismatch_abs_mean_high_entropy", "gen_mismatch_abs_mean_low_entropy",
                        "is_oob_token_frac", "is_oob_group_frac", "sampling_importance_ratio_tokens"), 0.0)
-    high_ids = entropy_group_ids(ent, torch.tensor([[g >= 0 for g in row] for row in ids]), [top_fraction])
     for i, row in enumerate(ids):
         s = float(sm[i])
         grps = groups_of_row(row)
@@ -592,12 +590,6 @@ def mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share, ent, top_fractio
             m["is_oob_token_frac"] += s * float(oob[(i, t)]) / gvt
             m["sampling_importance_ratio_tokens"] += s * w_is[(i, t)] / gvt
         m["gen_mismatch_group_abs_mean"] += s * sum(abs(sum(d[t] for t in g) / len(g)) for g in grps) / len(grps) / gvs
-        hi_t = [t for t in d if high_ids[i][t] == 0]
-        lo_t = [t for t in d if high_ids[i][t] != 0]
-        if hi_t:
-            m["gen_mismatch_abs_mean_high_entropy"] += s * sum(abs(d[t]) for t in hi_t) / len(hi_t) / gvs
-        if lo_t:
-            m["gen_mismatch_abs_mean_low_entropy"] += s * sum(abs(d[t]) for t in lo_t) / len(lo_t) / gvs
         m["is_oob_group_frac"] += s * share[i] / gvs
     return m
 

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -46,8 +48,7 @@ def _scaled(trunc, granularity, level):
     if trunc.get("lo") is not None:
         out["lo"] = 1 - (1 - trunc["lo"]) * f
     return out
-DIAGNOSTICS = ("gen_mismatch_abs_mean", "gen_kl_k3", "gen_mismatch_group_abs_mean",
-               "gen_mismatch_abs_mean_high_entropy", "gen_mismatch_abs_mean_low_entropy")
+DIAGNOSTICS = ("gen_mismatch_abs_mean", "gen_kl_k3", "gen_mismatch_group_abs_mean")
 TOL = dict(rtol=1e-12, atol=1e-14)  # measured: loss 2.3e-14 relative, gradient 3.3e-16 of its max
 
 
@@ -298,4 +299,14 @@ def test_batch_mismatch_extrema_match_loops(granularity):
     grp = max(abs(sum(v) / len(v)) for v in groups.values())
     assert got["gen_mismatch_token_abs_max"] == pytest.approx(tok, rel=1e-12)
     assert got["gen_mismatch_group_abs_max"] == pytest.approx(grp, rel=1e-12)
+    # the entropy split: each response's top ⌈20 %⌉ π_old entropies (ties: earlier first) vs the rest
+    high, low = [], []
+    for i in range(d.shape[0]):
+        pos = [t for t in range(d.shape[1]) if valid[i, t]]
+        ranked = sorted(pos, key=lambda t: (-float(data["prev_entropy"][i, t]), t))
+        k = math.ceil(0.2 * len(pos))
+        high += [abs(float(d[i, t])) for t in ranked[:k]]
+        low += [abs(float(d[i, t])) for t in ranked[k:]]
+    assert got["gen_mismatch_abs_mean_high_entropy"] == pytest.approx(sum(high) / len(high), rel=1e-12)
+    assert got["gen_mismatch_abs_mean_low_entropy"] == pytest.approx(sum(low) / len(low), rel=1e-12)
     assert batch_mismatch_extrema({k: v for k, v in data.items() if k != "generation_logprobs"}, granularity) == {}

@@ -135,7 +135,7 @@ def high_entropy_tokens(entropy: torch.Tensor, valid: torch.Tensor, top_fraction
 
 def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor, w_tok: torch.Tensor,
                   w_row: torch.Tensor, *, index=None, counts: torch.Tensor | None = None,
-                  n_groups_row: torch.Tensor | None = None, high: torch.Tensor | None = None,
+                  n_groups_row: torch.Tensor | None = None,
                   correction: GenerationWeights | None = None) -> dict[str, torch.Tensor]:
     """Mismatch diagnostics as global-normalised partial sums (math.md §10.3), δ = logq − log π_gen:
 
@@ -143,8 +143,6 @@ def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor
     * ``gen_kl_k3`` = Σ_t w_tok·(e^δ − 1 − δ), k3 of KL(π_gen‖π_old) (TOKENS);
     * ``gen_mismatch_group_abs_mean`` = Σ_i w_row·mean_{g∈i} |mean_{t∈g} δ_t| (SEQUENCES): the
       group's log geometric-mean weight, averaged over the row's groups;
-    * with ``high`` (0/1 high-entropy tokens): ``gen_mismatch_abs_mean_{high,low}_entropy`` =
-      Σ_i w_row·mean |δ| over the row's high (low) entropy tokens (SEQUENCES; 0 for an empty side);
     * with a truncation: ``is_oob_token_frac`` (TOKENS) and ``is_oob_group_frac`` (SEQUENCES, per
       row the share of the ratio's groups with a truncated or masked weight).
 
@@ -163,13 +161,6 @@ def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor
         group_abs = (index.sum(d) / counts.clamp(min=1)).abs() * counts.clamp(max=1)
         per_row = group_abs.sum(-1) / n_groups_row.clamp(min=1)
     out["gen_mismatch_group_abs_mean"] = (per_row * w_row).sum()
-    if high is not None:
-        h = high * valid
-        n_high = h.sum(-1)
-        s_high = (ad * h).sum(-1)
-        out["gen_mismatch_abs_mean_high_entropy"] = (s_high / n_high.clamp(min=1) * w_row).sum()
-        out["gen_mismatch_abs_mean_low_entropy"] = ((ad.sum(-1) - s_high) / (n_row - n_high).clamp(min=1)
-                                                    * w_row).sum()
     if correction is not None and correction.oob_token is not None:
         out["is_oob_token_frac"] = (correction.oob_token * w_tok).sum()
         touched = correction.oob_token * valid
@@ -181,39 +172,55 @@ def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor
     return out
 
 
-def mismatch_extrema(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor, group_ids=None
-                     ) -> dict[str, float]:
-    """Whole-batch maxima (math.md §10.3): ``gen_mismatch_token_abs_max`` = max_t |δ_t| and
-    ``gen_mismatch_group_abs_max`` = max_g |mean_{t∈g} δ_t| (``group_ids`` per-row local ids,
-    −1 outside; None: token groups). Maxima do not add across microbatches, so the driver
-    computes them once per step on the full batch (0 for an empty batch)."""
+def mismatch_extrema(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor, group_ids=None,
+                     entropy: torch.Tensor | None = None, top_fraction: float = 0.2) -> dict[str, float]:
+    """Whole-batch mismatch statistics (math.md §10.3), δ = logq − log π_gen over the ``valid`` tokens:
+
+    * ``gen_mismatch_token_abs_max`` = max_t |δ_t|; ``gen_mismatch_group_abs_max`` = max_g |mean_{t∈g} δ_t|
+      (``group_ids`` per-row local ids, −1 outside; None: token groups);
+    * with ``entropy`` (π_old): ``gen_mismatch_abs_mean_high_entropy`` / ``_low_entropy`` = mean |δ|
+      over the batch's high-entropy tokens (the top ⌈f·n_i⌉ π_old entropies of each response, ESPO's
+      split, :func:`high_entropy_tokens`) / over the others.
+
+    A maximum does not add over microbatches and the split needs a sort, so the trainers compute
+    these once per step on the whole batch (0 where a set is empty)."""
     from .ratios import GroupIndex
 
-    d = (logq - log_gen) * valid
-    tok_max = float(d.abs().amax()) if d.numel() else 0.0
+    d = ((logq - log_gen) * valid).abs()
+    out = {"gen_mismatch_token_abs_max": float(d.amax()) if d.numel() else 0.0}
     if group_ids is None:
-        return {"gen_mismatch_token_abs_max": tok_max, "gen_mismatch_group_abs_max": tok_max}
-    ids = torch.where(valid > 0, group_ids.long(), -1)
-    G = int(ids.max()) + 1 if ids.numel() else 0
-    if G <= 0:
-        return {"gen_mismatch_token_abs_max": tok_max, "gen_mismatch_group_abs_max": 0.0}
-    idx = GroupIndex.from_ids(ids, G)
-    n = idx.sum(valid.to(d.dtype))
-    g = (idx.sum(d) / n.clamp(min=1)).abs() * n.clamp(max=1)
-    return {"gen_mismatch_token_abs_max": tok_max, "gen_mismatch_group_abs_max": float(g.amax())}
+        out["gen_mismatch_group_abs_max"] = out["gen_mismatch_token_abs_max"]
+    else:
+        ids = torch.where(valid > 0, group_ids.long(), -1)
+        G = int(ids.max()) + 1 if ids.numel() else 0
+        if G <= 0:
+            out["gen_mismatch_group_abs_max"] = 0.0
+        else:
+            idx = GroupIndex.from_ids(ids, G)
+            n = idx.sum(valid.to(d.dtype))
+            g = (idx.sum((logq - log_gen) * valid) / n.clamp(min=1)).abs() * n.clamp(max=1)
+            out["gen_mismatch_group_abs_max"] = float(g.amax())
+    if entropy is not None:
+        high = high_entropy_tokens(torch.where(valid > 0, entropy, 0.0), valid, top_fraction)
+        low = valid - high
+        out["gen_mismatch_abs_mean_high_entropy"] = float((d * high).sum() / high.sum().clamp(min=1))
+        out["gen_mismatch_abs_mean_low_entropy"] = float((d * low).sum() / low.sum().clamp(min=1))
+    return out
 
 
-def batch_mismatch_extrema(data, granularity: str) -> dict[str, float]:
+def batch_mismatch_extrema(data, granularity: str, top_fraction: float = 0.2) -> dict[str, float]:
     """:func:`mismatch_extrema` of a NeMo-RL training batch (``[B, S]`` keys, same columns): the
     ratio's groups from ``granular_group_ids``, whole responses for ``sequence``, tokens otherwise;
-    {} when the batch carries no ``generation_logprobs``."""
+    the entropy split when the batch carries ``prev_entropy``; {} without ``generation_logprobs``."""
     if "generation_logprobs" not in data:
         return {}
     valid = data["token_mask"].double() * data["sample_mask"].double().reshape(-1, 1)
     ids = data["granular_group_ids"] if "granular_group_ids" in data else None
     if ids is None and granularity == "sequence":
         ids = torch.where(valid > 0, 0, -1)
-    return mismatch_extrema(data["prev_logprobs"].double(), data["generation_logprobs"].double(), valid, ids)
+    ent = data["prev_entropy"].double() if "prev_entropy" in data else None
+    return mismatch_extrema(data["prev_logprobs"].double(), data["generation_logprobs"].double(), valid, ids,
+                            ent, top_fraction)
 
 
 def kl_penalty_per_token(logp, logp_ref, kl_type="k3", input_clamp=20.0, output_clamp=10.0, weights=None):

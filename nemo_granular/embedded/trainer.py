@@ -473,9 +473,10 @@ class Trainer:
         rec["train/response_length"] = mask.sum(-1).float().mean().item()
         rec["train/truncated_frac"] = batch["truncated"].float().mean().item()
         rec["train/prev_entropy"] = batch["prev_entropy"][mask].mean().item() if mask.any() else 0.0
-        # whole-batch maxima of the π_old/π_gen mismatch (math.md §10.3): a max does not add over microbatches
+        # whole-batch mismatch maxima and entropy split (math.md §10.3): a max does not add over microbatches
+        g = self.loss_fn.granular
         rec.update({f"train/{k}": v for k, v in batch_mismatch_extrema(
-            batch, self.loss_fn.granular.granularity).items()})
+            batch, g.granularity, g.entropy_cut_points[0]).items()})
         n = len(per_step)
         for k in per_step[0]:
             vals = [m[k] for m in per_step]

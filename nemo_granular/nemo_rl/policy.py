@@ -180,10 +180,10 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
                                     check_dim_skip_keys=check_dim_skip_keys)
             if alpha is not None:  # grpo_train logs all_mb_metrics as train/<name>
                 results.setdefault("all_mb_metrics", {})["espo_alpha"] = [alpha]
-            # whole-batch maxima of the π_old/π_gen mismatch: one value each (grpo_train sums the list)
-            granularity = parse_policy_loss_config(self._granular_loss_cfg).granular.granularity
+            # whole-batch mismatch maxima and entropy split: one value each (grpo_train sums the list)
+            g = parse_policy_loss_config(self._granular_loss_cfg).granular
             results.setdefault("all_mb_metrics", {}).update(
-                {k: [v] for k, v in batch_mismatch_extrema(data, granularity).items()})
+                {k: [v] for k, v in batch_mismatch_extrema(data, g.granularity, g.entropy_cut_points[0]).items()})
             return results
 
         def save_checkpoint(self, weights_path, *args, **kwargs):
