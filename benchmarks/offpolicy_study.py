@@ -19,7 +19,7 @@ reward: the share of the response's tokens in a fixed half of the vocabulary, GR
 * ``masked``: share of tokens that ICE-POP at NeMo-RL's reference bounds [0.5, 2] zeroes.
 
     python benchmarks/offpolicy_study.py                  # 3 seeds, σ ∈ {0.02, 0.05, 0.1}, L ∈ {32, 128, 512}, B = 16
-    python benchmarks/offpolicy_study.py --quick          # 2 seeds, σ = 0.05, L ∈ {32, 128} → offpolicy_study_quick/
+    python benchmarks/offpolicy_study.py --quick          # 2 seeds, σ = 0.05, L ∈ {32, 128} → runs/offpolicy_study_quick/
 
 Writes docs/algorithms/offpolicy/{results.json, *.png} and the table of docs/algorithms/offpolicy.md
 (between its ``offpolicy-study`` markers). One thread.
@@ -276,14 +276,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--out", default=None, help="results.json and plots (default: docs/algorithms/offpolicy; "
-                    "--quick: offpolicy_study_quick/, and the doc is left alone)")
+                    "--quick: runs/offpolicy_study_quick/, and the doc is left alone)")
     ap.add_argument("--doc", default=None, help="the page whose table is rewritten (default: docs/algorithms/offpolicy.md)")
     ap.add_argument("--from-json", default=None, help="re-render the table and plots from a results.json")
     a = ap.parse_args(argv)
     sigmas = [0.05] if a.quick else [0.02, 0.05, 0.1]
     lengths = [32, 128] if a.quick else [32, 128, 512]
     seeds = list(range(a.seeds or (2 if a.quick else 3)))
-    out = Path(a.out or ("offpolicy_study_quick" if a.quick else ROOT / "docs" / "algorithms" / "offpolicy"))
+    out = Path(a.out or ("runs/offpolicy_study_quick" if a.quick else ROOT / "docs" / "algorithms" / "offpolicy"))
     doc_path = a.doc or (None if a.quick else str(ROOT / "docs" / "algorithms" / "offpolicy.md"))
     if a.from_json:
         rows = json.loads(Path(a.from_json).read_text())
