@@ -165,9 +165,7 @@ def run(seeds, sigmas, lengths, B, out_dir: Path, log=print):
                             scale=float(grad.norm() / base.norm()),
                             cos_target=float(torch.nn.functional.cosine_similarity(grad, targets[gran], dim=0)),
                             gen_mismatch_abs_mean=m["gen_mismatch_abs_mean"], gen_kl_k3=m["gen_kl_k3"],
-                            gen_mismatch_group_abs_mean=m["gen_mismatch_group_abs_mean"],
-                            high_entropy=m.get("gen_mismatch_abs_mean_high_entropy", float("nan")),
-                            low_entropy=m.get("gen_mismatch_abs_mean_low_entropy", float("nan"))))
+                            gen_mismatch_group_abs_mean=m["gen_mismatch_group_abs_mean"]))
                 log(f"seed {seed} L {L} σ {sigma}: mean response length {n_tok / B:.0f}, "
                     f"mean |δ| {rows[-1]['gen_mismatch_abs_mean']:.4f} ({time.time() - t0:.1f} s)")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -194,7 +192,7 @@ def summarise(rows):
         sel = [r for r in rows if (r["granularity"], r["level"], r["sigma"], r["length"]) == k]
         out[k] = {m: _mean_sd([r[m] for r in sel]) for m in ("w_mean", "ess", "masked", "scale", "cos_target",
                                                                "response_length", "gen_mismatch_abs_mean",
-                                                               "gen_kl_k3", "high_entropy", "low_entropy")}
+                                                               "gen_kl_k3")}
         out[k]["n"] = len(sel)
     return out
 
