@@ -3,7 +3,7 @@
 At scale the rollouts come from vLLM (often FP8) and π_old from Megatron (bf16): π_gen ≠ π_old.
 Here ``rl.generation_mismatch: σ`` samples each rollout from a copy of the policy whose every
 weight p is p·(1 + σ·ε), ε ~ N(0, 1) drawn afresh per step from (seed, step) — a stand-in for a
-lower-precision engine (FP8 rounding is a relative error of the same form, σ ≈ 2⁻⁴ for E4M3).
+lower-precision engine (rounding to FP8 E4M3 is a relative error of the same form, up to 2⁻⁴).
 ``generation_logprobs`` are the copy's, ``prev_logprobs`` the policy's, as in NeMo-RL.
 """
 
