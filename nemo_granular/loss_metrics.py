@@ -90,8 +90,9 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
     # GSPO: the mean over responses of one π_old/π_gen weight per response. NeMo-RL's own GSPO
     # mode multiplies a [B, 1] weight by a [B] mask, which broadcasts to [B, B], so its dashboard
     # shows Σ_i w_i (about B × ours), not a mean (docs/nemo-rl.md, "Logged metrics").
-    if row_is:
-        w_row = torch.exp(diff.sum(-1).clamp(max=LOG_RATIO_BOUND))
+    if row_is:  # without the correction: the weight the configured level would apply
+        log_w = diff.sum(-1) if is_level == "group_sum" else diff.sum(-1) / b.n_row.clamp(min=1)
+        w_row = torch.exp(log_w.clamp(max=LOG_RATIO_BOUND))
         if is_weight is not None:
             w_row = (is_weight * b.valid).amax(-1)
         m["sampling_importance_ratio"] = seq(w_row)

@@ -310,3 +310,23 @@ def test_batch_mismatch_extrema_match_loops(granularity):
     assert got["gen_mismatch_abs_mean_high_entropy"] == pytest.approx(sum(high) / len(high), rel=1e-12)
     assert got["gen_mismatch_abs_mean_low_entropy"] == pytest.approx(sum(low) / len(low), rel=1e-12)
     assert batch_mismatch_extrema({k: v for k, v in data.items() if k != "generation_logprobs"}, granularity) == {}
+
+
+@pytest.mark.parametrize("level", ["group_sum", "group_mean"])
+def test_sequence_weight_metric_without_correction_follows_the_level(level):
+    """With the correction off, `sampling_importance_ratio` at sequence groups reports the per-response
+    weight the level would apply: exp(Σδ) (NeMo-RL's GSPO mode) or exp(mean δ)."""
+    data, logp, gvs, gvt = _batch(5)
+    cfg = {"reference_policy_kl_penalty": 0.0, "granular": {"algorithm": "gspo"}}
+    if level == "group_sum":
+        cfg.update(sequence_level_importance_ratios=True)
+    m = _run64(GranularPolicyLoss(cfg), logp, data, gvs, gvt)[2]
+    d = (data["prev_logprobs"] - data["generation_logprobs"])[:, 1:]
+    mask = data["token_mask"][:, 1:]
+    want = 0.0
+    for i in range(d.shape[0]):
+        n = float(mask[i].sum())
+        if data["sample_mask"][i] and n:
+            s = float((d[i] * mask[i]).sum())
+            want += math.exp(s if level == "group_sum" else s / n) / gvs
+    assert m["sampling_importance_ratio"] == pytest.approx(want, rel=1e-12)
