@@ -5,7 +5,8 @@
   ``kl_penalty``, ``num_valid_samples``, ``positive_nll_loss``, ``is_oob_ratio`` with a truncation,
   ``sampling_importance_ratio`` only with the importance-sampling correction — plus every granular
   metric, each with exactly the value of the ``full`` call; ``metric_normalizations`` advertises
-  exactly the returned metrics. Loss and gradient do not depend on the level.
+  exactly the returned metrics. Our π_old/π_gen mismatch diagnostics (``MISMATCH_METRICS``) are
+  diagnostics like the rewrite's: at ``minimal`` only with the correction on. Loss and gradient do not depend on the level.
 * ``enable_torch_compile: true`` runs the tensor-only objective through ``torch.compile`` with
   NeMo-RL's arguments (``dynamic=True``, ``mode="max-autotune-no-cudagraphs"``), built on the first
   call and not pickled; results equal the eager ones. (Here the compiled function is traced by
@@ -24,7 +25,7 @@ import torch
 
 import reference as R
 from nemo_granular.config import PRESETS
-from nemo_granular.loss_metrics import MINIMAL_SKIPS
+from nemo_granular.loss_metrics import MINIMAL_SKIPS, MISMATCH_METRICS
 from nemo_granular.losses import GranularPolicyLoss
 
 V = 16
@@ -66,15 +67,15 @@ def test_minimal_drops_only_the_diagnostics(name, extra):
     mloss, mgrad, minimal = _run(min_fn)
     assert torch.equal(loss, mloss) and torch.equal(grad, mgrad)
     dropped = set(full) - set(minimal)
-    want = NEMO_FULL_ONLY | ({"sampling_importance_ratio"} if "use_importance_sampling_correction" not in extra
-                             else set())
+    corrected = "use_importance_sampling_correction" in extra
+    want = NEMO_FULL_ONLY | (set() if corrected else {"sampling_importance_ratio", *MISMATCH_METRICS})
     assert dropped == want & set(full), sorted(dropped ^ (want & set(full)))
     assert set(minimal) <= set(full)
     for k, v in minimal.items():
         assert v == full[k], f"{k}: minimal {v} != full {full[k]}"
     assert NEMO_MINIMAL <= set(minimal)
     if extra is TIS:
-        assert {"is_oob_ratio", "sampling_importance_ratio"} <= set(minimal)
+        assert {"is_oob_ratio", "sampling_importance_ratio", *MISMATCH_METRICS} <= set(minimal)
     # the advertised normalisers are those of the returned metrics
     assert set(min_fn.metric_normalizations) == set(minimal)
     assert set(full_fn.metric_normalizations) <= set(full) | {"is_oob_ratio"}
