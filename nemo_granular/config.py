@@ -13,6 +13,7 @@ loss_fn:                     # NeMo-RL's own keys keep their meaning
     sspo: {alpha: 0.0, beta: 0.8, gamma: 1.75}
     espo: {alpha: auto, vocab_size: null}   # auto: 3.5e-4·log|V|/H̄₀ from the first rollout
     aggregation: seq_mean_token_mean
+    is_level: group_mean     # token | group_sum | group_mean: level of the π_old/π_gen correction
 grpo:
   adv_estimator: {name: espo}
 ```
@@ -66,6 +67,9 @@ class LossConfigError(ValueError, AssertionError):
     """A refused ``loss_fn`` config: one line naming the key. NeMo-RL's ``ClippedPGLossFn`` refuses
     with ``AssertionError`` (and pydantic's ``ValueError``): this is both, so ``except
     AssertionError`` / ``pytest.raises(AssertionError)`` written for NeMo-RL catch it too."""
+
+
+ISLevel = Literal["token", "group_sum", "group_mean"]
 
 # docs/algorithms/math.md §8 (ε of `fixed` clipping as (low, high); advantage estimator name)
 PRESETS: dict[str, dict[str, Any]] = {
@@ -127,6 +131,9 @@ class GranularConfig(_Strict):
     sspo: SSPOClipConfig = Field(default_factory=SSPOClipConfig)
     espo: ESPOClipConfig = Field(default_factory=ESPOClipConfig)
     aggregation: Optional[Aggregation] = None
+    # level of the π_old/π_gen correction (math.md §10); null: token for token groups, else group_mean
+    # (NeMo-RL's group_sum under loss_fn.sequence_level_importance_ratios: true)
+    is_level: Optional[ISLevel] = None
     # filled from the preset when the user gives neither this nor loss_fn.ratio_clip_min/max
     eps_low: Optional[NonNegativeFloat] = None
     eps_high: Optional[NonNegativeFloat] = None
@@ -155,6 +162,8 @@ class GranularConfig(_Strict):
         for name in ("granularity", "ratio", "clip", "surrogate", "aggregation"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, preset[name])
+        if self.is_level is None:  # math.md §10, Decision: the geometric mean at every group granularity
+            object.__setattr__(self, "is_level", "token" if self.granularity == "token" else "group_mean")
         if self.eps_low is None:
             object.__setattr__(self, "eps_low", preset["eps"][0])
         if self.eps_high is None:
@@ -293,6 +302,9 @@ class PolicyLossConfig(BaseModel):
         """NeMo-RL's checks of ``ClippedPGLossFn.__init__`` (and of its first call), in its order."""
         kind, hi = self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio
         lo = self.truncated_importance_sampling_ratio_min
+        g = self.granular
+        if self.sequence_level_importance_ratios and "is_level" not in g.model_fields_set:
+            object.__setattr__(g, "is_level", "group_sum")  # NeMo-RL's GSPO-mode weight, one per response
         if kind is None:
             if hi is not None:
                 raise ValueError("loss_fn.truncated_importance_sampling_ratio is set but "
@@ -310,9 +322,6 @@ class PolicyLossConfig(BaseModel):
         if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
             raise ValueError("loss_fn.truncated_importance_sampling_type: seq-mask-tis is incompatible with "
                              "sequence_level_importance_ratios: true, as in NeMo-RL")
-        if kind == "seq-mask-tis" and self.granular.granularity != "token":
-            raise ValueError("loss_fn.truncated_importance_sampling_type: seq-mask-tis needs token granularity "
-                             "(its token-level weights are not group weights)")
 
     @property
     def eps_low(self) -> float:
@@ -439,11 +448,15 @@ NEMO_RL_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
                          "true: no KL term in the loss (an estimator that reads it adds KL to the reward; `grpo` "
                          "and `espo`, like NeMo-RL's `grpo`, do not)"),
     "use_importance_sampling_correction": ("bool", False, "NeMo-RL",
-                                           "π_old/π_gen weights, one per group: per token (token granularity), per "
-                                           "response (sequence: NeMo-RL's GSPO convention), per segment / group"),
+                                           "π_old/π_gen weights at `granular.is_level`: per token, or one per group "
+                                           "of the ratio — exp(Σδ) (`group_sum`, NeMo-RL's GSPO convention, the "
+                                           "default under `sequence_level_importance_ratios: true`) or exp(mean δ) "
+                                           "(`group_mean`, the default at every group granularity; math.md §10)"),
     "truncated_importance_sampling_type": ("str | None", None, "NeMo-RL",
-                                           "tis / icepop / seq-mask-tis on those weights, NeMo-RL's checks; "
-                                           "seq-mask-tis also needs token granularity (token-level weights)"),
+                                           "tis / icepop on those weights (per token or per group), NeMo-RL's "
+                                           "checks; seq-mask-tis masks each group of the ratio (a whole response "
+                                           "for token and sequence groups) whose geometric-mean weight leaves "
+                                           "[min, max]"),
     "truncated_importance_sampling_ratio": ("float | None", None, "NeMo-RL",
                                             "> 0 when a type is set; set without a type: refused (NeMo-RL: at its "
                                             "first call)"),
@@ -466,7 +479,9 @@ NEMO_RL_NEXT_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
     "metrics_level": ("str", "full", "NeMo-RL",
                       "`full` | `minimal`; minimal drops the diagnostics NeMo-RL's minimal mode drops (the "
                       "`probs_ratio*` statistics, π_old-vs-π_gen errors, `approx_entropy`, and "
-                      "`sampling_importance_ratio` unless the IS correction is on); the granular metrics stay"),
+                      "`sampling_importance_ratio` unless the IS correction is on), and so our mismatch "
+                      "diagnostics (`gen_mismatch_*`, `gen_kl_k3`, `is_oob_*_frac`) unless the correction is on; "
+                      "the granular metrics stay"),
     "enable_torch_compile": ("bool", False, "NeMo-RL",
                              "true: the tensor-only objective (ratios, surrogate, weights, closed-form gradient) "
                              "is compiled with `torch.compile` on the first call, as NeMo-RL compiles its actor "

@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 from .core.fused import masked_extrema, prob_error_sums
-from .core.objective import LOG_RATIO_BOUND, aggregation_weights
+from .core.objective import COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights
+from .core.offpolicy import mismatch_sums
 
-__all__ = ["MINIMAL_SKIPS", "metric_kinds", "policy_metrics"]
+__all__ = ["MINIMAL_SKIPS", "MISMATCH_METRICS", "metric_kinds", "policy_metrics", "mismatch_metrics"]
 
 TOKEN_METRICS = (
     "probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
@@ -23,6 +24,9 @@ TOKEN_METRICS = (
     "clip_bound_high_mean", "prev_entropy_mean", "nonfinite_token_frac",
 )
 SEQ_METRICS = ("clip_frac_low_groups", "clip_frac_high_groups", "groups_per_response", "group_size_mean")
+# π_old-vs-π_gen mismatch (docs/algorithms/math.md §10.3; maxima and the entropy split: per step, by the trainer)
+MISMATCH_TOKEN_METRICS = ("gen_mismatch_abs_mean", "gen_kl_k3")
+MISMATCH_SEQ_METRICS = ("gen_mismatch_group_abs_mean",)
 RAW_METRICS = ("num_valid_samples", "nonfinite_tokens", "positive_nll_loss",
                "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max")
 
@@ -34,40 +38,60 @@ MINIMAL_SKIPS = frozenset((
     "probs_ratio_clamped_max", "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
     "approx_entropy",
 ))
+# ours, diagnostics like MINIMAL_SKIPS: at `minimal` only while the correction is on (it reads δ anyway)
+MISMATCH_METRICS = MISMATCH_TOKEN_METRICS + MISMATCH_SEQ_METRICS + ("is_oob_token_frac", "is_oob_group_frac")
 
 
 def metric_kinds(token_level: bool, granularity: str, truncation: str | None, level: str = "full",
-                 importance_correction: bool = False) -> dict[str, str]:
+                 importance_correction: bool = False, is_level: str = "group_sum") -> dict[str, str]:
     """Metric name → ``MetricNormalizer`` value (``tokens`` / ``sequences`` / ``none``), as NeMo-RL's
     ``ClippedPGLossFn`` advertises them: ``loss`` and ``kl_penalty`` like the gradient
     (``token_level_loss``), ``is_oob_ratio`` by the truncation, ``sampling_importance_ratio``
-    per response for sequence ratios. ``level`` ``minimal``: without :data:`MINIMAL_SKIPS`."""
+    per response for one weight per response (sequence ratios, group-level correction).
+    ``level`` ``minimal``: without :data:`MINIMAL_SKIPS`, and without :data:`MISMATCH_METRICS`
+    unless ``importance_correction``."""
     grad = "tokens" if token_level else "sequences"
     kinds = {"loss": grad, "kl_penalty": grad}
     kinds.update({k: "tokens" for k in TOKEN_METRICS})
     kinds.update({k: "sequences" for k in SEQ_METRICS})
     kinds.update({k: "none" for k in RAW_METRICS})
-    if level == "minimal":
+    full = level == "full"
+    if not full:
         kinds = {k: v for k, v in kinds.items() if k not in MINIMAL_SKIPS}
-    if level == "full" or importance_correction:
-        kinds["sampling_importance_ratio"] = "sequences" if granularity == "sequence" else "tokens"
+    if full or importance_correction:
+        kinds["sampling_importance_ratio"] = ("sequences" if granularity == "sequence" and is_level != "token"
+                                              else "tokens")
+        kinds.update({k: "tokens" for k in MISMATCH_TOKEN_METRICS})
+        kinds.update({k: "sequences" for k in MISMATCH_SEQ_METRICS})
     if truncation is not None:
         kinds["is_oob_ratio"] = "sequences" if truncation == "seq-mask-tis" else "tokens"
+        if full or importance_correction:
+            kinds.update(is_oob_token_frac="tokens", is_oob_group_frac="sequences")
     return kinds
+
+
+def mismatch_metrics(b, ratios, correction, gen_kl_k3=None) -> dict[str, torch.Tensor]:
+    """The π_old-vs-π_gen diagnostics of docs/algorithms/math.md §10.3 on the ratio's groups
+    (:func:`~nemo_granular.core.offpolicy.mismatch_sums`); ``gen_kl_k3``: NeMo-RL's ``gen_kl_error``
+    of the same call when it is the k3 estimator (the same sum, not computed twice)."""
+    return mismatch_sums(b.prev, b.gen, b.valid, b.w_tok, b.sample_mask * b.inv_gvs, index=ratios.index,
+                         counts=ratios.counts, n_groups_row=ratios.n_groups_row, correction=correction,
+                         gen_kl_k3=gen_kl_k3)
 
 
 def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
                    kl_coef: float, kl_type: str, granularity: str, surrogate: str,
-                   level: str = "full") -> dict[str, torch.Tensor]:
+                   level: str = "full", is_level: str = "group_sum") -> dict[str, torch.Tensor]:
     """0-d tensors, one per metric. ``b`` is the loss's batch view (``PolicyBatch``), ``ratios`` /
     ``terms`` the :mod:`~nemo_granular.core.objective` results, ``bounds`` = (lo, hi) per token (or
     numbers), ``group_bounds`` = (lo, hi) per group (or numbers, or None), ``fraction_weights``
     the per-group-mean weights when the objective already built them (else None). ``level``
     ``minimal`` leaves out :data:`MINIMAL_SKIPS` (and ``sampling_importance_ratio`` when
-    ``is_weight`` is None), the others keep their values."""
+    ``is_weight`` is None), the others keep their values. ``is_level``: the π_old/π_gen weight's
+    level (math.md §10), which ``sampling_importance_ratio`` reports."""
     if level == "minimal":
         return _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll,
-                                kl_coef=kl_coef, granularity=granularity, surrogate=surrogate)
+                                kl_coef=kl_coef, granularity=granularity, surrogate=surrogate, is_level=is_level)
     m: dict[str, torch.Tensor] = {}
     w_tok, sm = b.w_tok, b.sample_mask
     w_flat = w_tok.view(-1)
@@ -87,13 +111,15 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
     m["num_valid_samples"] = sm.sum()
     m["kl_penalty"] = kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)
     diff = b.prev - b.gen  # 0 outside the valid tokens
-    token_is = granularity != "sequence" and is_weight is None
+    row_is = granularity == "sequence" and is_level != "token"  # one π_old/π_gen weight per response
+    token_is = not row_is and is_weight is None
     m.update(prob_error_sums(diff, w_tok, kl_type, LOG_RATIO_BOUND if token_is else None))
     # GSPO: the mean over responses of one π_old/π_gen weight per response. NeMo-RL's own GSPO
     # mode multiplies a [B, 1] weight by a [B] mask, which broadcasts to [B, B], so its dashboard
     # shows Σ_i w_i (about B × ours), not a mean (docs/nemo-rl.md, "Logged metrics").
-    if granularity == "sequence":  # one weight per response
-        w_row = torch.exp(diff.sum(-1).clamp(max=LOG_RATIO_BOUND))
+    if row_is:  # without the correction: the weight the configured level would apply
+        log_w = diff.sum(-1) if is_level == "group_sum" else diff.sum(-1) / (b.n_row + COUNT_EPS)
+        w_row = torch.exp(log_w.clamp(max=LOG_RATIO_BOUND))
         if is_weight is not None:
             w_row = (is_weight * b.valid).amax(-1)
         m["sampling_importance_ratio"] = seq(w_row)
@@ -122,7 +148,8 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
 
 
 def _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
-                     kl_coef: float, granularity: str, surrogate: str) -> dict[str, torch.Tensor]:
+                     kl_coef: float, granularity: str, surrogate: str,
+                     is_level: str = "group_sum") -> dict[str, torch.Tensor]:
     """The metrics :func:`policy_metrics` keeps at ``metrics_level: minimal``, each computed as there."""
     m: dict[str, torch.Tensor] = {}
     w_tok, sm = b.w_tok, b.sample_mask
@@ -145,7 +172,7 @@ def _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, i
     m["num_valid_samples"] = sm.sum()
     m["kl_penalty"] = kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)
     if is_weight is not None:
-        if granularity == "sequence":
+        if granularity == "sequence" and is_level != "token":  # one weight per response
             m["sampling_importance_ratio"] = seq((is_weight * b.valid).amax(-1))
         else:
             m["sampling_importance_ratio"] = tok(is_weight)

@@ -31,13 +31,16 @@ from .core.fused import (FEW_GROUPS_MAX, FewGroupIndex, LinearizedLoss, RowIndex
 from .core.groups import build_delimiter_table, group_ids_for
 from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights, group_ratios,
                              objective_logp_grad, surrogate_terms)
-from .core.offpolicy import importance_weights, kl_penalty_per_token, truncate_importance_weights
+from .core.offpolicy import generation_weights, kl_penalty_per_token
 from .core.ratios import GroupIndex
-from .loss_metrics import metric_kinds, policy_metrics
+from .loss_metrics import metric_kinds, mismatch_metrics, policy_metrics
 from .protocol import HostMember, LossInputType, LossType, MetricNormalizer, resolve
 
 __all__ = ["GranularPolicyLoss", "SequenceValueLoss", "PolicyBatch", "read_policy_batch", "kl_penalty_per_token",
            "LOG_RATIO_BOUND"]
+
+
+_EXTREMA = frozenset(("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max"))
 
 
 def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> torch.Tensor:
@@ -186,7 +189,7 @@ class GranularPolicyLoss:
         self._loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level else LossType.SEQUENCE_LEVEL
         self._metric_kinds = {k: MetricNormalizer(v) for k, v in metric_kinds(
             self.cfg.token_level, self.granular.granularity, self.cfg.truncated_importance_sampling_type,
-            self.cfg.metrics_level, self.cfg.use_importance_sampling_correction).items()}
+            self.cfg.metrics_level, self.cfg.use_importance_sampling_correction, self.granular.is_level).items()}
         self.metrics_level = self.cfg.metrics_level
         self.enable_torch_compile = self.cfg.enable_torch_compile
         # compiled lazily on the worker, after Ray has serialised the loss (as NeMo-RL does)
@@ -240,9 +243,11 @@ class GranularPolicyLoss:
         # First on the batch as it comes: a non-finite input anywhere (valid or masked) turns the
         # objective or a metric non-finite, and only then is the batch read again with the
         # non-finite tokens taken out of the valid mask (saves one pass per input key per call)
-        loss, metrics = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
-        if not all(math.isfinite(v) for v in metrics.values()):
-            loss, metrics = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
+        loss, metrics, probes = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
+        # (the ratio extrema are ±inf by design when the call has no valid token)
+        if not (all(math.isfinite(v) or (k in _EXTREMA and not math.isnan(v)) for k, v in metrics.items())
+                and all(math.isfinite(v) for v in probes)):
+            loss, metrics, _ = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
         return loss, metrics
 
     def _call(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, assume_finite: bool):
@@ -253,17 +258,28 @@ class GranularPolicyLoss:
             self._check_espo_ready()
         metrics: dict[str, torch.Tensor] = {}
         objective = self._objective if not self.enable_torch_compile else self._compiled()
-        obj, grad, ratios, terms, bounds, group_bounds, fraction_weights, is_weight = objective(b, index, metrics)
+        obj, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr = objective(b, index, metrics)
+        is_weight = None if corr is None else corr.weight
         loss = LinearizedLoss.apply(next_token_logprobs, -obj, grad.neg_())
         loss, kl, nll = self._penalties(loss, next_token_logprobs, data, b)
         with torch.no_grad():
             metrics.update(policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss,
                                           kl, nll, kl_coef=self.reference_policy_kl_penalty,
                                           kl_type=cfg.reference_policy_kl_type, granularity=g.granularity,
-                                          surrogate=g.surrogate, level=self.metrics_level))
+                                          surrogate=g.surrogate, level=self.metrics_level, is_level=g.is_level))
+            # ours, diagnostics: at `minimal` only with the correction on (loss_metrics.MISMATCH_METRICS)
+            if self.metrics_level == "full" or corr is not None:
+                k3 = metrics.get("gen_kl_error") if cfg.reference_policy_kl_type == "k3" else None
+                metrics.update(mismatch_metrics(b, ratios, corr, k3))
             names = list(metrics)
-            values = torch.stack([metrics[k] for k in names]).tolist()  # 0-d tensors of dt; one sync
-        return loss, dict(zip(names, values))
+            # inputs whose ±inf a clamp or a truncation could hide from every metric: their sums
+            probes = [ratios.log_ratio.sum()]
+            if cfg.use_importance_sampling_correction:
+                probes.append((b.prev - b.gen).sum())
+            if g.needs_entropy:
+                probes.append(b.ent.sum())
+            values = torch.stack([metrics[k] for k in names] + probes).tolist()  # one sync
+        return loss, dict(zip(names, values[:len(names)])), values[len(names):]
 
     def _objective(self, b: PolicyBatch, index, metrics: dict):
         """The tensor-only part (docs/algorithms/math.md §2–§5, off-policy weights): the objective
@@ -286,14 +302,14 @@ class GranularPolicyLoss:
                                           index, ratios.counts, ratios.n_groups_row)
         per_group_mean = g.aggregation == "seq_mean_group_mean" or (index is None and g.aggregation != "token_mean")
         fraction_weights = weights if per_group_mean else None
-        is_weight = None
-        if cfg.use_importance_sampling_correction:  # off-policy correction π_old/π_gen (detached)
-            is_weight = self._importance_weights(b, index, metrics)
-            weights = weights * is_weight
+        corr = None
+        if cfg.use_importance_sampling_correction:  # off-policy correction π_old/π_gen (detached), §10
+            corr = self._importance_weights(b, ratios, metrics)
+            weights = weights * corr.weight
         objective = (torch.dot(weights.reshape(-1), terms.value.reshape(-1)) if weights.shape == terms.value.shape
                      else (weights * terms.value).sum())
         grad = objective_logp_grad(weights, terms, ratios, g.ratio, b.valid)
-        return objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, is_weight
+        return objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr
 
     def _compiled(self):
         """:meth:`_objective` under ``torch.compile``, built on first use (NeMo-RL's settings for its
@@ -362,20 +378,24 @@ class GranularPolicyLoss:
             raise ValueError("loss_fn.granular.espo.alpha is 'auto' but no π_old pass has set it: call "
                              "GranularPolicyLoss.calibrate_espo_alpha on the first rollout (the trainers do)")
 
-    def _importance_weights(self, b: PolicyBatch, index, metrics) -> torch.Tensor:
-        """π_old/π_gen per group, truncated as configured; logs ``is_oob_ratio``."""
+    def _importance_weights(self, b: PolicyBatch, ratios, metrics):
+        """π_old/π_gen at ``is_level``, truncated as configured on the ratio's groups (math.md §10);
+        logs ``is_oob_ratio`` (NeMo-RL's: token share, or for seq-mask-tis the masked-unit share)."""
         cfg = self.cfg
         kind = cfg.truncated_importance_sampling_type
-        seq_mean = None
+        index = ratios.index
+        mask_index, mask_counts = (index, ratios.counts) if index is not None else (RowIndex(b.logp.shape[0]),
+                                                                                   b.n_row[:, None])
+        corr = generation_weights(b.prev, b.gen, b.valid, level=self.granular.is_level, index=index,
+                                  counts=ratios.counts, kind=kind, ratio_max=cfg.truncated_importance_sampling_ratio,
+                                  ratio_min=cfg.truncated_importance_sampling_ratio_min, mask_index=mask_index,
+                                  mask_counts=mask_counts)
         if kind == "seq-mask-tis":
-            seq_mean = (b.prev - b.gen).sum(-1) / (b.valid.sum(-1) + COUNT_EPS)
-        w, oob = truncate_importance_weights(importance_weights(b.prev, b.gen, index), kind,
-                                             cfg.truncated_importance_sampling_ratio,
-                                             cfg.truncated_importance_sampling_ratio_min, seq_mean)
-        if oob is not None:
-            metrics["is_oob_ratio"] = ((oob * b.sample_mask).sum() * b.inv_gvs if oob.dim() == 1
-                                       else (oob * b.w_tok).sum())
-        return w
+            n_units = corr.unit_counts.clamp(max=1).sum(-1).clamp(min=1)
+            metrics["is_oob_ratio"] = (corr.oob_unit.sum(-1) / n_units * b.sample_mask).sum() * b.inv_gvs
+        elif kind is not None:
+            metrics["is_oob_ratio"] = (corr.oob_token * b.w_tok).sum()
+        return corr
 
     def _penalties(self, loss, next_token_logprobs, data, b: PolicyBatch):
         """loss + β·KL (aggregated like NeMo-RL's loss type) + VAPO's NLL term; returns (loss, kl, nll)."""

@@ -451,12 +451,15 @@ def _shifted(data, name):
 def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=0.2, eps_high=0.2,
                   sspo=(0.0, 0.8, 1.75), espo_alpha=1.0, vocab_size=None, cuts=(0.2,),
                   delimiter_ids=DELIMITERS, gvs, gvt, dual_clip=None, kl=None, surrogate="clipped",
-                  count_eps=COUNT_EPS):
+                  count_eps=COUNT_EPS, offpolicy=None):
     """Spec §1–§5 for a NeMo-style batch, float64: returns (loss, metrics).
 
     Every mean over tokens (group log-ratio, per-response and per-group means, the global token
     and sequence counts) divides by count + ``count_eps``, NeMo-RL's ``masked_mean`` regulariser
     (docs/algorithms/math.md, Notation).
+
+    ``offpolicy`` = dict(level, kind, hi, lo): each c_it is multiplied by the π_old/π_gen weight of
+    :func:`offpolicy_weights` (math.md §10); ``metrics["offpolicy"]`` then holds its diagnostics.
 
     ``logp`` is a float64 ``[B, S-1]`` leaf (gradient reference). Non-finite tokens (logp, logq,
     advantage or, when used, entropy) are excluded. ``kl`` = dict(coef, type, in_clamp, out_clamp).
@@ -506,6 +509,9 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
                     term = clipped_term(r[(i, t)], float(adv[i, t]), lo, hi, dual_clip)
                 c[(i, t)], lows[(i, t)], highs[(i, t)] = term
                 los[(i, t)], his[(i, t)] = lo, hi
+    if offpolicy is not None:
+        w_is, oob, share = offpolicy_weights(data, ids, granularity, **offpolicy, count_eps=count_eps)
+        c = {k: v * w_is[k] for k, v in c.items()}
     loss = -aggregate(c, ids, sm, aggregation, gvs, gvt, count_eps)
     if kl is not None and kl.get("coef", 0):
         ref = _shifted(data, "reference_policy_logprobs")
@@ -541,7 +547,71 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
     m["probs_ratio_min"], m["probs_ratio_max"] = rmin, rmax
     m["nonfinite_tokens"] = float(sum(1 for i in range(B) for t in range(T)
                                       if tm[i, t] > 0 and not valid[i, t] and sm[i] != 0))
+    if offpolicy is not None:
+        m["offpolicy"] = mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share, granularity, count_eps)
     return loss, m
+
+
+def offpolicy_weights(data, ids, granularity, level, kind=None, hi=None, lo=None, count_eps=0.0):
+    """math.md §10 with loops: the π_old/π_gen weight of every valid token after truncation, whether it
+    was truncated or masked, and per row the share of the ratio's groups touched (dicts / list).
+
+    level token: exp(δ_t); group_sum: exp(Σ_g δ); group_mean: exp(mean_g δ). tis clamps and icepop
+    zeroes each weight outside [lo, hi]; seq-mask-tis zeroes every group (the whole row for token
+    groups) whose exp(mean δ) is outside [lo, hi]. Means divide by count + ``count_eps``."""
+    q, gen = _shifted(data, "prev_logprobs"), _shifted(data, "generation_logprobs")
+    w, oob, share = {}, {}, []
+    for i, row in enumerate(ids):
+        grps = groups_of_row(row)
+        d = {t: float(q[i, t]) - float(gen[i, t]) for grp in grps for t in grp}
+        for grp in grps:
+            s_ = sum(d[t] for t in grp)
+            for t in grp:
+                if level == "token" or granularity == "token":
+                    w[(i, t)] = math.exp(d[t])
+                else:
+                    w[(i, t)] = math.exp(s_ if level == "group_sum" else s_ / (len(grp) + count_eps))
+                oob[(i, t)] = False
+        toks = [t for grp in grps for t in grp]
+        if kind in ("tis", "icepop"):
+            low = (0.0 if lo is None else lo) if kind == "tis" else lo
+            for t in toks:
+                if not low <= w[(i, t)] <= hi:
+                    oob[(i, t)] = True
+                    w[(i, t)] = min(max(w[(i, t)], low), hi) if kind == "tis" else 0.0
+        elif kind == "seq-mask-tis":
+            for unit in ([toks] if granularity == "token" and toks else grps):
+                if not lo <= math.exp(sum(d[t] for t in unit) / (len(unit) + count_eps)) <= hi:
+                    for t in unit:
+                        oob[(i, t)], w[(i, t)] = True, 0.0
+        share.append(sum(1 for grp in grps if any(oob[(i, t)] for t in grp)) / len(grps) if grps else 0.0)
+    return w, oob, share
+
+
+def mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share, granularity="group", count_eps=0.0):
+    """math.md §10.3 with loops (global denominators gvt / gvs; rows with sample_mask 0 count 0);
+    token means divide by count + ``count_eps`` (token groups: the row's mean of |δ|)."""
+    q, gen = _shifted(data, "prev_logprobs"), _shifted(data, "generation_logprobs")
+    m = dict.fromkeys(("gen_mismatch_abs_mean", "gen_kl_k3", "gen_mismatch_group_abs_mean",
+                       "is_oob_token_frac", "is_oob_group_frac", "sampling_importance_ratio_tokens"), 0.0)
+    for i, row in enumerate(ids):
+        s = float(sm[i])
+        grps = groups_of_row(row)
+        if not grps or s == 0:
+            continue
+        d = {t: float(q[i, t]) - float(gen[i, t]) for grp in grps for t in grp}
+        for t, dt in d.items():
+            m["gen_mismatch_abs_mean"] += s * abs(dt) / gvt
+            m["gen_kl_k3"] += s * (math.exp(dt) - 1 - dt) / gvt
+            m["is_oob_token_frac"] += s * float(oob[(i, t)]) / gvt
+            m["sampling_importance_ratio_tokens"] += s * w_is[(i, t)] / gvt
+        if granularity == "token":
+            m["gen_mismatch_group_abs_mean"] += s * sum(abs(dt) for dt in d.values()) / (len(d) + count_eps) / gvs
+        else:
+            m["gen_mismatch_group_abs_mean"] += s * sum(abs(sum(d[t] for t in g) / (len(g) + count_eps))
+                                                        for g in grps) / len(grps) / gvs
+        m["is_oob_group_frac"] += s * share[i] / gvs
+    return m
 
 
 PRESET_SPECS = {

@@ -5,7 +5,8 @@
   ``kl_penalty``, ``num_valid_samples``, ``positive_nll_loss``, ``is_oob_ratio`` with a truncation,
   ``sampling_importance_ratio`` only with the importance-sampling correction — plus every granular
   metric, each with exactly the value of the ``full`` call; ``metric_normalizations`` advertises
-  exactly the returned metrics. Loss and gradient do not depend on the level.
+  exactly the returned metrics. Our π_old/π_gen mismatch diagnostics (``MISMATCH_METRICS``) are
+  diagnostics like the rewrite's: at ``minimal`` only with the correction on. Loss and gradient do not depend on the level.
 * ``enable_torch_compile: true`` runs the tensor-only objective through ``torch.compile`` with
   NeMo-RL's arguments (``dynamic=True``, ``mode="max-autotune-no-cudagraphs"``), built on the first
   call and not pickled; results equal the eager ones. (Here the compiled function is traced by
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import pytest
@@ -23,7 +25,7 @@ import torch
 
 import reference as R
 from nemo_granular.config import PRESETS
-from nemo_granular.loss_metrics import MINIMAL_SKIPS
+from nemo_granular.loss_metrics import MINIMAL_SKIPS, MISMATCH_METRICS
 from nemo_granular.losses import GranularPolicyLoss
 
 V = 16
@@ -65,15 +67,15 @@ def test_minimal_drops_only_the_diagnostics(name, extra):
     mloss, mgrad, minimal = _run(min_fn)
     assert torch.equal(loss, mloss) and torch.equal(grad, mgrad)
     dropped = set(full) - set(minimal)
-    want = NEMO_FULL_ONLY | ({"sampling_importance_ratio"} if "use_importance_sampling_correction" not in extra
-                             else set())
+    corrected = "use_importance_sampling_correction" in extra
+    want = NEMO_FULL_ONLY | (set() if corrected else {"sampling_importance_ratio", *MISMATCH_METRICS})
     assert dropped == want & set(full), sorted(dropped ^ (want & set(full)))
     assert set(minimal) <= set(full)
     for k, v in minimal.items():
         assert v == full[k], f"{k}: minimal {v} != full {full[k]}"
     assert NEMO_MINIMAL <= set(minimal)
     if extra is TIS:
-        assert {"is_oob_ratio", "sampling_importance_ratio"} <= set(minimal)
+        assert {"is_oob_ratio", "sampling_importance_ratio", *MISMATCH_METRICS} <= set(minimal)
     # the advertised normalisers are those of the returned metrics
     assert set(min_fn.metric_normalizations) == set(minimal)
     assert set(full_fn.metric_normalizations) <= set(full) | {"is_oob_ratio"}
@@ -107,3 +109,28 @@ def test_torch_compile_objective(monkeypatch, name):
     assert calls == [{"dynamic": True, "mode": "max-autotune-no-cudagraphs"}]
     clone = pickle.loads(pickle.dumps(compiled))  # Ray ships the loss: the compiled function stays behind
     assert clone._compiled_objective is None and clone.enable_torch_compile
+
+
+@pytest.mark.parametrize("name", ["grpo", "gspo", "sspo", "espo"])
+@pytest.mark.parametrize("key,value", [("prev_logprobs", float("-inf")), ("prev_logprobs", float("inf")),
+                                       ("advantages", float("inf")), ("prev_entropy", float("inf")),
+                                       ("prev_logprobs", float("nan"))])
+@pytest.mark.parametrize("level", ["full", "minimal"])
+def test_first_read_never_hides_a_nonfinite_token(name, key, value, level):
+    """The loss first reads the batch without the finiteness pass; one ±inf/NaN token (whose
+    effect a clamp or the entropy bounds could hide from every metric) must still give exactly
+    the careful read's result: the token leaves the valid mask."""
+    data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=0, per_token_adv=True)
+    col = int(data["token_mask"][1].nonzero()[1])
+    data[key] = data[key].clone()
+    data[key][1, col] = value
+    fn = _make(name, metrics_level=level)
+    loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
+    lp = logp.detach().clone().float().requires_grad_(True)
+    careful, cm, _ = fn._call(lp, data, torch.tensor(float(gvs)), torch.tensor(float(gvt)), False)
+    careful.backward()
+    assert torch.isfinite(loss) and float(loss) == float(careful)
+    assert torch.equal(grad, lp.grad.double())
+    needs_entropy = fn.granular.needs_entropy
+    assert m["nonfinite_tokens"] == (1.0 if key != "prev_entropy" or needs_entropy else 0.0)
+    assert m.keys() == cm.keys() and all(m[k] == cm[k] or (math.isnan(m[k]) and math.isnan(cm[k])) for k in m)

@@ -233,6 +233,18 @@ TINY_CASES = {
     "seq_mask_tis": dict(TIS, truncated_importance_sampling_type="seq-mask-tis",
                          truncated_importance_sampling_ratio=1.2, truncated_importance_sampling_ratio_min=0.8),
     "cispo": dict(use_cispo=True, ratio_clip_max=0.05),
+    "tis_min": dict(TIS, truncated_importance_sampling_ratio_min=0.98),
+    "icepop": dict(TIS, truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=1.05,
+                   truncated_importance_sampling_ratio_min=0.95),
+    # GSPO mode with the correction: one exp(Σδ) weight per response (loss_fn.granular.is_level group_sum)
+    "gspo_is": dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05,
+                    ratio_clip_max=0.05, use_importance_sampling_correction=True),
+    "gspo_tis": dict(TIS, sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05,
+                     ratio_clip_max=0.05, truncated_importance_sampling_ratio=1.05,
+                     truncated_importance_sampling_ratio_min=0.98),
+    "gspo_icepop": dict(TIS, sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05,
+                        ratio_clip_max=0.05, truncated_importance_sampling_type="icepop",
+                        truncated_importance_sampling_ratio=1.05, truncated_importance_sampling_ratio_min=0.95),
 }
 
 

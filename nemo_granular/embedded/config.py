@@ -10,7 +10,7 @@ Hydra's grammar subset ``a.b=v`` / ``+a.b=v`` / ``++a.b=v`` / ``~a.b`` with YAML
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator
 
@@ -102,6 +102,9 @@ class RLConfig(_Strict):
     entropy_chunk_size: PositiveInt = 256
     # ESPO: set α on the first rollout so the mean ε equals this (e.g. GSPO's 3.5e-4); null keeps loss_fn's α
     calibrate_espo_alpha_to: Optional[PositiveFloat] = None
+    # π_gen ≠ π_old: sample each rollout from a copy of the policy with relative weight noise σ
+    # (docs/algorithms/offpolicy.md); 0: the policy itself (on-policy rollouts)
+    generation_mismatch: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
 
     @model_validator(mode="after")
     def _check(self):

@@ -27,11 +27,13 @@ from ..advantages import build_advantage_estimator
 from ..cli_common import check_writable_dir
 from ..core.clipping import ESPO_AUTO_TARGET_EPS
 from ..core.groups import group_ids_for
+from ..core.offpolicy import batch_mismatch_extrema
 from ..losses import GranularPolicyLoss, SequenceValueLoss
 from . import models as M
 from .checkpoint import (CheckpointError, CheckpointWriteError, NothingToResume, find_resumable, fsync_dir,
                          is_write_failure, ordinary_file_modes, step_dirs, write_failure_reason, write_manifest)
 from .config import TrainConfig, dump_config
+from .mismatch import generation_seed, perturbed_copy
 from .rollout import generate, next_token_logprobs, old_policy_pass, to_nemo_batch
 from .task import build_task, verify
 from .warmstart import check_worked_solutions, decode_responses, greedy_accuracy, warm_start
@@ -348,7 +350,9 @@ class Trainer:
         data_gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         problems = [p for p in self.task.sample(P, data_gen) for _ in range(G)]
         self.policy.eval()
-        gen = generate(self.policy, self.tokenizer, [p.prompt for p in problems], max_new_tokens=cfg.max_new_tokens,
+        engine = (self.policy if cfg.generation_mismatch == 0 else  # π_gen ≠ π_old (docs/algorithms/offpolicy.md)
+                  perturbed_copy(self.policy, cfg.generation_mismatch, generation_seed(self.cfg.seed, step)))
+        gen = generate(engine, self.tokenizer, [p.prompt for p in problems], max_new_tokens=cfg.max_new_tokens,
                        temperature=cfg.temperature, greedy=False, device=self.device, autocast_dtype=self.autocast)
         batch = to_nemo_batch(gen, self.tokenizer.pad_token_id)
         texts = decode_responses(self.tokenizer, gen)
@@ -469,6 +473,12 @@ class Trainer:
         rec["train/response_length"] = mask.sum(-1).float().mean().item()
         rec["train/truncated_frac"] = batch["truncated"].float().mean().item()
         rec["train/prev_entropy"] = batch["prev_entropy"][mask].mean().item() if mask.any() else 0.0
+        # whole-batch mismatch maxima and entropy split (math.md §10.3): a max does not add over microbatches
+        # (diagnostics: at metrics_level minimal only with the correction on, as the loss's own)
+        g, lcfg = self.loss_fn.granular, self.loss_fn.cfg
+        if lcfg.metrics_level == "full" or lcfg.use_importance_sampling_correction:
+            rec.update({f"train/{k}": v for k, v in batch_mismatch_extrema(
+                batch, g.granularity, g.entropy_cut_points[0]).items()})
         n = len(per_step)
         for k in per_step[0]:
             vals = [m[k] for m in per_step]

@@ -28,6 +28,7 @@ import torch
 
 from ..config import GranularConfig, parse_policy_loss_config
 from ..core.groups import entropy_group_ids, segment_group_ids
+from ..core.offpolicy import batch_mismatch_extrema
 from .estimators import config_get
 from .run_state import checkpoint_dir_of, espo_alpha_for_step, load_run_state, save_run_state
 from .workers import DTENSOR_V2_EXTENSION_FQN, ENTROPY_METHOD, MEGATRON_EXTENSION_FQN
@@ -199,6 +200,13 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
                                     check_dim_skip_keys=check_dim_skip_keys)
             if alpha is not None:  # grpo_train logs all_mb_metrics as train/<name>
                 results.setdefault("all_mb_metrics", {})["espo_alpha"] = [alpha]
+            # whole-batch mismatch maxima and entropy split: one value each (grpo_train sums the list);
+            # diagnostics: at metrics_level minimal only with the correction on, as the loss's own
+            cfg = parse_policy_loss_config(self._granular_loss_cfg)
+            g = cfg.granular
+            if cfg.metrics_level == "full" or cfg.use_importance_sampling_correction:
+                results.setdefault("all_mb_metrics", {}).update(
+                    {k: [v] for k, v in batch_mismatch_extrema(data, g.granularity, g.entropy_cut_points[0]).items()})
             return results
 
         def save_checkpoint(self, weights_path, *args, **kwargs):

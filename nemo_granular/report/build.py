@@ -30,7 +30,10 @@ PANELS = [("train/reward", "step", "reward (sampled, training)", "mean reward"),
           ("train/clip_frac_high", "step", "clip fraction, high side (A>0, r>hi)", "fraction of tokens"),
           ("train/prev_entropy", "step", "π_old entropy", "entropy (nats/token)"),
           ("train/response_length", "step", "response length", "tokens"),
-          ("train/groups_per_response", "step", "ratio groups per response", "groups")]
+          ("train/groups_per_response", "step", "ratio groups per response", "groups"),
+          # training–inference mismatch (docs/algorithms/offpolicy.md; logged by the loss, math.md §10.3)
+          ("train/gen_mismatch_abs_mean", "step", "π_old vs π_gen mismatch, mean |log π_old − log π_gen|",
+           "nats/token")]
 X_LABEL = {"step": "RL step", "wall_time": "RL wall time (s, validation excluded)",
            "cpu_time": "RL CPU time (CPU s of the run's process, validation excluded)", "samples": "samples drawn"}
 CPU_STEP_KEY = CPU_KEY  # CPU seconds of one RL step (embedded trainer), see report/cpu.py
@@ -198,6 +201,8 @@ def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
         ax.set_ylabel(ylabel)
         if key.startswith("train/clip"):
             ax.set_yscale("symlog", linthresh=1e-4)
+        elif key == "train/gen_mismatch_abs_mean":
+            ax.set_yscale("symlog", linthresh=1e-6)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
         fig.tight_layout()
         files.append(_save(fig, out, f"{key.split('/')[-1]}_vs_{x}.png"))

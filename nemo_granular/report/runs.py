@@ -8,7 +8,7 @@ Canonical record keys (the embedded trainer's names; NeMo-RL's are mapped in
 :data:`NEMO_RL_METRICS`): ``step``, ``samples``, ``wall_time`` (cumulative RL seconds,
 validation excluded), ``train/reward``, ``validation/accuracy``, ``train/clip_frac_low``,
 ``train/clip_frac_high``, ``train/prev_entropy``, ``train/response_length``,
-``train/groups_per_response``.
+``train/groups_per_response``, ``train/gen_mismatch_abs_mean``.
 
 NeMo-RL run directory: anything that holds TensorBoard event files written by NeMo-RL's
 ``Logger`` (``<logger.log_dir>/exp_NNN/tensorboard/``; ``slurm/submit_comparison.sh`` puts
@@ -40,6 +40,7 @@ NEMO_RL_METRICS = {
     "train/prev_entropy": ("train/prev_entropy_mean", "train/approx_entropy"),
     "train/response_length": ("train/mean_gen_tokens_per_sample",),
     "train/groups_per_response": ("train/groups_per_response",),
+    "train/gen_mismatch_abs_mean": ("train/gen_mismatch_abs_mean",),
 }
 STEP_TIME_TAG = "timing/train/total_step_time"
 VALIDATION_TIME_TAGS = ("timing/validation/total_validation_time",)
