@@ -105,7 +105,7 @@ def megatron_workers(nemo_rl_src):
 HOST_RAY_MODULES = {"test_loop_actor_class", "test_loop_grpo", "test_loop_megatron", "test_loop_shipped_configs",
                     "test_loop_sppo"}
 LONG_UNITS = ("host_ray", "test_slurm", "test_megatron_worker", "test_preflight_nemo_rl",
-              "test_megatron_worker_configs", "test_export_megatron")
+              "test_megatron_worker_configs", "test_export_megatron", "test_loop_dtensor_packing")
 
 
 def pytest_configure(config):

@@ -103,8 +103,13 @@ def sspo_resumed(world, sspo):
 
 @pytest.fixture(scope="module")
 def espo_moe(world):
+    # with NeMo-RL's π_old/π_gen correction at the entropy groups' geometric mean, masked per group
+    # (seq-mask-tis on the ratio's groups, docs/algorithms/offpolicy.md)
     extra = {"grpo": {"adv_estimator": {"name": "espo", "verification_failed_key": "verification_failed"}},
-             "loss_fn": {"granular": {"algorithm": "espo", "entropy_top_fraction": 0.2,
+             "loss_fn": {"use_importance_sampling_correction": True,
+                         "truncated_importance_sampling_type": "seq-mask-tis",
+                         "truncated_importance_sampling_ratio": 1.05, "truncated_importance_sampling_ratio_min": 0.95,
+                         "granular": {"algorithm": "espo", "entropy_top_fraction": 0.2, "is_level": "group_mean",
                                       "espo": {"alpha": 1.0, "vocab_size": None}}}}
     cfg, run = _child(world, "run_b", "nemo_rl/sspo_math_1B.yaml", model=world.moe, env="espo_math", extra=extra)
     return run_ok(world.head, "grpo", cfg, run)
@@ -356,6 +361,14 @@ def test_espo_loop_on_moe(espo_moe):
     assert sorted(fails) == [1, 2, 3] and all(0 <= v <= 1 for v in fails.values()), fails
     # ESPO's entropy groups: the top-20% entropy tokens of a response form group 1
     assert all(c["group_ids"]["max"] == 1 for c in espo_moe.of("policy_train"))
+    # the π_old/π_gen correction at group_mean with seq-mask-tis: its diagnostics every step (their values
+    # are checked against the float64 reference by test_espo_loss_in_the_loop_equals_the_float64_reference)
+    for tag in ("train/gen_mismatch_abs_mean", "train/gen_kl_k3", "train/gen_mismatch_group_abs_mean",
+                "train/is_oob_ratio", "train/is_oob_group_frac", "train/sampling_importance_ratio",
+                "train/gen_mismatch_token_abs_max", "train/gen_mismatch_group_abs_max"):
+        series = espo_moe.series(tag)
+        assert sorted(series) == [1, 2, 3] and all(math.isfinite(v) for v in series.values()), (tag, series)
+    assert all(0 <= v <= 1 for v in espo_moe.series("train/is_oob_ratio").values())
 
 
 def test_gspo_loop_fsdp_and_tensor_parallel(gspo_tp2_dp2):

@@ -110,7 +110,12 @@ def _record_policy_loss(losses) -> None:
                        "kl_out_clamp": cfg.kl_output_clamp_value,
                        "sspo": [g.sspo.alpha, g.sspo.beta, g.sspo.gamma], "espo_alpha": g.espo.alpha,
                        "vocab_size": self.vocab_size, "cuts": list(g.entropy_cut_points),
-                       "aggregation": g.aggregation},
+                       "aggregation": g.aggregation,
+                       # the π_old/π_gen correction (docs/algorithms/math.md §10), None when off
+                       "offpolicy": ({"level": g.is_level, "kind": cfg.truncated_importance_sampling_type,
+                                      "hi": cfg.truncated_importance_sampling_ratio,
+                                      "lo": cfg.truncated_importance_sampling_ratio_min}
+                                     if cfg.use_importance_sampling_correction else None)},
         }
         out = f"{facts}.loss"
         os.makedirs(out, exist_ok=True)

@@ -56,7 +56,7 @@ def reference_of(rec: dict, delims: tuple[int, ...]):
                                    sspo=tuple(cfg["sspo"]), espo_alpha=cfg["espo_alpha"],
                                    vocab_size=cfg["vocab_size"], cuts=tuple(cfg["cuts"]), delimiter_ids=delims,
                                    gvs=rec["global_valid_seqs"], gvt=rec["global_valid_toks"],
-                                   dual_clip=cfg["ratio_clip_c"], kl=kl),
+                                   dual_clip=cfg["ratio_clip_c"], kl=kl, offpolicy=cfg.get("offpolicy")),
         rec["next_token_logprobs"])
     tm = data["token_mask"][:, 1:] > 0
     if spec["granularity"] == "segment":
