@@ -6,7 +6,8 @@
   ``sampling_importance_ratio`` only with the importance-sampling correction — plus every granular
   metric, each with exactly the value of the ``full`` call; ``metric_normalizations`` advertises
   exactly the returned metrics. Our π_old/π_gen mismatch diagnostics (``MISMATCH_METRICS``) are
-  diagnostics like the rewrite's: at ``minimal`` only with the correction on. Loss and gradient do not depend on the level.
+  diagnostics like the rewrite's: at ``minimal`` only with the correction on. Loss and gradient
+  do not depend on the level.
 * ``enable_torch_compile: true`` runs the tensor-only objective through ``torch.compile`` with
   NeMo-RL's arguments (``dynamic=True``, ``mode="max-autotune-no-cudagraphs"``), built on the first
   call and not pickled; results equal the eager ones. (Here the compiled function is traced by
