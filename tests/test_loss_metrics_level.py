@@ -6,7 +6,8 @@
   ``sampling_importance_ratio`` only with the importance-sampling correction — plus every granular
   metric, each with exactly the value of the ``full`` call; ``metric_normalizations`` advertises
   exactly the returned metrics. Our π_old/π_gen mismatch diagnostics (``MISMATCH_METRICS``) are
-  diagnostics like the rewrite's: at ``minimal`` only with the correction on. Loss and gradient do not depend on the level.
+  diagnostics like the rewrite's: at ``minimal`` only with the correction on. Loss and gradient
+  do not depend on the level.
 * ``enable_torch_compile: true`` runs the tensor-only objective through ``torch.compile`` with
   NeMo-RL's arguments (``dynamic=True``, ``mode="max-autotune-no-cudagraphs"``), built on the first
   call and not pickled; results equal the eager ones. (Here the compiled function is traced by
@@ -36,6 +37,8 @@ NEMO_FULL_ONLY = {"probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "prob
                   "policy_kl_error", "js_divergence_error", "approx_entropy"}
 TIS = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
            truncated_importance_sampling_ratio=1.03)
+SEQ_MASK = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
+                truncated_importance_sampling_ratio=1.01, truncated_importance_sampling_ratio_min=0.99)
 
 
 def _make(name, **extra):
@@ -89,7 +92,10 @@ def test_bad_values_refused(value, key):
 
 
 @pytest.mark.parametrize("name", ["grpo", "sspo"])  # token ratios; group ratios with entropy bounds
-def test_torch_compile_objective(monkeypatch, name):
+@pytest.mark.parametrize("extra", [{}, dict(granular={"is_level": "group_mean"}, **SEQ_MASK)],
+                         ids=["plain", "is_group_mean_seq_mask_tis"])
+def test_torch_compile_objective(monkeypatch, name, extra):
+    """The off-policy correction at its level (math.md §10) is part of the compiled objective."""
     calls = []
     real = torch.compile
 
@@ -98,7 +104,9 @@ def test_torch_compile_objective(monkeypatch, name):
         return real(fn, backend="aot_eager", dynamic=kw.get("dynamic"))
     monkeypatch.setattr(torch, "compile", compile_)
     torch._dynamo.reset()
-    eager, compiled = _make(name), _make(name, enable_torch_compile=True)
+    if extra:  # _make's granular keys and the level together
+        extra = dict(extra, granular={"algorithm": name, "espo": {"vocab_size": V}, **extra["granular"]})
+    eager, compiled = _make(name, **extra), _make(name, enable_torch_compile=True, **extra)
     assert compiled._compiled_objective is None  # built lazily, on the worker
     for seed in (0, 1):  # a second batch of another size: dynamic shapes, no rebuild
         loss, grad, m = _run(eager, seed)
