@@ -39,7 +39,8 @@ def test_smoke_comparison_writes_report_and_plots(tmp_path):
     assert "directional claims" in report and report.count("| inconclusive (1 seed) |") >= 4
     assert "± 0.000" not in report and "Suite `sspo`" in report  # the benchmark-suite table
     pngs = sorted(out.glob("*.png"))
-    assert len(pngs) == 10 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert len(pngs) == 11 and all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert {"gen_mismatch_abs_mean_vs_step.png", "reward_vs_cpu_time.png"} <= {p.name for p in pngs}
     for alg in ALGS:  # every run really trained: metrics for every step and a final checkpoint
         run = out / "runs" / f"{alg}_seed0"
         steps = [line for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
