@@ -225,9 +225,11 @@ def task_worker_entropy(rank, world):
     return dict(mega=(mega - expect).abs().max().item(), dt=(dt - expect).abs().max().item())
 
 
-def task_fallback_loss(rank, world, packed):
+def task_fallback_loss(rank, world, packed, correction=False):
     """CurrentLogitsEntropyLoss on sharded training logits == GranularPolicyLoss on full logprobs
-    with prev_entropy = H(current logits): loss and gradient w.r.t. the logits."""
+    with prev_entropy = H(current logits): loss and gradient w.r.t. the logits. ``correction``: with
+    NeMo-RL's π_old/π_gen correction at the entropy groups' geometric mean and seq-mask-tis on them
+    (docs/algorithms/math.md §10), whose terms must not change under TP/CP sharding or packing."""
     from nemo_granular.distributed import zigzag_shard
     from nemo_granular.losses import GranularPolicyLoss
     from nemo_granular.nemo_rl.fallback import CurrentLogitsEntropyLoss
@@ -245,6 +247,11 @@ def task_fallback_loss(rank, world, packed):
             "advantages": torch.randn(B, 1, generator=gen).expand(B, S).contiguous(),
             "prev_logprobs": -torch.rand(B, S, generator=gen) * 2, "input_lengths": torch.full((B,), S)}
     cfg = {"reference_policy_kl_penalty": 0.0, "granular": {"algorithm": "espo", "espo": {"vocab_size": V}}}
+    if correction:
+        data["generation_logprobs"] = data["prev_logprobs"] + 0.3 * torch.randn(B, S, generator=gen)
+        cfg.update(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
+                   truncated_importance_sampling_ratio=1.1, truncated_importance_sampling_ratio_min=0.9)
+        cfg["granular"]["is_level"] = "group_mean"
     gvs, gvt = torch.tensor(2.0), token_mask[:, 1:].sum()
 
     ref_in = logits.clone().requires_grad_(True)
@@ -270,8 +277,12 @@ def task_fallback_loss(rank, world, packed):
     local = logits[..., sl].clone().requires_grad_(True)
     loss, m = loss_fn(local, data, gvs, gvt, process_groups=(tp_group, None))
     (g,) = torch.autograd.grad(loss, local)
-    return dict(loss=abs(loss.item() - ref_loss.item()), grad=(g - g_ref[..., sl]).abs().max().item(),
-                metric=abs(m["clip_bound_high_mean"] - ref_m["clip_bound_high_mean"]))
+    out = dict(loss=abs(loss.item() - ref_loss.item()), grad=(g - g_ref[..., sl]).abs().max().item(),
+               metric=abs(m["clip_bound_high_mean"] - ref_m["clip_bound_high_mean"]))
+    if correction:  # the correction acts here: some groups masked, the weights not all 1
+        out.update(oob=abs(m["is_oob_ratio"] - ref_m["is_oob_ratio"]),
+                   acts=float(not (0 < ref_m["is_oob_group_frac"] < 1 and ref_m["sampling_importance_ratio"] != 1)))
+    return out
 
 
 def test_worker_entropy_postprocessing_megatron_packed_and_dtensor_cp(pool):
@@ -279,8 +290,8 @@ def test_worker_entropy_postprocessing_megatron_packed_and_dtensor_cp(pool):
         assert r["mega"] <= TOL and r["dt"] <= TOL, r
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_fallback_loss_on_sharded_logits(pool, packed):
-    for r in pool.run(task_fallback_loss, packed):
+@pytest.mark.parametrize("packed,correction", [(False, False), (True, False), (False, True), (True, True)])
+def test_fallback_loss_on_sharded_logits(pool, packed, correction):
+    for r in pool.run(task_fallback_loss, packed, correction):
         for v in r.values():
             assert v <= 1e-5, r
