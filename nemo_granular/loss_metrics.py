@@ -127,23 +127,9 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
         m["sampling_importance_ratio"] = tok(is_weight)
     m["approx_entropy"] = -tok(torch.exp((b.logp - b.gen).clamp(max=LOG_RATIO_BOUND)).mul_(b.logp))
     m["positive_nll_loss"] = nll.detach()
-    # ours
-    m["clip_frac_low"] = tok(terms.low)
-    m["clip_frac_high"] = tok(terms.high)
-    # clipped fraction per group, averaged over the row's groups, then over rows: one weighted
-    # sum with weight sample_mask/(n_groups·|g|·global_valid_seqs) (per token for token groups)
-    if fraction_weights is None:
-        fraction_weights = aggregation_weights("seq_mean_group_mean", b.valid, sm, b.inv_gvt, b.inv_gvs, b.n_row,
-                                               ratios.index, ratios.counts, ratios.n_groups_row)
-    fw = fraction_weights.reshape(-1)
-    m["clip_frac_low_groups"] = torch.dot(terms.low.reshape(-1), fw)
-    m["clip_frac_high_groups"] = torch.dot(terms.high.reshape(-1), fw)
-    m["groups_per_response"] = seq(ratios.n_groups_row)
-    m["group_size_mean"] = seq(b.n_row / ratios.n_groups_row.clamp(min=1))
-    m["prev_entropy_mean"] = tok(b.ent) if b.ent is not None else torch.zeros_like(sm[0])
-    nonfinite = ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
-    m["nonfinite_tokens"] = nonfinite
-    m["nonfinite_token_frac"] = nonfinite * b.inv_gvt
+    # ours (the clip-bound means came with the ratio statistics)
+    m.update(_granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, tok, seq,
+                               per_token_bounds=True, with_bounds=False))
     return m
 
 
@@ -183,9 +169,9 @@ def _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, i
 
 
 def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, tok, seq,
-                      per_token_bounds: bool) -> dict[str, torch.Tensor]:
+                      per_token_bounds: bool, with_bounds: bool = True) -> dict[str, torch.Tensor]:
     """Ours beside NeMo-RL's: clip fractions per token and per group, group counts and sizes,
-    mean clip bounds, mean π_old entropy, non-finite tokens."""
+    mean clip bounds (``with_bounds``), mean π_old entropy, non-finite tokens."""
     m: dict[str, torch.Tensor] = {}
     sm = b.sample_mask
     m["clip_frac_low"] = tok(terms.low)
@@ -199,9 +185,9 @@ def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, 
     m["groups_per_response"] = seq(ratios.n_groups_row)
     m["group_size_mean"] = seq(b.n_row / ratios.n_groups_row.clamp(min=1))
     lo, hi = bounds
-    if per_token_bounds:
+    if with_bounds and per_token_bounds:
         m["clip_bound_low_mean"], m["clip_bound_high_mean"] = tok(lo), tok(hi)
-    else:
+    elif with_bounds:
         lo_g, hi_g = group_bounds
         gw = ratios.counts * (sm * b.inv_gvt)[:, None]
         m["clip_bound_low_mean"] = (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g
