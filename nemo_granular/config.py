@@ -477,7 +477,7 @@ NEMO_RL_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
 # ClippedPGLossConfig; NeMo-RL 7ea279ab and v0.7.0 do not declare them (same columns as above)
 NEMO_RL_NEXT_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
     "metrics_level": ("str", "full", "NeMo-RL",
-                      "`full` | `minimal`; minimal drops the diagnostics NeMo-RL's minimal mode drops (the "
+                      "`full` or `minimal`; minimal drops the diagnostics NeMo-RL's minimal mode drops (the "
                       "`probs_ratio*` statistics, π_old-vs-π_gen errors, `approx_entropy`, and "
                       "`sampling_importance_ratio` unless the IS correction is on), and so our mismatch "
                       "diagnostics (`gen_mismatch_*`, `gen_kl_k3`, `is_oob_*_frac`) unless the correction is on; "
