@@ -14,7 +14,7 @@ import string
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from nemo_granular.embedded.config import LOCAL_CONFIGS, TrainConfig, load_train_config
@@ -317,6 +317,7 @@ VALUES = st.one_of(
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(key=st.sampled_from(KEYS), value=VALUES, prefix=st.sampled_from(["", "+", "++"]))
+@example(key="model", value="[[]]", prefix="")  # a list over a section: omegaconf's ConfigTypeError, found by CI
 def test_any_override_is_valid_or_one_line_naming_the_key(key, value, prefix):
     item = f"{prefix}{key}={value}"
     try:

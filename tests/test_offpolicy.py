@@ -188,7 +188,7 @@ def test_token_groups_equal_real_nemo_rl_on_tiny_batches(nemo_pg, option, level,
             assert float(m[k]) == pytest.approx(float(v), rel=1e-12, abs=1e-15), f"seed {seed}: metric {k}"
 
 
-# ---- spec §9.6 for the new terms ----------------------------------------------------------------------
+# ---- invariances (padding, order, microbatching, packing) for the new terms ----------------------------------------------------------------------
 
 INVARIANCE_CASES = {
     "sspo_group_mean_seq_mask": dict(algorithm="sspo", level="group_mean",

@@ -259,7 +259,10 @@ def apply_overrides(cfg, overrides: list[str]):
             parsed = OmegaConf.from_dotlist([f"{key}={value}"])
         except Exception as err:  # noqa: BLE001
             raise ValueError(f"override {item!r}: {str(err).splitlines()[0]}") from None
-        cfg = OmegaConf.merge(cfg, parsed)
+        try:
+            cfg = OmegaConf.merge(cfg, parsed)
+        except Exception as err:  # noqa: BLE001 - e.g. a list given where the config has a section
+            raise ValueError(f"override {item!r}: {str(err).splitlines()[0]}") from None
     return cfg
 
 
