@@ -866,8 +866,12 @@ def test_submit_comparison_eval_jobs_run_the_eval_preflight_first(tmp_path):
     data.mkdir()
     for key in ("aime24", "aime25", "math500"):   # hmmt25 missing
         (data / f"{key}.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    # no interpreter with Megatron-Bridge: not the driver's either (the NeMo-RL world puts its sources on PYTHONPATH)
+    bridge = os.environ.get("MEGATRON_BRIDGE_SRC")
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not (bridge and p == bridge)]
     env = _env(os.environ, {"CONTAINER": None, "VENV": None, "NEMO_RL_VENV_DIR": str(tmp_path / "no-venvs"),
                             "NG_EXPORT_PYTHON": None, "NEMO_RL_PY_EXECUTABLES_SYSTEM": None,
+                            "MEGATRON_BRIDGE_SRC": None, "PYTHONPATH": os.pathsep.join(path),
                             "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
     r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--no-preflight", "--out", str(out),
                         "--nodes", "1", "--eval-suite", "espo", "--nemo-rl", str(checkout),
