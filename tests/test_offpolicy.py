@@ -21,7 +21,7 @@ import torch
 import reference as R
 from nemo_granular.config import parse_policy_loss_config
 from nemo_granular.losses import GranularPolicyLoss
-from test_loss_nemo import _compare_real, nemo_pg  # noqa: F401 - fixtures
+from test_loss_nemo import OPTIONS, _compare_real, nemo_pg  # noqa: F401 - fixtures
 from test_nemo_rl_loss_equivalence import _combine, _driver_batch, _microbatches, _per_sequence, _whole
 
 V = 16
@@ -132,17 +132,8 @@ def test_levels_differ_where_groups_have_several_tokens():
 
 # ---- NeMo-RL's REAL ClippedPGLossFn, float64 --------------------------------------------------------
 
-NEMO_TRUNC = {
-    "is_plain": dict(use_importance_sampling_correction=True),
-    "tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-                truncated_importance_sampling_ratio=1.03),
-    "tis_min": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-                    truncated_importance_sampling_ratio=1.03, truncated_importance_sampling_ratio_min=0.98),
-    "icepop": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-                   truncated_importance_sampling_ratio=1.03, truncated_importance_sampling_ratio_min=0.97),
-    "seq_mask_tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
-                         truncated_importance_sampling_ratio=1.01, truncated_importance_sampling_ratio_min=0.99),
-}
+# the truncation cases of test_loss_nemo (one table of NeMo-RL option sets)
+NEMO_TRUNC = {k: OPTIONS[k] for k in ("is_plain", "tis", "tis_min", "icepop", "seq_mask_tis")}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64], ids=["f64"])
