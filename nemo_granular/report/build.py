@@ -410,6 +410,10 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
     bench = benchmark_tables(by_name)
     if bench:
         lines += ["", "## Benchmark suite", "", *bench]
+    # a claim whose runs are absent has no interval: named below the table, not given a row in it
+    rows = claims(by_name)
+    measured = [r for r in rows if r.split("|")[4].strip() != NOT_RUN]
+    unmeasured = [f"{r.split('|')[1].strip()} ({r.split('|')[2].strip()})" for r in rows if r not in measured]
     lines += ["## The papers' directional claims, as measured here", "",
               "Verdict rule: each claim is judged on a 95 % confidence interval over seeds — for a comparison, "
               "the Student-t interval of the mean per-seed paired difference Δ (the runs of one seed share the "
@@ -421,7 +425,9 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
               "spread. Mean ± sd in the measured column is over seeds.", "",
               "| claim | paper | measured | verdict | effect, 95 % interval (paired over seeds) |",
               "|---|---|---|---|---|",
-              *claims(by_name), "",
+              *measured, "",
+              *([f"Not measured here (no runs of what it compares in these run directories): "
+                 + "; ".join(unmeasured) + ".", ""] if unmeasured else []),
               "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL times "
               "exclude validation. SPPO's speed claim is measured in RL **CPU** seconds when the runs recorded "
               "them (the embedded trainer does, per step; each run has one torch thread), because runs that "
