@@ -43,13 +43,19 @@ V070_TESTS=(tests/test_package.py tests/test_nemo_rl_compat.py tests/test_nemo_r
             tests/test_host_estimators_loop.py tests/test_host_loss_paths.py tests/test_host_workers.py
             tests/test_preflight.py tests/test_preflight_nemo_rl.py tests/test_sppo_configs.py
             tests/test_sppo_entry.py tests/test_sppo_wrapper.py tests/test_loop_actor_class.py)
+# ... and, on the local Slurm cluster, a job launched as with NeMo-RL's v0.7.0 release container under
+# pyxis (the test's `release` image is built from the world's NeMo-RL: here v0.7.0)
+V070_SLURM_TESTS=(tests/test_slurm.py::test_real_preflight_passes_a_shipped_config_in_the_head_container)
 v070_world() {   # in a subshell: the first world's variables stay as they are
   unset NEMO_RL_SRC MEGATRON_LM_SRC MEGATRON_BRIDGE_SRC AUTOMODEL_SRC
   if [ -n "${NEMO_RL_V070_SRC:-}" ]; then export NEMO_RL_SRC=$NEMO_RL_V070_SRC; else export NEMO_RL_VERSION=v0.7.0; fi
   export NEMO_GRANULAR_EXPECT_NEMO_RL=v0.7.0
   # shellcheck source=scripts/nemo_rl_env.sh
   source scripts/nemo_rl_env.sh
-  "${PYTEST[@]}" "${V070_TESTS[@]}" "$@"
+  local a=0 b=0
+  "${PYTEST[@]}" "${V070_TESTS[@]}" "$@" || a=$?
+  .venv/bin/python -m pytest -q "${V070_SLURM_TESTS[@]}" "$@" || b=$?
+  if (( a && a != 5 )); then return "$a"; elif (( b && b != 5 )); then return "$b"; elif (( a == 5 && b == 5 )); then return 5; fi
 }
 rc=0 slurm_rc=0 v070_rc=5   # 5: pytest's "no tests collected" (also: the v0.7.0 world did not run)
 "${PYTEST[@]}" --ignore=tests/test_slurm.py "$@" || rc=$?

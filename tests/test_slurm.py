@@ -1210,6 +1210,15 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     assert "(driver: run_grpo)" in plan and "cluster   1 node(s) × 2 GPUs" in plan, plan
     assert "recipe    departs from NeMo-RL's examples/configs/grpo_math_1B_megatron.yaml" in plan, plan
     assert "result    ok, " in plan, plan
+    # ... against the image's NeMo-RL (/opt/nemo-rl), whose version is read here from its own files:
+    # in the v0.7.0 world (scripts/test.sh) the image is NeMo-RL's v0.7.0 release container
+    from nemo_granular.nemo_rl import compat
+
+    image_version = compat.classify(nemo_rl_src / "nemo_rl")
+    assert f"nemo-rl   checked against {compat.TITLES[image_version.key]} (" in plan \
+        and "at /opt/nemo-rl/nemo_rl" in plan, plan
+    if os.environ.get("NEMO_GRANULAR_EXPECT_NEMO_RL"):   # scripts/test.sh names the world it built
+        assert image_version.key == os.environ["NEMO_GRANULAR_EXPECT_NEMO_RL"], image_version
     # its warnings shown, and the job went on; the venvs it looked for are the checkout's
     assert re.search(r"preflight: no problems, \d+ warning\(s\):", launcher), info
     # (inside the image NeMo-RL looks for them in the image's NEMO_RL_VENV_DIR, not <checkout>/venvs)
