@@ -111,6 +111,15 @@ LONG_UNITS = ("host_ray", "test_slurm", "test_megatron_worker", "test_preflight_
 def pytest_configure(config):
     config.addinivalue_line("markers", "needs_nemo_rl(name): tests a NeMo-RL name (compat.VERSIONED) or feature "
                                        "(compat.FEATURES) one supported version lacks; skipped (documented) there only")
+    # scripts/test.sh's pass on NeMo-RL's pinned transformers names the version it installed: a pass
+    # that silently imported another transformers would prove nothing about the pin
+    expected = os.environ.get("NEMO_GRANULAR_EXPECT_TRANSFORMERS")
+    if expected:
+        import transformers
+
+        if transformers.__version__ != expected:
+            raise pytest.UsageError(f"NEMO_GRANULAR_EXPECT_TRANSFORMERS={expected}, but transformers "
+                                    f"{transformers.__version__} is imported (from {transformers.__file__})")
 
 
 def _version_skips(items) -> None:
