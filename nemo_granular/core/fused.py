@@ -156,15 +156,18 @@ def masked_extrema(xs: list[torch.Tensor], live: torch.Tensor) -> list[torch.Ten
     return out
 
 
-def row_constant(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor | None:
+def row_constant(x: torch.Tensor, valid: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor | None:
     """x's value per row ``[B]`` when x is the same on every ``valid`` token of each row (a
     response-level advantage, as GRPO's), else None. max_t(x − pen) ≤ min_t(x + pen) with pen =
-    1e30 outside ``valid`` (a row without valid tokens passes; a non-finite x does not). One sync."""
-    pen = torch.mul(valid, -_BIG).add_(_BIG)
-    hi = (x - pen).amax(-1)
-    if not bool((hi <= (x + pen).amin(-1)).all()):
+    1e30 outside ``valid`` (a row without valid tokens passes; a non-finite x does not). One sync;
+    ``scratch``: a free buffer of x's shape and dtype to work in (else one is allocated)."""
+    buf = torch.mul(valid, -_BIG, out=scratch).add_(_BIG)  # pen
+    live = indicator(torch.lt, buf.amin(-1), 1, x)  # rows with a valid token (1), without (0)
+    hi = buf.neg_().add_(x).amax(-1)  # x − pen
+    # (x − pen − x)·(−1) = pen exactly (pen is 0 or 1e30 ≫ |x|): x + pen in the same buffer
+    if not bool((hi <= buf.sub_(x).neg_().add_(x).amin(-1)).all()):
         return None
-    return hi * indicator(torch.lt, pen.amin(-1), 1, hi)  # a row without valid tokens: 0
+    return hi * live  # a row without valid tokens: 0
 
 
 class LinearizedLoss(torch.autograd.Function):
@@ -243,4 +246,5 @@ class FewGroupIndex:
         return self.sum(a), self.sum(b)
 
     def gather(self, per_group: torch.Tensor) -> torch.Tensor:
-        return torch.mul(self.onehot, per_group[:, :, None]).sum(1)
+        padded = torch.cat([torch.zeros_like(per_group[:, :1]), per_group], dim=1)  # the dummy group reads 0
+        return torch.bmm(padded[:, None, :], self.table).squeeze(1)

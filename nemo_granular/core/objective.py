@@ -180,29 +180,28 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
         shared (r = exp(L_g)):            ∂/∂logp_u = s_g·cap_g/(|g| + 1e-8)·ω_g·(k⁺_g·ΣA⁺_g + k⁻_g·ΣA⁻_g), u ∈ g
         token_decomposed (sg[s_g]·e^{logp−sg[logp]}): ∂/∂logp_t = ω_g·s_g·(k⁺_g·A⁺_t + k⁻_g·A⁻_t)
 
-    with L_g = Σ_{t∈g} ℓ_t/(|g| + 1e-8) as in :func:`group_ratios`. One segmented sum of the
-    channels (ℓ, A⁺, A⁻, [A > 0], [A < 0], H) gives every group quantity; one gather (two
-    for token_decomposed) takes the gradient back to the tokens. ``index``: a plan whose members
+    with L_g = Σ_{t∈g} ℓ_t/(|g| + 1e-8) as in :func:`group_ratios`. Segmented sums of the
+    channels ℓ, H (and, unless A is constant over each response's valid tokens, A⁺, A⁻, [A > 0],
+    [A < 0]; else ΣA⁺_g = A_i⁺·|g|, ...) give every group quantity; one gather (two for
+    token_decomposed with per-token A) takes the gradient back to the tokens. ``index``: a plan whose members
     are the valid tokens (``index.sums``, ``index.counts``); values need not be 0 outside them. ``bounds``: (lo, hi)
     numbers, or a function of the group mean entropy H̄_g = ΣH/max(|g|, 1) giving (lo_g, hi_g).
     Returns (objective, gradient, :class:`GroupRatios` without per-token values, (lo, hi),
     :class:`GroupedClip`, ω).
     """
-    row_adv = row_constant(adv, valid)  # a response-level advantage: its group sums are A_i·|g|
-    channels = [logp - logq]
-    if row_adv is None:
-        adv_pos = adv.clamp(min=0)
-        adv_neg = adv - adv_pos  # exact: A or 0
-        channels += [adv_pos, adv_neg, indicator(torch.gt, adv, 0, adv), indicator(torch.lt, adv, 0, adv)]
+    log_ratio = logp - logq
     with_ent = ent is not None and callable(bounds)
-    if with_ent:
-        channels.append(ent)
-    table = index.sums(channels)
+    table = index.sums([log_ratio, ent] if with_ent else [log_ratio])
+    # a response-level advantage (the usual case): its group sums are A_i·|g| (ℓ's buffer is free now)
+    row_adv = row_constant(adv, valid, scratch=log_ratio if log_ratio.dtype == adv.dtype else None)
     sums = table[:, 1:]
     counts = index.counts(sums.dtype)
     if row_adv is None:
-        probe = table.sum()
-        sum_pos, sum_neg, n_pos, n_neg = sums[..., 1], sums[..., 2], sums[..., 3], sums[..., 4]
+        adv_pos = adv.clamp(min=0)
+        adv_neg = adv - adv_pos  # exact: A or 0
+        adv_table = index.sums([adv_pos, adv_neg, indicator(torch.gt, adv, 0, adv), indicator(torch.lt, adv, 0, adv)])
+        probe = table.sum() + adv_table.sum()
+        sum_pos, sum_neg, n_pos, n_neg = adv_table[:, 1:].unbind(-1)
     else:
         probe = table.sum() + row_adv.sum()
         a = row_adv[:, None]
@@ -213,7 +212,7 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
     cap = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)
     s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))
     n_groups_row = counts.clamp(max=1).sum(-1)
-    ent_sum = sums[..., -1] if with_ent else None
+    ent_sum = sums[..., 1] if with_ent else None
     if callable(bounds):
         bounds = bounds(ent_sum / counts.clamp(min=1))
     rc = torch.clamp(s, *bounds)

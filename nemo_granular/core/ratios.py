@@ -51,8 +51,25 @@ class GroupIndex:
         # a bool or float mask costs ~20x a float multiply-add on CPU
         dt = member.dtype if B * (num_groups + 1) < 2**24 else torch.float64
         row = torch.arange(B, device=group_ids.device, dtype=dt).unsqueeze(-1) * (num_groups + 1)
-        self.flat = torch.addcmul(row, group_ids.to(dt).add_(1), member.to(dt)).reshape(-1).long()
+        # in place: one buffer; the integer index is made only if a scatter or a per-token gather needs it
+        self._slot = group_ids.to(dt).add_(1).mul_(member).add_(row).reshape(-1)
+        self._flat = None
         return self
+
+    @property
+    def flat(self) -> torch.Tensor:
+        """Slot of each token, int64 ``[B·T]``."""
+        if self._flat is None:
+            self._flat = self._slot.long()
+        return self._flat
+
+    @flat.setter
+    def flat(self, value: torch.Tensor) -> None:
+        self._flat = value
+
+    def _few_runs(self) -> bool:
+        """Runs long enough for the run-wise sums and gathers (a segment is one run)."""
+        return 4 * self.runs()[0].numel() <= self.B * self.T
 
     def _build(self, ids: torch.Tensor, num_groups: int) -> None:
         B, T = ids.shape
@@ -71,7 +88,8 @@ class GroupIndex:
         buf = torch.zeros(size, dtype=values.dtype, device=values.device)
         # scatter_add: the fastest 1-D segmented sum on CPU (bincount with weights and
         # index_add are ~1.4x slower); out of place when autograd needs the graph
-        buf = buf.scatter_add(0, self.flat, src) if values.requires_grad else buf.scatter_add_(0, self.flat, src)
+        flat = self.flat.long()  # (scatter takes int64 only; a no-op for the int64 plans)
+        buf = buf.scatter_add(0, flat, src) if values.requires_grad else buf.scatter_add_(0, flat, src)
         return buf.view(self.B, self.G + 1)[:, 1:]
 
     def sums(self, channels: list[torch.Tensor]) -> torch.Tensor:
@@ -83,8 +101,9 @@ class GroupIndex:
         back to one scatter per channel."""
         slots, lengths = self.runs()
         n_slots = self.B * (self.G + 1)
-        if 4 * slots.numel() > self.flat.numel():
-            full = [torch.zeros(n_slots, dtype=c.dtype, device=c.device).scatter_add_(0, self.flat, c.reshape(-1))
+        if not self._few_runs():
+            flat = self.flat.long()
+            full = [torch.zeros(n_slots, dtype=c.dtype, device=c.device).scatter_add_(0, flat, c.reshape(-1))
                     for c in channels]
             return torch.stack(full, dim=-1).view(self.B, self.G + 1, len(channels))
         run_sums = torch.stack([torch.segment_reduce(c.reshape(-1), "sum", lengths=lengths) for c in channels], -1)
@@ -94,7 +113,9 @@ class GroupIndex:
     def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot of each run, its length): the plan's runs of consecutive tokens in one slot."""
         if getattr(self, "_runs", None) is None:
-            self._runs = torch.unique_consecutive(self.flat, return_counts=True)
+            slot = getattr(self, "_slot", None)
+            values, lengths = torch.unique_consecutive(self.flat if slot is None else slot, return_counts=True)
+            self._runs = (values.long(), lengths)
         return self._runs
 
     def counts(self, dtype: torch.dtype) -> torch.Tensor:
@@ -119,7 +140,16 @@ class GroupIndex:
             return out.view(self.B, self.T, *per_group.shape[2:])
         pad = torch.zeros(self.B, 1, dtype=per_group.dtype, device=per_group.device)
         table = torch.cat([pad, per_group], dim=1).reshape(-1)
-        return table.index_select(0, self.flat).view(self.B, self.T)
+        return table.index_select(0, self._gather_index()).view(self.B, self.T)
+
+    def _gather_index(self) -> torch.Tensor:
+        """The slots as the index of :meth:`gather`: int32 where they fit (index_select takes it;
+        ~4x cheaper to make than int64 on CPU), else :attr:`flat`."""
+        if self._flat is not None or getattr(self, "_slot", None) is None or self.B * (self.G + 1) >= 2**31:
+            return self.flat
+        if getattr(self, "_flat32", None) is None:
+            self._flat32 = self._slot.int()
+        return self._flat32
 
 
 def group_sum(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
