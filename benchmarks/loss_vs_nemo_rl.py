@@ -16,7 +16,8 @@ Each of ours is paired with the NeMo-RL mode of the same math (token presets ↔
 others ↔ GSPO mode) at the same metrics level. Every round runs each contender once in a shuffled
 order; ms = median over rounds, × = median over rounds of (time ÷ the paired contender's time in
 the same round). ``--clock cpu`` times with the process CPU clock (a machine shared with other jobs:
-its scheduling delays then do not count; at 2 threads it sums both threads' work).
+its scheduling delays then do not count; at 2 threads it sums both threads' work — run it with
+``OMP_WAIT_POLICY=PASSIVE``, or OpenMP's spinning threads count their waits as work).
 
     NEMO_RL_SRC=<NeMo-RL checkout> python benchmarks/loss_vs_nemo_rl.py --nemo-rl-next <rewrite's loss_functions.py>
     NEMO_RL_SRC=... python benchmarks/loss_vs_nemo_rl.py --nemo-rl-next ... --device cuda   # on a GPU

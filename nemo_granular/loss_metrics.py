@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from .core.fused import masked_extrema, prob_error_sums
-from .core.objective import COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights
+from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, GroupedClip, aggregation_group_weights,
+                             aggregation_weights)
 from .core.offpolicy import mismatch_sums
 
 __all__ = ["MINIMAL_SKIPS", "MISMATCH_METRICS", "metric_kinds", "policy_metrics", "mismatch_metrics"]
@@ -138,17 +139,17 @@ def _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, i
                      is_level: str = "group_sum") -> dict[str, torch.Tensor]:
     """The metrics :func:`policy_metrics` keeps at ``metrics_level: minimal``, each computed as there."""
     m: dict[str, torch.Tensor] = {}
-    w_tok, sm = b.w_tok, b.sample_mask
-    w_flat = w_tok.view(-1)
+    sm = b.sample_mask
     w_sum = []
 
-    def tok(x):
+    def tok(x):  # (b.w_tok is built on first use: the group path reports without it)
+        w_tok = b.w_tok
         if not torch.is_tensor(x) or x.dim() == 0:
             if not w_sum:
                 w_sum.append(w_tok.sum())
             return w_sum[0] * x
         if x.shape == w_tok.shape and x.is_contiguous():
-            return torch.dot(x.view(-1), w_flat)
+            return torch.dot(x.view(-1), w_tok.view(-1))
         return (x * w_tok).sum()
 
     def seq(x_row):
@@ -174,14 +175,24 @@ def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, 
     mean clip bounds (``with_bounds``), mean π_old entropy, non-finite tokens."""
     m: dict[str, torch.Tensor] = {}
     sm = b.sample_mask
-    m["clip_frac_low"] = tok(terms.low)
-    m["clip_frac_high"] = tok(terms.high)
-    if fraction_weights is None:
-        fraction_weights = aggregation_weights("seq_mean_group_mean", b.valid, sm, b.inv_gvt, b.inv_gvs, b.n_row,
-                                               ratios.index, ratios.counts, ratios.n_groups_row)
-    fw = fraction_weights.reshape(-1)
-    m["clip_frac_low_groups"] = torch.dot(terms.low.reshape(-1), fw)
-    m["clip_frac_high_groups"] = torch.dot(terms.high.reshape(-1), fw)
+    grouped = isinstance(terms, GroupedClip)  # clipped tokens counted per group: the same sums, per group
+    if grouped:
+        row_tok = (sm * b.inv_gvt)[:, None]  # w_tok of a row's valid tokens
+        m["clip_frac_low"], m["clip_frac_high"] = (terms.low * row_tok).sum(), (terms.high * row_tok).sum()
+        if fraction_weights is None:
+            fraction_weights = aggregation_group_weights("seq_mean_group_mean", sm, b.inv_gvt, b.inv_gvs, b.n_row,
+                                                         ratios.counts, ratios.n_groups_row)
+        m["clip_frac_low_groups"] = (terms.low * fraction_weights).sum()
+        m["clip_frac_high_groups"] = (terms.high * fraction_weights).sum()
+    else:
+        m["clip_frac_low"] = tok(terms.low)
+        m["clip_frac_high"] = tok(terms.high)
+        if fraction_weights is None:
+            fraction_weights = aggregation_weights("seq_mean_group_mean", b.valid, sm, b.inv_gvt, b.inv_gvs,
+                                                   b.n_row, ratios.index, ratios.counts, ratios.n_groups_row)
+        fw = fraction_weights.reshape(-1)
+        m["clip_frac_low_groups"] = torch.dot(terms.low.reshape(-1), fw)
+        m["clip_frac_high_groups"] = torch.dot(terms.high.reshape(-1), fw)
     m["groups_per_response"] = seq(ratios.n_groups_row)
     m["group_size_mean"] = seq(b.n_row / ratios.n_groups_row.clamp(min=1))
     lo, hi = bounds
@@ -192,7 +203,12 @@ def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, 
         gw = ratios.counts * (sm * b.inv_gvt)[:, None]
         m["clip_bound_low_mean"] = (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g
         m["clip_bound_high_mean"] = (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g
-    m["prev_entropy_mean"] = tok(b.ent) if b.ent is not None else torch.zeros_like(sm[0])
+    if b.ent is None:
+        m["prev_entropy_mean"] = torch.zeros_like(sm[0])
+    elif grouped and terms.entropy_sum is not None:
+        m["prev_entropy_mean"] = (terms.entropy_sum * row_tok).sum()
+    else:
+        m["prev_entropy_mean"] = tok(b.ent)
     # valid is the mask itself when no token was taken out (the optimistic read)
     nonfinite = torch.zeros_like(sm[0]) if b.valid is b.mask else ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
     m["nonfinite_tokens"] = nonfinite

@@ -30,7 +30,8 @@ from .core.fused import (FEW_GROUPS_MAX, FewGroupIndex, LinearizedLoss, RowIndex
                          indicator, masked_values, substitute_nonfinite)
 from .core.groups import build_delimiter_table, group_ids_for
 from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights, group_ratios,
-                             objective_logp_grad, surrogate_terms)
+                             GroupedClip, grouped_clipped_objective, objective_logp_grad,
+                             surrogate_terms)
 from .core.offpolicy import generation_weights, kl_penalty_per_token
 from .core.ratios import GroupIndex
 from .loss_metrics import metric_kinds, mismatch_metrics, policy_metrics
@@ -81,10 +82,29 @@ class PolicyBatch:
     valid: torch.Tensor           # mask without the non-finite tokens
     sample_mask: torch.Tensor     # [B]
     row_on: torch.Tensor          # sample_mask != 0, [B]
-    n_row: torch.Tensor           # valid tokens per row, [B]
     inv_gvt: torch.Tensor         # 1 / (global_valid_toks + 1e-8)
     inv_gvs: torch.Tensor         # 1 / (global_valid_seqs + 1e-8)
-    w_tok: torch.Tensor           # valid·sample_mask/global_valid_toks: NeMo-RL's token-mean weight
+    # computed on first use (the group path of the loss needs neither as a [B, T] pass)
+    _n_row: torch.Tensor | None = None
+    _w_tok: torch.Tensor | None = None
+
+    @property
+    def n_row(self) -> torch.Tensor:
+        """Valid tokens per row, [B]."""
+        if self._n_row is None:
+            self._n_row = self.valid.sum(-1)
+        return self._n_row
+
+    @n_row.setter
+    def n_row(self, value: torch.Tensor) -> None:
+        self._n_row = value
+
+    @property
+    def w_tok(self) -> torch.Tensor:
+        """valid·sample_mask/global_valid_toks: NeMo-RL's token-mean weight, [B, T]."""
+        if self._w_tok is None:
+            self._w_tok = self.valid * (self.sample_mask * self.inv_gvt)[:, None]
+        return self._w_tok
 
 
 def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
@@ -147,8 +167,7 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
         ent = masked_values(H, valid) if H is not None else None
     inv_gvt, inv_gvs = 1 / _count(global_valid_toks, L), 1 / _count(global_valid_seqs, L)
     return PolicyBatch(logp=logp, prev=prev, adv=adv, gen=gen, ent=ent, mask=mask_f, valid=valid, sample_mask=sm,
-                       row_on=indicator(torch.ne, sm, 0, sm), n_row=valid.sum(-1), inv_gvt=inv_gvt, inv_gvs=inv_gvs,
-                       w_tok=valid * (sm * inv_gvt)[:, None])
+                       row_on=indicator(torch.ne, sm, 0, sm), inv_gvt=inv_gvt, inv_gvs=inv_gvs)
 
 
 class GranularPolicyLoss:
@@ -273,10 +292,11 @@ class GranularPolicyLoss:
                 metrics.update(mismatch_metrics(b, ratios, corr, k3))
             names = list(metrics)
             # inputs whose ±inf a clamp or a truncation could hide from every metric: their sums
-            probes = [ratios.log_ratio.sum()]
+            grouped = isinstance(terms, GroupedClip)  # its probe covers ℓ, A (and H when summed) of every token
+            probes = [terms.probe if grouped else ratios.log_ratio.sum()]
             if cfg.use_importance_sampling_correction:
                 probes.append((b.prev - b.gen).sum())
-            if g.needs_entropy:
+            if g.needs_entropy and not (grouped and terms.entropy_sum is not None):
                 probes.append(b.ent.sum())
             values = torch.stack([metrics[k] for k in names] + probes).tolist()  # one sync
         return loss, dict(zip(names, values[:len(names)])), values[len(names):]
@@ -286,6 +306,8 @@ class GranularPolicyLoss:
         Σ W·c, its gradient with respect to the logprobs, and what the metrics read. This is what
         ``enable_torch_compile`` compiles."""
         cfg, g = self.cfg, self.granular
+        if self._grouped(index):
+            return self._grouped_objective(b, index)
         ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row)                     # §2
         # clipped surrogate with per-group bounds: clip(s_g, lo_g, hi_g) on the group table, one gather
         group_clip = index is not None and g.clip != "fixed" and g.surrogate == "clipped"
@@ -310,6 +332,23 @@ class GranularPolicyLoss:
                      else (weights * terms.value).sum())
         grad = objective_logp_grad(weights, terms, ratios, g.ratio, b.valid)
         return objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr
+
+    def _grouped(self, index) -> bool:
+        """The clipped surrogate on a group plan without per-token weights beyond the
+        aggregation's: computed per group (:func:`~nemo_granular.core.objective.grouped_clipped_objective`)."""
+        return (isinstance(index, (GroupIndex, FewGroupIndex)) and self.granular.surrogate == "clipped"
+                and self.cfg.ratio_clip_c is None and not self.cfg.use_importance_sampling_correction)
+
+    def _grouped_objective(self, b: PolicyBatch, index):
+        """:meth:`_objective` for :meth:`_grouped` (docs/algorithms/math.md §2–§5, per group)."""
+        g = self.granular
+        bounds = (1.0 - self.cfg.eps_low, 1.0 + self.cfg.eps_high) if g.clip == "fixed" else self._entropy_bounds
+        objective, grad, ratios, group_bounds, clip, omega = grouped_clipped_objective(
+            b.logp, b.prev, b.adv, b.valid, b.ent, index, g.ratio, bounds, g.aggregation, b.sample_mask, b.inv_gvt,
+            b.inv_gvs)
+        b.n_row = ratios.counts.sum(-1)  # the members are the valid tokens
+        fraction_weights = omega if g.aggregation == "seq_mean_group_mean" else None
+        return objective, grad, ratios, clip, group_bounds, group_bounds, fraction_weights, None
 
     def _compiled(self):
         """:meth:`_objective` under ``torch.compile``, built on first use (NeMo-RL's settings for its
@@ -343,11 +382,11 @@ class GranularPolicyLoss:
             ids = group_ids_for(g.granularity, b.mask > 0, entropy=torch.where(b.valid > 0, b.ent, torch.nan),
                                 entropy_cut_points=g.entropy_cut_points)
             top = len(g.entropy_cut_points) + 1
-        # ids are >= -1; a token with an id but not valid (non-finite) is a member whose values are
-        # 0 and which the counts (Σ valid) leave out
+        # ids are >= -1; the members of a group are its valid tokens (a token with an id but not
+        # valid — masked, or non-finite — goes to no group)
         if top <= FEW_GROUPS_MAX:
-            return FewGroupIndex(ids, max(top, 1), like.dtype)
-        return GroupIndex.from_ids(ids, max(top, 1))
+            return FewGroupIndex(ids, max(top, 1), like.dtype, member=b.valid)
+        return GroupIndex.from_ids(ids, max(top, 1), member=b.valid)
 
     def _bounds(self, b: PolicyBatch, ratios, per_token: bool = True):
         """([lo, hi] per token, [lo, hi] per group): numbers for `fixed` (clamp broadcasts them),

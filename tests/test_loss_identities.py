@@ -23,6 +23,17 @@ def make_loss(name, **extra):
 
 
 # ------------------------------------------------------------------ identity 1
+# (in float64: the segment path sums per group, the sequence path per token — in float32 the two
+# orders differ by a few ulps, in float64 by ~1e-16)
+
+
+def _run64(fn, logp, data, gvs, gvt):
+    data = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
+    lp = logp.detach().clone().double().requires_grad_(True)
+    loss, m = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(float(gvs), dtype=torch.float64),
+                 global_valid_toks=torch.tensor(float(gvt), dtype=torch.float64))
+    loss.backward()
+    return loss.detach(), lp.grad, m
 
 
 @pytest.mark.parametrize("clip", ["fixed", "sspo_entropy"])
@@ -32,19 +43,19 @@ def test_segment_without_delimiter_is_sequence(clip, seed):
     data["input_ids"][:, 0] = R.DELIMITERS[0]  # a delimiter in the prompt does not cut anything
     seg = make_loss("sspo", granular={"clip": clip})
     seq = make_loss("sspo", granular={"clip": clip, "granularity": "sequence"})
-    a = R.run_loss(seg, logp, data, gvs, gvt)
-    b = R.run_loss(seq, logp, data, gvs, gvt)
-    R.assert_close(a[0], b[0], rtol=1e-7, atol=1e-9, what="loss")
-    R.assert_close(a[1], b[1], rtol=1e-7, atol=1e-9, what="grad")
+    a = _run64(seg, logp, data, gvs, gvt)
+    b = _run64(seq, logp, data, gvs, gvt)
+    R.assert_close(a[0], b[0], rtol=1e-13, atol=1e-15, what="loss")
+    R.assert_close(a[1], b[1], rtol=1e-13, atol=1e-15, what="grad")
     assert a[2]["groups_per_response"] == b[2]["groups_per_response"]
 
 
 def test_segment_without_delimiter_is_gspo_preset():
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=3, no_delimiters=True)
-    a = R.run_loss(make_loss("sspo_no_ec", granular={"eps_low": 3e-4, "eps_high": 4e-4}), logp, data, gvs, gvt)
-    b = R.run_loss(make_loss("gspo"), logp, data, gvs, gvt)
-    R.assert_close(a[0], b[0], rtol=1e-7, atol=1e-9, what="loss")
-    R.assert_close(a[1], b[1], rtol=1e-7, atol=1e-9, what="grad")
+    a = _run64(make_loss("sspo_no_ec", granular={"eps_low": 3e-4, "eps_high": 4e-4}), logp, data, gvs, gvt)
+    b = _run64(make_loss("gspo"), logp, data, gvs, gvt)
+    R.assert_close(a[0], b[0], rtol=1e-13, atol=1e-15, what="loss")
+    R.assert_close(a[1], b[1], rtol=1e-13, atol=1e-15, what="grad")
 
 
 # ------------------------------------------------------------------ identity 4

@@ -29,6 +29,7 @@ __all__ = [
     "RowIndex",
     "FewGroupIndex",
     "FEW_GROUPS_MAX",
+    "row_constant",
 ]
 
 # a penalty that pushes excluded entries out of a min/max (ratios are ≤ exp(20) ≈ 4.9e8)
@@ -155,6 +156,20 @@ def masked_extrema(xs: list[torch.Tensor], live: torch.Tensor) -> list[torch.Ten
     return out
 
 
+def row_constant(x: torch.Tensor, valid: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x's value per row ``[B]`` when x is the same on every ``valid`` token of each row (a
+    response-level advantage, as GRPO's), else None. max_t(x − pen) ≤ min_t(x + pen) with pen =
+    1e30 outside ``valid`` (a row without valid tokens passes; a non-finite x does not). One sync;
+    ``scratch``: a free buffer of x's shape and dtype to work in (else one is allocated)."""
+    buf = torch.mul(valid, -_BIG, out=scratch).add_(_BIG)  # pen
+    live = indicator(torch.lt, buf.amin(-1), 1, x)  # rows with a valid token (1), without (0)
+    hi = buf.neg_().add_(x).amax(-1)  # x − pen
+    # (x − pen − x)·(−1) = pen exactly (pen is 0 or 1e30 ≫ |x|): x + pen in the same buffer
+    if not bool((hi <= buf.sub_(x).neg_().add_(x).amin(-1)).all()):
+        return None
+    return hi * live  # a row without valid tokens: 0
+
+
 class LinearizedLoss(torch.autograd.Function):
     """A scalar whose gradient with respect to ``logp`` is the given tensor: ``value`` and
     ``grad`` = d value / d logp are computed by the caller without autograd."""
@@ -198,22 +213,38 @@ class FewGroupIndex:
     """:class:`~nemo_granular.core.ratios.GroupIndex` for a few groups per row (ESPO's entropy
     groups), as a one-hot table O_igt = [id_it = g] ``[B, G, T]`` of the compute dtype:
     group sums Σ_t O_igt·x_it, gathers Σ_g O_igt·v_ig (exact: one term is v, the others 0·v).
-    Ids must be in −1..G−1 (−1: no group: sums skip it, gathers read 0); values summed and
-    gathered must be finite (0·inf is NaN)."""
+    Ids must be in −1..G−1 (−1: no group: sums skip it, gathers read 0); ``member`` (0/1 of the
+    compute dtype): the tokens that may belong to a group (the others count as id −1). Values
+    summed and gathered must be finite (0·inf is NaN). Row 0 of the stored table is the dummy
+    group (the tokens of no group), for :meth:`sums`."""
 
-    def __init__(self, group_ids: torch.Tensor, num_groups: int, dtype: torch.dtype):
+    def __init__(self, group_ids: torch.Tensor, num_groups: int, dtype: torch.dtype,
+                 member: torch.Tensor | None = None):
         self.B, self.T = group_ids.shape
         self.G = num_groups
-        ids = group_ids.to(dtype)  # small integers: exact in float (a float comparison is ~4x an int64 one)
-        cols = torch.arange(num_groups, dtype=dtype, device=ids.device)
-        self.onehot = torch.empty(self.B, num_groups, self.T, dtype=dtype, device=ids.device)
-        torch.eq(ids[:, None, :], cols[None, :, None], out=self.onehot)
+        ids = group_ids.to(dtype).add_(1)  # small integers: exact in float (a float comparison is ~4x an int64 one)
+        if member is not None:
+            ids.mul_(member)
+        cols = torch.arange(num_groups + 1, dtype=dtype, device=ids.device)
+        self.table = torch.empty(self.B, num_groups + 1, self.T, dtype=dtype, device=ids.device)
+        torch.eq(ids[:, None, :], cols[None, :, None], out=self.table)
+        self.onehot = self.table[:, 1:]
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         return torch.mul(self.onehot, values[:, None, :]).sum(-1)
+
+    def sums(self, channels: list[torch.Tensor]) -> torch.Tensor:
+        """C channels at once, ``[B, G + 1, C]`` with the dummy group first (as
+        :meth:`GroupIndex.sums <nemo_granular.core.ratios.GroupIndex.sums>`): one batched matmul."""
+        return torch.bmm(torch.stack(channels, dim=1), self.table.transpose(1, 2)).transpose(1, 2)
+
+    def counts(self, dtype: torch.dtype) -> torch.Tensor:
+        """Tokens per group (its members), ``[B, G]`` in ``dtype``."""
+        return self.onehot.sum(-1).to(dtype)
 
     def sum2(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.sum(a), self.sum(b)
 
     def gather(self, per_group: torch.Tensor) -> torch.Tensor:
-        return torch.mul(self.onehot, per_group[:, :, None]).sum(1)
+        padded = torch.cat([torch.zeros_like(per_group[:, :1]), per_group], dim=1)  # the dummy group reads 0
+        return torch.bmm(padded[:, None, :], self.table).squeeze(1)

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
-from .fused import clip_terms, indicator
+from .fused import clip_terms, indicator, row_constant
 
 __all__ = ["COUNT_EPS", "LOG_RATIO_BOUND", "GroupRatios", "group_ratios", "SurrogateTerms", "surrogate_terms",
-           "aggregation_weights", "objective_logp_grad"]
+           "aggregation_group_weights", "aggregation_weights", "objective_logp_grad", "GroupedClip",
+           "grouped_clipped_objective"]
 
 # exp() is applied to log-ratios clamped to ±LOG_RATIO_BOUND (ratio ≤ 4.8e8): an extreme
 # token then cannot turn a zero gradient into inf·0 = NaN. Exact below the bound (math.md, Notation).
@@ -105,6 +106,22 @@ def surrogate_terms(kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo,
     return SurrogateTerms(c, logp, zero, zero, slope, False)
 
 
+def aggregation_group_weights(kind: str, sample_mask: torch.Tensor, inv_gvt, inv_gvs, n_row: torch.Tensor,
+                              counts: torch.Tensor | None = None,
+                              n_groups_row: torch.Tensor | None = None) -> torch.Tensor:
+    """ω with W_it = valid_it·ω_{i,g(i,t)} (docs/algorithms/math.md §5): one value per row ``[B, 1]``
+    — token_mean: sample_mask/gvt; seq_mean_token_mean: sample_mask/(n_i·gvs) — or per group
+    ``[B, G]`` — seq_mean_group_mean: sample_mask/(G_i·|g|·gvs) (``counts`` None: token groups,
+    where it is the per-row one). Token counts are taken + 1e-8 as in :func:`aggregation_weights`."""
+    if kind == "token_mean":
+        return (sample_mask * inv_gvt)[:, None]
+    if kind == "seq_mean_token_mean" or counts is None:
+        return (sample_mask * inv_gvs / (n_row + COUNT_EPS))[:, None]
+    if kind != "seq_mean_group_mean":
+        raise ValueError(f"unknown aggregation {kind!r}")
+    return (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / (counts + COUNT_EPS)
+
+
 def aggregation_weights(kind: str, valid: torch.Tensor, sample_mask: torch.Tensor, inv_gvt, inv_gvs,
                         n_row: torch.Tensor, index=None, counts: torch.Tensor | None = None,
                         n_groups_row: torch.Tensor | None = None) -> torch.Tensor:
@@ -115,14 +132,10 @@ def aggregation_weights(kind: str, valid: torch.Tensor, sample_mask: torch.Tenso
     ``inv_gvt``/``inv_gvs``) is taken + 1e-8 as NeMo-RL's ``masked_mean`` does; G_i is exact.
     With token groups the two per-sequence means coincide.
     """
-    if kind == "token_mean":
-        return valid * (sample_mask * inv_gvt)[:, None]
-    if kind == "seq_mean_token_mean" or index is None:
-        return valid * (sample_mask * inv_gvs / (n_row + COUNT_EPS))[:, None]
-    if kind != "seq_mean_group_mean":
-        raise ValueError(f"unknown aggregation {kind!r}")
-    per_group = (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / (counts + COUNT_EPS)
-    return valid * index.gather(per_group)
+    per_group = index is not None and kind == "seq_mean_group_mean"
+    omega = aggregation_group_weights(kind, sample_mask, inv_gvt, inv_gvs, n_row, counts if per_group else None,
+                                      n_groups_row)
+    return valid * (index.gather(omega) if per_group else omega)
 
 
 def objective_logp_grad(weights: torch.Tensor, terms: SurrogateTerms, ratios: GroupRatios, form: str,
@@ -140,3 +153,81 @@ def objective_logp_grad(weights: torch.Tensor, terms: SurrogateTerms, ratios: Gr
         return grad.mul_(ratios.ratio)
     idx = ratios.index  # shared: r = exp(L_g), d/dlogp_u = s_g/|g| for every u in g
     return idx.gather(ratios.group_ratio * ratios.cap / (ratios.counts + COUNT_EPS) * idx.sum(grad)) * valid
+
+
+@dataclass
+class GroupedClip:
+    """The clipped surrogate on a group plan, per group (:func:`grouped_clipped_objective`): what
+    the metrics read in place of per-token terms."""
+
+    ratio_clamped: torch.Tensor          # ĉ_g = clip(s_g, lo_g, hi_g), [B, G]
+    low: torch.Tensor                    # Σ_{t∈g} [A_t < 0] where s_g < ĉ_g (tokens clipped low), [B, G]
+    high: torch.Tensor                   # Σ_{t∈g} [A_t > 0] where s_g > ĉ_g (tokens clipped high), [B, G]
+    entropy_sum: torch.Tensor | None     # Σ_{t∈g} H_t (None without an entropy), [B, G]
+    probe: torch.Tensor                  # Σ of every channel over every slot: non-finite iff an input is
+
+
+def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor,
+                              ent: torch.Tensor | None, index, form: str, bounds, aggregation: str,
+                              sample_mask: torch.Tensor, inv_gvt, inv_gvs):
+    """Σ_it W_it·c_it of the clipped surrogate and its gradient, for group ratios r_it = s_g and
+    weights W_it = valid_it·ω_g (every group granularity and aggregation, docs/algorithms/math.md
+    §2–§5), written per group. With A⁺ = max(A, 0), A⁻ = min(A, 0) and ĉ_g = clip(s_g, lo_g, hi_g):
+
+        c_it = min(s_g·A_it, ĉ_g·A_it) = A⁺_it·min(s_g, ĉ_g) + A⁻_it·max(s_g, ĉ_g)
+        Σ_it W_it·c_it = Σ_g ω_g·(min(s_g, ĉ_g)·ΣA⁺_g + max(s_g, ĉ_g)·ΣA⁻_g)
+        dc/dr = A⁺·k⁺_g + A⁻·k⁻_g,  k⁺_g = [s_g ≤ ĉ_g] (not clipped high), k⁻_g = [s_g ≥ ĉ_g] (not clipped low)
+        shared (r = exp(L_g)):            ∂/∂logp_u = s_g·cap_g/(|g| + 1e-8)·ω_g·(k⁺_g·ΣA⁺_g + k⁻_g·ΣA⁻_g), u ∈ g
+        token_decomposed (sg[s_g]·e^{logp−sg[logp]}): ∂/∂logp_t = ω_g·s_g·(k⁺_g·A⁺_t + k⁻_g·A⁻_t)
+
+    with L_g = Σ_{t∈g} ℓ_t/(|g| + 1e-8) as in :func:`group_ratios`. Segmented sums of the
+    channels ℓ, H (and, unless A is constant over each response's valid tokens, A⁺, A⁻, [A > 0],
+    [A < 0]; else ΣA⁺_g = A_i⁺·|g|, ...) give every group quantity; one gather (two for
+    token_decomposed with per-token A) takes the gradient back to the tokens. ``index``: a plan whose members
+    are the valid tokens (``index.sums``, ``index.counts``); values need not be 0 outside them. ``bounds``: (lo, hi)
+    numbers, or a function of the group mean entropy H̄_g = ΣH/max(|g|, 1) giving (lo_g, hi_g).
+    Returns (objective, gradient, :class:`GroupRatios` without per-token values, (lo, hi),
+    :class:`GroupedClip`, ω).
+    """
+    log_ratio = logp - logq
+    with_ent = ent is not None and callable(bounds)
+    table = index.sums([log_ratio, ent] if with_ent else [log_ratio])
+    # a response-level advantage (the usual case): its group sums are A_i·|g| (ℓ's buffer is free now)
+    row_adv = row_constant(adv, valid, scratch=log_ratio if log_ratio.dtype == adv.dtype else None)
+    sums = table[:, 1:]
+    counts = index.counts(sums.dtype)
+    if row_adv is None:
+        adv_pos = adv.clamp(min=0)
+        adv_neg = adv - adv_pos  # exact: A or 0
+        adv_table = index.sums([adv_pos, adv_neg, indicator(torch.gt, adv, 0, adv), indicator(torch.lt, adv, 0, adv)])
+        probe = table.sum() + adv_table.sum()
+        sum_pos, sum_neg, n_pos, n_neg = adv_table[:, 1:].unbind(-1)
+    else:
+        probe = table.sum() + row_adv.sum()
+        a = row_adv[:, None]
+        sum_pos = a.clamp(min=0) * counts
+        sum_neg = (a - a.clamp(min=0)) * counts
+        n_pos, n_neg = indicator(torch.gt, a, 0, a) * counts, indicator(torch.lt, a, 0, a) * counts
+    group_lr = sums[..., 0] / (counts + COUNT_EPS)
+    cap = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)
+    s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))
+    n_groups_row = counts.clamp(max=1).sum(-1)
+    ent_sum = sums[..., 1] if with_ent else None
+    if callable(bounds):
+        bounds = bounds(ent_sum / counts.clamp(min=1))
+    rc = torch.clamp(s, *bounds)
+    keep_pos, keep_neg = indicator(torch.le, s, rc, s), indicator(torch.ge, s, rc, s)
+    omega = aggregation_group_weights(aggregation, sample_mask, inv_gvt, inv_gvs, counts.sum(-1), counts,
+                                      n_groups_row)
+    objective = (omega * (torch.minimum(s, rc) * sum_pos + torch.maximum(s, rc) * sum_neg)).sum()
+    if form == "token_decomposed" and row_adv is not None:
+        grad = index.gather(omega * s * (keep_pos * indicator(torch.gt, a, 0, a) + keep_neg * indicator(torch.lt, a, 0, a))
+                            * a)
+    elif form == "token_decomposed":
+        ws = omega * s
+        grad = index.gather(ws * keep_pos).mul_(adv_pos).add_(index.gather(ws * keep_neg).mul_(adv_neg))
+    else:
+        grad = index.gather(s * cap / (counts + COUNT_EPS) * omega * (keep_pos * sum_pos + keep_neg * sum_neg))
+    ratios = GroupRatios(None, None, n_groups_row, index, s, counts, cap)
+    clip = GroupedClip(rc, (1 - keep_neg) * n_neg, (1 - keep_pos) * n_pos, ent_sum, probe)
+    return objective, grad, ratios, bounds, clip, omega
