@@ -162,7 +162,7 @@ def _run_layout(name: str, tiny) -> dict:
     adamw = {"clip": m["clip_grad"], "lr": lr[0], "weight_decay": m["weight_decay"], "eps": m["adam_eps"]}
     return {"ranks": ranks, "driver": driver, "hf": hf, "ref": ref, "lp": lp, "ent": ent, "ids": ids,
             "lengths": lengths, "frozen": frozen, "model_dir": model_dir, "adamw": adamw, "routed": routed,
-            "routes": routes, "chunk_size": policy.get("logprob_chunk_size")}
+            "routes": routes, "chunk_size": policy.get("logprob_chunk_size"), "small_chunks": "logprob_chunk_size" in extra}
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -174,12 +174,12 @@ def test_megatron_worker_equals_hf(name, tiny):
     report: dict[str, float] = {}  # max differences, printed at the end (docs/nemo-rl.md §7)
     assert all(not x["te_takers"] for x in ranks), [x["te_takers"] for x in ranks]
     if r["chunk_size"]:
-        # logprob_chunk_size reached NeMo-RL's log-prob (π_old pass and loss) and the plugin's
-        # entropy, and split their sequences into several chunks
+        # logprob_chunk_size reached NeMo-RL's log-prob (π_old pass and loss) and the plugin's entropy
         calls = [c for x in ranks for c in x["chunking"] if c[2] is not None]
         assert {c[2] for c in calls} == {r["chunk_size"]}, calls
-        for kind in ("logprob", "entropy"):
-            assert max((t for k, t, _ in calls if k == kind), default=0) > r["chunk_size"], (kind, calls)
+        if r["small_chunks"]:  # set below the sequence lengths: both split their sequences into chunks
+            for kind in ("logprob", "entropy"):
+                assert max((t for k, t, _ in calls if k == kind), default=0) > r["chunk_size"], (kind, calls)
 
     # weights Megatron-Bridge loaded = the HF checkpoint, exactly
     loaded = mapping.assemble([x["weights"] for x in ranks], hf.config)
