@@ -5,10 +5,16 @@ is one spawned gloo world (``tests/megatron_cpu/world.py``) in which every rank 
 ``GranularMegatronPolicyWorkerImpl`` through ``MegatronPolicyWorkerImpl.__init__`` — HF → Megatron
 import by Megatron-Bridge, DDP + distributed optimizer, reference model — from a tiny HF Qwen3 /
 Qwen3-MoE checkpoint and a shipped example config with model size, paths and cluster shrunk,
-float32, sequence packing as the layout says and router replay off for the EP 2 train step (CPU
-stand-ins: ``tests/cpu_stand_ins`` and ``tests/megatron_cpu/standins.py``, listed in
-``docs/nemo-rl.md`` §7). NeMo-RL's own ``Policy`` code shards the batch and re-assembles the
-results (``cases.Driver``).
+float32, sequence packing as the layout says (CPU stand-ins: ``tests/cpu_stand_ins`` and
+``tests/megatron_cpu/standins.py``, listed in ``docs/nemo-rl.md`` §7). NeMo-RL's own ``Policy``
+code shards the batch and re-assembles the results (``cases.Driver``).
+
+``a3b_shape`` is the layout of ``espo_qwen3_30b_a3b_megatron.yaml`` at toy size: TP × PP × CP × EP
+all 2 (8 ranks, the fewest with every dimension > 1) with sequence parallelism, packing, router
+replay and a ``logprob_chunk_size`` that splits every packed microbatch into several chunks. Its
+batches carry ``routed_experts`` as a rollout hands them to NeMo-RL (``megatron_cpu.routes``: a
+third of the routes differ from the router's own top-k choice), and the transformers reference
+routes each token to those same experts (``reference.routing``).
 
 Against an independent float64 forward/backward of the same checkpoint by transformers:
 weights as loaded (mapped back with the test's own layout mapping), ``get_logprobs_with_entropy``
@@ -18,6 +24,7 @@ gradient, the AdamW update) and the log-probs after the step.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import pytest
@@ -26,7 +33,8 @@ import torch
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
 B, S = 8, 32
-TOL_FWD = 2e-5  # float32 Megatron vs float64 HF, 2 layers: measured ≤ 3e-6
+PROMPT = torch.tensor([5, 4, 6, 3, 7, 4, 5, 6])  # prompt lengths: the rest of each sequence is the response
+TOL_FWD = 2e-5  # float32 Megatron vs float64 HF, 2-4 layers: measured ≤ 5e-6
 LAYOUTS = {
     # name: (world, model, config file, parallel sizes, sequence packing, other policy overrides)
     "tp1": (1, "dense", "sspo_qwen2.5_math_1.5b.yaml", {}, False, {}),
@@ -35,8 +43,13 @@ LAYOUTS = {
     "tp2_sp": (2, "dense", "sspo_qwen2.5_math_7b.yaml", {"tp": 2, "sp": True}, False, {}),
     "pp2": (2, "dense4", "gspo_qwen2.5_math_1.5b.yaml", {"pp": 2}, False, {}),
     "tp2cp2_packed": (4, "dense", "sspo_qwen2.5_math_7b.yaml", {"tp": 2, "cp": 2}, True, {}),
-    # router replay needs the routes vLLM recorded during the rollout; there is no rollout here
+    # EP without router replay (Megatron's own routing; a3b_shape replays a rollout's routes)
     "ep2_moe": (2, "moe", "espo_qwen3_30b_a3b_megatron.yaml", {"ep": 2}, False, {"router_replay": {"enabled": False}}),
+    # the 30B-A3B config's shape (TP 4 × PP 2 × CP 2 × EP 8 with sequence parallelism, packing, router
+    # replay and logprob chunking) at toy size: every dimension 2, DP 1 and expert-DP 2 as EP 2 leaves
+    # it (shipped: DP 4, expert-DP 4); chunks of 5 tokens split each CP rank's packed sequence
+    "a3b_shape": (8, "moe4", "espo_qwen3_30b_a3b_megatron.yaml", {"tp": 2, "pp": 2, "cp": 2, "ep": 2, "sp": True},
+                  True, {"logprob_chunk_size": 5}),
 }
 
 
@@ -46,7 +59,7 @@ def tiny(nemo_rl_src, megatron_workers, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("megatron_worker")
     return {"root": root, "dense": models.write(root / "dense"), "dense4": models.write(root / "dense4", layers=4),
-            "moe": models.write(root / "moe", moe=True)}
+            "moe": models.write(root / "moe", moe=True), "moe4": models.write(root / "moe4", moe=True, layers=4)}
 
 
 def _batch(seed: int = 0):
@@ -54,12 +67,11 @@ def _batch(seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     lengths = torch.tensor([32, 20, 27, 9, 31, 14, 24, 18])
-    prompt = torch.tensor([5, 4, 6, 3, 7, 4, 5, 6])
     cols = torch.arange(S)[None, :]
     ids = torch.randint(4, VOCAB, (B, S), generator=g)
-    ids[(torch.rand(B, S, generator=g) < 0.2) & (cols >= prompt[:, None])] = DELIMITER
+    ids[(torch.rand(B, S, generator=g) < 0.2) & (cols >= PROMPT[:, None])] = DELIMITER
     ids[cols >= lengths[:, None]] = 0
-    token_mask = ((cols >= prompt[:, None]) & (cols < lengths[:, None])).float()
+    token_mask = ((cols >= PROMPT[:, None]) & (cols < lengths[:, None])).float()
     return ids, lengths, token_mask, g
 
 
@@ -97,6 +109,7 @@ def _max(a, b, mask=None) -> float:
 def _run_layout(name: str, tiny) -> dict:
     from megatron_cpu import cases, reference, world
     from megatron_cpu.models import DELIMITER, VOCAB
+    from megatron_cpu.routes import rollout_routes
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
     from nemo_granular.losses import GranularPolicyLoss
@@ -109,11 +122,21 @@ def _run_layout(name: str, tiny) -> dict:
     full, policy = cases.load_config(config, overrides)
     hf = reference.load_hf(model_dir)
     ids, lengths, token_mask, g = _batch()
-    with torch.no_grad():
+    routes = None
+    if (policy.get("router_replay") or {}).get("enabled"):
+        routes = rollout_routes(hf, ids, lengths, PROMPT)
+
+    def routed(model):  # transformers routes every token to the rollout's experts, as R3 replays them
+        return contextlib.nullcontext() if routes is None else reference.routing(model, reference.replay(routes))
+
+    with torch.no_grad(), routed(hf):
         lp, ent = reference.logprobs_entropy(reference.logits(hf, ids, lengths), ids, lengths)
     table = torch.zeros(VOCAB, dtype=torch.bool)
     table[DELIMITER] = True
     data = _train_data(ids, lengths, token_mask, g, lp, ent, full["loss_fn"], table)
+    logprob_data = {"input_ids": ids, "input_lengths": lengths}
+    if routes is not None:
+        data["routed_experts"] = logprob_data["routed_experts"] = routes
 
     loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=table, vocab_size=VOCAB)
     # espo.alpha: auto (the shipped ESPO configs) is set from the first π_old pass, as the NeMo-RL driver does
@@ -123,8 +146,7 @@ def _run_layout(name: str, tiny) -> dict:
     spec = {"config": config, "overrides": overrides, "delimiter_table": table, "vocab_size": VOCAB,
             "espo_alpha": alpha, "gbs": B, "mbs": 2,
             "train_shards": pickle.dumps(driver.train_shards(BatchedDataDict(data), B)),
-            "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(input_ids=ids,
-                                                                                 input_lengths=lengths)))}
+            "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(logprob_data)))}
     # one Megatron checkpoint per model: the first layout imports it from HF, the others load it
     env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tiny["root"] / "mcore"), "HOME": str(tiny["root"] / "home"),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1"}
@@ -135,10 +157,12 @@ def _run_layout(name: str, tiny) -> dict:
         if policy["megatron_cfg"]["freeze_moe_router"] else set()
     (lr,) = {tuple(x["lr"]) for x in ranks}
     assert len(lr) == 1, lr  # one learning rate for every parameter group
-    ref = reference.train_step(hf, data, loss_fn, frozen=frozen)
+    with routed(hf):
+        ref = reference.train_step(hf, data, loss_fn, frozen=frozen)
     adamw = {"clip": m["clip_grad"], "lr": lr[0], "weight_decay": m["weight_decay"], "eps": m["adam_eps"]}
     return {"ranks": ranks, "driver": driver, "hf": hf, "ref": ref, "lp": lp, "ent": ent, "ids": ids,
-            "lengths": lengths, "frozen": frozen, "model_dir": model_dir, "adamw": adamw}
+            "lengths": lengths, "frozen": frozen, "model_dir": model_dir, "adamw": adamw, "routed": routed,
+            "routes": routes, "chunk_size": policy.get("logprob_chunk_size"), "small_chunks": "logprob_chunk_size" in extra}
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -149,6 +173,13 @@ def test_megatron_worker_equals_hf(name, tiny):
     ranks, ref, hf = r["ranks"], r["ref"], r["hf"]
     report: dict[str, float] = {}  # max differences, printed at the end (docs/nemo-rl.md §7)
     assert all(not x["te_takers"] for x in ranks), [x["te_takers"] for x in ranks]
+    if r["chunk_size"]:
+        # logprob_chunk_size reached NeMo-RL's log-prob (π_old pass and loss) and the plugin's entropy
+        calls = [c for x in ranks for c in x["chunking"] if c[2] is not None]
+        assert {c[2] for c in calls} == {r["chunk_size"]}, calls
+        if r["small_chunks"]:  # set below the sequence lengths: both split their sequences into chunks
+            for kind in ("logprob", "entropy"):
+                assert max((t for k, t, _ in calls if k == kind), default=0) > r["chunk_size"], (kind, calls)
 
     # weights Megatron-Bridge loaded = the HF checkpoint, exactly
     loaded = mapping.assemble([x["weights"] for x in ranks], hf.config)
@@ -174,6 +205,13 @@ def test_megatron_worker_equals_hf(name, tiny):
     report["logprobs"] = _max(got_lp, r["lp"], inside)
     report["entropy"] = _max(got_ent, r["ent"])
     assert report["logprobs"] < TOL_FWD and report["entropy"] < TOL_FWD, report
+    if r["routes"] is not None:
+        # the routes decide the answer: with the router's own top-k (a worker that ignored them)
+        # the log-probs would be this far off
+        with torch.no_grad():
+            own, _ = reference.logprobs_entropy(reference.logits(hf, r["ids"], r["lengths"]), r["ids"], r["lengths"])
+        report["own_routing"] = _max(own, r["lp"], inside)
+        assert report["own_routing"] > 1e3 * TOL_FWD, report
 
     # one train step: loss, gradient norm, gradients, update
     metrics = ranks[0]["metrics"]
@@ -204,7 +242,7 @@ def test_megatron_worker_equals_hf(name, tiny):
 
     # log-probs after the step = HF with the updated weights (the next forward gathers the shards)
     moved = reference.load_hf(r["model_dir"])
-    with torch.no_grad():
+    with torch.no_grad(), r["routed"](moved):
         for k, p in moved.named_parameters():
             p.add_(update[k].to(p.dtype))
         lp_after, _ = reference.logprobs_entropy(reference.logits(moved, r["ids"], r["lengths"]), r["ids"],

@@ -104,6 +104,28 @@ def build_worker(policy_cfg: dict, *, init_reference_model=True, init_optimizer=
                                             init_optimizer=init_optimizer, worker_sharding_annotations=sharding)
 
 
+def record_chunking(calls: list) -> None:
+    """Append ``(kind, tokens, chunk_size)`` for every sequence-chunked log-prob (NeMo-RL's
+    ``ChunkedDistributedLogprob``: π_old pass and training loss) and every entropy (the plugin's
+    ``vocab_parallel_entropy``, π_old pass) this rank computes; the calls themselves are unchanged."""
+    from nemo_rl.distributed import model_utils
+
+    from nemo_granular.nemo_rl import workers
+
+    chunked, entropy = model_utils.ChunkedDistributedLogprob.apply, workers.vocab_parallel_entropy
+
+    def logprob(logits, target, start, end, chunk_size, *rest):
+        calls.append(("logprob", logits.shape[-2], chunk_size))
+        return chunked(logits, target, start, end, chunk_size, *rest)
+
+    def entropy_(logits, group=None, chunk_size=None):
+        calls.append(("entropy", logits.shape[-2], chunk_size))
+        return entropy(logits, group, chunk_size)
+
+    model_utils.ChunkedDistributedLogprob.apply = staticmethod(logprob)
+    workers.vocab_parallel_entropy = entropy_
+
+
 def run_layout(rank: int, spec: dict) -> dict:
     """One rank: construct, weights as loaded, log-probs + entropy, one train step, log-probs after."""
     from megatron_cpu import mapping
@@ -111,6 +133,8 @@ def run_layout(rank: int, spec: dict) -> dict:
     t0 = time.perf_counter()
     full, policy = load_config(spec["config"], spec["overrides"])
     worker = build_worker(policy)
+    chunking: list = []
+    record_chunking(chunking)
     from nemo_granular.losses import GranularPolicyLoss
 
     c = coords(rank, policy, int(os.environ["WORLD_SIZE"]))
@@ -153,6 +177,7 @@ def run_layout(rank: int, spec: dict) -> dict:
                       "all_mb_metrics": metrics["all_mb_metrics"]}
     # the next forward all-gathers the updated parameter shards (overlap_param_gather)
     out["logprobs_after"] = worker.get_logprobs(data=logprob_shards[c["dp"]])["logprobs"]
+    out["chunking"] = chunking
     return out
 
 

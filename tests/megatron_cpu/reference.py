@@ -3,9 +3,16 @@
 ``hf_logprobs_entropy`` gives NeMo-RL's conventions (token columns: column t holds log p(x_t | x_<t),
 column 0 and padding 0; entropy of softmax(logits / T) in the same columns) so the worker's
 ``get_logprobs_with_entropy`` is compared value for value.
+
+Qwen3-MoE routing (:func:`routing`): the experts of each token are chosen by a given rule — the
+router's own top-k, a rollout engine's rule, or routes replayed from a rollout, as Megatron's
+``RouterReplay`` replays them — and weighted by the softmax of the router logits over the chosen
+experts (= HF's ``norm_topk_prob`` top-k weights), in float64.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -72,3 +79,32 @@ def adamw_first_step(params: dict, grads: dict, grad_norm: float, *, clip: float
         decay = weight_decay * params[n].to(F64) if params[n].dim() > 1 else 0.0
         update[n] = -lr * decay - lr * g / (g.abs() + eps)
     return update
+
+
+@contextlib.contextmanager
+def routing(model, select):
+    """Inside the block every Qwen3-MoE router of ``model`` routes the token rows ``[B*S, H]`` of
+    layer ``i`` to ``select(i, router_logits [B*S, E]) -> expert ids [B*S, K]``."""
+    routers = [layer.mlp.gate for layer in model.model.layers]
+
+    def forward(i, router):
+        def routed(hidden_states):
+            logits_ = torch.nn.functional.linear(hidden_states.reshape(-1, router.hidden_dim), router.weight)
+            idx = select(i, logits_.detach()).long()
+            weights = torch.softmax(logits_.gather(1, idx), dim=-1)
+            return logits_, weights.to(logits_.dtype), idx
+        return routed
+
+    for i, r in enumerate(routers):
+        r.forward = forward(i, r)
+    try:
+        yield
+    finally:
+        for r in routers:
+            del r.forward  # the class's forward again
+
+
+def replay(routes: torch.Tensor):
+    """``select`` for :func:`routing`: the expert ids of ``routes [B, S, L, K]`` (layer ``i``: ``[:, :, i]``)."""
+    B, S, _, K = routes.shape
+    return lambda i, _logits: routes[:, :, i].reshape(B * S, K)
