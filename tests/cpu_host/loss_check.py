@@ -113,6 +113,7 @@ def check_run(run_dir: Path, model_dir: Path) -> dict:
                 "call": call, "index": j, "of": len(recs), "rank": rec["rank"],
                 "rows": int(rec["next_token_logprobs"].shape[0]),
                 "clip": float(metrics["clip_frac_low"]) + float(metrics["clip_frac_high"]),
+                "clip_worker": float(rec["metrics"]["clip_frac_low"]) + float(rec["metrics"]["clip_frac_high"]),
                 "ratio_min": float(metrics["probs_ratio_min"]), "ratio_max": float(metrics["probs_ratio_max"]),
                 "bounds": group_bounds(rec, ids) if ids is not None and rec["config"]["algorithm"] in ("sspo", "espo")
                 else []})
