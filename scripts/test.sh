@@ -28,7 +28,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # tests run afterwards on their own: they time daemons, requeues and signals, and failed when they shared
 # two cores with the loop tests (slurmctld stopped answering; a USR1 test's job ended before its save).
 WORKERS=${NEMO_GRANULAR_TEST_WORKERS:-2}
-PYTEST=(.venv/bin/python -m pytest -q)
+PYTEST=(.venv/bin/python -m pytest -q --durations=15)   # the slowest tests, for the CI time budget
 (( WORKERS > 0 )) && PYTEST+=(-n "$WORKERS" --dist loadgroup)
 for arg in "$@"; do
   if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec "${PYTEST[@]}" "$@"; fi  # tests named: just those
