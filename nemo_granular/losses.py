@@ -259,14 +259,18 @@ class GranularPolicyLoss:
 
     def __call__(self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs,
                  global_valid_toks, **kwargs) -> tuple[torch.Tensor, dict]:
-        # First on the batch as it comes: a non-finite input anywhere (valid or masked) turns the
-        # objective or a metric non-finite, and only then is the batch read again with the
-        # non-finite tokens taken out of the valid mask (saves one pass per input key per call)
-        loss, metrics, probes = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
-        # (the ratio extrema are ±inf by design when the call has no valid token)
-        if not (all(math.isfinite(v) or (k in _EXTREMA and not math.isnan(v)) for k, v in metrics.items())
-                and all(math.isfinite(v) for v in probes)):
-            loss, metrics, _ = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
+        # The workers call the loss inside the model's autocast (bf16 training): the loss computes in
+        # its own dtype (compute_dtype), never in autocast's, whose bf16 matmuls would round the group
+        # sums of the log-ratios (NeMo-RL's loss has no matmul; ours sums groups with one)
+        with torch.autocast(next_token_logprobs.device.type, enabled=False):
+            # First on the batch as it comes: a non-finite input anywhere (valid or masked) turns the
+            # objective or a metric non-finite, and only then is the batch read again with the
+            # non-finite tokens taken out of the valid mask (saves one pass per input key per call)
+            loss, metrics, probes = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
+            # (the ratio extrema are ±inf by design when the call has no valid token)
+            if not (all(math.isfinite(v) or (k in _EXTREMA and not math.isnan(v)) for k, v in metrics.items())
+                    and all(math.isfinite(v) for v in probes)):
+                loss, metrics, _ = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
         return loss, metrics
 
     def _call(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, assume_finite: bool):

@@ -113,6 +113,21 @@ def test_low_precision_inputs_compute_in_float32(dtype):
     assert torch.equal(grad, grad32.to(dtype))
 
 
+@pytest.mark.parametrize("name", sorted(R.PRESET_SPECS))
+@pytest.mark.parametrize("per_token_adv", [False, True])
+def test_loss_ignores_the_callers_autocast(name, per_token_adv):
+    """The workers call the loss inside the model's bf16 autocast: loss, gradient and every metric are
+    bit-identical to the call without it (found by the CPU GRPO loop: the per-group sums, a matmul,
+    ran in bf16 there and put the in-loop SSPO loss 1.5e-3 off the float64 reference)."""
+    data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=3, per_token_adv=per_token_adv)
+    fn = _make(name)
+    loss, grad, m = _run(fn, logp, data, gvs, gvt, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss_ac, grad_ac, m_ac = _run(fn, logp, data, gvs, gvt, dtype=torch.float32)
+    assert torch.equal(loss.detach(), loss_ac.detach()) and torch.equal(grad, grad_ac)
+    assert m == m_ac
+
+
 def test_value_loss_float64():
     g = torch.Generator().manual_seed(0)
     B, S = 4, 9
