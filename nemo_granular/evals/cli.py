@@ -52,6 +52,9 @@ def build_parser():
                    help="vLLM tensor parallel size (default: the run's policy.generation.vllm_cfg.tensor_parallel_size "
                         "from each checkpoint's config.yaml, else 1)")
     g.add_argument("--steps", default=None, help="comma-separated steps to evaluate (default: the protocol's)")
+    g.add_argument("--benchmarks", default=None, metavar="KEY,...",
+                   help="comma-separated benchmarks of the suite to evaluate, e.g. aime24,math500 (default: all of "
+                        "them); evals.json then records the suite with those only")
     g.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     e = ap.add_argument_group("embedded runs")
     e.add_argument("--benchmark", action="append", type=_benchmark_arg, default=None, metavar="NAME=FILE",
@@ -98,6 +101,14 @@ def main(argv: list[str]) -> int:
             steps = [int(s) for s in args.steps.split(",") if s.strip()]
         except ValueError:
             raise ValueError(f"--steps: expected comma-separated integers, got {args.steps!r}") from None
+    benchmarks = None
+    if args.benchmarks is not None:
+        benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        known = list(dict.fromkeys(k for p in protocols for k in p.benchmarks))
+        unknown = [b for b in benchmarks if b not in known]
+        if unknown or not benchmarks:
+            what = f"{unknown[0]!r} is not a benchmark of" if unknown else "no benchmark given; choose from"
+            raise ValueError(f"--benchmarks: {what} suite {args.suite} ({', '.join(known)})")
     failures = []
     for run in map(Path, args.runs):
         if not run.is_dir():
@@ -120,14 +131,14 @@ def main(argv: list[str]) -> int:
                             data_dir=Path(args.data_dir) if args.data_dir else None, launcher=args.launcher,
                             config_dir=Path(args.config_dir), gpus_per_node=args.gpus_per_node,
                             num_nodes=args.num_nodes, tensor_parallel=args.tensor_parallel, steps=steps,
-                            export_python=args.export_python, extra=args.overrides)
+                            export_python=args.export_python, extra=args.overrides, benchmarks=benchmarks)
         if args.dry_run:
             for c in cmds:
                 print(c.shell())
             continue
         runtime_checks(cmds, args.suite, Path(args.data_dir) if args.data_dir else None)
         failures += [f"{run}: {f}" for f in nemo_rl.run_plan(cmds, log=lambda m: print(m, file=sys.stderr, flush=True))]
-        nemo_rl.collect(run, protocols, cmds)
+        nemo_rl.collect(run, protocols, cmds, benchmarks)
         print(f"{run}: {run / 'evals.json'}")
     for f in failures:
         print(f"nemo-granular eval-checkpoints: failed: {f}", file=sys.stderr)
