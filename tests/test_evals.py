@@ -168,6 +168,21 @@ def test_benchmarks_option_plans_only_those_of_the_suite(tmp_path, capsys):
         assert err.count("\n") == 1 and want in err, err
 
 
+def test_overrides_anywhere_on_the_command_line_reach_every_run_eval(tmp_path, capsys):
+    """KEY=VALUE words go to every run_eval wherever they stand (after the options too: how
+    ``submit_comparison.sh --eval-args`` appends them); argparse alone refused them there."""
+    from nemo_granular.cli import main
+
+    run = _fake_run(tmp_path, steps=(30,))
+    data = _data_dir(tmp_path)
+    assert main(["eval-checkpoints", "env.math.num_workers=1", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path),
+                 "--data-dir", str(data), "--dry-run", "eval.seed=7"]) == 0
+    evals = [shlex.split(x) for x in capsys.readouterr().out.strip().splitlines()[1:]]
+    assert len(evals) == 4 and all(argv[-2:] == ["env.math.num_workers=1", "eval.seed=7)"] for argv in evals), evals
+    assert main(["eval-checkpoints", "a=1", "--suite", "espo", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == "nemo-granular eval-checkpoints: error: give at least one RUN_DIR"
+
+
 def _megatron_run(tmp_path: Path, step: int = 5) -> Path:
     """A run whose checkpoint has NeMo-RL's Megatron layout (what the exporter detects)."""
     run = tmp_path / "espo_megatron"

@@ -666,9 +666,11 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     t0 = time.monotonic()
     r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
                         "--train-sbatch", "--time=4:00:00 --gres=gpu:2", "--eval-suite", "espo",
-                        # the local cluster's 2 GPUs per node: the eval's vLLM TP 2 (the run's is 4)
+                        # the local cluster's 2 GPUs per node: the eval's vLLM TP 2 (the run's is 4); one
+                        # math-verify worker (NeMo-RL's MathEnvironment starts num_workers Ray actors)
                         "--eval-args", f"--data-dir {bench} --gpus-per-node 2 --tensor-parallel 2 "
-                                       f"--benchmarks {','.join(keys)} --launcher {EVAL_LAUNCHER}",
+                                       f"--benchmarks {','.join(keys)} --launcher {EVAL_LAUNCHER} "
+                                       "env.math.num_workers=1",
                         str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"), str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml"),
                         "--", "grpo.max_num_steps=4", "grpo.val_period=2", f"policy.model_name={model}"],
                        env=env, capture_output=True, text=True, cwd=tmp_path)

@@ -9,6 +9,7 @@ benchmark (``--dry-run`` prints them). Results go to ``<run>/evals.json``, which
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def build_parser():
     ap = ArgumentParser(prog="nemo-granular eval-checkpoints",
                         description="Evaluate every checkpoint of run directories on a paper benchmark suite; "
                                     "writes <run>/evals.json for `nemo-granular compare --from-runs`.")
-    ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="embedded or NeMo-RL run directories")
+    ap.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                    help="embedded or NeMo-RL run directories; KEY=VALUE words among them, anywhere on the command "
+                         "line, are overrides passed to every run_eval (e.g. env.math.num_workers=4)")
     ap.add_argument("--suite", default="all", choices=SUITES,
                     help="sspo: greedy avg@1 every 10 steps, best checkpoint; sppo: avg@16 at T=0.6; "
                          "espo: AIME/HMMT avg@32, MATH500 greedy; all: the three (default)")
@@ -61,8 +64,21 @@ def build_parser():
                    help="a JSONL benchmark (repeatable; default: the run's held-out synthetic levels)")
     e.add_argument("--max-samples", type=int, default=None,
                    help="cap samples per problem (CPU time); the report states the number used")
-    ap.add_argument("overrides", nargs="*", default=[], help="key=value overrides passed to every run_eval")
     return ap
+
+
+OVERRIDE_RE = re.compile(r"[A-Za-z_][\w.-]*=")   # a run_eval override (KEY=VALUE), not a path
+
+
+def parse_args(argv: list[str]):
+    """The arguments, with ``overrides`` (the KEY=VALUE words) split from ``runs``: argparse alone
+    cannot take positional overrides after options (nor tell them from run directories)."""
+    args = build_parser().parse_intermixed_args(argv)
+    args.overrides = [w for w in args.runs if OVERRIDE_RE.match(w)]
+    args.runs = [w for w in args.runs if not OVERRIDE_RE.match(w)]
+    if not args.runs:
+        raise ValueError("give at least one RUN_DIR")
+    return args
 
 
 def runtime_checks(cmds, suite: str, data_dir: Path | None) -> None:
@@ -91,7 +107,7 @@ def main(argv: list[str]) -> int:
     from ..rundir import detect
     from . import embedded, nemo_rl
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     protocols = protocols_for(args.suite)
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}")
