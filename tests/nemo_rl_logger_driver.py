@@ -14,14 +14,22 @@ Instead of training it produces what a NeMo-RL run leaves behind, with NeMo-RL's
   (``train/reward``, ``train/mean_gen_tokens_per_sample``, ``train/global_valid_seqs``,
   ``timing/train/total_step_time``, ``validation/accuracy``, ...), one step per
   ``step_seconds`` (``NG_FAKE_STEP_SECONDS``, default 0.2);
-* a final checkpoint ``checkpoint_dir/step_N/`` through NeMo-RL's ``CheckpointManager`` (which
-  writes its ``config.yaml``);
-* ``<run>/evals.json`` (run = the parent of ``checkpoint_dir``) in nemo-granular's format
-  (``nemo_granular.evals.results.merge_write``), as ``nemo-granular eval-checkpoints`` writes
-  it after NeMo-RL's eval, for the config's paper suite.
+* a final checkpoint ``checkpoint_dir/step_N/``: when ``policy.model_name`` is a local (small)
+  Hugging Face model (e.g. ``tests/export_cpu/tiny_hf.py``), with REAL weights in the format of the
+  config's backend (Megatron only: ``policy.megatron_cfg.enabled``, else exit 2), as NeMo-RL's
+  Megatron policy worker writes it (:func:`write_megatron_checkpoint`); otherwise NeMo-RL's
+  ``CheckpointManager`` writes its ``config.yaml`` and no weights. The "training": the initial weights plus
+  seeded noise (deterministic in algorithm and seed), saved as ``<run>/stand_in/trained_hf`` (the
+  weights the checkpoint holds, for a test to compare with an export), then written by
+  ``tests/export_cpu/megatron_writer.py`` with NeMo-RL's and Megatron-Bridge's code (HF import,
+  ``setup_model_config`` on the run's config at TP = PP = CP = EP = 1, Bridge's
+  ``save_checkpoint``, ``CheckpointManager``, which writes the run's ``config.yaml``), in one
+  process started with the Python NeMo-RL starts its Megatron workers with (the stock Megatron
+  worker's venv under ``NEMO_RL_VENV_DIR``, else this one).
 
-The numbers are synthetic but deterministic in (algorithm, seed, step); ESPO's curves rise a
-little faster than GSPO's so the report has something to compare.
+The metrics are synthetic but deterministic in (algorithm, seed, step); ESPO's curves rise a
+little faster than GSPO's so the report has something to compare. The benchmark scores are not
+this script's: the eval job (``nemo-granular eval-checkpoints``) measures them on the checkpoint.
 
 ``-m nemo_granular preflight ...`` (how the launchers call the preflight with the driver's Python)
 runs the REAL ``nemo-granular preflight``, exactly as ``python -m nemo_granular preflight ...``
@@ -104,12 +112,16 @@ def main(argv: list[str]) -> int:
     if module not in ("nemo_granular.run_grpo", "nemo_granular.run_sppo"):
         print(f"nemo_rl_logger_driver: unexpected module {module}", file=sys.stderr)
         return 2
-    from nemo_rl.utils.checkpoint import CheckpointManager
     from nemo_rl.utils.logger import Logger, get_next_experiment_dir
 
     from nemo_granular.nemo_rl.configs import load_resolved
 
     cfg = load_resolved(cfg_path, overrides)      # what run_grpo / run_sppo load
+    real_weights = Path(str(cfg["policy"]["model_name"])).is_dir()    # a local (small) model: real weights
+    if real_weights and not (cfg["policy"].get("megatron_cfg") or {}).get("enabled"):
+        print("nemo_rl_logger_driver: writes real weights in Megatron checkpoints only (policy.megatron_cfg.enabled)",
+              file=sys.stderr)
+        return 2
     section = "ppo" if module.endswith("run_sppo") else "grpo"
     algo = cfg[section]
     name = (cfg.get("loss_fn", {}).get("granular", {}) or {}).get("algorithm") or ("sppo" if section == "ppo" else "grpo")
@@ -146,26 +158,68 @@ def main(argv: list[str]) -> int:
             logger.log_metrics({"accuracy": accuracy(step)}, step, prefix="validation")
             logger.log_metrics({"total_validation_time": 3.0}, step, prefix="timing/validation")
 
-    ckpt = CheckpointManager(cfg["checkpointing"])
-    # run_config: NeMo-RL passes its pydantic MasterConfig and dumps .model_dump() to config.yaml
-    path = ckpt.init_tmp_checkpoint(steps, {"step": steps, "val_reward": accuracy(steps)},
-                                    run_config=SimpleNamespace(model_dump=lambda: cfg))
-    ckpt.finalize_checkpoint(path)
+    info = {"step": steps, "val_reward": accuracy(steps)}
+    if real_weights:
+        path = write_megatron_checkpoint(cfg, steps, info, f"{name}:{seed}")
+    else:
+        from nemo_rl.utils.checkpoint import CheckpointManager
 
-    from nemo_granular.evals.results import merge_write
-    from nemo_granular.evals.suite import BENCHMARKS, PROTOCOLS
-
-    proto = PROTOCOLS[name if name in PROTOCOLS else "espo"]
-    run = Path(cfg["checkpointing"]["checkpoint_dir"]).parent
-    benches = {k: {"label": BENCHMARKS[k].label, "problems": 30 if k != "math500" else 500,
-                   "samples_per_problem": s.samples, "decoding": s.decoding, "metric": s.metric}
-               for k, s in proto.benchmarks.items()}
-    scores = {steps: {k: round(accuracy(steps) - 0.1 * i, 4) for i, k in enumerate(proto.benchmarks)}}
-    merge_write(run / "evals.json", run.name, "nemo-rl", proto.name,
-                {"description": proto.description, "select": proto.select, "select_note": proto.select_note,
-                 "every": proto.every}, benches, scores)
-    print(f"[{name}] finished {steps} steps; checkpoint {path}; evals {run / 'evals.json'}", flush=True)
+        ckpt = CheckpointManager(cfg["checkpointing"])
+        # run_config: NeMo-RL passes its pydantic MasterConfig and dumps .model_dump() to config.yaml
+        path = ckpt.init_tmp_checkpoint(steps, info, run_config=SimpleNamespace(model_dump=lambda: cfg))
+        ckpt.finalize_checkpoint(path)
+    print(f"[{name}] finished {steps} steps; checkpoint {path}", flush=True)
     return 0
+
+
+TRAINING_NOISE = 2e-3    # the stand-in's "training": std of the noise added to every weight
+STOCK_MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
+WRITER = Path(__file__).resolve().parent / "export_cpu" / "megatron_writer.py"
+
+
+def megatron_worker_python() -> str:
+    """The interpreter NeMo-RL starts its Megatron policy workers with: the stock worker's venv
+    under ``NEMO_RL_VENV_DIR`` (prebuilt in NeMo-RL's image) unless NeMo-RL is told to use this
+    one (``NEMO_RL_PY_EXECUTABLES_SYSTEM=1``); this one when there is no such venv."""
+    venv = Path(os.environ.get("NEMO_RL_VENV_DIR") or Path.cwd() / "venvs") / STOCK_MEGATRON_WORKER / "bin" / "python"
+    if os.environ.get("NEMO_RL_PY_EXECUTABLES_SYSTEM") == "1" or not venv.exists():
+        return sys.executable
+    return str(venv)
+
+
+def write_megatron_checkpoint(cfg: dict, step: int, info: dict, training_key: str) -> Path:
+    """``checkpoint_dir/step_<step>`` with the "trained" weights of ``policy.model_name`` (module
+    docstring); returns it."""
+    import json
+    import socket
+    import subprocess
+    import zlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt_dir = Path(cfg["checkpointing"]["checkpoint_dir"])
+    work = ckpt_dir.parent / "stand_in"
+    trained = work / "trained_hf"
+    model_name = cfg["policy"]["model_name"]
+    model = AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(zlib.crc32(training_key.encode()))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(TRAINING_NOISE * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(str(trained))
+    AutoTokenizer.from_pretrained(model_name).save_pretrained(str(trained))
+    job = {"config": cfg, "hf_dir": str(trained), "checkpoint_dir": str(ckpt_dir), "step": step,
+           "tp": 1, "pp": 1, "ep": 1, "training_info": info, "scratch_dir": str(work)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    python = megatron_worker_python()
+    # NeMo-RL from the working directory (the checkout), as `python -m` found it for this process
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    print(f"[stand-in] writing {ckpt_dir / f'step_{step}'} with {python}", flush=True)
+    subprocess.run([python, str(WRITER), "0", "1", str(port), json.dumps([job])], env=env, check=True)
+    return ckpt_dir / f"step_{step}"
 
 
 if __name__ == "__main__":

@@ -148,6 +148,41 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
     assert not (run / "evals.json").exists() and not (run / "evals").exists()
 
 
+def test_benchmarks_option_plans_only_those_of_the_suite(tmp_path, capsys):
+    """``--benchmarks``: only the named benchmarks of the suite are run (the export still once); a
+    name outside the suite, or none, is one line, exit 2, nothing planned."""
+    from nemo_granular.cli import main
+
+    run = _fake_run(tmp_path, steps=(30,))
+    data = _data_dir(tmp_path)
+    argv = ["eval-checkpoints", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path), "--data-dir", str(data),
+            "--dry-run"]
+    assert main([*argv, "--benchmarks", "math500,aime24"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 + 2 and "export" in lines[0], lines
+    assert [re.search(r"evals/(\w+)\.yaml", x).group(1) for x in lines[1:]] == ["aime24", "math500"]  # suite order
+    for bad, want in (("aime24,amc23", "'amc23' is not a benchmark of suite espo (aime24, aime25, math500, hmmt25)"),
+                      (",", "no benchmark given; choose from suite espo")):
+        assert main([*argv, "--benchmarks", bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err, err
+
+
+def test_overrides_anywhere_on_the_command_line_reach_every_run_eval(tmp_path, capsys):
+    """KEY=VALUE words go to every run_eval wherever they stand (after the options too: how
+    ``submit_comparison.sh --eval-args`` appends them); argparse alone refused them there."""
+    from nemo_granular.cli import main
+
+    run = _fake_run(tmp_path, steps=(30,))
+    data = _data_dir(tmp_path)
+    assert main(["eval-checkpoints", "env.math.num_workers=1", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path),
+                 "--data-dir", str(data), "--dry-run", "eval.seed=7"]) == 0
+    evals = [shlex.split(x) for x in capsys.readouterr().out.strip().splitlines()[1:]]
+    assert len(evals) == 4 and all(argv[-2:] == ["env.math.num_workers=1", "eval.seed=7)"] for argv in evals), evals
+    assert main(["eval-checkpoints", "a=1", "--suite", "espo", "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip() == "nemo-granular eval-checkpoints: error: give at least one RUN_DIR"
+
+
 def _megatron_run(tmp_path: Path, step: int = 5) -> Path:
     """A run whose checkpoint has NeMo-RL's Megatron layout (what the exporter detects)."""
     run = tmp_path / "espo_megatron"

@@ -228,18 +228,26 @@ def _driver_cmd(run_dir: Path, steps: int, every: int, slow: bool, python: str |
             f"checkpoint.every={every}", f"step_seconds={0.3 if slow else 0.05}", "--auto-resume"]
 
 
-def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = ()) -> Path:
+def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = (), mcore_in_workers: bool = False) -> Path:
     """An image directory for the local cluster's pyxis (slurm/local_cluster/make_image.sh): this
     test environment's packages as the image's /opt/nemo_rl_venv, ``nemo_rl`` (when given) as the
     image's /opt/nemo-rl, the test world's NeMo-RL shims and Megatron/Automodel sources as image
-    layers on the image's PYTHONPATH. No nemo-granular in it."""
+    layers on the image's PYTHONPATH. No nemo-granular in it. ``mcore_in_workers``: as in NeMo-RL's
+    image, Megatron-LM and Megatron-Bridge (NeMo-RL's ``mcore`` extra) only in the worker venvs
+    (``--worker-pth``), there with the shared CPU stand-ins in place of Transformer Engine and CUDA
+    (tests/cpu_stand_ins, an image layer, installed by the .pth; docs/nemo-rl.md §7)."""
     layers, path = [f"{SHIMS / 'typing_shim'}:/opt/shims/typing_shim"], ["/opt/shims/typing_shim"]
+    worker_pth: list[str] = []
     if nemo_rl is not None:
         path.append("/opt/nemo-rl")
     for var in ("MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC", "AUTOMODEL_SRC"):
         if os.environ.get(var) and os.environ.get("NEMO_RL_SRC"):
             layers.append(f"{Path(os.environ[var]).resolve()}:/opt/src/{var.lower()}")
-            path.append(f"/opt/src/{var.lower()}")
+            (worker_pth if mcore_in_workers and var != "AUTOMODEL_SRC" else path).append(f"/opt/src/{var.lower()}")
+    if mcore_in_workers:
+        layers += [f"{ROOT / 'tests' / 'cpu_stand_ins'}:/opt/cpu_stand_ins/cpu_stand_ins",
+                   f"{SHIMS}:/opt/cpu_stand_ins/host_shims"]     # (the stand-ins find te_stub beside them)
+        worker_pth += ["/opt/cpu_stand_ins", "import cpu_stand_ins; cpu_stand_ins.install()"]
     args = ["bash", str(MAKE_IMAGE), str(dest), "--venv", sys.prefix, "--env", "PYTHONPATH=" + ":".join(path)]
     if nemo_rl is not None:
         args += ["--nemo-rl", str(nemo_rl)]
@@ -247,6 +255,8 @@ def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = ())
         args += ["--layer", layer]
     for fqn in workers:
         args += ["--worker-venv", fqn]
+    for line in worker_pth:
+        args += ["--worker-pth", line]
     subprocess.run(args, check=True, capture_output=True, text=True)
     return dest
 
@@ -255,10 +265,12 @@ def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = ())
 def images(tmp_path_factory):
     """``release``: NeMo-RL's release container as pyxis runs it (NeMo-RL in the image at
     /opt/nemo-rl, the stock Megatron worker's venv prebuilt under /opt/ray_venvs); ``deps``: an
-    image built from a NeMo-RL checkout that the jobs mount (no NeMo-RL inside)."""
+    image built from a NeMo-RL checkout that the jobs mount (no NeMo-RL inside), Megatron only in
+    its prebuilt Megatron worker venv (with the CPU stand-ins)."""
     d = tmp_path_factory.mktemp("images")
     src = Path(os.environ["NEMO_RL_SRC"]).resolve() if os.environ.get("NEMO_RL_SRC") else None
-    return {"release": _make_image(d / "release", src, (MEGATRON_WORKER,)), "deps": _make_image(d / "deps", None)}
+    return {"release": _make_image(d / "release", src, (MEGATRON_WORKER,)),
+            "deps": _make_image(d / "deps", None, (MEGATRON_WORKER,), mcore_in_workers=True)}
 
 
 MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
@@ -589,27 +601,47 @@ def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     return dest
 
 
+EVAL_LAUNCHER = ROOT / "tests" / "nemo_rl_eval_launcher.py"
+ANSWER = "2"     # what the tiny model of the NeMo-RL comparison answers to every problem
+
+
 def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, images, tmp_path):
     """ESPO vs GSPO on Qwen3-30B-A3B as a user submits it (WORKDIR = the NeMo-RL checkout, no
     NEMO_RL_SRC in the environment), on a pyxis cluster (the local cluster's pyxis: CONTAINER =
-    the ``deps`` image, built from the NeMo-RL checkout that MOUNTS holds, with nemo-granular's
-    checkout mounted and no VENV; the training, eval and report jobs all run in containers; the
-    submit host runs the preflight with its own Python), with the NeMo-RL driver replaced by
-    tests/nemo_rl_logger_driver.py (NEMO_RL_PYTHON): NeMo-RL's own load_config, Logger
-    (TensorBoard) and CheckpointManager write the run directories, plus evals.json; each run's
-    eval job (--eval-suite) must find the NeMo-RL checkout (here with eval-checkpoints --dry-run:
-    the evaluation itself needs GPUs; no checkpoint is exported) and, first, pass the eval
-    preflight in its container, offline, on the benchmarks staged by ``stage-benchmarks
-    --mirror``; the small afterany report job must turn them into
-    report.md with the benchmark table. The preflight checks every config before anything is
-    submitted, and again in each training job: here the STAND-IN (``NG_FAKE_PREFLIGHT=1``), which
-    records its command lines: the real one would rightly refuse these 64-GPU layouts on the local
-    cluster's 2 GPUs per node; it runs on these configs, with the launch story's allocation, in
+    the ``deps`` image, built from the NeMo-RL checkout that MOUNTS holds, Megatron only in its
+    prebuilt Megatron worker venv, with nemo-granular's checkout mounted and no VENV; the
+    training, eval and report jobs all run in containers; the submit host runs the preflight with
+    its own Python), on a tiny Qwen3-MoE (``policy.model_name``) that answers ``\\boxed{2}`` to
+    everything, with the NeMo-RL driver replaced by tests/nemo_rl_logger_driver.py
+    (NEMO_RL_PYTHON): NeMo-RL's own load_config and Logger (TensorBoard) write the run
+    directories, and a real Megatron checkpoint of the run's "trained" weights (the model plus
+    seeded noise) is written by NeMo-RL's and Megatron-Bridge's code in the image's Megatron
+    worker venv. Each run's eval job (--eval-suite espo) must pass the eval preflight in its
+    container, offline, on the benchmarks staged by ``stage-benchmarks --mirror``, then REALLY
+    evaluate: ``eval-checkpoints`` exports the checkpoint with the interpreter it chooses (the
+    Megatron worker venv: the eval job's own Python has no Megatron-Bridge) and runs NeMo-RL's
+    ``examples/run_eval.py`` on AIME24 (``--benchmarks aime24``: 3 staged problems x 32 samples at
+    T=0.6; one benchmark for CI time) through ``--launcher tests/nemo_rl_eval_launcher.py`` (vLLM
+    replaced by transformers ``generate`` on CPU, Ray declaring the job's GPUs: docs/nemo-rl.md
+    §7). The test then checks, independently: the
+    exported weights equal the driver's trained weights (rounded to the run's bf16) and not the
+    initial model's; the model, loaded here with transformers, answers each staged problem
+    (NeMo-RL's prompt file and the model's chat template) greedily with what run_eval recorded
+    for every sample; a verifier written here scores those answers, and evals.json and the
+    report's benchmark table must hold those scores. The preflight checks every config before
+    anything is submitted, and again in each training job: here the STAND-IN
+    (``NG_FAKE_PREFLIGHT=1``), which records its command lines: the real one would rightly refuse
+    these 64-GPU layouts on the local cluster's 2 GPUs per node; it runs on these configs, with
+    the launch story's allocation, in
     ``test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs``, and in jobs in the
     ``one_node_jobs`` tests."""
+    from export_cpu.tiny_hf import make_answering_model
+
     cfgs = ROOT / "examples" / "configs"
     checkout = _nemo_rl_checkout(nemo_rl_src, tmp_path / "NeMo-RL")
     out, preflight, bench = tmp_path / "cmp", tmp_path / "preflight.log", tmp_path / "benchmarks"
+    model = tmp_path / "tiny-qwen3-moe"
+    make_answering_model(model, f"\\boxed{{{ANSWER}}}")
     # the launch story's --data-dir, staged as docs/slurm.md says (from local copies of the dataset
     # repositories: no network here); the jobs run offline, so the eval preflight in each eval
     # job's container passes only if it finds every ESPO benchmark staged there
@@ -620,8 +652,9 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
                              "--data-dir", str(bench), "--mirror", str(tmp_path / "mirror")],
                             capture_output=True, text=True, timeout=300)
     assert staged.returncode == 0, staged.stderr
-    assert sorted(p.name for p in bench.glob("*.jsonl")) == ["aime24.jsonl", "aime25.jsonl", "hmmt25.jsonl",
-                                                            "math500.jsonl"]
+    staged_keys = ("aime24", "aime25", "math500", "hmmt25")
+    assert sorted(p.name for p in bench.glob("*.jsonl")) == sorted(f"{k}.jsonl" for k in staged_keys)
+    keys = ("aime24",)      # evaluated (CI time: each benchmark is one run_eval, a NeMo-RL import and a Ray start)
     pyxis = _pyxis_env(cluster, images["deps"], [tmp_path, ROOT, nemo_rl_src])
     env = _env(cluster.env, {**pyxis, "PATH": f"{PYXIS}:{Path(sys.executable).parent}:{cluster.env['PATH']}",
                              "NEMO_RL_PYTHON": f"python {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
@@ -630,11 +663,16 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
                              "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                              "START_RAY": "0",     # the stand-in driver does not use Ray (the other tests cover Ray)
                              "NEMO_RL_SRC": None})  # (on the submit host NeMo-RL stays importable through PYTHONPATH)
+    t0 = time.monotonic()
     r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
                         "--train-sbatch", "--time=4:00:00 --gres=gpu:2", "--eval-suite", "espo",
-                        "--eval-args", f"--dry-run --data-dir {bench}",
+                        # the local cluster's 2 GPUs per node: the eval's vLLM TP 2 (the run's is 4); one
+                        # math-verify worker (NeMo-RL's MathEnvironment starts num_workers Ray actors)
+                        "--eval-args", f"--data-dir {bench} --gpus-per-node 2 --tensor-parallel 2 "
+                                       f"--benchmarks {','.join(keys)} --launcher {EVAL_LAUNCHER} "
+                                       "env.math.num_workers=1",
                         str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"), str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml"),
-                        "--", "grpo.max_num_steps=4", "grpo.val_period=2"],
+                        "--", "grpo.max_num_steps=4", "grpo.val_period=2", f"policy.model_name={model}"],
                        env=env, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     ids = (out / "job_ids.txt").read_text().split()
@@ -653,33 +691,118 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     rf = cluster.job_fields(ids[4])
     assert rf.get("TimeLimit") == "00:30:00" and "gpu" not in rf.get("TresPerNode", "") + rf.get("Gres", ""), rf
     for job in ids:
-        state = cluster.wait_terminal(job, timeout=420)
+        state = cluster.wait_terminal(job, timeout=900)
         assert state == "COMPLETED", f"{job}: {state}\n{_explain(cluster, out, job)}"
+    print(f"NeMo-RL comparison: jobs done {time.monotonic() - t0:.0f} s after submission")
     # each training job ran the preflight again on its node, before its driver
     assert len(preflight.read_text().splitlines()) == 4
+    report = (out / "report" / "report.md").read_text()
+    scored = []
     for name in ("espo_qwen3_30b_a3b_megatron", "gspo_qwen3_30b_a3b_megatron"):
         run = out / name
         assert list((run / "logs").glob("exp_*/tensorboard/events.out.tfevents.*")), _explain(cluster, out, ids[0])
-        assert (run / "checkpoints" / "step_4" / "config.yaml").is_file()
         drv = next((out / "slurm-logs").glob(f"cmp-{name}-*/driver.log")).read_text()
         # the launcher appended the allocation to the NeMo-RL command line
         assert "cluster.num_nodes=1" in drv and "gpus/node=2" in drv, drv
-        # the eval job planned NeMo-RL's run_eval in the checkout (not: "--nemo-rl: give the NeMo-RL checkout")
+        # the checkpoint: Megatron's, written in the image's Megatron worker venv
+        assert f"with /opt/ray_venvs/{MEGATRON_WORKER}/bin/python" in drv, drv
+        assert (run / "checkpoints" / "step_4" / "policy" / "weights" / "latest_checkpointed_iteration.txt").is_file()
         ev = next(out.glob(f"slurm-cmp-eval-{name}-*.out")).read_text()
-        assert f"cd {checkout} && uv run python examples/run_eval.py --config" in ev and "aime24" in ev, ev
-        # ... reading every benchmark from the staged files (checked first by the eval preflight)
-        assert all(f"data.dataset_name={bench}/{key}.jsonl" in ev for key in ("aime24", "aime25", "math500", "hmmt25")), ev
-    report = (out / "report" / "report.md").read_text()
+        # the export ran with the Megatron worker venv's Python (the eval job's own has no Megatron-Bridge)
+        assert f"Megatron checkpoints exported by /opt/ray_venvs/{MEGATRON_WORKER}/bin/python" in ev, ev
+        # NeMo-RL's run_eval in the checkout, the benchmark from its staged file (the eval preflight
+        # checked every benchmark of the suite first); only the one asked for
+        assert f"(cd {checkout} && {EVAL_LAUNCHER} --config" in ev, ev
+        assert [k for k in staged_keys if f"data.dataset_name={bench}/{k}.jsonl" in ev] == list(keys), ev
+        _assert_exported_weights(run / "hf" / "step_4", run / "stand_in" / "trained_hf", model)
+        expected = _independent_scores(run / "hf" / "step_4", bench, checkout, keys)
+        scored += [v["score"] for v in expected.values()]
+        # every sample run_eval scored is the model's greedy answer (sampling at T=0.6 cannot move it)
+        for key in keys:
+            data = json.loads((run / "evals" / "espo" / "step_4" / key / "evaluation_data.json").read_text())
+            rows = data["evaluation_data"]
+            samples = 1 if key == "math500" else 32
+            assert len(rows) == samples * len(expected[key]["answers"]), (key, len(rows))
+            assert {r["response"] for r in rows} == {expected[key]["response"]}, (key, rows[:2])
+        scores = json.loads((run / "evals.json").read_text())["suites"]["espo"]["checkpoints"]["4"]
+        assert scores == pytest.approx({k: expected[k]["score"] for k in keys}, abs=1e-9), scores
+        row = next(line for line in report.splitlines() if line.startswith(f"| {name} | 1 |") and line.rstrip().endswith("| 4 |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[2:2 + len(keys)] == [f"{expected[k]['score']:.3f}" for k in keys], (row, expected)
+    assert max(scored) > 0 and min(scored) < 1, scored   # neither all right nor all wrong
     assert "Runs: 2 usable of 2" in report, report[:600]
-    assert "## Benchmark suite" in report and "| AIME24 |" in report and "| HMMT25 |" in report, report
-    rows = [line for line in report.splitlines()
-            if line.startswith(("| espo_qwen3_30b_a3b_megatron | 1 |", "| gspo_qwen3_30b_a3b_megatron | 1 |"))]
-    assert len(rows) == 4, report       # the statistics table and the benchmark table, both runs
-    bench = [line for line in rows if line.rstrip().endswith("| 4 |")]   # scored at the last step
-    assert len(bench) == 2, rows
+    assert "## Benchmark suite" in report and "| AIME24 | 3 | 32 | T=0.6, top-p 1" in report, report
     assert any(line.startswith("| ESPO reaches a higher final validation accuracy than GSPO") and "ESPO 0." in line
                for line in report.splitlines()), report
-    assert "Qwen/Qwen3-30B-A3B-Base" in report
+    assert str(model) in report
+
+
+def _assert_exported_weights(exported: Path, trained: Path, initial: Path) -> None:
+    """The eval job's export holds the driver's trained weights, as the run's bf16 held them
+    (bit-exact), and not the initial model's (``policy.model_name``, which the export reads for the
+    architecture)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    def weights(path: Path, bf16: bool) -> dict:
+        sd = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).state_dict()
+        return {k: (v.to(torch.bfloat16) if bf16 else v).float() for k, v in sd.items()}
+
+    got, want, start = weights(exported, False), weights(trained, True), weights(initial, True)
+    assert set(got) == set(want), sorted(set(got) ^ set(want))
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])][:5]
+    assert sum(not torch.equal(got[k], start[k]) for k in got) > len(got) // 2
+
+
+def _independent_scores(model: Path, bench: Path, checkout: Path, keys) -> dict:
+    """Per benchmark: the exported model's greedy response to each problem (transformers
+    ``generate`` here, on NeMo-RL's prompt file formatted with the problem, in the model's chat
+    template; the model answers the same to every prompt, tests/export_cpu/tiny_hf.py, so they
+    must agree), the staged answers, and the score a verifier written here gives them (the last
+    ``\\boxed{}`` equals the answer, numerically for numbers and ``\\sqrt{n}``)."""
+    import math
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    lm = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    prompt = (checkout / "examples" / "prompts" / "cot.txt").read_text()
+
+    def value(text: str) -> float | None:
+        text = text.strip()
+        m = re.fullmatch(r"\\sqrt\{(\d+)\}", text)
+        if m:
+            return math.sqrt(int(m.group(1)))
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    def reward(response: str, answer: str) -> float:
+        boxed = re.findall(r"\\boxed\{([^{}]*)\}", response)
+        got, want = (value(boxed[-1]) if boxed else None), value(answer)
+        return float(got is not None and want is not None and math.isclose(got, want))
+
+    out = {}
+    for key in keys:
+        rows = [json.loads(x) for x in (bench / f"{key}.jsonl").read_text().splitlines() if x.strip()]
+        responses = set()
+        for row in rows:
+            text = tok.apply_chat_template([{"role": "user", "content": prompt.format(row["problem"])}],
+                                           tokenize=False, add_generation_prompt=True)
+            ids = torch.tensor([tok(text)["input_ids"]])
+            with torch.no_grad():
+                new = lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                  do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+            responses.add(tok.decode(new[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+        assert len(responses) == 1, responses
+        response = responses.pop()
+        assert response == f"\\boxed{{{ANSWER}}}", response
+        answers = [row["answer"] for row in rows]
+        out[key] = {"response": response, "answers": answers,
+                    "score": sum(reward(response, a) for a in answers) / len(answers)}
+    return out
 
 
 def _without_nemo_rl_src(env: dict) -> dict:

@@ -9,6 +9,7 @@ benchmark (``--dry-run`` prints them). Results go to ``<run>/evals.json``, which
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -29,7 +30,9 @@ def build_parser():
     ap = ArgumentParser(prog="nemo-granular eval-checkpoints",
                         description="Evaluate every checkpoint of run directories on a paper benchmark suite; "
                                     "writes <run>/evals.json for `nemo-granular compare --from-runs`.")
-    ap.add_argument("runs", nargs="+", metavar="RUN_DIR", help="embedded or NeMo-RL run directories")
+    ap.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                    help="embedded or NeMo-RL run directories; KEY=VALUE words among them, anywhere on the command "
+                         "line, are overrides passed to every run_eval (e.g. env.math.num_workers=4)")
     ap.add_argument("--suite", default="all", choices=SUITES,
                     help="sspo: greedy avg@1 every 10 steps, best checkpoint; sppo: avg@16 at T=0.6; "
                          "espo: AIME/HMMT avg@32, MATH500 greedy; all: the three (default)")
@@ -52,14 +55,30 @@ def build_parser():
                    help="vLLM tensor parallel size (default: the run's policy.generation.vllm_cfg.tensor_parallel_size "
                         "from each checkpoint's config.yaml, else 1)")
     g.add_argument("--steps", default=None, help="comma-separated steps to evaluate (default: the protocol's)")
+    g.add_argument("--benchmarks", default=None, metavar="KEY,...",
+                   help="comma-separated benchmarks of the suite to evaluate, e.g. aime24,math500 (default: all of "
+                        "them); evals.json then records the suite with those only")
     g.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     e = ap.add_argument_group("embedded runs")
     e.add_argument("--benchmark", action="append", type=_benchmark_arg, default=None, metavar="NAME=FILE",
                    help="a JSONL benchmark (repeatable; default: the run's held-out synthetic levels)")
     e.add_argument("--max-samples", type=int, default=None,
                    help="cap samples per problem (CPU time); the report states the number used")
-    ap.add_argument("overrides", nargs="*", default=[], help="key=value overrides passed to every run_eval")
     return ap
+
+
+OVERRIDE_RE = re.compile(r"[A-Za-z_][\w.-]*=")   # a run_eval override (KEY=VALUE), not a path
+
+
+def parse_args(argv: list[str]):
+    """The arguments, with ``overrides`` (the KEY=VALUE words) split from ``runs``: argparse alone
+    cannot take positional overrides after options (nor tell them from run directories)."""
+    args = build_parser().parse_intermixed_args(argv)
+    args.overrides = [w for w in args.runs if OVERRIDE_RE.match(w)]
+    args.runs = [w for w in args.runs if not OVERRIDE_RE.match(w)]
+    if not args.runs:
+        raise ValueError("give at least one RUN_DIR")
+    return args
 
 
 def runtime_checks(cmds, suite: str, data_dir: Path | None) -> None:
@@ -88,7 +107,7 @@ def main(argv: list[str]) -> int:
     from ..rundir import detect
     from . import embedded, nemo_rl
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     protocols = protocols_for(args.suite)
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}")
@@ -98,6 +117,14 @@ def main(argv: list[str]) -> int:
             steps = [int(s) for s in args.steps.split(",") if s.strip()]
         except ValueError:
             raise ValueError(f"--steps: expected comma-separated integers, got {args.steps!r}") from None
+    benchmarks = None
+    if args.benchmarks is not None:
+        benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        known = list(dict.fromkeys(k for p in protocols for k in p.benchmarks))
+        unknown = [b for b in benchmarks if b not in known]
+        if unknown or not benchmarks:
+            what = f"{unknown[0]!r} is not a benchmark of" if unknown else "no benchmark given; choose from"
+            raise ValueError(f"--benchmarks: {what} suite {args.suite} ({', '.join(known)})")
     failures = []
     for run in map(Path, args.runs):
         if not run.is_dir():
@@ -120,14 +147,14 @@ def main(argv: list[str]) -> int:
                             data_dir=Path(args.data_dir) if args.data_dir else None, launcher=args.launcher,
                             config_dir=Path(args.config_dir), gpus_per_node=args.gpus_per_node,
                             num_nodes=args.num_nodes, tensor_parallel=args.tensor_parallel, steps=steps,
-                            export_python=args.export_python, extra=args.overrides)
+                            export_python=args.export_python, extra=args.overrides, benchmarks=benchmarks)
         if args.dry_run:
             for c in cmds:
                 print(c.shell())
             continue
         runtime_checks(cmds, args.suite, Path(args.data_dir) if args.data_dir else None)
         failures += [f"{run}: {f}" for f in nemo_rl.run_plan(cmds, log=lambda m: print(m, file=sys.stderr, flush=True))]
-        nemo_rl.collect(run, protocols, cmds)
+        nemo_rl.collect(run, protocols, cmds, benchmarks)
         print(f"{run}: {run / 'evals.json'}")
     for f in failures:
         print(f"nemo-granular eval-checkpoints: failed: {f}", file=sys.stderr)

@@ -102,9 +102,10 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
          launcher: str = DEFAULT_LAUNCHER, config_dir: Path = CONFIG_DIR, gpus_per_node: int = 8,
          num_nodes: int = 1, tensor_parallel: int | None = None, prompt_tokens: int = 1024,
          python: str = sys.executable, export_python: str | None = None, steps: list[int] | None = None,
-         extra: list[str] | None = None) -> list[Command]:
+         extra: list[str] | None = None, benchmarks: list[str] | None = None) -> list[Command]:
     """The commands, in order. ``python`` exports DTensor checkpoints; ``export_python`` is the
     interpreter for Megatron ones (default: :func:`.export_python.megatron_export_python`).
+    ``benchmarks``: only these of each protocol's benchmarks (None: all).
     ``tensor_parallel``: vLLM's TP for every benchmark; None = the training run's
     (:func:`training_vllm_tp`, else 1), at most the eval's GPUs (``gpus_per_node * num_nodes``)."""
     run = Path(run).resolve()
@@ -141,6 +142,8 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
                         argv = [python, "-m", "nemo_granular", "export", *args]
                     cmds.append(Command("export", argv, None, step, exporter=exporter))
             for key, setting in proto.benchmarks.items():
+                if benchmarks is not None and key not in benchmarks:
+                    continue
                 save = run / "evals" / proto.name / f"step_{step}" / key
                 argv = shlex.split(launcher) + [
                     "--config", str(Path(config_dir).resolve() / f"{key}.yaml"),
@@ -177,8 +180,9 @@ def read_result(path: Path) -> tuple[float, int, int]:
     return sum(rewards) / len(rewards), len(rewards) // n, n
 
 
-def collect(run: Path, protocols: list[Protocol], cmds: list[Command]) -> dict:
-    """Merge every finished result of the plan into ``<run>/evals.json``."""
+def collect(run: Path, protocols: list[Protocol], cmds: list[Command], benchmarks: list[str] | None = None) -> dict:
+    """Merge every finished result of the plan into ``<run>/evals.json``. ``benchmarks``: the
+    suite's benchmarks the plan was restricted to (the suite is then recorded with those only)."""
     run = Path(run).resolve()
     data = {}
     for proto in protocols:
@@ -195,6 +199,8 @@ def collect(run: Path, protocols: list[Protocol], cmds: list[Command]) -> dict:
         if not results:
             continue
         for key, setting in proto.benchmarks.items():  # benchmarks with no result yet still get a column
+            if benchmarks is not None and key not in benchmarks:
+                continue
             benches.setdefault(key, {"label": BENCHMARKS[key].label, "problems": "?",
                                      "samples_per_problem": setting.samples, "decoding": setting.decoding,
                                      "metric": setting.metric})

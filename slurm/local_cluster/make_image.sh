@@ -3,7 +3,7 @@
 # what a NeMo-RL release container holds, made from a Python environment of this machine.
 #
 #   slurm/local_cluster/make_image.sh IMAGE_DIR --venv PREFIX [--nemo-rl DIR] [--layer SRC:DEST]...
-#       [--env KEY=VALUE]... [--worker-venv CLASS_FQN]...
+#       [--env KEY=VALUE]... [--worker-venv CLASS_FQN]... [--worker-pth LINE]...
 #
 # The image, as NeMo-RL's Dockerfile lays it out:
 #   /opt/nemo_rl_venv          the driver's venv (UV_PROJECT_ENVIRONMENT): bin/python, the console
@@ -11,7 +11,11 @@
 #                              site-packages (read-only layer); its interpreter is PREFIX's base
 #                              Python, a layer at the same path as on this machine
 #   /opt/ray_venvs/CLASS_FQN   a prebuilt worker venv per --worker-venv (NEMO_RL_VENV_DIR): the same
-#                              packages, as the image prefetches the venvs of NeMo-RL's registry
+#                              packages, as the image prefetches the venvs of NeMo-RL's registry;
+#                              with --worker-pth, a .pth in the worker venvs' own site-packages holds
+#                              those LINEs (paths inside the image, or `import ...` lines), then
+#                              PREFIX's site-packages: what only the workers have (NeMo-RL's `mcore`
+#                              extra is only in its Megatron worker's venv)
 #   /opt/nemo-rl               the NeMo-RL checkout the image was built from (--nemo-rl DIR)
 # IMAGE_DIR/env holds the image's environment: PATH (the venv first), VIRTUAL_ENV,
 # UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv, NEMO_RL_VENV_DIR=/opt/ray_venvs, then each --env
@@ -21,7 +25,7 @@ set -euo pipefail
 die() { echo "make_image: $*" >&2; exit 2; }
 (( $# )) || die "usage: make_image.sh IMAGE_DIR --venv PREFIX [--nemo-rl DIR] [--layer SRC:DEST] [--env K=V] [--worker-venv FQN]"
 IMAGE=$1; shift
-VENV="" NRL="" layers=() envs=() workers=()
+VENV="" NRL="" layers=() envs=() workers=() worker_pth=()
 while (( $# )); do
   case "$1" in
     --venv) VENV=$2; shift 2 ;;
@@ -29,6 +33,7 @@ while (( $# )); do
     --layer) layers+=("$2"); shift 2 ;;
     --env) envs+=("$2"); shift 2 ;;
     --worker-venv) workers+=("$2"); shift 2 ;;
+    --worker-pth) worker_pth+=("$2"); shift 2 ;;
     *) die "unknown argument $1" ;;
   esac
 done
@@ -47,8 +52,9 @@ layer() {  # layer SRC DEST: read-only content of the image, visible only at DES
 }
 [[ "$base_prefix" == /usr || "$base_prefix" == /usr/* ]] || layer "$base_prefix" "$base_prefix"
 
-make_venv() {  # make_venv DEST: a venv at DEST with PREFIX's packages
+make_venv() {  # make_venv DEST [PTH_LINE...]: a venv at DEST with PREFIX's packages (after the PTH_LINEs)
   local dest=$1 f first
+  shift
   mkdir -p "$IMAGE/rootfs$dest/bin"
   ln -s "$base" "$IMAGE/rootfs$dest/bin/python"
   ln -s python "$IMAGE/rootfs$dest/bin/python3"
@@ -63,10 +69,15 @@ make_venv() {  # make_venv DEST: a venv at DEST with PREFIX's packages
       chmod 755 "$IMAGE/rootfs$dest/bin/$(basename "$f")"
     fi
   done
-  layer "$site" "$dest/lib/$pyver/site-packages"
+  if (( $# )); then   # its own site-packages: a .pth of the lines, then the driver venv's packages
+    mkdir -p "$IMAGE/rootfs$dest/lib/$pyver/site-packages"
+    printf '%s\n' "$@" "/opt/nemo_rl_venv/lib/$pyver/site-packages" >"$IMAGE/rootfs$dest/lib/$pyver/site-packages/image_worker.pth"
+  else
+    layer "$site" "$dest/lib/$pyver/site-packages"
+  fi
 }
 make_venv /opt/nemo_rl_venv
-for w in "${workers[@]}"; do make_venv "/opt/ray_venvs/$w"; done
+for w in "${workers[@]}"; do make_venv "/opt/ray_venvs/$w" "${worker_pth[@]}"; done
 mkdir -p "$IMAGE/rootfs/opt/ray_venvs"
 [[ -z "$NRL" ]] || layer "$(cd "$NRL" && pwd)" /opt/nemo-rl
 for l in "${layers[@]}"; do layer "${l%%:*}" "${l#*:}"; done

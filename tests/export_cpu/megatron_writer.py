@@ -4,7 +4,11 @@
 
 ``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "tp", "pp", "ep", "precision"}``
 (+ optional ``"hf_config_overrides"``, set as ``policy.hf_config_overrides``); all ranks run every
-job. Per job, the steps NeMo-RL's Megatron policy worker takes, with its code:
+job. A job with ``"config"`` (a run's whole resolved config, e.g. from a stand-in driver) uses it
+instead of the recipe, keeps its model name, precision and overrides, and loads the weights of
+``hf_dir`` (the run's "trained" weights; same architecture); optional ``"training_info"`` (what
+``init_tmp_checkpoint`` records) and ``"scratch_dir"`` (where the HF import goes; default: next to
+``checkpoint_dir``). Per job, the steps NeMo-RL's Megatron policy worker takes, with its code:
 
 1. HF → Megatron import, once per HF model: ``community_import.import_model_from_hf_name`` with
    the job's ``megatron_cfg`` (what ``setup.handle_model_import`` runs, collectively);
@@ -41,12 +45,19 @@ def policy_config(job: dict) -> dict:
     from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
 
     register_omegaconf_resolvers()
-    cfg = load_config(os.path.join(os.environ["NEMO_RL_SRC"], RECIPE))
-    p = cfg.policy
-    p.model_name = job["hf_dir"]
-    p.tokenizer.name = job["hf_dir"]
-    p.precision = job["precision"]
-    p.hf_config_overrides = job.get("hf_config_overrides") or {}
+    if "config" in job:                      # a run's own config: its model, precision and overrides
+        cfg = OmegaConf.create(job["config"])
+        p = cfg.policy
+        if p.get("hf_config_overrides") is None:
+            p.hf_config_overrides = {}
+        p.megatron_cfg.context_parallel_size = 1   # one process per model replica here
+    else:
+        cfg = load_config(os.path.join(os.environ["NEMO_RL_SRC"], RECIPE))
+        p = cfg.policy
+        p.model_name = job["hf_dir"]
+        p.tokenizer.name = job["hf_dir"]
+        p.precision = job["precision"]
+        p.hf_config_overrides = job.get("hf_config_overrides") or {}
     m = p.megatron_cfg
     m.tensor_model_parallel_size = job["tp"]
     m.pipeline_model_parallel_size = job["pp"]
@@ -60,7 +71,7 @@ def policy_config(job: dict) -> dict:
     m.moe_permute_fusion = False
     m.bias_activation_fusion = False
     m.checkpoint.async_save = False
-    m.optimizer.bf16 = job["precision"] == "bfloat16"
+    m.optimizer.bf16 = p.precision == "bfloat16"
     cfg.checkpointing.checkpoint_dir = job["checkpoint_dir"]
     return OmegaConf.to_container(cfg, resolve=True)
 
@@ -102,12 +113,13 @@ def main(argv: list[str]) -> None:
     for job in jobs:
         config = policy_config(job)
         pcfg = config["policy"]
-        dtype = torch.bfloat16 if job["precision"] == "bfloat16" else torch.float32
+        dtype = torch.bfloat16 if pcfg["precision"] == "bfloat16" else torch.float32
         overrides = pcfg["hf_config_overrides"]
         key = json.dumps([job["hf_dir"], overrides], sort_keys=True)
         pretrained = imported.get(key)
         if pretrained is None:  # NeMo-RL caches the import per model and overrides; same here
-            pretrained = imported[key] = str(Path(job["checkpoint_dir"]).parent / f"pretrained-{len(imported)}")
+            scratch = Path(job.get("scratch_dir") or Path(job["checkpoint_dir"]).parent)
+            pretrained = imported[key] = str(scratch / f"pretrained-{len(imported)}")
             # what setup.handle_model_import runs: the overrides go to AutoBridge.from_hf_pretrained
             import_model_from_hf_name(job["hf_dir"], pretrained, pcfg["megatron_cfg"], **overrides)
             if parallel_state.model_parallel_is_initialized():
@@ -117,13 +129,14 @@ def main(argv: list[str]) -> None:
         model_cfg.initialize_model_parallel(seed=0)
         model = model_cfg.provide_distributed_model(wrap_with_ddp=False)
         _load_model_weights_from_checkpoint(os.path.join(pretrained, "iter_0000000"), model)
-        progress(f"built TP{job['tp']} PP{job['pp']} EP{job['ep']} {job['precision']}")
+        progress(f"built TP{job['tp']} PP{job['pp']} EP{job['ep']} {pcfg['precision']}")
 
         manager = CheckpointManager(config["checkpointing"])
         tmp = Path(job["checkpoint_dir"]) / f"tmp_step_{job['step']}"
         if rank == 0:
-            manager.init_tmp_checkpoint(job["step"], {"step": job["step"], "consumed_samples": 0},
-                                        RunConfig(**config))
+            info = job.get("training_info") or {"step": job["step"], "consumed_samples": 0}
+            # config.yaml: the run's config as given (not the CPU layout), as NeMo-RL records its MasterConfig
+            manager.init_tmp_checkpoint(job["step"], info, RunConfig(**job.get("config", config)))
         dist.barrier()
         state = GlobalState()
         state.cfg = megatron_cfg

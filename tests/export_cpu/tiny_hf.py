@@ -76,3 +76,50 @@ def max_logit_diff(a, b, tokenizer, prompts=PROMPTS) -> float:
         ids = torch.tensor([tokenizer(p)["input_ids"]])
         diffs.append(float((a(input_ids=ids).logits.float() - b(input_ids=ids).logits.float()).abs().max()))
     return max(diffs)
+
+
+# what the answering model's chat template appends for the assistant (a space: not a character of the answer)
+ANSWER_PROMPT = "Answer: "
+
+
+def make_answering_model(path: Path, answer: str, *, moe: bool = True, scale: float = 10.0):
+    """A tiny Qwen3(-MoE) that answers every prompt with ``answer`` then EOS, greedily and with a
+    margin that makes sampling at T<=1 give the same text: a bigram model. Attention and MLP
+    outputs are zero (``o_proj``, every ``down_proj``), so the last hidden state is the current
+    token's embedding; the characters of ``answer`` (each at most once) get orthogonal embeddings
+    and every other token shares one more direction; ``lm_head`` maps that direction to the first
+    character, each character to the next, the last to EOS. Saved with the character tokenizer and
+    a chat template ending in :data:`ANSWER_PROMPT`; max positions 32768 (room for an eval's
+    max_model_len). Returns the model."""
+    from transformers import AutoModelForCausalLM
+
+    from tokenizers import decoders
+
+    tok = make_tokenizer(path)
+    tok.backend_tokenizer.decoder = decoders.Fuse()     # decode: the characters, not space-separated
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}" + ANSWER_PROMPT + "{% endif %}")
+    tok.save_pretrained(str(path))
+    chain = [tok.convert_tokens_to_ids(c) for c in answer]
+    assert len(set(chain)) == len(chain) and tok.unk_token_id not in chain, answer
+    cfg = tiny_config(moe, max_position_embeddings=32768)
+    assert len(chain) + 1 <= cfg.hidden_size
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    basis = torch.eye(cfg.hidden_size)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+                p.zero_()
+            elif p.dim() > 1:
+                p.normal_(0, 0.2)
+        emb = model.get_input_embeddings().weight
+        emb.copy_(basis[0].expand_as(emb))                 # every other token: direction 0
+        head = model.get_output_embeddings().weight
+        head.zero_()
+        head[chain[0]] = scale * basis[0]                  # anything else -> the first character
+        for i, t in enumerate(chain):
+            emb[t] = basis[i + 1]
+            head[chain[i + 1] if i + 1 < len(chain) else tok.eos_token_id] = scale * basis[i + 1]
+    model.eval().save_pretrained(str(path))
+    return model
