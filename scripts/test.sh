@@ -37,7 +37,7 @@ done
 # estimators against NeMo-RL's own, run_grpo / run_sppo up to setup(), preflight on the shipped configs
 # and NeMo-RL's own setup(), config loading, the worker extensions against the real workers) and the
 # smallest loop selection that runs both DTensor loops through v0.7.0's own refit (one GRPO run, SSPO;
-# the PPO run, SPPO; about 3 min on one worker); what stays untested there: docs/nemo-rl.md, "Support matrix"
+# the PPO run, SPPO; 151 s alone when measured); what stays untested there: docs/nemo-rl.md, "Support matrix"
 # (tests/test_nemo_rl_compat.py keeps that table and this list in step).
 V070_TESTS=(tests/test_package.py tests/test_nemo_rl_compat.py tests/test_nemo_rl_dropin.py
             tests/test_nemo_rl_estimators.py tests/test_nemo_rl_glue.py tests/test_nemo_rl_loss_equivalence.py
