@@ -35,14 +35,19 @@ for arg in "$@"; do
 done
 # The NeMo-RL v0.7.0 world: the NeMo-RL-world modules that pass on v0.7.0 (the import, the losses and
 # estimators against NeMo-RL's own, run_grpo / run_sppo up to setup(), preflight on the shipped configs
-# and NeMo-RL's own setup(), config loading, the worker extensions against the real workers); what
-# stays untested there (the CPU loops among it): docs/nemo-rl.md, "NeMo-RL versions".
+# and NeMo-RL's own setup(), config loading, the worker extensions against the real workers) and the
+# smallest loop selection that runs both DTensor loops through v0.7.0's own refit (one GRPO run, SSPO;
+# the PPO run, SPPO; 151 s alone when measured); what stays untested there: docs/nemo-rl.md, "Support matrix"
+# (tests/test_nemo_rl_compat.py keeps that table and this list in step).
 V070_TESTS=(tests/test_package.py tests/test_nemo_rl_compat.py tests/test_nemo_rl_dropin.py
             tests/test_nemo_rl_estimators.py tests/test_nemo_rl_glue.py tests/test_nemo_rl_loss_equivalence.py
             tests/test_loss_nemo.py tests/test_host_configs.py tests/test_host_entrypoints.py
             tests/test_host_estimators_loop.py tests/test_host_loss_paths.py tests/test_host_workers.py
             tests/test_preflight.py tests/test_preflight_nemo_rl.py tests/test_sppo_configs.py
-            tests/test_sppo_entry.py tests/test_sppo_wrapper.py tests/test_loop_actor_class.py)
+            tests/test_sppo_entry.py tests/test_sppo_wrapper.py tests/test_loop_actor_class.py
+            tests/test_loop_grpo.py::test_sspo_loop_three_steps
+            tests/test_loop_grpo.py::test_sspo_loss_in_the_loop_equals_the_float64_reference
+            tests/test_loop_grpo.py::test_vllm_path_up_to_its_workers tests/test_loop_sppo.py)
 # ... and, on the local Slurm cluster, a job launched as with NeMo-RL's v0.7.0 release container under
 # pyxis (the test's `release` image is built from the world's NeMo-RL: here v0.7.0)
 V070_SLURM_TESTS=(tests/test_slurm.py::test_real_preflight_passes_a_shipped_config_in_the_head_container)
@@ -85,7 +90,7 @@ echo "--- the Slurm tests, on their own"
 .venv/bin/python -m pytest -q tests/test_slurm.py "$@" || slurm_rc=$?
 if [ "${NEMO_GRANULAR_V070_TESTS:-1}" != 0 ] && [ -z "${NEMO_RL_VERSION:-}" ] \
     && { [ -n "${NEMO_RL_V070_SRC:-}" ] || [ -f "${NEMO_RL_VENDOR:-/nonexistent}/nemo-rl-v0.7.0.tar.gz" ]; }; then
-  echo "--- the NeMo-RL v0.7.0 world (${#V070_TESTS[@]} modules)"
+  echo "--- the NeMo-RL v0.7.0 world (${#V070_TESTS[@]} modules and tests)"
   start=$SECONDS
   v070_rc=0
   (v070_world "$@") || v070_rc=$?

@@ -67,6 +67,14 @@ def test_ppo_loop_three_steps_one_sample_per_prompt(sppo):
     assert max(c["grad_norm"] for c in calls) > 0
     refits = run.of("refit")
     assert len(refits) == 3 and len({r["sum"] for r in refits}) == 3   # the policy moved every step
+    # every refit from both policy workers, by the receiver for this NeMo-RL (cpu_host.refit.dtensor_refit_path);
+    # in v0.7.0's own ZMQ refit each worker streams the whole model over several staging buffers: identical copies
+    from cpu_host.refit import dtensor_refit_path
+
+    path = dtensor_refit_path()
+    assert all(r["refit"]["path"] == path and r["refit"]["workers"] == 2 for r in refits), refits
+    if path == "ipc_zmq":
+        assert all(r["workers_agree"] == 0.0 and min(r["refit"]["payloads"]) > 1 for r in refits), refits
     # the checkpoints hold both models
     for step in (1, 2, 3):
         step_dir = run.dir / "checkpoints" / f"step_{step}"

@@ -383,3 +383,48 @@ def test_run_grpo_refuses_minimal_loss_metrics_that_grpo_train_would_index(nemo_
         check_config({"loss_fn": {"algorithm": "sspo", "metrics_level": "minimal"}})
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("loss_fn.metrics_level: minimal") and compat.version().title in msg
+
+
+def _v070_tests() -> list[str]:
+    """scripts/test.sh's V070_TESTS and V070_SLURM_TESTS: the modules and test ids CI runs in the NeMo-RL
+    v0.7.0 world."""
+    text = (ROOT / "scripts" / "test.sh").read_text()
+    out = []
+    for name in ("V070_TESTS", "V070_SLURM_TESTS"):
+        block = re.search(rf"^{name}=\((.*?)\)$", text, re.S | re.M)
+        assert block is not None, f"scripts/test.sh has no {name}=(...)"
+        out += [t.removeprefix("tests/") for t in block.group(1).split()]
+    return out
+
+
+def _support_matrix() -> list[list[str]]:
+    """The rows of docs/nemo-rl.md's support matrix: feature, v0.7.0, main, tests."""
+    doc = (ROOT / "docs" / "nemo-rl.md").read_text()
+    section = doc.split("### Support matrix", 1)[1].split("\n#", 1)[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| feature |")]
+    assert rows and all(len(r) == 4 for r in rows), rows
+    return rows
+
+
+def test_support_matrix_v070_cells_are_what_ci_runs_there():
+    """A v0.7.0 cell that says "tested" names only tests that scripts/test.sh runs in the v0.7.0 world (a
+    module there covers its tests; a test id must be there, or its whole module), and every entry of
+    V070_TESTS is named by such a row (a module: one of its tests at least): the matrix cannot claim
+    more, or less, than CI runs."""
+    v070 = _v070_tests()
+    modules = {t for t in v070 if "::" not in t}
+    named: set[str] = set()
+    for feature, cell, _main, tests in _support_matrix():
+        if not cell.startswith("tested"):
+            continue
+        for test in re.findall(r"`(test_[\w*]+\.py(?:::\w+)?)`", tests):
+            named.add(test)
+            module = test.split("::")[0]
+            covered = (test in v070 or module in modules) if "::" in test else module in modules
+            assert covered, f"support matrix: {feature[:60]}... says v0.7.0 tested, but {test} is not in V070_TESTS"
+    named_modules = {n.split("::")[0] for n in named}
+    for entry in v070:
+        # a module: some test of it is named; a test id: it, or its whole module, is named
+        assert (entry in named or entry.split("::")[0] in named) if "::" in entry else entry in named_modules, \
+            f"scripts/test.sh runs {entry} in the v0.7.0 world, but no 'tested' v0.7.0 row of the support matrix names it"

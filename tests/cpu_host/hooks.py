@@ -5,7 +5,8 @@ This harness's own (docs/nemo-rl.md §7):
 
 * the DTensor workers' actor environments, hard-coded to Automodel's uv venv, point at the running
   interpreter (:func:`_patch_registry`);
-* NVML's device UUID, which names a worker's ZMQ refit socket (:func:`_patch_nvml`);
+* NVML's device UUID, which names a worker's ZMQ refit socket, and its free memory, from which NeMo-RL
+  v0.7.0 sizes the refit's staging buffers (:func:`_patch_nvml`);
 * every actor method runs with the CUDA → CPU torch function mode on its thread
   (:func:`_patch_ray_actor_methods`);
 * transformers' ``flash_attention_2`` (packing) → plain attention inside each packed sequence
@@ -35,15 +36,55 @@ def _patch_registry(module) -> None:
             module.ACTOR_ENVIRONMENT_REGISTRY[fqn] = PY_EXECUTABLES.SYSTEM
 
 
+# The free memory the NVML stand-in reports for every declared GPU. NeMo-RL v0.7.0 sizes its refit
+# staging buffers from it (30 %, ``NRL_REFIT_BUFFER_MEMORY_RATIO``, split into two ping-pong
+# buffers): 128 KiB gives ~19 KiB buffers, smaller than the tiny test models (~44 KiB in bf16), so
+# every refit spans several buffers and acknowledgements, as a real model's does.
+DEVICE_FREE_BYTES = 128 * 1024
+
+
 def _patch_nvml(nvml) -> None:
-    """``get_device_uuid`` (NVML, no library without a GPU) names the socket a policy worker streams
-    its refit through (``ipc:///tmp/<uuid>.sock``). One "device" per index and per Ray head: the
-    head's private HOME is in the name, so test runs side by side never share a socket."""
+    """NVML (no library without a GPU) answers the two device queries NeMo-RL makes of it, through
+    NeMo-RL's own ``get_device_uuid`` / ``get_free_memory_bytes`` (their logical → physical index
+    mapping by ``CUDA_VISIBLE_DEVICES`` included): the UUID names the socket a policy worker streams
+    its refit through (``ipc:///tmp/<uuid>.sock``), one per physical index and per Ray head (the
+    head's private HOME is in the name, so test runs side by side never share a socket); the free
+    memory is :data:`DEVICE_FREE_BYTES`. Any other NVML call fails as it would without the library."""
     import os
+    import types
     import zlib
 
+    real = nvml.pynvml
     head = zlib.crc32(os.environ.get("HOME", "").encode())
-    nvml.get_device_uuid = lambda device_idx: f"GPU-cpu-{head:08x}-{int(device_idx)}"
+    memory = types.SimpleNamespace(total=DEVICE_FREE_BYTES, free=DEVICE_FREE_BYTES, used=0)
+
+    class StandIn(types.ModuleType):
+        NVMLError = real.NVMLError
+
+        @staticmethod
+        def nvmlInit():
+            return None
+
+        @staticmethod
+        def nvmlShutdown():
+            return None
+
+        @staticmethod
+        def nvmlDeviceGetHandleByIndex(index):
+            return int(index)
+
+        @staticmethod
+        def nvmlDeviceGetUUID(handle):
+            return f"GPU-cpu-{head:08x}-{int(handle)}"
+
+        @staticmethod
+        def nvmlDeviceGetMemoryInfo(handle):
+            return memory
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    nvml.pynvml = StandIn("pynvml")
 
 
 def _patch_ray_actor_methods(function_manager) -> None:

@@ -96,10 +96,9 @@ def install_generation_seam(algo_module) -> None:
         megatron = bool((policy_cfg.get("megatron_cfg") or {}).get("enabled"))
         # NeMo-RL v0.7.0 has no weight synchronizer (grpo's refit, which ppo uses too, goes through IPC/ZMQ
         # itself): then NeMo-RL's own path
-        import nemo_rl.algorithms.grpo as grpo
+        from cpu_host.refit import dtensor_refit_path
 
-        synchronizer = hasattr(grpo, "create_weight_synchronizer")
-        BUILT["refit"] = "ipc_zmq" if megatron or not synchronizer else "checkpoint"
+        BUILT["refit"] = "ipc_zmq" if megatron else dtensor_refit_path()
         out = real_setup(*args, **kwargs)
         policy, generation = out[0], out[1]
         sharding = policy.sharding_annotations          # the layout NeMo-RL's Policy built its workers with

@@ -10,11 +10,15 @@ Two receivers, one per backend, each at the narrowest seam that runs NeMo-RL's o
   worker is ours: on CPU the "IPC handle" of a staging buffer pickles its bytes (torch's
   ``reduce_tensor`` of a host tensor), so the buffer is rebuilt here, cut by the refit metadata
   (``prepare_refit_info``) and acknowledged as vLLM's worker does.
-* DTensor-v2 (:class:`StateDictSynchronizer`): a ``WeightSynchronizer`` refitting through NeMo-RL's
-  own ``Policy.save_checkpoint`` (every rank its FSDP shard, HF key names, Automodel's MoE adapter)
-  read back whole with the export reader. Its IPC path would hand vLLM the weights cast to the
-  policy precision; the loops compare the worker's π_old log-probs with the generation model
-  exactly, which needs the worker's own parameters.
+* DTensor-v2 on NeMo-RL main (:class:`StateDictSynchronizer`): a ``WeightSynchronizer`` refitting
+  through NeMo-RL's own ``Policy.save_checkpoint`` (every rank its FSDP shard, HF key names,
+  Automodel's MoE adapter) read back whole with the export reader. Its IPC path would hand vLLM the
+  weights cast to the policy precision; the loops compare the worker's π_old log-probs with the
+  generation model exactly, which needs the worker's own parameters.
+* DTensor-v2 on NeMo-RL v0.7.0 (:class:`IpcZmqReceiver`): v0.7.0 has no synchronizer to replace, so
+  its own colocated refit runs as for Megatron (the workers' ``stream_weights_via_ipc_zmq``: each
+  gathers the full tensors from its FSDP / TP shards and sends them cast to ``policy.precision``),
+  with the staging buffers sized from NVML's free memory (``cpu_host.hooks``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,19 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+
+def dtensor_refit_path() -> str:
+    """How the importable NeMo-RL's ``grpo_train`` / ``ppo_train`` refit the generation from a DTensor
+    policy, and so which receiver the harness uses: ``"checkpoint"`` where NeMo-RL refits through a
+    ``WeightSynchronizer`` (main; :class:`StateDictSynchronizer` takes its place), ``"ipc_zmq"``
+    where ``refit_policy_generation`` streams over ZMQ itself (v0.7.0, which builds no synchronizer;
+    :class:`IpcZmqReceiver` receives). The Megatron loop always takes ``"ipc_zmq"``. Asked of
+    ``compat.version()``, which reads NeMo-RL's package folder without importing it (the test process
+    asks too, and importing ``grpo`` there took 16 s)."""
+    from nemo_granular.nemo_rl import compat
+
+    return "ipc_zmq" if compat.version().key == compat.V0_7 else "checkpoint"
 
 
 def _weight_synchronizer_base():
