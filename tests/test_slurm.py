@@ -661,10 +661,9 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
                              "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT": "1",
                              "NG_FAKE_PREFLIGHT_LOG": str(preflight),
                              "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-                             "START_RAY": "0",     # the stand-in driver does not use Ray (the other tests cover Ray)
                              "NEMO_RL_SRC": None})  # (on the submit host NeMo-RL stays importable through PYTHONPATH)
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
+    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "2",
                         "--train-sbatch", "--time=4:00:00 --gres=gpu:2", "--eval-suite", "espo",
                         # the local cluster's 2 GPUs per node: the eval's vLLM TP 2 (the run's is 4); one
                         # math-verify worker (NeMo-RL's MathEnvironment starts num_workers Ray actors)
@@ -682,7 +681,7 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     checked = preflight.read_text().splitlines()
     assert sorted(c.split()[0] for c in checked[:2]) == [str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
                                                          str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml")], checked
-    assert all("grpo.seed=3" in c and "cluster.num_nodes=1" in c and "cluster.gpus_per_node=2" in c
+    assert all("grpo.seed=3" in c and "cluster.num_nodes=2" in c and "cluster.gpus_per_node=2" in c
                for c in checked[:2]), checked
     # the training jobs got the GPUs and the long limit, the report job its own small allocation
     for job in ids[:4]:
@@ -703,7 +702,10 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
         assert list((run / "logs").glob("exp_*/tensorboard/events.out.tfevents.*")), _explain(cluster, out, ids[0])
         drv = next((out / "slurm-logs").glob(f"cmp-{name}-*/driver.log")).read_text()
         # the launcher appended the allocation to the NeMo-RL command line
-        assert "cluster.num_nodes=1" in drv and "gpus/node=2" in drv, drv
+        assert "cluster.num_nodes=2" in drv and "gpus/node=2" in drv, drv
+        # a two-node job: its Ray cluster (head + one worker, both in the image) was up on both nodes
+        launcher = next((out / "slurm-logs").glob(f"cmp-{name}-*/launcher.log")).read_text()
+        assert "RAY_NODES alive=2 expected=2" in launcher, launcher
         # the checkpoint: Megatron's, written in the image's Megatron worker venv
         assert f"with /opt/ray_venvs/{MEGATRON_WORKER}/bin/python" in drv, drv
         assert (run / "checkpoints" / "step_4" / "policy" / "weights" / "latest_checkpointed_iteration.txt").is_file()
