@@ -429,14 +429,21 @@ def test_compare_from_runs_reads_the_run_directories(sspo, espo_moe, gspo_tp2_dp
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (out / "report.md").read_text()
-    # the run directories are named run_a/b/c: a measured value per algorithm in the claims table means
-    # the report took each run's algorithm from its own config (NeMo-RL's checkpointed config.yaml)
+    # the run directories are named run_a/b/c: the report takes each run's algorithm from its own config
+    # (NeMo-RL's checkpointed config.yaml), and measures the claims whose runs are all here
     import re
 
-    measured = [cells[3] for cells in (line.split("|") for line in report.splitlines())
-                if len(cells) > 5 and re.search(r"§|Table|Fig", cells[2])]
-    for alg in ("SSPO", "ESPO", "GSPO"):
-        assert any(re.search(rf"\b{alg} [-+0-9]", m) for m in measured), (alg, measured)
+    from nemo_granular.report.runs import load_run
+
+    assert [load_run(r.dir).algorithm for r in (sspo, espo_moe, gspo_tp2_dp2)] == ["sspo", "espo", "gspo"]
+    claims = {cells[1].strip(): cells[3] for cells in (line.split("|") for line in report.splitlines())
+              if len(cells) > 5 and re.search(r"§|Table|Fig", cells[2])}
+    claim = claims["ESPO clips less than GSPO"]
+    assert re.search(r"\bESPO [-+0-9]", claim) and re.search(r"\bGSPO [-+0-9]", claim), claims
+    # the claims against GRPO (no GRPO run here) are named under the table, without a row
+    unmeasured = next(line for line in report.splitlines() if line.startswith("Not measured here"))
+    assert "SSPO reaches a higher final validation accuracy than GRPO" in unmeasured, unmeasured
+    assert not any("GRPO" in c for c in claims if "SSPO" in c), claims
     assert "incomplete" not in report.lower() and "failed" not in report.lower(), report[:3000]
 
 
