@@ -103,30 +103,12 @@ def text_generation_class():
 def install_generation_seam() -> None:
     """``nemo_rl.evals.eval.VllmGeneration`` → its real ``__init__`` up to the worker group, then the stand-in."""
     import nemo_rl.evals.eval as nemo_eval
-    from nemo_rl.models.generation.vllm import vllm_generation as vg
+    from cpu_host.generation import vllm_init_up_to_workers
 
-    real_cls = vg.VllmGeneration
     stand_in = text_generation_class()
 
-    class WorkersReached(Exception):
-        pass
-
     def vllm_generation(cluster, config, **kw):
-        real_group = vg.RayWorkerGroup
-
-        def reached(*args, **kwargs):
-            raise WorkersReached
-
-        vg.RayWorkerGroup = reached
-        half_built = real_cls.__new__(real_cls)
-        half_built.shutdown = lambda: True          # its __del__ would shut down workers it never had
-        try:
-            half_built.__init__(cluster=cluster, config=config, **kw)
-            raise AssertionError("VllmGeneration.__init__ never created its worker group")
-        except WorkersReached:
-            pass
-        finally:
-            vg.RayWorkerGroup = real_group
+        vllm_init_up_to_workers(cluster, config, **kw)
         print(f"[eval launcher] vLLM stand-in: transformers generate on CPU for {config['model_name']}", flush=True)
         return stand_in(config)
 

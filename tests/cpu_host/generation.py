@@ -23,6 +23,35 @@ from pathlib import Path
 import torch
 
 
+class VllmWorkersReached(Exception):
+    """Raised where ``VllmGeneration.__init__`` would start its vLLM workers."""
+
+
+def vllm_init_up_to_workers(cluster, config, on_workers=None, **kw) -> None:
+    """NeMo-RL's real ``VllmGeneration.__init__`` (its config checks, cluster and placement logic)
+    up to the point where it creates its worker group (vLLM's GPU workers), then stop;
+    ``on_workers(cluster, builder, kwargs)`` sees the arguments of that call."""
+    from nemo_rl.models.generation.vllm import vllm_generation as vg
+
+    real_cls, real_group = vg.VllmGeneration, vg.RayWorkerGroup
+
+    def reached(cluster_, builder, **kwargs):
+        if on_workers is not None:
+            on_workers(cluster_, builder, kwargs)
+        raise VllmWorkersReached
+
+    vg.RayWorkerGroup = reached
+    half_built = real_cls.__new__(real_cls)
+    half_built.shutdown = lambda: True          # its __del__ would shut down workers it never had
+    try:
+        half_built.__init__(cluster=cluster, config=config, **kw)
+        raise AssertionError("VllmGeneration.__init__ never created its worker group")
+    except VllmWorkersReached:
+        pass
+    finally:
+        vg.RayWorkerGroup = real_group
+
+
 def _digest(model: torch.nn.Module, input_ids: torch.Tensor) -> int:
     h = zlib.crc32(input_ids.to(torch.int64).numpy().tobytes())
     for p in model.parameters():

@@ -34,10 +34,6 @@ def record(kind: str, **payload) -> None:
 BUILT: dict = {}
 
 
-class VllmWorkersReached(Exception):
-    """Raised where ``VllmGeneration.__init__`` would start its vLLM workers."""
-
-
 def _vllm_arguments(config, cluster, builder, kwargs) -> dict:
     vcfg = config["vllm_cfg"]
     return {
@@ -62,29 +58,13 @@ def _vllm_arguments(config, cluster, builder, kwargs) -> dict:
 
 def install_generation_seam(algo_module) -> None:
     """``algo_module.VllmGeneration(cluster=..., config=...)`` → the real init up to its workers, then the CPU stand-in."""
-    from nemo_rl.models.generation.vllm import vllm_generation as vg
-
-    from cpu_host.generation import CpuHFGeneration
-
-    real_cls = vg.VllmGeneration
+    from cpu_host.generation import CpuHFGeneration, vllm_init_up_to_workers
 
     def vllm_generation(cluster, config, **kw):
-        real_group = vg.RayWorkerGroup
-
-        def reached(cluster_, builder, **kwargs):
+        def on_workers(cluster_, builder, kwargs):
             record("vllm_arguments", **_vllm_arguments(config, cluster_, builder, kwargs))
-            raise VllmWorkersReached
 
-        vg.RayWorkerGroup = reached
-        half_built = real_cls.__new__(real_cls)
-        half_built.shutdown = lambda: True          # its __del__ would shut down workers it never had
-        try:
-            half_built.__init__(cluster=cluster, config=config, **kw)
-            raise AssertionError("VllmGeneration.__init__ never created its worker group")
-        except VllmWorkersReached:
-            pass
-        finally:
-            vg.RayWorkerGroup = real_group
+        vllm_init_up_to_workers(cluster, config, on_workers, **kw)
         return CpuHFGeneration(config, refit=BUILT["refit"])
 
     algo_module.VllmGeneration = vllm_generation
