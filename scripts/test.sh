@@ -1,72 +1,79 @@
 #!/usr/bin/env bash
-# Set up the environment and run the whole test suite (the command CI runs).
+# Set up .venv and run the test suite in every world this machine has (the command CI runs).
 #
-# With NEMO_RL_SRC=<NeMo-RL checkout> (or NEMO_RL_VENDOR=<folder of source snapshots>), the
-# real-host tests run against that NeMo-RL: scripts/nemo_rl_env.sh installs what they need.
-# Two NeMo-RL worlds (docs/nemo-rl.md, "NeMo-RL versions"): the whole suite runs against the first
-# (NEMO_RL_SRC, or the vendor folder's main snapshot, 7ea279abf), then V070_TESTS against the release
-# v0.7.0 (NEMO_RL_V070_SRC=<v0.7.0 checkout>, or nemo-rl-v0.7.0.tar.gz in NEMO_RL_VENDOR); opt out
-# with NEMO_GRANULAR_V070_TESTS=0. Tests named on the command line run in the first world only
-# (NEMO_RL_VERSION=v0.7.0 makes that world v0.7.0).
-# The Slurm tests (tests/test_slurm.py) install Debian's Slurm/munge packages, add node names
-# to /etc/hosts and start daemons in network namespaces when run as root; opt out with
-# NEMO_GRANULAR_SLURM_TESTS=0 (they then skip, which CI does not allow).
+#   bash scripts/test.sh                      # every world; a line per world first and last
+#   bash scripts/test.sh tests/test_x.py ...  # just those tests (in the main world when it is present)
+#
+# The worlds (tests/README.md; a test's pytest markers say which it runs in):
+#   standalone  always: the tests not marked nemo_rl or slurm, with no NeMo-RL importable
+#   main        NeMo-RL main 7ea279ab (NEMO_RL_SRC, or the source cache): the nemo_rl tests, then the
+#               transformers_pin ones again on Automodel's pinned transformers
+#   slurm       the local Slurm cluster (root; Debian's slurm packages): the slurm tests, with main's NeMo-RL
+#               when present (else those not marked nemo_rl)
+#   v0.7.0      NeMo-RL v0.7.0 (NEMO_RL_V070_SRC, or the source cache): the tests marked v070 and nemo_rl
+# Fill the source cache first (bash scripts/sources.sh, or --from DIR offline); a world whose sources are
+# absent does not run and says why. Under CI=true a skipped test fails its world.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
-if [ -n "${NEMO_RL_SRC:-}" ] || [ -n "${NEMO_RL_VENDOR:-}" ]; then
-  # shellcheck source=scripts/nemo_rl_env.sh
-  given_src=${NEMO_RL_SRC:-}
-  source scripts/nemo_rl_env.sh
-  # the vendor folder's default snapshot is main (tests/test_nemo_rl_compat.py checks the detection)
-  if [ -z "$given_src" ] && [ -z "${NEMO_RL_VERSION:-}" ]; then export NEMO_GRANULAR_EXPECT_NEMO_RL=main; fi
-fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-# The suite runs on pytest-xdist workers (NEMO_GRANULAR_TEST_WORKERS, default 2; 0: one process): much
-# of it waits (Ray and Megatron start-up, subprocesses) rather than computes, so two overlap even on two
-# cores. tests/conftest.py keeps each module on one worker and the Ray-head modules together. The Slurm
-# tests run afterwards on their own: they time daemons, requeues and signals, and failed when they shared
-# two cores with the loop tests (slurmctld stopped answering; a USR1 test's job ended before its save).
+# two pytest-xdist workers (NEMO_GRANULAR_TEST_WORKERS; 0: one process): much of the suite waits on Ray,
+# Megatron start-up and subprocesses, so two overlap even on two cores; tests/conftest.py keeps each module
+# on one worker. The Slurm tests run on their own: they time daemons, requeues and signals.
 WORKERS=${NEMO_GRANULAR_TEST_WORKERS:-2}
-PYTEST=(.venv/bin/python -m pytest -q --durations=15)   # the slowest tests, for the CI time budget
-(( WORKERS > 0 )) && PYTEST+=(-n "$WORKERS" --dist loadgroup)
-for arg in "$@"; do
-  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then exec "${PYTEST[@]}" "$@"; fi  # tests named: just those
-done
-# The NeMo-RL v0.7.0 world: the NeMo-RL-world modules that pass on v0.7.0 (the import, the losses and
-# estimators against NeMo-RL's own, run_grpo / run_sppo up to setup(), preflight on the shipped configs
-# and NeMo-RL's own setup(), config loading, the worker extensions against the real workers) and the
-# smallest loop selection that runs both DTensor loops through v0.7.0's own refit (one GRPO run, SSPO;
-# the PPO run, SPPO; 151 s alone when measured); what stays untested there: docs/nemo-rl.md, "Support matrix"
-# (tests/test_nemo_rl_compat.py keeps that table and this list in step).
-V070_TESTS=(tests/test_package.py tests/test_nemo_rl_compat.py tests/test_nemo_rl_dropin.py
-            tests/test_nemo_rl_estimators.py tests/test_nemo_rl_glue.py tests/test_nemo_rl_loss_equivalence.py
-            tests/test_loss_nemo.py tests/test_host_configs.py tests/test_host_entrypoints.py
-            tests/test_host_estimators_loop.py tests/test_host_loss_paths.py tests/test_host_workers.py
-            tests/test_preflight.py tests/test_preflight_nemo_rl.py tests/test_sppo_configs.py
-            tests/test_sppo_entry.py tests/test_sppo_wrapper.py tests/test_loop_actor_class.py
-            tests/test_loop_grpo.py::test_sspo_loop_three_steps
-            tests/test_loop_grpo.py::test_sspo_loss_in_the_loop_equals_the_float64_reference
-            tests/test_loop_grpo.py::test_vllm_path_up_to_its_workers tests/test_loop_sppo.py)
-# ... and, on the local Slurm cluster, a job launched as with NeMo-RL's v0.7.0 release container under
-# pyxis (the test's `release` image is built from the world's NeMo-RL: here v0.7.0)
-V070_SLURM_TESTS=(tests/test_slurm.py::test_real_preflight_passes_a_shipped_config_in_the_head_container)
-v070_world() {   # in a subshell: the first world's variables stay as they are
-  unset NEMO_RL_SRC MEGATRON_LM_SRC MEGATRON_BRIDGE_SRC AUTOMODEL_SRC
-  if [ -n "${NEMO_RL_V070_SRC:-}" ]; then export NEMO_RL_SRC=$NEMO_RL_V070_SRC; else export NEMO_RL_VERSION=v0.7.0; fi
-  export NEMO_GRANULAR_EXPECT_NEMO_RL=v0.7.0
-  # shellcheck source=scripts/nemo_rl_env.sh
+PYTEST=(.venv/bin/python -m pytest -q --durations=10)
+XDIST=(); (( WORKERS > 0 )) && XDIST=(-n "$WORKERS" --dist loadgroup)
+LOGS=$(mktemp -d)
+declare -a PLAN=() RESULTS=()
+
+main_world() {
+  unset NEMO_RL_WORLD
+  [ -n "${NEMO_RL_SRC:-}" ] || export NEMO_GRANULAR_EXPECT_NEMO_RL=main   # the cache's main tree is main
   source scripts/nemo_rl_env.sh
-  local a=0 b=0
-  "${PYTEST[@]}" "${V070_TESTS[@]}" "$@" || a=$?
-  .venv/bin/python -m pytest -q "${V070_SLURM_TESTS[@]}" "$@" || b=$?
-  if (( a && a != 5 )); then return "$a"; elif (( b && b != 5 )); then return "$b"; elif (( a == 5 && b == 5 )); then return 5; fi
 }
-# NeMo-RL runs its DTensor-v2 worker in the venv of its `automodel` extra, whose transformers is
-# Automodel's pin (==5.5.0 at 7ea279ab), older than this world's 5.8 (its Megatron worker's `mcore`
-# extra resolves to 5.8 as here): the DTensor worker-side modules run once more on that pin.
-PINNED_TRANSFORMERS_TESTS=(tests/test_loop_dtensor_packing.py tests/test_export_automodel.py)
-pinned_transformers_pass() {
+v070_world() {
+  unset NEMO_RL_SRC MEGATRON_LM_SRC MEGATRON_BRIDGE_SRC AUTOMODEL_SRC
+  if [ -n "${NEMO_RL_V070_SRC:-}" ]; then export NEMO_RL_SRC=$NEMO_RL_V070_SRC; fi
+  export NEMO_RL_WORLD=v0.7.0 NEMO_GRANULAR_EXPECT_NEMO_RL=v0.7.0
+  source scripts/nemo_rl_env.sh
+}
+# present WORLD: whether its sources are there (quietly; a reason on stdout when not)
+present() {
+  case $1 in
+    main) [ -n "${NEMO_RL_SRC:-}" ] || python3 scripts/sources.py env main 2>&1 >/dev/null ;;
+    v0.7.0) [ -n "${NEMO_RL_V070_SRC:-}" ] || python3 scripts/sources.py env v0.7.0 2>&1 >/dev/null ;;
+  esac
+}
+
+for arg in "$@"; do   # tests named: just those, in the main world when present
+  if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then
+    if [ -n "${NEMO_RL_SRC:-}" ] || present main >/dev/null; then main_world; fi
+    [[ " $* " == *test_slurm.py* ]] && XDIST=()   # one local Slurm cluster at a time
+    exec "${PYTEST[@]}" "${XDIST[@]}" "$@"
+  fi
+done
+
+# world NAME SETUP MARKERS [pytest args...]: runs one world in a subshell, records its line
+world() {
+  local name=$1 setup=$2 markers=$3 start=$SECONDS rc=0 log=$LOGS/$1.log; shift 3
+  echo "=== world $name: pytest -m \"$markers\""
+  ( set +u; $setup || exit 90; set -u; "${PYTEST[@]}" -m "$markers" "$@" ) 2>&1 | tee "$log" || rc=${PIPESTATUS[0]}
+  local counts; counts=$(python3 - "$log" <<'EOF'
+import re, sys
+last = [l for l in open(sys.argv[1], errors="replace") if re.search(r"\d+ (passed|failed|error|skipped|deselected)", l)]
+c = {k: 0 for k in ("passed", "failed", "errors", "skipped")}
+for n, k in re.findall(r"(\d+) (passed|failed|errors?|skipped)", last[-1] if last else ""):
+    c["errors" if k.startswith("error") else k] += int(n)
+print(", ".join(f"{v} {k}" for k, v in c.items()))
+EOF
+)
+  local minutes; minutes=$(awk "BEGIN{printf \"%.1f\", ($SECONDS-$start)/60}")
+  if (( rc == 90 )); then RESULTS+=("world $name: FAILED to set up ($minutes min)"); FAILED=1
+  elif (( rc == 0 )); then RESULTS+=("world $name: ran, passed ($counts; $minutes min)")
+  else RESULTS+=("world $name: ran, FAILED (exit $rc: $counts; $minutes min)"); FAILED=1; fi
+}
+pinned_transformers() {   # main's DTensor-v2 worker venv pins Automodel's transformers (==5.5.0 at 7ea279ab)
+  main_world || return 1
   local pin dir
   pin=$(sed -n 's/^ *"transformers==\([0-9.]*\)".*/\1/p' "$AUTOMODEL_SRC/pyproject.toml" | head -n 1)
   [ -n "$pin" ] || { echo "no transformers==X pin in $AUTOMODEL_SRC/pyproject.toml"; return 1; }
@@ -77,31 +84,31 @@ pinned_transformers_pass() {
       || return 1
     rm -rf "$dir" && mv "$dir.partial" "$dir" && touch "$dir/.installed"
   fi
-  echo "--- NeMo-RL's DTensor worker side on Automodel's pinned transformers $pin"
-  PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" NEMO_GRANULAR_EXPECT_TRANSFORMERS=$pin \
-    "${PYTEST[@]}" "${PINNED_TRANSFORMERS_TESTS[@]}" "$@"
+  export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" NEMO_GRANULAR_EXPECT_TRANSFORMERS=$pin
 }
-rc=0 slurm_rc=0 v070_rc=5   # 5: pytest's "no tests collected" (also: the v0.7.0 world did not run)
-"${PYTEST[@]}" --ignore=tests/test_slurm.py "$@" || rc=$?
-if [ -n "${AUTOMODEL_SRC:-}" ]; then
-  pinned_transformers_pass "$@" || { c=$?; (( c == 5 )) || { (( rc && rc != 5 )) || rc=$c; }; }
+no_nemo_rl() { unset NEMO_RL_SRC MEGATRON_LM_SRC MEGATRON_BRIDGE_SRC AUTOMODEL_SRC; }
+
+FAILED=0
+if why=$(present main); then HAVE_MAIN=1; PLAN+=("world main: will run"); else HAVE_MAIN=0; PLAN+=("world main: will NOT run: $why"); fi
+if why=$(present v0.7.0); then HAVE_V070=1; PLAN+=("world v0.7.0: will run"); else HAVE_V070=0; PLAN+=("world v0.7.0: will NOT run: $why"); fi
+printf '%s\n' "world standalone: will run" "${PLAN[@]}" "world slurm: will run"
+
+world standalone no_nemo_rl "not nemo_rl and not slurm" "${XDIST[@]}"
+if (( HAVE_MAIN )); then
+  world main main_world "nemo_rl and not slurm" "${XDIST[@]}"
+  world main-transformers-pin pinned_transformers "transformers_pin" "${XDIST[@]}"
+  world slurm main_world "slurm"
+else
+  RESULTS+=("world main: did NOT run: $(present main)")
+  world slurm no_nemo_rl "slurm and not nemo_rl"
 fi
-echo "--- the Slurm tests, on their own"
-.venv/bin/python -m pytest -q tests/test_slurm.py "$@" || slurm_rc=$?
-if [ "${NEMO_GRANULAR_V070_TESTS:-1}" != 0 ] && [ -z "${NEMO_RL_VERSION:-}" ] \
-    && { [ -n "${NEMO_RL_V070_SRC:-}" ] || [ -f "${NEMO_RL_VENDOR:-/nonexistent}/nemo-rl-v0.7.0.tar.gz" ]; }; then
-  echo "--- the NeMo-RL v0.7.0 world (${#V070_TESTS[@]} modules and tests)"
-  start=$SECONDS
-  v070_rc=0
-  (v070_world "$@") || v070_rc=$?
-  echo "--- the NeMo-RL v0.7.0 world took $((SECONDS - start)) s"
-elif [ "${NEMO_GRANULAR_V070_TESTS:-1}" != 0 ] && { [ -n "${NEMO_RL_SRC:-}" ] || [ -n "${NEMO_RL_VENDOR:-}" ]; }; then
-  echo "--- no NeMo-RL v0.7.0 here (NEMO_RL_V070_SRC, or nemo-rl-v0.7.0.tar.gz in NEMO_RL_VENDOR): its world did not run"
-  [ "${CI:-}" = true ] && v070_rc=1
+if (( HAVE_V070 )); then
+  world v0.7.0 v070_world "v070 and nemo_rl and not slurm" "${XDIST[@]}"
+  world v0.7.0-slurm v070_world "v070 and nemo_rl and slurm"
+else
+  RESULTS+=("world v0.7.0: did NOT run: $(present v0.7.0)")
 fi
-# 5 is pytest's "no tests collected": a -k/-m selection may leave some of the runs empty
-all_empty=1
-for c in "$rc" "$slurm_rc" "$v070_rc"; do [ "$c" = 5 ] || all_empty=0; done
-(( all_empty )) && exit 5
-for c in "$rc" "$slurm_rc" "$v070_rc"; do if (( c && c != 5 )); then exit "$c"; fi; done
-exit 0
+echo "=== the worlds"
+printf '%s\n' "${RESULTS[@]}"
+rm -rf "$LOGS"
+exit "$FAILED"

@@ -2,8 +2,8 @@
 
 * Without NeMo-RL (the default): the package is tested with torch and its own extras.
 * With a real NeMo-RL checkout: set ``NEMO_RL_SRC`` (and optionally ``MEGATRON_LM_SRC``,
-  ``MEGATRON_BRIDGE_SRC``, ``AUTOMODEL_SRC``; ``scripts/nemo_rl_env.sh`` sets them and installs
-  the ``nemo-rl-test`` extra). The checkout then goes on ``sys.path`` of this process and, via
+  ``MEGATRON_BRIDGE_SRC``, ``AUTOMODEL_SRC``; ``scripts/nemo_rl_env.sh`` sets them from the source
+  cache that ``scripts/sources.sh`` fills, and installs the ``nemo-rl-test`` extra). The checkout then goes on ``sys.path`` of this process and, via
   ``PYTHONPATH``, of every subprocess a test starts; tests that need NeMo-RL take the
   ``nemo_rl_src`` fixture. Tests that must see a world WITHOUT NeMo-RL run a subprocess with
   ``env_without_nemo_rl()``.
@@ -72,9 +72,10 @@ def env_without_nemo_rl(**extra: str) -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def nemo_rl_src() -> Path:
-    """The real NeMo-RL checkout; skips (a failure under CI) when NEMO_RL_SRC is unset."""
+    """The real NeMo-RL checkout; skips (a failure under CI) when there is none. A test that takes it is
+    marked ``nemo_rl`` (checked at collection): the marker puts it in the NeMo-RL worlds (tests/README.md)."""
     if not HOST_PATHS:
-        pytest.skip("needs a NeMo-RL checkout: set NEMO_RL_SRC (see scripts/nemo_rl_env.sh)")
+        pytest.skip("needs a NeMo-RL checkout: fill the source cache (bash scripts/sources.sh) or set NEMO_RL_SRC")
     return Path(os.environ["NEMO_RL_SRC"]).resolve()
 
 
@@ -108,7 +109,16 @@ LONG_UNITS = ("host_ray", "test_slurm", "test_megatron_worker", "test_preflight_
               "test_megatron_worker_configs", "test_export_megatron", "test_loop_dtensor_packing")
 
 
+WORLD_MARKERS = {
+    "nemo_rl": "needs a real NeMo-RL (the nemo_rl_src fixture): runs in the NeMo-RL main world, not the standalone one",
+    "v070": "runs in the NeMo-RL v0.7.0 world too (its nemo_rl tests; the support matrix of docs/nemo-rl.md)",
+    "transformers_pin": "runs once more on Automodel's pinned transformers (NeMo-RL's DTensor-v2 worker venv)",
+}
+
+
 def pytest_configure(config):
+    for name, what in WORLD_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
     config.addinivalue_line("markers", "needs_nemo_rl(name): tests a NeMo-RL name (compat.VERSIONED) or feature "
                                        "(compat.FEATURES) one supported version lacks; skipped (documented) there only")
     # scripts/test.sh's pass on NeMo-RL's pinned transformers names the version it installed: a pass
@@ -153,6 +163,9 @@ def pytest_collection_modifyitems(config, items):
         return "host_ray" if module in HOST_RAY_MODULES else module
 
     for item in items:
+        # a test that needs NeMo-RL by its fixtures is marked so (the marker selects the world it runs in)
+        if "nemo_rl_src" in getattr(item, "fixturenames", ()) and item.get_closest_marker("nemo_rl") is None:
+            raise pytest.UsageError(f"{item.nodeid} takes nemo_rl_src but is not marked @pytest.mark.nemo_rl")
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(unit(item)))
     rank = {name: i for i, name in enumerate(LONG_UNITS)}
@@ -185,7 +198,8 @@ def pytest_terminal_summary(terminalreporter):
         for line in _version_skipped:
             terminalreporter.write_line(f"  skipped in this NeMo-RL version (documented): {line}")
     else:
-        terminalreporter.write_line("NeMo-RL world: absent (set NEMO_RL_SRC to run the real-host tests)")
+        terminalreporter.write_line("no NeMo-RL in this run (the standalone world; scripts/test.sh runs the NeMo-RL worlds "
+                                      "from the source cache: bash scripts/sources.sh)")
     if STRICT and _skipped:
         terminalreporter.write_line(
             f"FAILED: {len(_skipped)} test(s) skipped under CI, where nothing may skip:", red=True)

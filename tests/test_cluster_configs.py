@@ -166,6 +166,7 @@ def test_parallel_layout_fits_allocation_and_model(name):
 
 # ------------------------------------------------------ full inheritance (NeMo-RL world) ---
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", ALL)
 def test_inheritance_resolves_against_nemo_rl(name, nemo_rl_src):
     from nemo_rl.utils.config import load_config as nemo_rl_load_config
@@ -213,6 +214,7 @@ R3_DELIBERATE = {
 }
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", MOE_PAIR)
 def test_moe_pair_keeps_nemo_rl_router_replay_recipe(name, nemo_rl_src):
     """Every key NeMo-RL's R3 recipe sets has the recipe's value in our resolved config, except the

@@ -54,6 +54,7 @@ def test_value_loss_contract_as_the_ppo_loop_calls_it():
         check_value_loss_call(values, dict(data, rewards=torch.tensor([0.5, 0, 1, 0])), 4.0, 4.0)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo", "sspo", "espo"])
 def test_real_nemo_rl_call_paths_satisfy_the_contract(nemo_rl_src, monkeypatch, algorithm):
     """The calls NeMo-RL's REAL wrappers make (``prepare_loss_input`` per microbatch, and

@@ -91,6 +91,7 @@ def test_state_file_is_written_whole_and_damage_is_one_line(tmp_path):
     assert "\n" not in str(err.value) and STATE_FILE in str(err.value)
 
 
+@pytest.mark.nemo_rl
 def test_state_survives_a_nemo_rl_checkpoint_and_resume(nemo_rl_src, tmp_path, monkeypatch):
     """The real CheckpointManager and the real GranularPolicy class (its Policy base stands in for
     the Ray workers: __init__ / train / save_checkpoint record their calls): grpo_train's save

@@ -334,6 +334,7 @@ def nemo_eval(nemo_rl_src):
     return SimpleNamespace(load=load_config, OmegaConf=OmegaConf, src=nemo_rl_src)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("key", sorted(BENCHMARKS))
 def test_configs_have_nemo_rl_eval_schema(nemo_eval, key):
     ours = nemo_eval.OmegaConf.to_container(nemo_eval.load(CONFIGS / f"{key}.yaml"))
@@ -347,6 +348,7 @@ def test_configs_have_nemo_rl_eval_schema(nemo_eval, key):
     assert (nemo_eval.src / ours["data"]["prompt_file"]).is_file()  # NeMo-RL's prompt, run_eval's cwd
 
 
+@pytest.mark.nemo_rl
 def test_builtin_names_are_nemo_rl_loaders(nemo_eval):
     src = (nemo_eval.src / "examples" / "run_eval.py").read_text()
     for key in ("aime24", "aime25"):
@@ -355,6 +357,7 @@ def test_builtin_names_are_nemo_rl_loaders(nemo_eval):
     assert f'dataset_name == "{BENCHMARKS["math500"].builtin}"' in loader
 
 
+@pytest.mark.nemo_rl
 def test_local_benchmark_loads_with_nemo_rl_dataset(nemo_eval, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.chdir(nemo_eval.src)  # run_eval's cwd: the prompt file is NeMo-RL's
@@ -401,6 +404,7 @@ def _expected(problems: int, n: int, step: int) -> float:
     return hits / (problems * n)
 
 
+@pytest.mark.nemo_rl
 def test_eval_checkpoints_shimmed_end_to_end(nemo_eval, tmp_path):
     from nemo_granular.cli import main
 

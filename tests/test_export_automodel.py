@@ -24,7 +24,7 @@ import torch
 
 from nemo_granular.cli import main as top_main
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.transformers_pin, pytest.mark.dist, pytest.mark.slow, pytest.mark.nemo_rl]
 
 LOGIT_TOL = 1e-6
 STEP = 4

@@ -26,7 +26,7 @@ from nemo_granular.cli import main as top_main
 
 from export_cpu.tiny_hf import YARN_OVERRIDES  # noqa: E402
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.nemo_rl]
 
 LOGIT_TOL = 1e-6
 

@@ -30,6 +30,8 @@ import typing_extensions
 from conftest import env_without_nemo_rl
 from nemo_granular.nemo_rl.configs import ConfigFileError, stage_config
 
+pytestmark = pytest.mark.v070
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"
 FILES = sorted(p.relative_to(CFG).as_posix() for p in [*CFG.glob("*.yaml"), *(CFG / "nemo_rl").glob("*.yaml")])
@@ -153,6 +155,7 @@ def test_there_is_no_upstream_link_to_rely_on():
     assert len(FILES) >= 15 and "nemo_rl/sspo_math_1B.yaml" in FILES
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", FILES)
 def test_config_loads_validates_and_has_no_unknown_key(name, host, resolved):
     cfg = resolved(name)
@@ -205,6 +208,7 @@ def _check_dataset_entries(cfg: dict) -> None:
                 warn_on_unsupported_dataset_config_keys(DATASET_REGISTRY[merged["dataset_name"]], merged)
 
 
+@pytest.mark.nemo_rl
 def test_unknown_key_walker_catches_typos(host, resolved):
     """The walker is not vacuous: a misspelt nested key, a misspelt list-item key and a
     misspelt top-level section are reported; NeMo-RL's MasterConfig itself accepts all three."""
@@ -222,6 +226,7 @@ def test_unknown_key_walker_catches_typos(host, resolved):
                      "grpo.num_generation_per_prompt", "checkpoints"}, found
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", ["sspo_qwen2.5_math_1.5b.yaml", "nemo_rl/espo_math_1B.yaml",
                                   "sppo_r1_distill_qwen_1.5b.yaml"])
 def test_stock_nemo_rl_load_config_fails_loudly_on_a_copy(name, host, tmp_path):
@@ -235,6 +240,7 @@ def test_stock_nemo_rl_load_config_fails_loudly_on_a_copy(name, host, tmp_path):
         load_config(dst)
 
 
+@pytest.mark.nemo_rl
 def test_existing_link_is_left_alone(host, tmp_path):
     """A user's own ``upstream`` link keeps working: the file is then loaded unchanged."""
     d = tmp_path / "cfg"

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.v070]
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"
 

@@ -30,6 +30,8 @@ import typing_extensions
 from nemo_granular.config import NEMO_RL_ESTIMATOR_KEYS
 from nemo_granular.nemo_rl import environments as envs
 
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.v070]
+
 PAD = 0
 
 

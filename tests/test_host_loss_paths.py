@@ -30,6 +30,8 @@ import torch
 from nemo_granular.losses import GranularPolicyLoss, SequenceValueLoss
 from nemo_granular.nemo_rl.policy import add_granular_keys
 
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.v070]
+
 V = 11
 DELIM = 3
 EXTREMA = {"probs_ratio_min": min, "probs_ratio_clamped_min": min, "probs_ratio_max": max,

@@ -23,7 +23,7 @@ import torch
 
 from dist_utils import DistPool
 
-pytestmark = [pytest.mark.dist]
+pytestmark = [pytest.mark.dist, pytest.mark.nemo_rl]
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytestmark = [pytest.mark.nemo_rl, pytest.mark.v070]
+
 
 @pytest.fixture(scope="module")
 def real(megatron_workers):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 
-pytestmark = pytest.mark.slow      # the Megatron / Automodel imports (shared with the other host tests)
+pytestmark = [pytest.mark.slow, pytest.mark.nemo_rl, pytest.mark.v070]  # the Megatron / Automodel imports (shared with the other host tests)
 
 
 class Reached(Exception):

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.dist]
+pytestmark = [pytest.mark.transformers_pin, pytest.mark.slow, pytest.mark.dist, pytest.mark.nemo_rl]
 B, S = 9, 24
 MB = 4                  # logprob_batch_size; logprob_mb_tokens = S × MB
 

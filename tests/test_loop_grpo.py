@@ -41,7 +41,7 @@ from cpu_host import configs, models
 from cpu_host.cluster import RayHead
 from cpu_host.runs import copy_checkpoints, finite, run_ok
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.nemo_rl]
 STEPS = 3
 
 
@@ -248,6 +248,7 @@ def _loss_matches_reference(run, model_dir, **expect):
     return got
 
 
+@pytest.mark.v070
 def test_sspo_loop_three_steps(sspo):
     # one worker, no FSDP: the worker's forward is transformers' own, bit for bit (of the fp32 weights main's
     # refit stand-in delivers; v0.7.0's own refit delivers them cast to bf16)
@@ -263,10 +264,12 @@ def test_sspo_loop_three_steps(sspo):
         assert (sspo.dir / "checkpoints" / f"step_{step}" / "policy" / "weights").is_dir()
 
 
+@pytest.mark.v070
 def test_sspo_loss_in_the_loop_equals_the_float64_reference(sspo, world):
     _loss_matches_reference(sspo, world.peaked)
 
 
+@pytest.mark.v070
 def test_espo_dense_loss_in_the_loop_equals_the_float64_reference(espo_dense, world):
     _loss_matches_reference(espo_dense, world.peaked)
 
@@ -333,15 +336,18 @@ def test_gspo_clips_in_the_loop(gspo_tp2_dp2, world):
     _worker_clips_as_the_reference(recs)
 
 
+@pytest.mark.v070
 def test_espo_dense_loop_three_steps(espo_dense):
     _trained_every_step(espo_dense, needs_ids=True, **TOL["peaked"])
     assert all(c["group_ids"]["max"] == 1 for c in espo_dense.of("policy_train"))
 
 
+@pytest.mark.v070
 def test_espo_loss_in_the_loop_equals_the_float64_reference(espo_moe, world):
     _loss_matches_reference(espo_moe, world.moe)
 
 
+@pytest.mark.v070
 def test_gspo_loss_in_the_loop_equals_the_float64_reference(gspo_tp2_dp2, world):
     got = _loss_matches_reference(gspo_tp2_dp2, world.dense)
     ranks = {r["rank"] for recs in __import__("cpu_host.loss_check", fromlist=["records"]).records(
@@ -350,6 +356,7 @@ def test_gspo_loss_in_the_loop_equals_the_float64_reference(gspo_tp2_dp2, world)
     assert got["records"] >= 4 * STEPS
 
 
+@pytest.mark.v070
 def test_sspo_loop_with_sequence_packing(sspo_packed, world):
     # the worker's packed π_old pass equals the unpacked transformers forward of the same weights
     _trained_every_step(sspo_packed, needs_ids=True, **TOL["packed"])
@@ -358,6 +365,7 @@ def test_sspo_loop_with_sequence_packing(sspo_packed, world):
     assert all(r["rows"] == 1 for r in got["per_record"]), got["per_record"][:3]
 
 
+@pytest.mark.v070
 def test_vllm_path_up_to_its_workers(sspo):
     """NeMo-RL's real VllmGeneration.__init__ ran (config checks, placement groups, worker builder)
     up to starting its workers; these are the arguments they would have been started with."""
@@ -391,6 +399,7 @@ def test_resume_continues_at_step_3_with_the_same_metrics(sspo, sspo_resumed):
     assert {t: sspo_resumed.series(t)[3] for t in tags} == {t: sspo.series(t).get(3) for t in tags}
 
 
+@pytest.mark.v070
 def test_espo_loop_on_moe(espo_moe):
     # Automodel's Qwen3-MoE keeps bf16 parameters: π_old vs an fp32 transformers forward within bf16 rounding
     _trained_every_step(espo_moe, needs_ids=True, **TOL["moe"])
@@ -410,6 +419,7 @@ def test_espo_loop_on_moe(espo_moe):
     assert all(0 <= v <= 1 for v in espo_moe.series("train/is_oob_ratio").values())
 
 
+@pytest.mark.v070
 def test_gspo_loop_fsdp_and_tensor_parallel(gspo_tp2_dp2):
     # FSDP2's mixed precision casts the parameters to bf16 (the reference keeps fp32 ones under autocast);
     # the entropy comes from vocabulary-parallel logits (one MAX and one SUM all-reduce over TP)
@@ -447,6 +457,7 @@ def test_compare_from_runs_reads_the_run_directories(sspo, espo_moe, gspo_tp2_dp
     assert "incomplete" not in report.lower() and "failed" not in report.lower(), report[:3000]
 
 
+@pytest.mark.v070
 def test_export_of_the_checkpoint_loads_in_transformers_and_generates(sspo, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -35,7 +35,7 @@ from cpu_host import configs, models
 from cpu_host.cluster import RayHead
 from cpu_host.runs import copy_checkpoints, finite, run_ok
 
-pytestmark = [pytest.mark.slow, pytest.mark.dist]
+pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.nemo_rl]
 STEPS = 3
 VOCAB = models.VOCAB_PAD    # TP 1: Megatron pads no vocabulary rows
 # 4 prompts x 8 samples, 2 optimizer steps per GRPO step (as the shipped config): groups of 8 make

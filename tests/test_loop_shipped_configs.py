@@ -24,7 +24,7 @@ import pytest
 from cpu_host import configs, models
 from cpu_host.cluster import RayHead, run_driver
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.nemo_rl]
 
 # shipped DTensor configs whose workers a loop run builds (in NeMo-RL's setup())
 LOOP_PARENTS = {

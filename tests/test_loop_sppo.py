@@ -24,6 +24,8 @@ from cpu_host import configs, models
 from cpu_host.cluster import RayHead
 from cpu_host.runs import finite, run_loop
 
+pytestmark = pytest.mark.v070
+
 PROMPTS = 8
 
 
@@ -51,6 +53,7 @@ def sppo(nemo_rl_src):
             shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.slow
 def test_ppo_loop_three_steps_one_sample_per_prompt(sppo):
     run = sppo.run
@@ -81,6 +84,7 @@ def test_ppo_loop_three_steps_one_sample_per_prompt(sppo):
         assert (step_dir / "policy" / "weights").is_dir() and (step_dir / "value" / "weights").is_dir()
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.slow
 def test_critic_is_the_prompt_only_bce_value_model(sppo):
     run = sppo.run
@@ -105,6 +109,7 @@ def _saved_shapes(weights_dir) -> dict:
     return {k: tuple(v.shape) for k, v in read_dcp(path, safetensors=layout == "safetensors").items()}
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.slow
 def test_critic_is_smaller_than_the_policy(sppo):
     step = sppo.run.dir / "checkpoints" / "step_3"

@@ -13,6 +13,8 @@ import torch
 import reference as R
 from nemo_granular.losses import GranularPolicyLoss
 
+pytestmark = pytest.mark.v070
+
 NEMO_METRICS = ("loss", "probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max",
                 "probs_ratio_clamped_min", "probs_ratio_clamped_max", "token_mult_prob_error", "gen_kl_error",
                 "policy_kl_error", "js_divergence_error", "approx_entropy", "num_valid_samples")
@@ -177,6 +179,7 @@ def _gspo_row_weights(data, cfg):
     return w
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_grpo_preset_is_real_clipped_pg_token_level(nemo_pg, option, dtype):
@@ -188,6 +191,7 @@ def test_grpo_preset_is_real_clipped_pg_token_level(nemo_pg, option, dtype):
             assert rm["is_oob_ratio"] > 0, "test data should trigger the truncation"
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("option", sorted(k for k in OPTIONS if k != "seq_mask_tis"))
 def test_gspo_preset_is_real_clipped_pg_gspo_mode(nemo_pg, option, dtype):

@@ -30,7 +30,7 @@ import pickle
 import pytest
 import torch
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.nemo_rl]
 
 B, S = 8, 32
 PROMPT = torch.tensor([5, 4, 6, 3, 7, 4, 5, 6])  # prompt lengths: the rest of each sequence is the response

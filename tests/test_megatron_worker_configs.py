@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = [pytest.mark.dist, pytest.mark.slow]
+pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.nemo_rl]
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"

@@ -29,6 +29,8 @@ import reference as R
 from cpu_host import models
 from nemo_granular.losses import GranularPolicyLoss
 
+pytestmark = pytest.mark.nemo_rl
+
 PAD, DELIM, V = 0, 3, models.VOCAB_PAD   # <pad>, "\n\n" in the tiny tokenizer; 32-token vocabulary
 PRESETS = ("sspo", "espo", "grpo")
 

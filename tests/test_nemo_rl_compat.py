@@ -13,6 +13,7 @@ import ast
 import inspect
 import os
 import re
+import subprocess
 import sys
 import types
 import typing
@@ -21,8 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 import typing_extensions
+from conftest import env_without_nemo_rl
 
 from nemo_granular.nemo_rl import compat
+
+pytestmark = pytest.mark.v070
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "nemo_granular"
@@ -135,6 +139,7 @@ def test_every_version_skip_is_documented():
         assert f"`{test}` (`{name}`)" in doc, f"docs/nemo-rl.md does not name {test} ({name})"
 
 
+@pytest.mark.nemo_rl
 def test_the_detected_version_is_this_world(nemo_rl_src):
     ver = compat.version()
     assert Path(ver.root).resolve() == (nemo_rl_src / "nemo_rl").resolve()
@@ -144,6 +149,7 @@ def test_the_detected_version_is_this_world(nemo_rl_src):
         assert ver.key == expected
 
 
+@pytest.mark.nemo_rl
 def test_every_versioned_name_is_where_the_table_says_and_absent_elsewhere(nemo_rl_src):
     """For the detected version: each VERSIONED name resolves from its listed place (or is absent and
     refused in one line); the other version's place does not hold it here (it really moved)."""
@@ -195,6 +201,7 @@ def _declares(master_cls, dotted: str) -> bool:
     return True
 
 
+@pytest.mark.nemo_rl
 def test_every_config_key_difference_is_true_of_this_nemo_rl(nemo_rl_src):
     ver = compat.version().key
     for dotted, key in compat.CONFIG_KEYS.items():
@@ -202,6 +209,7 @@ def test_every_config_key_difference_is_true_of_this_nemo_rl(nemo_rl_src):
         assert _declares(master_cls, dotted) == (ver in key.versions), dotted
 
 
+@pytest.mark.nemo_rl
 def test_adapt_config_drops_what_changes_nothing_and_refuses_the_rest(nemo_rl_src):
     ver = compat.version()
     cfg = {"policy": {"generation": {"temperature": 0.6, "top_p": 1.0, "top_k": None, "val_temperature": 0.6,
@@ -227,6 +235,7 @@ def test_adapt_config_drops_what_changes_nothing_and_refuses_the_rest(nemo_rl_sr
             compat.adapt_config(bad)
 
 
+@pytest.mark.nemo_rl
 def test_every_behaviour_difference_is_true_of_this_nemo_rl(megatron_workers):
     """Each BEHAVIOURS row, checked on the real NeMo-RL of this world, and the compat function for it."""
     from pydantic import BaseModel
@@ -270,6 +279,7 @@ def test_every_behaviour_difference_is_true_of_this_nemo_rl(megatron_workers):
     compat.shutdown_environments({}, {})
 
 
+@pytest.mark.nemo_rl
 def test_estimator_config_matches_nemo_rl_s_own_estimator(nemo_rl_src):
     """What NeMo-RL's GRPO estimator does with a partial / missing ``grpo.adv_estimator`` is what
     ``compat.estimator_config`` hands our estimators (KeyError on v0.7.0, defaults on main)."""
@@ -291,6 +301,7 @@ def test_estimator_config_matches_nemo_rl_s_own_estimator(nemo_rl_src):
         assert ours.normalize_rewards is True and ours.use_leave_one_out_baseline is True
 
 
+@pytest.mark.nemo_rl
 def test_every_name_and_module_resolves_against_the_pinned_nemo_rl(megatron_workers):
     import nemo_automodel.shared.import_utils as iu
 
@@ -309,6 +320,7 @@ def test_every_name_and_module_resolves_against_the_pinned_nemo_rl(megatron_work
         mp.undo()
 
 
+@pytest.mark.nemo_rl
 def test_a_rebound_attribute_is_seen(nemo_rl_src, monkeypatch):
     import nemo_rl.data.utils as data_utils
 
@@ -317,6 +329,7 @@ def test_a_rebound_attribute_is_seen(nemo_rl_src, monkeypatch):
     assert compat.get("setup_response_data") is sentinel     # looked up per call (tests rebind NeMo-RL's names)
 
 
+@pytest.mark.nemo_rl
 def test_prepare_loss_input_found_where_nemo_rl_0_8_puts_it(nemo_rl_src, monkeypatch):
     import nemo_rl.algorithms.loss.utils as old
 
@@ -333,6 +346,7 @@ def test_prepare_loss_input_found_where_nemo_rl_0_8_puts_it(nemo_rl_src, monkeyp
         compat.get("prepare_loss_input")
 
 
+@pytest.mark.nemo_rl
 def test_get_logprobs_keeps_the_0_8_token_mask(nemo_rl_src):
     """NeMo-RL 0.8's workers return ``token_mask`` next to the log-probs under top-k / top-p; the driver
     must write it back into the train batch, so ``GranularPolicy.get_logprobs`` hands it on."""
@@ -368,6 +382,7 @@ def test_get_logprobs_keeps_the_0_8_token_mask(nemo_rl_src):
     assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+@pytest.mark.nemo_rl
 def test_run_grpo_refuses_minimal_loss_metrics_that_grpo_train_would_index(nemo_rl_src):
     """Why: the real ``grpo_train`` of this NeMo-RL indexes ``metrics["token_mult_prob_error"]`` after
     every step, and the loss at ``metrics_level: minimal`` does not return it (NeMo-RL's next loss
@@ -385,16 +400,30 @@ def test_run_grpo_refuses_minimal_loss_metrics_that_grpo_train_would_index(nemo_
     assert "\n" not in msg and msg.startswith("loss_fn.metrics_level: minimal") and compat.version().title in msg
 
 
-def _v070_tests() -> list[str]:
-    """scripts/test.sh's V070_TESTS and V070_SLURM_TESTS: the modules and test ids CI runs in the NeMo-RL
-    v0.7.0 world."""
-    text = (ROOT / "scripts" / "test.sh").read_text()
-    out = []
-    for name in ("V070_TESTS", "V070_SLURM_TESTS"):
-        block = re.search(rf"^{name}=\((.*?)\)$", text, re.S | re.M)
-        assert block is not None, f"scripts/test.sh has no {name}=(...)"
-        out += [t.removeprefix("tests/") for t in block.group(1).split()]
+def _marks(node) -> set[str]:
+    """The ``pytest.mark.X`` names in a decorator list or a ``pytestmark = ...`` value."""
+    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+
+
+def marked_tests(*wanted: str) -> dict[str, set[str]]:
+    """module file name -> the test functions that carry every marker in ``wanted`` (on the module's
+    ``pytestmark`` or on the function): read from the test modules' source, as pytest reads them."""
+    out: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module = set().union(*[_marks(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                               and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)])
+        tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
+                 and set(wanted) <= module | set().union(*map(_marks, n.decorator_list))}
+        if tests:
+            out[path.name] = tests
     return out
+
+
+def _v070_tests() -> dict[str, set[str]]:
+    """What scripts/test.sh runs in the NeMo-RL v0.7.0 world: the tests marked ``v070`` and ``nemo_rl``."""
+    return marked_tests("v070", "nemo_rl")
 
 
 def _support_matrix() -> list[list[str]]:
@@ -408,23 +437,31 @@ def _support_matrix() -> list[list[str]]:
 
 
 def test_support_matrix_v070_cells_are_what_ci_runs_there():
-    """A v0.7.0 cell that says "tested" names only tests that scripts/test.sh runs in the v0.7.0 world (a
-    module there covers its tests; a test id must be there, or its whole module), and every entry of
-    V070_TESTS is named by such a row (a module: one of its tests at least): the matrix cannot claim
-    more, or less, than CI runs."""
+    """A v0.7.0 cell that says "tested" names only tests that run in the v0.7.0 world (a module: some of
+    its tests do; a test id: that test does), and every test of that world is named by such a row (by its
+    module or its id): the matrix cannot claim more, or less, than CI runs."""
     v070 = _v070_tests()
-    modules = {t for t in v070 if "::" not in t}
     named: set[str] = set()
     for feature, cell, _main, tests in _support_matrix():
         if not cell.startswith("tested"):
             continue
         for test in re.findall(r"`(test_[\w*]+\.py(?:::\w+)?)`", tests):
             named.add(test)
-            module = test.split("::")[0]
-            covered = (test in v070 or module in modules) if "::" in test else module in modules
-            assert covered, f"support matrix: {feature[:60]}... says v0.7.0 tested, but {test} is not in V070_TESTS"
-    named_modules = {n.split("::")[0] for n in named}
-    for entry in v070:
-        # a module: some test of it is named; a test id: it, or its whole module, is named
-        assert (entry in named or entry.split("::")[0] in named) if "::" in entry else entry in named_modules, \
-            f"scripts/test.sh runs {entry} in the v0.7.0 world, but no 'tested' v0.7.0 row of the support matrix names it"
+            module, _, name = test.partition("::")
+            assert module in v070 and (not name or name in v070[module]), \
+                f"support matrix: {feature[:60]}... says v0.7.0 tested, but {test} is not marked v070 and nemo_rl"
+    for module, names in v070.items():
+        for name in names:
+            assert module in named or f"{module}::{name}" in named, \
+                f"{module}::{name} runs in the v0.7.0 world, but no 'tested' v0.7.0 row of the support matrix names it"
+
+
+def test_marked_tests_reads_the_markers_pytest_applies():
+    """The static reading above agrees with pytest's own (a planted marker it missed would let the matrix
+    drift): collect the v0.7.0 world's selection and compare."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-m", "v070 and nemo_rl", str(ROOT / "tests")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env=env_without_nemo_rl())
+    ids = {line.split("[")[0] for line in done.stdout.splitlines() if line.startswith("tests/")}
+    got = {f"tests/{m}::{t}" for m, ts in _v070_tests().items() for t in ts}
+    assert ids and ids == got, (sorted(ids ^ got), done.stderr[-2000:])

@@ -24,6 +24,8 @@ from nemo_granular.advantages import build_advantage_estimator
 from nemo_granular.config import NEMO_RL_ESTIMATOR_KEYS, NEMO_RL_LOSS_KEYS, parse_policy_loss_config
 from nemo_granular.losses import GranularPolicyLoss
 
+pytestmark = pytest.mark.v070
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -99,6 +101,7 @@ def _type_name(annotation) -> str:
     return f"{inner} | None" if type(None) in typing.get_args(annotation) else inner
 
 
+@pytest.mark.nemo_rl
 def test_key_tables_are_nemo_rl_configs(nemo):
     """docs/nemo-rl.md §3 is rendered from NEMO_RL_LOSS_KEYS / NEMO_RL_ESTIMATOR_KEYS
     (test_config.py checks); here the tables are checked against NeMo-RL's real config classes:
@@ -128,6 +131,7 @@ def test_key_tables_are_nemo_rl_configs(nemo):
             assert status in ("NeMo-RL", "refused"), key
 
 
+@pytest.mark.nemo_rl
 def test_every_key_left_out_has_nemo_rl_default(nemo):
     """The effective value of every key of an empty config is NeMo-RL's default, for a mapping and
     for NeMo-RL's own (pydantic) config object, whose filled-in defaults count as left out."""
@@ -139,6 +143,7 @@ def test_every_key_left_out_has_nemo_rl_default(nemo):
     assert (gspo.eps_low, gspo.eps_high, gspo.token_level) == (3e-4, 4e-4, False)
 
 
+@pytest.mark.nemo_rl
 def test_empty_config_is_nemo_rl_default_loss(exact):
     """Defaults (``reference_policy_kl_penalty`` 0.01 included: it failed before, 0 here)."""
     _same_as_nemo(exact, {}, {})
@@ -182,6 +187,7 @@ def test_every_key_has_a_case():
     assert covered == set(NEMO_RL_LOSS_KEYS), sorted(set(NEMO_RL_LOSS_KEYS) - covered)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("case", sorted(KEY_CASES))
 def test_key_has_nemo_rl_meaning(exact, case):
     """The same ``loss_fn`` mapping through both losses. Before this suite's fixes,
@@ -248,6 +254,7 @@ TINY_CASES = {
 }
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("case", sorted(TINY_CASES))
 @pytest.mark.parametrize("B,S", [(1, 2), (1, 4), (2, 3), (3, 5)])
 def test_float64_equal_on_tiny_batches(nemo, case, B, S):
@@ -298,6 +305,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("case", sorted(REFUSED))
 def test_refused_where_nemo_rl_refuses(nemo, case):
     """NeMo-RL refuses each of these when its loss is built or at its first call (both raise here);
@@ -317,12 +325,14 @@ def test_refused_where_nemo_rl_refuses(nemo, case):
 # ---------------------------------------------------------------- 2. token_level_loss with presets
 
 
+@pytest.mark.nemo_rl
 def test_token_level_loss_false_with_grpo_preset_is_nemo_rl(exact):
     """NeMo-RL's key wins over the preset it contradicts (a warning names both)."""
     with pytest.warns(UserWarning, match="token_level_loss: false overrides algorithm 'grpo'"):
         _same_as_nemo(exact, {"token_level_loss": False, "granular": {"algorithm": "grpo"}}, {"token_level_loss": False})
 
 
+@pytest.mark.nemo_rl
 def test_config_object_keeps_preset_where_keys_are_left_out(exact):
     """NeMo-RL's own config object: keys it holds only as defaults do not override the preset."""
     cfg = exact.Cfg(granular={"algorithm": "gspo"}, sequence_level_importance_ratios=True, token_level_loss=False)
@@ -341,6 +351,7 @@ def test_config_object_keeps_preset_where_keys_are_left_out(exact):
 # ---------------------------------------------------------------- 6. CISPO / REINFORCE presets
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 @pytest.mark.parametrize("preset,key", [("cispo", "use_cispo"), ("reinforce", "disable_ppo_ratio")])
 @pytest.mark.parametrize("extra", [{}, dict(reference_policy_kl_penalty=0.05, **TIS)], ids=["plain", "kl_tis"])
@@ -373,6 +384,7 @@ REWARDS = {
 }
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("rewards", sorted(REWARDS))
 @pytest.mark.parametrize("cfg", [{}, {"use_leave_one_out_baseline": False}, {"normalize_rewards": False},
                                  {"use_leave_one_out_baseline": False, "normalize_rewards": False}],
@@ -398,6 +410,7 @@ def test_grpo_estimator_is_nemo_rl(nemo, rewards, cfg):
 # ---------------------------------------------------------------- 4. normalisers in both import orders
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.slow
 @pytest.mark.needs_nemo_rl("MetricNormalizer")
 @pytest.mark.parametrize("order", ["granular_first", "nemo_rl_first"])

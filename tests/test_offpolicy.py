@@ -136,6 +136,7 @@ def test_levels_differ_where_groups_have_several_tokens():
 NEMO_TRUNC = {k: OPTIONS[k] for k in ("is_plain", "tis", "tis_min", "icepop", "seq_mask_tis")}
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("dtype", [torch.float64], ids=["f64"])
 @pytest.mark.parametrize("level", ["token", "group_sum", "group_mean"])
 @pytest.mark.parametrize("option", sorted(NEMO_TRUNC))
@@ -147,6 +148,7 @@ def test_token_groups_equal_real_nemo_rl_at_every_level(nemo_pg, option, level, 
                       {"token_level_loss": True, **opts}, seed, True, dtype)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("dtype", [torch.float64], ids=["f64"])
 @pytest.mark.parametrize("option", sorted(k for k in NEMO_TRUNC if k != "seq_mask_tis"))
 def test_sequence_group_sum_equals_real_nemo_rl_gspo_mode(nemo_pg, option, dtype):
@@ -158,6 +160,7 @@ def test_sequence_group_sum_equals_real_nemo_rl_gspo_mode(nemo_pg, option, dtype
                       seed, False, dtype)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("level", ["token", "group_sum", "group_mean"])
 @pytest.mark.parametrize("option", sorted(NEMO_TRUNC))
 @pytest.mark.parametrize("B,S", [(1, 2), (2, 3), (3, 5)])

@@ -7,7 +7,10 @@ both); the ``nemo_rl_src`` tests run with the real NeMo-RL checkout importable.
 import subprocess
 import sys
 
+import pytest
 from conftest import env_without_nemo_rl
+
+pytestmark = pytest.mark.v070
 
 HEAVY = ("nemo_rl", "ray", "transformers", "megatron", "vllm", "mlflow", "torchao")
 
@@ -37,6 +40,7 @@ def test_every_cli_command_resolves():
         assert callable(getattr(importlib.import_module(module), func))
 
 
+@pytest.mark.nemo_rl
 def test_import_does_not_load_nemo_rl_training_stack(nemo_rl_src):
     """NeMo-RL world (issue 15.1): with NeMo-RL importable, ``import nemo_granular`` (and the
     losses) must not run ``nemo_rl/algorithms/loss/__init__.py`` (Ray, transformers, mlflow)."""
@@ -56,6 +60,7 @@ def test_import_does_not_load_nemo_rl_training_stack(nemo_rl_src):
     assert cli.returncode == 0 and cli.stderr == "", cli.stderr[-2000:]
 
 
+@pytest.mark.nemo_rl
 def test_local_enums_hold_in_nemo_rl_code_paths(nemo_rl_src):
     """NeMo-RL world: the loss is built BEFORE NeMo-RL's loss package is imported (local enums),
     then NeMo-RL's own code compares them: ``prepare_loss_input`` dispatches on ``input_type``,

@@ -228,6 +228,7 @@ def _same(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.nemo_rl
 def test_nemo_rl_requirements_hold_for_every_config(load):
     """Independently of the rows above: every config with KL 0 skips the reference log-probs, and every
     Megatron config with a logprob chunk defers the fp32 logits (the pair NeMo-RL's worker demands)."""
@@ -248,6 +249,7 @@ def test_every_paper_config_is_in_the_table():
                                   f"table rows without a config: {sorted(set(PAPER) - on_disk)}"
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", sorted(PAPER))
 def test_config_matches_the_paper_and_official_scripts(load, name):
     cfg = load(name)
@@ -261,6 +263,7 @@ def test_config_matches_the_paper_and_official_scripts(load, name):
     assert not wrong, f"{name}:\n  " + "\n  ".join(wrong)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", sorted(n for n, t in PAPER.items() if "_validation" in t))
 def test_validation_set_and_that_nemo_rl_validates_all_of_it(load, name):
     cfg = load(name)
@@ -282,6 +285,7 @@ def test_validation_set_and_that_nemo_rl_validates_all_of_it(load, name):
         assert {**default, **v}.get("prompt_file"), f"{name}: validation entry {v} has no prompt"
 
 
+@pytest.mark.nemo_rl
 def test_dapo_validation_covers_aime_x32(load):
     """The Qwen3-30B ESPO/GSPO pair validates on DAPO's AIME-2024 (30 problems x 32 = 960 rows)."""
     for name in ("espo_qwen3_30b_a3b_megatron.yaml", "gspo_qwen3_30b_a3b_megatron.yaml"):
@@ -289,6 +293,7 @@ def test_dapo_validation_covers_aime_x32(load):
         assert (g["max_val_samples"] // g["val_batch_size"]) * g["val_batch_size"] >= 960, name
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", ESPO_CONFIGS)
 def test_espo_alpha_follows_the_documented_rule(load, name):
     """`espo.alpha: auto` applies the rule to the first rollout's entropy (the loss computes it:

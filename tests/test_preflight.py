@@ -21,6 +21,8 @@ import pytest
 
 from conftest import env_without_nemo_rl
 
+pytestmark = pytest.mark.v070
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"
 FIXTURE = ROOT / "tests" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml"
@@ -73,6 +75,7 @@ def test_without_nemo_rl_preflight_says_so_in_one_line_and_exits_2():
     assert len(lines) == 1 and lines[0].startswith("nemo-granular preflight: NeMo-RL is not importable here"), lines
 
 
+@pytest.mark.nemo_rl
 def test_module_entry_point_is_the_slurm_interface(nemo_rl_src, tmp_path):
     """``python -m nemo_granular preflight CONFIG [overrides]``: 1 and one line per problem on stderr
     for the pre-fix config, the JSON plan on stdout with --json."""
@@ -89,6 +92,7 @@ def test_module_entry_point_is_the_slurm_interface(nemo_rl_src, tmp_path):
     assert len(lines) == 1 and "defer_fp32_logits" in lines[0]
 
 
+@pytest.mark.nemo_rl
 def test_clean_config_exits_0_and_prints_the_plan(nemo_rl_src, capsys):
     rc, out, err = run_main(capsys, MOE, "--no-venv-check")
     assert rc == 0, err
@@ -103,6 +107,7 @@ def test_clean_config_exits_0_and_prints_the_plan(nemo_rl_src, capsys):
     assert ours and all(line.startswith("preflight: warning:") for line in ours), ours   # the model is not cached
 
 
+@pytest.mark.nemo_rl
 def test_bad_input_is_one_line_and_exit_2(nemo_rl_src, capsys, tmp_path):
     rc, _, err = run_main(capsys, tmp_path / "missing.yaml")
     assert rc == 2 and len(err) == 1 and "config file not found" in err[0]
@@ -114,6 +119,7 @@ def test_bad_input_is_one_line_and_exit_2(nemo_rl_src, capsys, tmp_path):
     assert rc == 2 and len(err) == 1 and "give the config file" in err[0]
 
 
+@pytest.mark.nemo_rl
 def test_strict_turns_warnings_into_failures(nemo_rl_src, capsys, monkeypatch):
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
     rc, out, err = run_main(capsys, MOE, "--no-venv-check", "--vocab-size", "151936")
@@ -122,6 +128,7 @@ def test_strict_turns_warnings_into_failures(nemo_rl_src, capsys, monkeypatch):
     assert rc == 1 and "FAILED" in out
 
 
+@pytest.mark.nemo_rl
 def test_config_option_form_and_driver_rule(nemo_rl_src, capsys):
     from nemo_granular.preflight.run import driver_for
 
@@ -139,6 +146,7 @@ def test_config_option_form_and_driver_rule(nemo_rl_src, capsys):
 
 # ---------------------------------------------------------------------------- the plan's numbers ---
 
+@pytest.mark.nemo_rl
 def test_logits_memory_matches_docs_scaling(nemo_rl_src, tmp_path):
     """docs/scaling.md §1: Qwen3-30B-A3B at TP 4 / CP 2 / chunk 2048 needs 0.62 GB for the logprob
     pass and 0.93 GB at the training peak; Qwen2.5-Math-1.5B at TP 1 / chunk 1024, 3.7 GB."""
@@ -158,6 +166,7 @@ def test_logits_memory_matches_docs_scaling(nemo_rl_src, tmp_path):
     assert abs(res.plan["model"]["parameters"] / 1e9 - 1.54) < 0.02       # scaling.md §1: 1.54 B
 
 
+@pytest.mark.nemo_rl
 def test_model_architecture_findings(nemo_rl_src, tmp_path):
     from nemo_granular.preflight.run import run_preflight
 
@@ -173,6 +182,7 @@ def test_model_architecture_findings(nemo_rl_src, tmp_path):
     assert "megatron/core/parallel_state.py:initialize_model_parallel" in srcs               # 40 % (6 * 5)
 
 
+@pytest.mark.nemo_rl
 def test_critic_memory_for_sppo(nemo_rl_src, tmp_path):
     from nemo_granular.preflight.run import run_preflight
 
@@ -185,6 +195,7 @@ def test_critic_memory_for_sppo(nemo_rl_src, tmp_path):
     assert res.plan["critic_memory"]["bytes_per_gpu"] == 0 and res.plan["critic_memory"]["offloaded"]
 
 
+@pytest.mark.nemo_rl
 def test_recipe_diff_lists_overrides_against_the_nemo_rl_parent(nemo_rl_src):
     from nemo_granular.preflight.recipe import recipe_diff, reference_recipe
     from nemo_granular.nemo_rl.configs import load_resolved
@@ -198,6 +209,7 @@ def test_recipe_diff_lists_overrides_against_the_nemo_rl_parent(nemo_rl_src):
     assert ("loss_fn.granular.algorithm", "sspo") in diff.added
 
 
+@pytest.mark.nemo_rl
 def test_layout_rules(nemo_rl_src):
     from nemo_granular.preflight.layout import cluster_layout
 
@@ -224,6 +236,7 @@ def test_layout_rules(nemo_rl_src):
     assert cluster_layout(bad, "ppo")[0] is None and cluster_layout(bad, "grpo")[0] is not None
 
 
+@pytest.mark.nemo_rl
 def test_worker_rules_without_a_drive(nemo_rl_src):
     """Restated rules whose NeMo-RL place no CPU drive reaches (source guards in test_preflight_nemo_rl.py)."""
     from nemo_granular.preflight.worker_checks import automodel_worker_checks, megatron_worker_checks
@@ -253,6 +266,7 @@ if sys.argv[1:3] == ["venv", "--allow-existing"]:
 """
 
 
+@pytest.mark.nemo_rl
 def test_venv_plan_names_classes_extras_and_paths(nemo_rl_src, tmp_path):
     from nemo_granular.nemo_rl.configs import load_resolved
     from nemo_granular.preflight import venvs
@@ -273,6 +287,7 @@ def test_venv_plan_names_classes_extras_and_paths(nemo_rl_src, tmp_path):
     assert cur["policy"].fqn.endswith("megatron_policy_worker.MegatronPolicyWorker")   # the stock worker then
 
 
+@pytest.mark.nemo_rl
 def test_build_venvs_runs_nemo_rls_builder_and_preflight_finds_them(nemo_rl_src, tmp_path, monkeypatch, capsys):
     from nemo_granular.nemo_rl.configs import load_resolved
     from nemo_granular.preflight import venvs

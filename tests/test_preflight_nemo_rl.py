@@ -29,6 +29,8 @@ import pytest
 
 from nemo_rl_setup_driver import drive_megatron_validators, drive_setup
 
+pytestmark = pytest.mark.v070
+
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"
 SHIPPED = sorted(p.relative_to(CFG).as_posix() for p in [*CFG.glob("*.yaml"), *(CFG / "nemo_rl").glob("*.yaml")])
@@ -64,6 +66,7 @@ def resolved(name, overrides=()):
 
 # ------------------------------------------------------------------------ shipped configs ---
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_config_passes_preflight_and_nemo_rl_accepts_it(name, nemo_rl_src, megatron_workers, tmp_path,
                                                                  monkeypatch):
@@ -79,6 +82,7 @@ def test_shipped_config_passes_preflight_and_nemo_rl_accepts_it(name, nemo_rl_sr
             assert drive_megatron_validators(cfg[section]) == "accepted"
 
 
+@pytest.mark.nemo_rl
 def test_preflight_names_the_nemo_rl_version_it_checked_against(nemo_rl_src, capsys):
     """The plan's second line is the detected NeMo-RL version (both worlds); on v0.7.0 a key that version
     lacks, with a value that would change what it does, is refused in one line naming both versions."""
@@ -109,6 +113,7 @@ def test_report_preflight_runtime_per_config():
 
 # --------------------------------------------------------------- the pre-fix defer_fp32 case ---
 
+@pytest.mark.nemo_rl
 def test_pre_fix_megatron_config_is_caught_by_preflight_and_rejected_by_nemo_rl(nemo_rl_src, megatron_workers,
                                                                                 tmp_path, monkeypatch):
     res = preflight(FIXTURE, driver="grpo")
@@ -394,6 +399,7 @@ def _nemo_rl_verdict(stage: str, cfg: dict, driver: str, tmp_path, monkeypatch) 
     raise AssertionError(stage)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.needs_nemo_rl("preflight_setup_parity")
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_each_check_fails_its_config_like_nemo_rl(case, nemo_rl_src, megatron_workers, tmp_path, monkeypatch):
@@ -458,6 +464,7 @@ def function_source(module: str, func: str) -> str:
     return ast.get_source_segment(text, node)
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.needs_nemo_rl("preflight_setup_parity")
 @pytest.mark.parametrize("guard", GUARDS, ids=[f"{g[0].rsplit(':', 1)[1]}-{i}" for i, g in enumerate(GUARDS)])
 def test_restated_check_still_guards_nemo_rl_source(guard, nemo_rl_src, megatron_workers):
@@ -470,6 +477,7 @@ def test_restated_check_still_guards_nemo_rl_source(guard, nemo_rl_src, megatron
     assert not [f for f in errors(base_result(base)) if f.source == source]
 
 
+@pytest.mark.nemo_rl
 def test_architecture_checks_agree_with_megatron_transformer_config(megatron_workers):
     """heads % TP and KV heads vs TP: preflight's verdict equals Megatron-Core's own TransformerConfig."""
     from megatron.core.transformer.transformer_config import TransformerConfig

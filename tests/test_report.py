@@ -102,6 +102,7 @@ def nemo_runs(tmp_path_factory, nemo_rl_src):
     return root, runs
 
 
+@pytest.mark.nemo_rl
 def test_nemo_rl_run_maps_to_canonical_metrics(nemo_runs):
     root, runs = nemo_runs
     d, times = runs[("sspo", 1)]
@@ -124,6 +125,7 @@ def test_nemo_rl_run_maps_to_canonical_metrics(nemo_runs):
     assert run.meta["lr"] == 1e-6 and "4 prompts × 8 samples" == run.meta["batch"]
 
 
+@pytest.mark.nemo_rl
 def test_failed_and_truncated_runs_are_reported_not_fatal(nemo_runs, tmp_path):
     root, runs = nemo_runs
     cut, dead = load_run(root / "gspo_seed0"), load_run(root / "gspo_seed1")
@@ -159,6 +161,7 @@ def test_failed_and_truncated_runs_are_reported_not_fatal(nemo_runs, tmp_path):
         assert (tmp_path / "rep" / png).is_file()
 
 
+@pytest.mark.nemo_rl
 def test_compare_from_runs_cli_reads_nemo_rl_runs(nemo_runs, tmp_path):
     from nemo_granular.cli import main
 

@@ -91,7 +91,7 @@ FAKE_GPUS = 2
 PINNED = {"gcs": 1200, "node_manager": 1301, "object_manager": 1303, "metrics_export": 1309}
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.slurm]
 
 _apt_state: dict[str, str | None] = {}
 
@@ -605,6 +605,7 @@ EVAL_LAUNCHER = ROOT / "tests" / "nemo_rl_eval_launcher.py"
 ANSWER = "2"     # what the tiny model of the NeMo-RL comparison answers to every problem
 
 
+@pytest.mark.nemo_rl
 def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, images, tmp_path):
     """ESPO vs GSPO on Qwen3-30B-A3B as a user submits it (WORKDIR = the NeMo-RL checkout, no
     NEMO_RL_SRC in the environment), on a pyxis cluster (the local cluster's pyxis: CONTAINER =
@@ -860,6 +861,7 @@ def real_preflight_dry_runs(request, tmp_path_factory):
             proc.communicate()
 
 
+@pytest.mark.nemo_rl
 def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_rl_src, real_preflight_dry_runs):
     """The REAL preflight in ``submit_comparison.sh`` (no cluster: ``--dry-run``; the runs are
     started by the ``real_preflight_dry_runs`` fixture). Both shipped Qwen3-30B-A3B configs pass,
@@ -1113,6 +1115,7 @@ def _nemo_rl_steps(run: Path) -> list[tuple[int, int]]:
     return [(r["step"], r["attempt"]) for r in map(json.loads, p.read_text().splitlines())] if p.exists() else []
 
 
+@pytest.mark.nemo_rl
 def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src, tmp_path):
     """Two one-node NeMo-RL jobs side by side (a Ray head each; NeMo-RL's own ``init_ray`` attaches
     to it), the real ``run_grpo`` / ``run_sppo`` with tests/nemo_rl_loop_driver.py's loop:
@@ -1302,6 +1305,8 @@ def _finished(cluster: Cluster, j: SimpleNamespace, name: str, state: str) -> tu
     return j.workdir / "slurm-logs" / f"{name}-{j.job}", info
 
 
+@pytest.mark.v070
+@pytest.mark.nemo_rl
 def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, nemo_rl_src, one_node_jobs):
     """``one_node_jobs["ok"]``: the shipped SSPO config with the launcher's cluster overrides passes
     the real preflight inside the job; its warnings (worker venvs missing, TORCH_CUDA_ARCH_LIST
@@ -1356,6 +1361,7 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     assert cfg["logger"]["note"] == "checked" and "mlflow" not in cfg["logger"], cfg["logger"]
 
 
+@pytest.mark.nemo_rl
 def test_real_preflight_stops_a_job_whose_config_nemo_rl_would_reject(cluster, nemo_rl_src, one_node_jobs):
     """``one_node_jobs["bad"]``: the real preflight finds what NeMo-RL's Megatron worker would
     reject at init on the GPUs; the job fails before Ray starts, with the preflight's own line in

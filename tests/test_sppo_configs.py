@@ -15,6 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from nemo_granular.sppo.validate import parse_sppo_options, validate_sppo_config
 
+pytestmark = pytest.mark.v070
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "examples" / "configs"
 SPPO = ["sppo_r1_distill_qwen_1.5b.yaml", "sppo_r1_distill_qwen_7b.yaml", "sppo_r1_distill_qwen_7b_small_critic.yaml"]
@@ -57,7 +59,7 @@ EXPECT = {  # file: (model, critic, prompts/step, N, policy gbs, critic gbs, act
 }
 
 
-@pytest.mark.parametrize("mode", ["nemo_rl", "own_keys"])
+@pytest.mark.parametrize("mode", [pytest.param("nemo_rl", marks=pytest.mark.nemo_rl), "own_keys"])
 @pytest.mark.parametrize("name", SPPO + GRPO)
 def test_config_paper_settings(name, mode, request):
     if mode == "nemo_rl":  # full inheritance into NeMo-RL's own example configs (NeMo-RL world)

@@ -20,6 +20,8 @@ from nemo_granular.advantages import SPPOEstimator
 from nemo_granular.sppo.install import install_sppo_estimator, sppo_estimator_installed
 from nemo_granular.sppo.validate import check_critic_tokenizer, check_same_tokenizer
 
+pytestmark = pytest.mark.v070
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -38,6 +40,7 @@ def test_entry_script_names_missing_nemo_rl_in_one_line():
     assert helped.returncode == 0 and "--config" in helped.stdout
 
 
+@pytest.mark.nemo_rl
 def test_async_ppo_checks_mirror_nemo_rl(nemo_rl_src):
     """Issue 15.3: the checks of NeMo-RL's examples/run_ppo.py for async PPO, one line each,
     on NeMo-RL's own MasterConfig of our SPPO config."""

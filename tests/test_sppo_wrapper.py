@@ -27,6 +27,8 @@ from nemo_granular.losses import SequenceValueLoss
 from nemo_granular.sppo.critic import PromptOnlyValue, prompt_value_columns
 from nemo_granular.sppo.install import install_sppo_estimator
 
+pytestmark = pytest.mark.v070
+
 transformers = pytest.importorskip("transformers")
 
 PAD = 0
@@ -266,6 +268,7 @@ def test_ppo_train_step_sequence_with_patched_estimator():
         ppo_module._create_advantage_estimator(master_config)
 
 
+@pytest.mark.nemo_rl
 def test_prompt_only_value_inside_real_value_get_values(nemo_rl_src):
     """``PromptOnlyValue`` around NeMo-RL's REAL ``Value.get_values`` (DP = 2: the real
     ``BatchedDataDict.shard_by_batch_size``, ``run_all_workers_sharded_data`` keywords,

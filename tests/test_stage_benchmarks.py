@@ -239,6 +239,7 @@ def _load_offline(nemo_rl_src: Path, tmp_path: Path, data: Path | None, keys: li
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.nemo_rl
 def test_offline_eval_loads_every_staged_benchmark_with_nemo_rl(nemo_rl_src, mirror, tmp_path, capsys):
     root, expected = mirror
     # before: NeMo-RL's own loaders on an offline node with an empty cache

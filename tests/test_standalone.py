@@ -8,7 +8,9 @@
   ``math.md, Notation`` reference finds its Notation section; every Markdown link to
   ``math.md#anchor`` names a heading of that page and resolves to that very file.
 
-``.ci/run`` is exempt: it alone knows where CI's NeMo-RL snapshots are on the CI machine.
+* No third-party code is tracked: no vendored NeMo-RL / Megatron-LM / Megatron-Bridge / Automodel package
+  (recognised by files only those packages have), no archive or wheel, no file carrying their copyright
+  header. The tests read those sources from the source cache outside the repository (scripts/sources.sh).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MATH = ROOT / "docs" / "algorithms" / "math.md"
 SELF = "tests/test_standalone.py"
-EXEMPT = {SELF, ".ci/run"}
+EXEMPT = {SELF}
 
 # Every folder a user reads. A path ending in "/" is a folder, any other a single file.
 CHECKED = ["docs/", "README.md", "nemo_granular/", "tests/", "examples/", "slurm/", "scripts/", "benchmarks/"]
@@ -33,7 +35,7 @@ REFERENCE_SCOPE = CHECKED
 FORBIDDEN = ["../shared", "shared/spec", "shared/papers", "shared/docs", "/work/", "spec §",
              "integration guide"]
 
-_SKIP_DIRS = {".git", ".venv", ".vendor", "__pycache__", "node_modules", ".pytest_cache"}
+_SKIP_DIRS = {".git", ".venv", "__pycache__", "node_modules", ".pytest_cache"}
 
 
 def _in_scope(path: str, scope: list[str]) -> bool:
@@ -198,3 +200,41 @@ def test_the_scanners_catch_what_they_must():
     assert _expand("§1–§3, §8") == ["1", "2", "3", "8"] and _expand("§9.2") == ["9.2"]
     assert slug("9. Identities") == "9-identities" and slug("1. Token groups") == "1-token-groups"
 
+
+
+# Files that only the third-party packages have (a vendored copy, under any folder, holds one of these)
+VENDORED = [re.compile(p) for p in (r"(^|/)nemo_rl/algorithms/grpo\.py$", r"(^|/)nemo_rl/package_info\.py$",
+                                    r"(^|/)megatron/core/", r"(^|/)megatron/bridge/", r"(^|/)nemo_automodel/",
+                                    r"(^|/)3rdparty/")]
+ARCHIVES = re.compile(r"\.(tar|tgz|gz|bz2|xz|zst|zip|whl|7z|sqsh|squashfs)$")
+THIRD_PARTY_HEADER = re.compile(r"Copyright \(c\) 20\d\d,? NVIDIA CORPORATION")
+
+
+def _head(f: str) -> str:
+    path = ROOT / f
+    return path.read_text(errors="replace")[:2000] if path.is_file() and not path.is_symlink() else ""
+
+
+def vendored_code(files: list[str], read=_head) -> list[str]:
+    """The tracked files that look like third-party code: a vendored package's file, an archive, or a
+    file with NVIDIA's source header (NeMo-RL, Megatron and Automodel files all carry it)."""
+    found = [f for f in files if any(p.search(f) for p in VENDORED) or ARCHIVES.search(f)]
+    for f in files:
+        if f not in found and f != SELF and THIRD_PARTY_HEADER.search(read(f)[:2000]):
+            found.append(f)
+    return found
+
+
+def test_no_third_party_code_is_tracked():
+    assert vendored_code(_tracked_files()) == []
+
+
+def test_vendored_code_check_finds_each_kind():
+    """The check above can fail: each kind of vendored file is found (paths and contents made here)."""
+    header = "# Copyright (c) 2025, NVIDIA CORPORATION.  All rights reserved.\nimport torch\n"
+    files = {"vendor/nemo-rl/nemo_rl/algorithms/grpo.py": "", "third/megatron/core/parallel_state.py": "",
+             "src/megatron/bridge/__init__.py": "", "x/nemo_automodel/__init__.py": "",
+             "snap/nemo-rl-v0.7.0.tar.gz": "", "tests/helpers/copied_loss.py": header,
+             "nemo_granular/nemo_rl/compat.py": "# ours\n"}
+    found = vendored_code(list(files), read=files.__getitem__)
+    assert sorted(found) == sorted(f for f in files if f != "nemo_granular/nemo_rl/compat.py")

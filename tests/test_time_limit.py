@@ -66,6 +66,7 @@ def _loop(algo, must_save_by, state: State, steps: int, max_steps: int, usr1_at:
     return steps
 
 
+@pytest.mark.nemo_rl
 def test_time_limit_before_the_end_is_exit_99_and_the_class_is_given_back(algo):
     original = algo.TimeoutChecker
     state = State()
@@ -77,6 +78,7 @@ def test_time_limit_before_the_end_is_exit_99_and_the_class_is_given_back(algo):
     assert watch.exit_code(state, {"max_num_steps": 10, "max_num_epochs": 1}, {"enabled": True}) == PREEMPTED_EXIT_CODE
 
 
+@pytest.mark.nemo_rl
 def test_time_limit_on_the_last_step_or_the_last_epoch_is_a_finished_run(algo):
     with StopWatch(algo) as watch:
         _loop(algo, "00:00:00:00", State(total_steps=9), steps=10, max_steps=10)
@@ -89,6 +91,7 @@ def test_time_limit_on_the_last_step_or_the_last_epoch_is_a_finished_run(algo):
     assert watch.exit_code(mid, {"max_num_steps": 1000, "max_num_epochs": 2}, {"enabled": True}, range(4)) == 99
 
 
+@pytest.mark.nemo_rl
 def test_no_limit_no_signal_is_exit_0_and_no_checkpointing_is_exit_1(algo, capsys):
     with StopWatch(algo) as watch:
         assert _loop(algo, None, State(), steps=5, max_steps=5) == 5
@@ -99,6 +102,7 @@ def test_no_limit_no_signal_is_exit_0_and_no_checkpointing_is_exit_1(algo, capsy
     assert "cannot resume" in capsys.readouterr().err
 
 
+@pytest.mark.nemo_rl
 def test_sigusr1_stops_at_the_next_step_boundary_through_the_checker(algo, usr1, capsys):
     install_stop_signal()
     state = {"current_step": 0, "total_steps": 0, "current_epoch": 0}      # NeMo-RL's PPO state is a dict
@@ -124,6 +128,7 @@ def test_a_module_without_timeoutchecker_is_refused_in_one_line():
         StopWatch(types.ModuleType("nemo_rl.algorithms.other")).start()
 
 
+@pytest.mark.nemo_rl
 def test_sigterm_stops_at_the_next_step_boundary_like_sigusr1(algo, capsys):
     """``scancel`` and Slurm's preemption send SIGTERM to every step, the driver's too: the driver
     must save at the end of the step and exit 99, not die (it handled only SIGUSR1 before)."""
@@ -141,6 +146,7 @@ def test_sigterm_stops_at_the_next_step_boundary_like_sigusr1(algo, capsys):
     assert "stopped by SIGTERM after step 3 of 6: checkpoint saved; exit 99" in capsys.readouterr().err
 
 
+@pytest.mark.nemo_rl
 @pytest.mark.parametrize("must_save_by, left, reserve, expected", [
     ("00:03:45:00", 3600.0, 900.0, 2700.0),     # the job ends first: its end minus the reserve
     ("00:00:30:00", 7200.0, 900.0, 1800.0),     # NeMo-RL's own limit first: unchanged

@@ -16,6 +16,8 @@ import pytest
 
 from nemo_granular.nemo_rl.workers import DTENSOR_V2_EXTENSION_FQN, MEGATRON_EXTENSION_FQN
 
+pytestmark = pytest.mark.nemo_rl
+
 MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
 
 

@@ -449,6 +449,14 @@ def estimator_config(master_config, section: str = "grpo") -> dict:
     return est
 
 
+def verify_scores_need_own_call() -> bool:
+    """Whether the math verifiers' ``verify(..., return_extracted_answer=True)`` can return more scores
+    than responses, so that the scores must come from a second call without answers. v0.7.0's
+    ``HFVerifyWorker.verify`` appends a score, then, when the answer extraction fails, a second 0.0 in its
+    ``except`` (its answers stay one per response); main's picks the answer without raising."""
+    return version().key == V0_7
+
+
 @dataclass(frozen=True)
 class Behaviour:
     what: str
@@ -485,6 +493,10 @@ BEHAVIOURS: tuple[Behaviour, ...] = (
     Behaviour("preflight's restated `setup()` checks",
               {V0_7: "main's, on the keys v0.7.0 has (agreement with v0.7.0's `setup()` tested on the shipped "
                      "configs only)", MAIN: "each checked against NeMo-RL's own code"}, "require"),
+    Behaviour("math verifier `verify(..., return_extracted_answer=True)` (ESPO's environment)",
+              {V0_7: "an answer extraction that fails after scoring adds a second score: scores from a second "
+                     "call without answers",
+               MAIN: "one score and one answer per response"}, "verify_scores_need_own_call"),
     Behaviour("split-step metric rescale (`MetricNormalizer`)",
               {V0_7: "absent: the losses' local enum stands in (`nemo_granular.protocol`)",
                MAIN: "per metric, by the loss's `metric_normalizations`"}, "nemo_granular.protocol"),

@@ -131,12 +131,19 @@ def _build_espo_math_environment():  # pragma: no cover - needs NeMo-RL and Ray
             impl = self.cfg.get("math_verify_impl", "hf_math_verify")
             work = zip(self.workers, chunk_list_to_workers(responses, self.num_workers),
                        chunk_list_to_workers(truths, self.num_workers))
+            work = list(work)
             futures = [w.verify.remote(r, t, True, math_verify_impl=impl) for w, r, t in work]
+            # v0.7.0's verifier adds a second score when the answer extraction fails after scoring:
+            # its answers stay one per response, its scores come from a call without answers
+            score_futures = ([w.verify.remote(r, t, False, math_verify_impl=impl) for w, r, t in work]
+                             if compat.verify_scores_need_own_call() else None)
             scores: list[float] = []
             answers: list[str | None] = []
             for s, a in ray.get(futures):
                 scores.extend(s)
                 answers.extend(a)
+            if score_futures is not None:
+                scores = [score for s in ray.get(score_futures) for score in s]
             n = len(scores)
             rewards = torch.tensor(scores, dtype=torch.float32)
             return EnvironmentReturn(observations=espo_observations(scores, answers), metadata=metadata,
