@@ -64,7 +64,7 @@ def load_nemo_rl():
         return None, "NEMO_RL_SRC is unset (point it at a NeMo-RL checkout; see scripts/nemo_rl_env.sh)"
     if not (Path(src) / "nemo_rl").is_dir():
         return None, f"NEMO_RL_SRC={src} has no nemo_rl/ package"
-    shim = ROOT / "tests" / "host_shims" / "typing_shim" / "sitecustomize.py"  # Python < 3.12 typing names
+    shim = ROOT / "tests" / "harness" / "host_shims" / "typing_shim" / "sitecustomize.py"  # Python < 3.12 typing names
     exec(compile(shim.read_text(), str(shim), "exec"), {})
     sys.path.insert(0, str(Path(src).resolve()))
     try:

@@ -28,7 +28,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIMS = ROOT / "tests" / "host_shims"
+HARNESS = ROOT / "tests" / "harness"   # the test harness: helpers, stand-ins, drivers (tests/README.md)
+SHIMS = HARNESS / "host_shims"
+if str(HARNESS) not in sys.path:
+    sys.path.insert(0, str(HARNESS))
 SOURCE_VARS = ("NEMO_RL_SRC", "MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC", "AUTOMODEL_SRC")
 
 

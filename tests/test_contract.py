@@ -1,6 +1,6 @@
 """One batch contract, checked on both hosts (and on the calls NeMo-RL's real wrappers make).
 
-The same checker (`nemo_granular.contract`) wraps the plugin loss (a) inside the embedded
+The same checker (`tests/harness/contract.py`) wraps the plugin loss (a) inside the embedded
 trainer (tests/test_embedded.py::test_trainer_calls_plugin_with_nemo_rl_contract) and (b) here,
 called the ways NeMo-RL's workers call it: whole microbatch, microbatch splits, and one call per
 sequence as `SequencePackingLossWrapper` does (plain dict, rows sliced to their length).
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nemo_granular import GranularPolicyLoss, SequenceValueLoss
-from nemo_granular.contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
+from contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
 from test_nemo_rl_loss_equivalence import _driver_batch, _microbatches, _per_sequence, _whole
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_granular.contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
+from contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
 from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]

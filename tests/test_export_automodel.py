@@ -3,7 +3,7 @@
 Two gloo processes build Automodel's Qwen3-MoE implementation from a tiny HF checkpoint with
 ``NeMoAutoModelForCausalLM.from_pretrained`` (FSDP2 over the 2 ranks, experts over EP=2, as
 NeMo-RL's ``DTensorPolicyWorkerV2`` does) and save it with NeMo-RL's ``AutomodelCheckpointManager``
-→ Automodel's ``Checkpointer`` (``tests/export_cpu/automodel_writer.py``), in both
+→ Automodel's ``Checkpointer`` (``tests/harness/export_cpu/automodel_writer.py``), in both
 ``checkpointing.model_save_format`` values. Each export is reloaded with transformers and compared
 with the HF source.
 

@@ -3,13 +3,13 @@
 The checkpoints are written by NeMo-RL's and Megatron-Bridge's own code (HF import,
 ``setup_model_config`` on NeMo-RL's Qwen3-30B-A3B recipe, Bridge's ``save_checkpoint``,
 ``CheckpointManager``) over 2 gloo processes, from tiny HF Qwen3 / Qwen3-MoE models
-(``tests/export_cpu/megatron_writer.py``). Each export is reloaded with transformers and compared
+(``tests/harness/export_cpu/megatron_writer.py``). Each export is reloaded with transformers and compared
 with the HF source: the exported tensors must be bit-equal to the source's (rounded to bf16 for
 the bf16 run) and the logits within 1e-6 (fp32 end to end, so any difference could only come from
 a kernel; measured: 0.0 in every case).
 
 The only CPU stand-in the export itself needs is Megatron's local layer spec in place of Transformer
-Engine's (``tests/cpu_stand_ins/megatron.py``).
+Engine's (``tests/harness/cpu_stand_ins/megatron.py``).
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def test_megatron_export_applies_training_hf_config_overrides(megatron_checkpoin
     with ``AutoBridge.from_hf_pretrained(model_name, **hf_config_overrides)``, so the Megatron model
     it trained used YaRN; the export must carry it and compute what the HF model with the same
     override computes. The export runs in its own process with the shared CPU stand-ins
-    (``tests/export_cpu/export_on_cpu.py``: Megatron's YaRN embedding asks for a CUDA device when built)."""
+    (``tests/harness/export_cpu/export_on_cpu.py``: Megatron's YaRN embedding asks for a CUDA device when built)."""
     import subprocess
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -155,7 +155,7 @@ def test_megatron_export_applies_training_hf_config_overrides(megatron_checkpoin
     run_cfg = read_yaml(step / "policy" / "weights" / "iter_0000000" / "run_config.yaml")["model"]
     assert run_cfg["position_embedding_type"] == "yarn"   # what Megatron trained with
     out = tmp_path / "hf"
-    res = subprocess.run([sys.executable, str(Path(__file__).parent / "export_cpu" / "export_on_cpu.py"), str(step),
+    res = subprocess.run([sys.executable, str(Path(__file__).parent / "harness" / "export_cpu" / "export_on_cpu.py"), str(step),
                           str(out), "--dtype", "fp32"], capture_output=True, text=True, timeout=900,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-4000:]
@@ -213,14 +213,14 @@ def test_eval_job_exports_with_nemo_rl_megatron_worker_venv(megatron_checkpoints
 
     run = tmp_path / "espo_seed0"
     shutil.copytree(megatron_checkpoints / "dense_tp2" / f"step_{STEP}", run / "checkpoints" / f"step_{STEP}")
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).parent / "harness")   # the CPU stand-ins
     # the pinned sources first (as conftest puts them first on this process's path), then the packages
     worker = _make_venv(tmp_path / "ray_venvs" / STOCK_MEGATRON_WORKER, *HOST_PATHS, tests,
                         sysconfig.get_paths()["purelib"], "import cpu_stand_ins; cpu_stand_ins.install()")
     data = _data_dir(tmp_path, ["aime24", "aime25", "math500", "hmmt25"])
     shim = tmp_path / "run_eval_shim.py"
     shim.write_text(SHIM)
-    env = env_without_nemo_rl(PYTHONPATH=str(Path(tests).parent), NEMO_RL_VENV_DIR=str(tmp_path / "ray_venvs"),
+    env = env_without_nemo_rl(PYTHONPATH=str(Path(__file__).resolve().parents[1]), NEMO_RL_VENV_DIR=str(tmp_path / "ray_venvs"),
                               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     for var in ("NG_EXPORT_PYTHON", "NEMO_RL_PY_EXECUTABLES_SYSTEM"):
         env.pop(var, None)

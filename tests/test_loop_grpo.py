@@ -1,6 +1,6 @@
 """NeMo-RL's real GRPO loop with the plugin, end to end on CPU (DTensor-v2 backend).
 
-World: NeMo-RL (``nemo_rl_src``) + the CPU host of ``tests/cpu_host`` (one private Ray head that
+World: NeMo-RL (``nemo_rl_src``) + the CPU host of ``tests/harness/cpu_host`` (one private Ray head that
 declares 4 GPUs for the whole module; docs/nemo-rl.md §7 lists every stand-in). Each run is
 ``python -m cpu_host.launch grpo --config <child of a shipped config>``: our unchanged
 ``nemo_granular.run_grpo.main`` → NeMo-RL's real ``setup()`` (Ray actors, the real

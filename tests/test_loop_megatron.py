@@ -1,8 +1,8 @@
 """NeMo-RL's real GRPO loop with the plugin on the Megatron backend, end to end on CPU.
 
 World: NeMo-RL (``nemo_rl_src``) with its pinned Megatron-LM / Megatron-Bridge sources, and the CPU
-host of ``tests/cpu_host`` (one private Ray head that declares 1 GPU for the whole module; the
-shared stand-ins of ``tests/cpu_stand_ins`` are installed lazily in every Ray worker; docs/nemo-rl.md
+host of ``tests/harness/cpu_host`` (one private Ray head that declares 1 GPU for the whole module; the
+shared stand-ins of ``tests/harness/cpu_stand_ins`` are installed lazily in every Ray worker; docs/nemo-rl.md
 §7). Each run is ``python -m cpu_host.launch grpo --config <child of a shipped Megatron config>``:
 our unchanged ``run_grpo`` → NeMo-RL's real ``setup()`` (the plugin's ``GranularMegatronPolicyWorker``
 Ray actors, whose ``MegatronPolicyWorkerImpl.__init__`` imports the HF checkpoint with
@@ -145,7 +145,7 @@ def test_espo_loop_on_megatron_three_steps(espo):
 
 def test_espo_loss_in_the_megatron_loop_equals_the_float64_reference(espo, world):
     """Every loss call of both workers (NeMo-RL's packing wrapper calls it once per packed sequence),
-    recomputed in float64 by tests/reference.py (cpu_host.loss_check)."""
+    recomputed in float64 by tests/harness/reference.py (cpu_host.loss_check)."""
     from cpu_host.loss_check import METRICS, check_run, records
 
     got = check_run(espo.dir, world.model)

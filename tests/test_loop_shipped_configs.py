@@ -1,6 +1,6 @@
 """Every shipped DTensor config builds its NeMo-RL workers on CPU (NeMo-RL's own worker-init checks run).
 
-World: NeMo-RL + the CPU host of ``tests/cpu_host``. A config that loads is not a config that runs:
+World: NeMo-RL + the CPU host of ``tests/harness/cpu_host``. A config that loads is not a config that runs:
 NeMo-RL's workers check the config again in their ``__init__``. Each shipped config whose policy
 backend is DTensor (``examples/configs/*.yaml``, ``examples/configs/nemo_rl/*.yaml``) goes through
 the real worker construction with only the model (a tiny local Qwen3), paths, sizes and cluster

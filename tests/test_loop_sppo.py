@@ -1,6 +1,6 @@
 """NeMo-RL's real PPO loop with SPPO, end to end on CPU (DTensor-v2 policy and value workers).
 
-World: NeMo-RL + the CPU host of ``tests/cpu_host`` (docs/nemo-rl.md §7). One run of
+World: NeMo-RL + the CPU host of ``tests/harness/cpu_host`` (docs/nemo-rl.md §7). One run of
 ``python -m cpu_host.launch sppo --config <child of examples/configs/sppo_r1_distill_qwen_7b_small_critic.yaml>``:
 our unchanged ``nemo_granular.run_sppo.main`` → NeMo-RL's real ``ppo.setup()`` (policy AND value
 worker groups, 2 workers each, FSDP2 with the shipped ``cpu_offload: true`` on gloo) → the real

@@ -1,12 +1,12 @@
 """NeMo-RL's real Megatron policy worker, with the plugin's extension, on CPU against HF transformers.
 
 World: NeMo-RL (``nemo_rl_src``) with its pinned Megatron-LM / Megatron-Bridge sources. Each layout
-is one spawned gloo world (``tests/megatron_cpu/world.py``) in which every rank constructs
+is one spawned gloo world (``tests/harness/megatron_cpu/world.py``) in which every rank constructs
 ``GranularMegatronPolicyWorkerImpl`` through ``MegatronPolicyWorkerImpl.__init__`` — HF → Megatron
 import by Megatron-Bridge, DDP + distributed optimizer, reference model — from a tiny HF Qwen3 /
 Qwen3-MoE checkpoint and a shipped example config with model size, paths and cluster shrunk,
-float32, sequence packing as the layout says (CPU stand-ins: ``tests/cpu_stand_ins`` and
-``tests/megatron_cpu/standins.py``, listed in ``docs/nemo-rl.md`` §7). NeMo-RL's own ``Policy``
+float32, sequence packing as the layout says (CPU stand-ins: ``tests/harness/cpu_stand_ins`` and
+``tests/harness/megatron_cpu/standins.py``, listed in ``docs/nemo-rl.md`` §7). NeMo-RL's own ``Policy``
 code shards the batch and re-assembles the results (``cases.Driver``).
 
 ``a3b_shape`` is the layout of ``espo_qwen3_30b_a3b_megatron.yaml`` at toy size: TP × PP × CP × EP

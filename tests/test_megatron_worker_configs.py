@@ -41,7 +41,7 @@ def _family(model_name: str) -> str:
         return "moe"
     if "Qwen2" in model_name:
         return "qwen2"
-    raise AssertionError(f"no tiny stand-in model for {model_name}: add one to tests/megatron_cpu/models.py")
+    raise AssertionError(f"no tiny stand-in model for {model_name}: add one to tests/harness/megatron_cpu/models.py")
 
 
 def _batch(g):

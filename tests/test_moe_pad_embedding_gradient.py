@@ -13,7 +13,7 @@ transformers model gives, except for ONE embedding row, that of the pad token.
   gradient is therefore some hundred times the rest of the model's.
 
 Here, on one batch with ``<pad>`` sampled mid-response: Automodel's gradient (its model, our loss)
-equals a transformers backward of the independent float64 reference loss (tests/reference.py) on
+equals a transformers backward of the independent float64 reference loss (tests/harness/reference.py) on
 every parameter, once the embedding gradient includes what ``padding_idx`` drops; that dropped row
 is > 20x the rest; with a non-zero pad row (a trained checkpoint's) the excess is gone.
 """

@@ -420,7 +420,7 @@ def test_split_step_rescale_in_both_import_orders(megatron_workers, order):
     ``global_valid_* = 1`` call to the synchronous value, whether ``nemo_granular`` or NeMo-RL's loss
     module was imported first. Before, with ``nemo_granular`` first the kinds were local members:
     ``num_valid_samples`` came out 0.179 instead of 5 and ``groups_per_response`` 1.0 instead of 5.6."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "split_step_driver.py"), order],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "harness" / "split_step_driver.py"), order],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

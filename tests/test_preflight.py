@@ -25,7 +25,7 @@ pytestmark = pytest.mark.v070
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"
-FIXTURE = ROOT / "tests" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml"
+FIXTURE = ROOT / "tests" / "harness" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml"
 MOE = CFG / "espo_qwen3_30b_a3b_megatron.yaml"
 MATH_1_5B = CFG / "sspo_qwen2.5_math_1.5b.yaml"
 SPPO_7B = CFG / "sppo_r1_distill_qwen_7b.yaml"

@@ -7,7 +7,7 @@ cases and the drift guards are main's (``needs_nemo_rl("preflight_setup_parity")
 * Every shipped config (``examples/configs/*.yaml``, ``examples/configs/nemo_rl/*.yaml``) passes
   preflight with no error, AND NeMo-RL's real start-up accepts it: ``MasterConfig``, ``setup()``
   up to the policy/critic workers, ``VllmGeneration.__init__``, ``Policy.__init__``,
-  ``Value.__init__`` (tests/nemo_rl_setup_driver.py lists the Ray/GPU edges it stands in for), and
+  ``Value.__init__`` (tests/harness/nemo_rl_setup_driver.py lists the Ray/GPU edges it stands in for), and
   the Megatron worker's config validators.
 * Each check has a failing config: an override of a shipped config that preflight reports with the
   NeMo-RL ``file:function`` it mirrors, and that NeMo-RL's real code rejects with its own message
@@ -15,7 +15,7 @@ cases and the drift guards are main's (``needs_nemo_rl("preflight_setup_parity")
   Megatron's process groups, Automodel's distributed set-up), whose guarded expression is still in
   NeMo-RL's / Megatron's source (drift guard).
 * The pre-fix Megatron configs (``defer_fp32_logits`` inherited as false with a logprob chunk):
-  tests/preflight_fixtures/espo_qwen3_30b_a3b_before_defer_fix.yaml reproduces them; preflight
+  tests/harness/preflight_fixtures/espo_qwen3_30b_a3b_before_defer_fix.yaml reproduces them; preflight
   catches it and NeMo-RL's real ``_validate_chunking_config`` raises — while ``setup()`` accepts
   it, which is why the first GPU run would have died at worker init.
 """
@@ -34,7 +34,7 @@ pytestmark = pytest.mark.v070
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"
 SHIPPED = sorted(p.relative_to(CFG).as_posix() for p in [*CFG.glob("*.yaml"), *(CFG / "nemo_rl").glob("*.yaml")])
-FIXTURE = ROOT / "tests" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml"
+FIXTURE = ROOT / "tests" / "harness" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml"
 GRPO_BASE = "sspo_qwen2.5_math_1.5b.yaml"           # Megatron, 1 node x 8 GPUs, TP 1, packing
 MOE_BASE = "espo_qwen3_30b_a3b_megatron.yaml"       # Megatron, 8 x 8, TP 4 PP 2 CP 2 EP 8
 PPO_BASE = "sppo_r1_distill_qwen_1.5b.yaml"         # DTensor v2 policy and critic

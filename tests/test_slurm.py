@@ -16,7 +16,7 @@ from a directory outside the repository and must
    fixed ports, ``ulimit -n``, ``UV_CACHE_DIR`` and what each step sees in its container are
    checked on the way; the head's name also maps to 127.0.1.1;
 2. requeue and resume a NeMo-RL run (the real ``run_grpo`` / ``run_sppo`` around
-   ``tests/nemo_rl_loop_driver.py``'s stand-in loop) that stopped at NeMo-RL's own time limit,
+   ``tests/harness/nemo_rl_loop_driver.py``'s stand-in loop) that stopped at NeMo-RL's own time limit,
    one sent USR1 while starting up and again in the middle of a (slow) checkpoint save, and one
    preempted with SIGTERM (``scontrol requeue``);
 3. fail within a bounded time, with a message naming the node, when a worker node dies (every
@@ -30,7 +30,7 @@ from a directory outside the repository and must
 Which preflight: the REAL one (``python -m nemo_granular preflight``, NeMo-RL's own checks) in
 ``test_real_preflight_*`` (in jobs: a shipped config passes, a config NeMo-RL rejects fails the
 job) and ``test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs``; the stand-in
-(``NG_FAKE_PREFLIGHT=1``: ``fake_preflight`` in tests/nemo_rl_logger_driver.py, same interface,
+(``NG_FAKE_PREFLIGHT=1``: ``fake_preflight`` in tests/harness/nemo_rl_logger_driver.py, same interface,
 records its command lines) where the real one would add NeMo-RL imports to a test's critical path
 without new evidence, or would rightly refuse a 64-GPU layout on this 4-GPU cluster: the requeue
 test of (2) and the NeMo-RL comparison. Each test's docstring says which.
@@ -40,7 +40,7 @@ requeued job. So the one-node jobs of three tests are submitted together (``one_
 the CPU-only dry runs start in the background when the module starts (``real_preflight_dry_runs``).
 
 The driver of (1) is the real ``nemo-granular train --config examples/configs/local/smoke.yaml``
-when ``nemo_granular.embedded`` is importable, the stand-in ``tests/slurm_stub_driver.py`` (same
+when ``nemo_granular.embedded`` is importable, the stand-in ``tests/harness/slurm_stub_driver.py`` (same
 signal / exit-code / resume contract) otherwise; ``NG_SLURM_TEST_DRIVER=stub|train`` forces one.
 Every job runs with a private ``HOME`` (never the real one). What it does to the machine (as
 root): apt-installs the Debian packages slurmctld, slurmd, slurm-client, munge and shellcheck (and
@@ -77,12 +77,12 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "slurm"
 LAUNCH = SLURM / "launch.sh"
-STUB = ROOT / "tests" / "slurm_stub_driver.py"
-NRL_DRIVER = ROOT / "tests" / "nemo_rl_logger_driver.py"
-LOOP_DRIVER = ROOT / "tests" / "nemo_rl_loop_driver.py"
+STUB = ROOT / "tests" / "harness" / "slurm_stub_driver.py"
+NRL_DRIVER = ROOT / "tests" / "harness" / "nemo_rl_logger_driver.py"
+LOOP_DRIVER = ROOT / "tests" / "harness" / "nemo_rl_loop_driver.py"
 PYXIS = SLURM / "local_cluster" / "pyxis"            # the local cluster's pyxis (srun + enter.sh)
 MAKE_IMAGE = SLURM / "local_cluster" / "make_image.sh"
-SHIMS = ROOT / "tests" / "host_shims"
+SHIMS = ROOT / "tests" / "harness" / "host_shims"
 SMOKE = ROOT / "examples" / "configs" / "local" / "smoke.yaml"
 PKGS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge",
         "ip": "iproute2", "shellcheck": "shellcheck", "unshare": "util-linux", "chroot": "coreutils", "mount": "mount"}
@@ -235,7 +235,7 @@ def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = (),
     layers on the image's PYTHONPATH. No nemo-granular in it. ``mcore_in_workers``: as in NeMo-RL's
     image, Megatron-LM and Megatron-Bridge (NeMo-RL's ``mcore`` extra) only in the worker venvs
     (``--worker-pth``), there with the shared CPU stand-ins in place of Transformer Engine and CUDA
-    (tests/cpu_stand_ins, an image layer, installed by the .pth; docs/nemo-rl.md §7)."""
+    (tests/harness/cpu_stand_ins, an image layer, installed by the .pth; docs/nemo-rl.md §7)."""
     layers, path = [f"{SHIMS / 'typing_shim'}:/opt/shims/typing_shim"], ["/opt/shims/typing_shim"]
     worker_pth: list[str] = []
     if nemo_rl is not None:
@@ -245,7 +245,7 @@ def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = (),
             layers.append(f"{Path(os.environ[var]).resolve()}:/opt/src/{var.lower()}")
             (worker_pth if mcore_in_workers and var != "AUTOMODEL_SRC" else path).append(f"/opt/src/{var.lower()}")
     if mcore_in_workers:
-        layers += [f"{ROOT / 'tests' / 'cpu_stand_ins'}:/opt/cpu_stand_ins/cpu_stand_ins",
+        layers += [f"{ROOT / 'tests' / 'harness' / 'cpu_stand_ins'}:/opt/cpu_stand_ins/cpu_stand_ins",
                    f"{SHIMS}:/opt/cpu_stand_ins/host_shims"]     # (the stand-ins find te_stub beside them)
         worker_pth += ["/opt/cpu_stand_ins", "import cpu_stand_ins; cpu_stand_ins.install()"]
     args = ["bash", str(MAKE_IMAGE), str(dest), "--venv", sys.prefix, "--env", "PYTHONPATH=" + ":".join(path)]
@@ -601,7 +601,7 @@ def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     return dest
 
 
-EVAL_LAUNCHER = ROOT / "tests" / "nemo_rl_eval_launcher.py"
+EVAL_LAUNCHER = ROOT / "tests" / "harness" / "nemo_rl_eval_launcher.py"
 ANSWER = "2"     # what the tiny model of the NeMo-RL comparison answers to every problem
 
 
@@ -613,7 +613,7 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     prebuilt Megatron worker venv, with nemo-granular's checkout mounted and no VENV; the
     training, eval and report jobs all run in containers; the submit host runs the preflight with
     its own Python), on a tiny Qwen3-MoE (``policy.model_name``) that answers ``\\boxed{2}`` to
-    everything, with the NeMo-RL driver replaced by tests/nemo_rl_logger_driver.py
+    everything, with the NeMo-RL driver replaced by tests/harness/nemo_rl_logger_driver.py
     (NEMO_RL_PYTHON): NeMo-RL's own load_config and Logger (TensorBoard) write the run
     directories, and a real Megatron checkpoint of the run's "trained" weights (the model plus
     seeded noise) is written by NeMo-RL's and Megatron-Bridge's code in the image's Megatron
@@ -622,7 +622,7 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     evaluate: ``eval-checkpoints`` exports the checkpoint with the interpreter it chooses (the
     Megatron worker venv: the eval job's own Python has no Megatron-Bridge) and runs NeMo-RL's
     ``examples/run_eval.py`` on AIME24 (``--benchmarks aime24``: 3 staged problems x 32 samples at
-    T=0.6; one benchmark for CI time) through ``--launcher tests/nemo_rl_eval_launcher.py`` (vLLM
+    T=0.6; one benchmark for CI time) through ``--launcher tests/harness/nemo_rl_eval_launcher.py`` (vLLM
     replaced by transformers ``generate`` on CPU, Ray declaring the job's GPUs: docs/nemo-rl.md
     §7). The test then checks, independently: the
     exported weights equal the driver's trained weights (rounded to the run's bf16) and not the
@@ -760,7 +760,7 @@ def _assert_exported_weights(exported: Path, trained: Path, initial: Path) -> No
 def _independent_scores(model: Path, bench: Path, checkout: Path, keys) -> dict:
     """Per benchmark: the exported model's greedy response to each problem (transformers
     ``generate`` here, on NeMo-RL's prompt file formatted with the problem, in the model's chat
-    template; the model answers the same to every prompt, tests/export_cpu/tiny_hf.py, so they
+    template; the model answers the same to every prompt, tests/harness/export_cpu/tiny_hf.py, so they
     must agree), the staged answers, and the score a verifier written here gives them (the last
     ``\\boxed{}`` equals the answer, numerically for numbers and ``\\sqrt{n}``)."""
     import math
@@ -824,7 +824,7 @@ def _env(base: dict, overrides: dict) -> dict:
 
 REAL_PREFLIGHT_DRY_RUNS = "test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs"
 DRY_RUN_SHIPPED = tuple(str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo"))
-DRY_RUN_FIXTURE = str(ROOT / "tests" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml")
+DRY_RUN_FIXTURE = str(ROOT / "tests" / "harness" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml")
 DRY_RUN_SPPO = str(ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml")
 
 
@@ -1118,7 +1118,7 @@ def _nemo_rl_steps(run: Path) -> list[tuple[int, int]]:
 @pytest.mark.nemo_rl
 def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src, tmp_path):
     """Two one-node NeMo-RL jobs side by side (a Ray head each; NeMo-RL's own ``init_ray`` attaches
-    to it), the real ``run_grpo`` / ``run_sppo`` with tests/nemo_rl_loop_driver.py's loop:
+    to it), the real ``run_grpo`` / ``run_sppo`` with tests/harness/nemo_rl_loop_driver.py's loop:
 
     * SPPO stopped by NeMo-RL's own time limit (``checkpointing.checkpoint_must_save_by``): NeMo-RL
       saves and returns normally, as at the last step; the run must still be requeued and resume;
@@ -1246,7 +1246,7 @@ def one_node_jobs(cluster, images, tmp_path_factory):
       records the srun lines): WORKDIR = the image's NeMo-RL (/opt/nemo-rl), nemo-granular from its
       mounted checkout, no VENV, NeMo-RL not importable on the host side (no ``NEMO_RL_SRC``, not on
       ``PYTHONPATH``). The driver's Python is the image's ``python`` running
-      tests/nemo_rl_logger_driver.py, a stand-in whose ``-m nemo_granular preflight`` is the real CLI and whose ``-m
+      tests/harness/nemo_rl_logger_driver.py, a stand-in whose ``-m nemo_granular preflight`` is the real CLI and whose ``-m
       nemo_granular.run_grpo`` a short stand-in run (the real one needs GPUs). Its command line
       has ``--config`` between overrides and the override forms ``~key`` and ``+key=value``;
     * ``bad``: the REAL preflight, with the real Python (``python -m nemo_granular.run_grpo``, as a

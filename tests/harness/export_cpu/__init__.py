@@ -6,6 +6,6 @@
 * :mod:`.automodel_writer` — a NeMo-RL DTensor-v2 checkpoint written by Automodel's ``Checkpointer``
   from an FSDP2-sharded model over gloo ranks.
 
-The writers run as separate processes (``python tests/export_cpu/<writer>.py``), one per rank,
-with the shared CPU stand-ins of ``tests/cpu_stand_ins``.
+The writers run as separate processes (``python tests/harness/export_cpu/<writer>.py``), one per rank,
+with the shared CPU stand-ins of ``tests/harness/cpu_stand_ins``.
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """NeMo-RL's Megatron split-step metric rescale run on the granular loss, in a fresh process.
 
-    python tests/split_step_driver.py granular_first|nemo_rl_first
+    python tests/harness/split_step_driver.py granular_first|nemo_rl_first
 
 The order decides which is imported first: ``nemo_granular`` (its loss built before NeMo-RL's
 loss module is loaded) or NeMo-RL's loss interfaces. Then the REAL
@@ -28,8 +28,8 @@ from types import SimpleNamespace
 import torch
 from torch.overrides import TorchFunctionMode
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "harness"))
 
 CONFIG = {"token_level_loss": False, "reference_policy_kl_penalty": 0.05,
           "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
@@ -58,7 +58,7 @@ def _import_worker():
     import megatron.core.parallel_state  # noqa: F401
     import megatron.core.tensor_parallel  # noqa: F401
 
-    sys.path.append(str(ROOT / "tests" / "host_shims" / "te_stub"))
+    sys.path.append(str(ROOT / "tests" / "harness" / "host_shims" / "te_stub"))
     import nemo_automodel.shared.import_utils as iu
 
     iu.safe_import_te = lambda: (False, None)  # Automodel's TE-absent path (test only)

@@ -2,7 +2,7 @@
 
 * :mod:`.cluster` — a private local Ray head that declares GPUs (one per test module), the drivers'
   environment (NeMo-RL's ``NEMO_RL_PY_EXECUTABLES_SYSTEM=1``, private ``HOME``, Ray auth off).
-* :mod:`.hooks`, ``site/sitecustomize.py`` — the CPU stand-ins (the shared ones of ``tests/cpu_stand_ins``
+* :mod:`.hooks`, ``site/sitecustomize.py`` — the CPU stand-ins (the shared ones of ``tests/harness/cpu_stand_ins``
   and this harness's own), installed lazily in the driver and in every Ray worker (docs/nemo-rl.md §7
   lists each with why).
 * :mod:`.generation` — vLLM's place taken by transformers ``generate`` (NeMo-RL's

@@ -1,6 +1,6 @@
 """The CPU stand-ins shared by the three harnesses that run NeMo-RL / Megatron / Automodel code
-without a GPU: ``tests/cpu_host`` (NeMo-RL's loops in Ray actors), ``tests/megatron_cpu`` (the
-Megatron policy worker in spawned gloo worlds) and ``tests/export_cpu`` (checkpoint writers).
+without a GPU: ``tests/harness/cpu_host`` (NeMo-RL's loops in Ray actors), ``tests/harness/megatron_cpu`` (the
+Megatron policy worker in spawned gloo worlds) and ``tests/harness/export_cpu`` (checkpoint writers).
 
 Test code only; NeMo-RL, Megatron-LM, Megatron-Bridge, Automodel and torch are never edited.
 Each stand-in answers a GPU-only call and nothing else; docs/nemo-rl.md §7 lists them with why.

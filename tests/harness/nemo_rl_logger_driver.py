@@ -3,7 +3,7 @@
 
 ``slurm/submit_comparison.sh`` starts NeMo-RL drivers as ``$NEMO_RL_PYTHON -m
 nemo_granular.run_grpo --config CFG overrides...``; the test sets ``NEMO_RL_PYTHON="python
-tests/nemo_rl_logger_driver.py"``, so this script receives exactly the arguments Python would.
+tests/harness/nemo_rl_logger_driver.py"``, so this script receives exactly the arguments Python would.
 Instead of training it produces what a NeMo-RL run leaves behind, with NeMo-RL's own code:
 
 * the config as ``run_grpo`` / ``run_sppo`` load it (``nemo_granular.nemo_rl.configs.load_resolved``:
@@ -15,13 +15,13 @@ Instead of training it produces what a NeMo-RL run leaves behind, with NeMo-RL's
   ``timing/train/total_step_time``, ``validation/accuracy``, ...), one step per
   ``step_seconds`` (``NG_FAKE_STEP_SECONDS``, default 0.2);
 * a final checkpoint ``checkpoint_dir/step_N/``: when ``policy.model_name`` is a local (small)
-  Hugging Face model (e.g. ``tests/export_cpu/tiny_hf.py``), with REAL weights in the format of the
+  Hugging Face model (e.g. ``tests/harness/export_cpu/tiny_hf.py``), with REAL weights in the format of the
   config's backend (Megatron only: ``policy.megatron_cfg.enabled``, else exit 2), as NeMo-RL's
   Megatron policy worker writes it (:func:`write_megatron_checkpoint`); otherwise NeMo-RL's
   ``CheckpointManager`` writes its ``config.yaml`` and no weights. The "training": the initial weights plus
   seeded noise (deterministic in algorithm and seed), saved as ``<run>/stand_in/trained_hf`` (the
   weights the checkpoint holds, for a test to compare with an export), then written by
-  ``tests/export_cpu/megatron_writer.py`` with NeMo-RL's and Megatron-Bridge's code (HF import,
+  ``tests/harness/export_cpu/megatron_writer.py`` with NeMo-RL's and Megatron-Bridge's code (HF import,
   ``setup_model_config`` on the run's config at TP = PP = CP = EP = 1, Bridge's
   ``save_checkpoint``, ``CheckpointManager``, which writes the run's ``config.yaml``), in one
   process started with the Python NeMo-RL starts its Megatron workers with (the stock Megatron

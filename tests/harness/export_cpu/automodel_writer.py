@@ -1,6 +1,6 @@
 """Write NeMo-RL DTensor-v2 checkpoints of tiny HF models on CPU: one gloo rank per process.
 
-    python tests/export_cpu/automodel_writer.py RANK WORLD PORT JOBS_JSON
+    python tests/harness/export_cpu/automodel_writer.py RANK WORLD PORT JOBS_JSON
 
 ``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "ep", "formats"}``; all ranks run
 every job, saving the model once per ``checkpointing.model_save_format`` in ``formats``
@@ -52,7 +52,7 @@ def run_config(job: dict, checkpoint_dir: str, model_save_format: str) -> dict:
 
 def main(argv: list[str]) -> None:
     rank, world, port, jobs = int(argv[0]), int(argv[1]), argv[2], json.loads(argv[3])
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as under pytest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/harness/, as under pytest
     import cpu_stand_ins
 
     cpu_stand_ins.install()

@@ -4,7 +4,7 @@
 It honours the same contract as ``nemo-granular train`` so that ``slurm/launch.sh`` can be tested
 before / without the embedded trainer:
 
-    python tests/slurm_stub_driver.py output_dir=DIR rl.steps=N checkpoint.every=K \
+    python tests/harness/slurm_stub_driver.py output_dir=DIR rl.steps=N checkpoint.every=K \
         [step_seconds=S] [seed=N] [--resume | --auto-resume]
 
 * connects to Ray when ``RAY_ADDRESS`` is set and writes ``DIR/driver_ray_nodes.json`` with the

@@ -18,7 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]
+HARNESS = Path(__file__).resolve().parents[1]
+REPO = HARNESS.parents[1]
 SITE = Path(__file__).resolve().parent / "site"
 SOURCE_VARS = ("NEMO_RL_SRC", "MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC", "AUTOMODEL_SRC")
 
@@ -59,8 +60,7 @@ def cpu_host_env(home: Path, **extra: str) -> dict[str, str]:
     # the NeMo-RL sources (tests/conftest.py puts them on PYTHONPATH; a script run by hand may not)
     sources = [str(Path(env[v]).resolve()) for v in SOURCE_VARS if env.get(v)]
     have = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SITE)]
-    paths = [str(SITE), str(TESTS.parent)] + [p for p in sources if p not in have] + [p for p in have
-                                                                                       if p != str(TESTS.parent)]
+    paths = [str(SITE), str(REPO)] + [p for p in sources if p not in have] + [p for p in have if p != str(REPO)]
     env.update(
         PYTHONPATH=os.pathsep.join(paths),
         NEMO_GRANULAR_CPU_HOST="1",

@@ -1,6 +1,6 @@
 """Write NeMo-RL Megatron checkpoints of tiny HF models on CPU: one gloo rank per process.
 
-    python tests/export_cpu/megatron_writer.py RANK WORLD PORT JOBS_JSON
+    python tests/harness/export_cpu/megatron_writer.py RANK WORLD PORT JOBS_JSON
 
 ``JOBS_JSON`` is a list of ``{"hf_dir", "checkpoint_dir", "step", "tp", "pp", "ep", "precision"}``
 (+ optional ``"hf_config_overrides"``, set as ``policy.hf_config_overrides``); all ranks run every
@@ -78,7 +78,7 @@ def policy_config(job: dict) -> dict:
 
 def main(argv: list[str]) -> None:
     rank, world, port, jobs = int(argv[0]), int(argv[1]), argv[2], json.loads(argv[3])
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as under pytest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/harness/, as under pytest
     import cpu_stand_ins
 
     cpu_stand_ins.install()

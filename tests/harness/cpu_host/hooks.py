@@ -14,7 +14,7 @@ This harness's own (docs/nemo-rl.md §7):
 
 And one recorder (no stand-in): every ``GranularPolicyLoss`` call inside a worker writes what
 reached the loss and what the loss returned (:func:`_record_policy_loss`), for the test's float64
-recomputation (``tests/cpu_host/loss_check.py``).
+recomputation (``tests/harness/cpu_host/loss_check.py``).
 
 Nothing here imports torch, Ray or NeMo-RL (an eager ``sitecustomize`` that imported NeMo-RL made
 Ray's node start time out): each patch runs right after its module is first imported.

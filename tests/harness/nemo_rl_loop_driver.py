@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Stand-in NeMo-RL training driver for the launcher's time-limit and preemption tests (a test fixture).
 
-    python tests/nemo_rl_loop_driver.py -m nemo_granular.run_grpo|nemo_granular.run_sppo --config CFG [overrides]
-    python tests/nemo_rl_loop_driver.py -m nemo_granular preflight CFG [overrides]
+    python tests/harness/nemo_rl_loop_driver.py -m nemo_granular.run_grpo|nemo_granular.run_sppo --config CFG [overrides]
+    python tests/harness/nemo_rl_loop_driver.py -m nemo_granular preflight CFG [overrides]
 
-``slurm/launch.sh`` gets it as ``python tests/nemo_rl_loop_driver.py -m nemo_granular.run_grpo ...``,
+``slurm/launch.sh`` gets it as ``python tests/harness/nemo_rl_loop_driver.py -m nemo_granular.run_grpo ...``,
 i.e. as the Python that starts the driver. It runs the REAL ``nemo_granular.run_grpo.main`` /
 ``nemo_granular.run_sppo.main`` — our config loader on NeMo-RL's parents, the start-up checks,
 NeMo-RL's ``MasterConfig``, NeMo-RL's own ``init_ray`` attaching to the launcher's Ray cluster,
@@ -24,7 +24,7 @@ tokenizer, data, the estimator install, the exit code — and replaces only what
 * ``create_env`` (a Ray actor per environment): a stand-in object.
 
 ``-m nemo_granular preflight`` runs the real preflight, or with ``NG_FAKE_PREFLIGHT=1`` the
-stand-in (``tests/nemo_rl_logger_driver.py``: ``preflight``, ``fake_preflight``).
+stand-in (``tests/harness/nemo_rl_logger_driver.py``: ``preflight``, ``fake_preflight``).
 
 Each step sleeps ``NG_FAKE_STEP_SECONDS`` (default 0.5) and appends ``{"step", "attempt"}`` to
 ``<run>/steps.jsonl`` (run = the parent of ``checkpointing.checkpoint_dir``); each save of the

@@ -1,9 +1,9 @@
 """Run at start-up by every Python process whose PYTHONPATH has this folder first: the test
-drivers of tests/cpu_host and every Ray worker they start (NeMo-RL forwards the driver's
+drivers of tests/harness/cpu_host and every Ray worker they start (NeMo-RL forwards the driver's
 environment to its actors).
 
-1. The typing shim of tests/host_shims/typing_shim (only one ``sitecustomize`` runs per process).
-2. With ``NEMO_GRANULAR_CPU_HOST=1``: the lazy CPU stand-ins (tests/cpu_host/hooks.py).
+1. The typing shim of tests/harness/host_shims/typing_shim (only one ``sitecustomize`` runs per process).
+2. With ``NEMO_GRANULAR_CPU_HOST=1``: the lazy CPU stand-ins (tests/harness/cpu_host/hooks.py).
 """
 
 import os

@@ -1,6 +1,6 @@
 """``nemo-granular export ARGS`` in a process with the shared CPU stand-ins installed.
 
-    python tests/export_cpu/export_on_cpu.py SRC OUT [export options]
+    python tests/harness/export_cpu/export_on_cpu.py SRC OUT [export options]
 
 For checkpoints whose Megatron model cannot be built on a host without a GPU even in one process:
 Megatron's YaRN rotary embedding asks ``torch.cuda.current_device()`` while it is constructed
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, as under pytest
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/harness/, as under pytest
     import cpu_stand_ins
 
     cpu_stand_ins.install()

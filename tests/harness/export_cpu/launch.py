@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def free_port() -> int:
@@ -19,7 +19,7 @@ def free_port() -> int:
 
 
 def run_ranks(module: str, jobs: list[dict], world: int, log_dir: Path, timeout: float = 900) -> None:
-    """``python tests/export_cpu/<module>.py RANK WORLD PORT JOBS_JSON`` for every rank; raises with the
+    """``python tests/harness/export_cpu/<module>.py RANK WORLD PORT JOBS_JSON`` for every rank; raises with the
     failing rank's log tail. The environment is the test process's (NeMo-RL sources on PYTHONPATH)."""
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -28,7 +28,7 @@ def run_ranks(module: str, jobs: list[dict], world: int, log_dir: Path, timeout:
     for r in range(world):
         with open(logs[r], "w") as log:
             procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "export_cpu" / f"{module}.py"), str(r), str(world), port,
+                [sys.executable, str(ROOT / "tests" / "harness" / "export_cpu" / f"{module}.py"), str(r), str(world), port,
                  json.dumps(jobs)],
                 cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
     try:

@@ -1,4 +1,4 @@
-"""The loss a policy worker computed inside a loop, recomputed in float64 by ``tests/reference.py``.
+"""The loss a policy worker computed inside a loop, recomputed in float64 by ``tests/harness/reference.py``.
 
 Every ``GranularPolicyLoss`` call in a policy worker saved what reached it and what it returned
 (``cpu_host.hooks._record_policy_loss``; one folder per ``Policy.train`` call, ``cpu_host.launch``).
