@@ -101,15 +101,12 @@ def megatron_workers(nemo_rl_src):
 
 # Parallel runs (pytest-xdist; scripts/test.sh runs ``-n 2 --dist loadgroup``). Each module is one
 # scheduling unit, so its module-scoped set-up (a Ray head, a tiny checkpoint, a Megatron world) is
-# built once. The modules that start a Ray head on this host share one unit: ``ray start --head``
-# binds fixed default ports beside the GCS port (the Ray client server's, the dashboard agent's),
-# so two heads at once collide. The local Slurm cluster's Ray runs in its own network namespaces.
-# The longest units are handed out first (a stable sort; the rest keep file order), so the two
-# workers end together.
-HOST_RAY_MODULES = {"test_loop_actor_class", "test_loop_grpo", "test_loop_megatron", "test_loop_shipped_configs",
-                    "test_loop_sppo"}
-LONG_UNITS = ("host_ray", "test_slurm", "test_megatron_worker", "test_preflight_nemo_rl",
-              "test_megatron_worker_configs", "test_export_megatron", "test_loop_dtensor_packing")
+# built once. Two modules' Ray heads can run at once (cpu_host.cluster.RayHead gives every port of a
+# head a free one; Ray's defaults are fixed numbers). The longest units are handed out first (a stable
+# sort; the rest keep file order), so the two workers end together.
+LONG_UNITS = ("test_loop_grpo", "test_megatron_worker", "test_loop_megatron", "test_loop_sppo",
+              "test_preflight_nemo_rl", "test_megatron_worker_configs", "test_export_megatron",
+              "test_loop_shipped_configs", "test_loop_dtensor_packing")
 
 
 WORLD_MARKERS = {
@@ -162,8 +159,7 @@ def pytest_collection_modifyitems(config, items):
     _version_skips(items)
 
     def unit(item) -> str:
-        module = Path(str(item.fspath)).stem
-        return "host_ray" if module in HOST_RAY_MODULES else module
+        return Path(str(item.fspath)).stem
 
     for item in items:
         # a test that needs NeMo-RL by its fixtures is marked so (the marker selects the world it runs in)
