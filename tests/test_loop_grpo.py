@@ -91,6 +91,10 @@ ACTING = {"policy": {"optimizer": {"kwargs": {"lr": 1.0e-4}}}}
 ACTING_ADAPTIVE = {"policy": {"optimizer": {"kwargs": {"lr": 1.0e-3}}, "train_global_batch_size": 4}}
 ACTING_SSPO = {"policy": {"optimizer": {"kwargs": {"lr": 2.0e-3}}, "train_global_batch_size": 4},
                "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16}}
+# ESPO at 1 prompt x 16 samples as SSPO: at 4 x 4 (ACTING_ADAPTIVE) the v0.7.0 world's rollouts (bf16 refit)
+# gave every group equal rewards in all three steps (A = 0, no gradient)
+ACTING_ESPO = {"policy": {"optimizer": {"kwargs": {"lr": 1.0e-3}}, "train_global_batch_size": 4},
+               "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16}}
 ACTING_GSPO = {"policy": {"optimizer": {"kwargs": {"lr": 1.0e-3}}},
                "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16}}
 
@@ -139,7 +143,7 @@ def espo_dense(world):
              "loss_fn": {"granular": {"algorithm": "espo", "entropy_top_fraction": 0.2,
                                       "espo": {"alpha": "auto", "vocab_size": None}}}}
     cfg, run = _child(world, "run_d", "nemo_rl/sspo_math_1B.yaml", model=world.peaked, env="espo_math",
-                      extra=_acting(extra, base=ACTING_ADAPTIVE))
+                      extra=_acting(extra, base=ACTING_ESPO))
     return run_ok(world.head, "grpo", cfg, run)
 
 
@@ -182,6 +186,13 @@ TOL = {
     # FSDP2's mixed precision casts the parameters to bf16; entropy from vocabulary-parallel logits
     "fsdp": {"logprob_tol": 0.01, "entropy_tol": 5e-4, "mult_tol": 0.004},      # measured 4.8e-3, 2.3e-4, 8.2e-4
 }
+
+def _peaked_tol() -> dict:
+    """The peaked model's tolerances for this NeMo-RL's refit (main: fp32 weights; v0.7.0: cast to bf16)."""
+    from cpu_host.refit import dtensor_refit_path
+
+    return TOL["peaked" if dtensor_refit_path() == "checkpoint" else "peaked_bf16_refit"]
+
 
 def _trained_every_step(run, *, needs_ids: bool, logprob_tol: float, entropy_tol: float, mult_tol: float):
     assert run.steps("train/loss") == [1, 2, 3], run.failure()
@@ -252,10 +263,7 @@ def _loss_matches_reference(run, model_dir, **expect):
 def test_sspo_loop_three_steps(sspo):
     # one worker, no FSDP: the worker's forward is transformers' own, bit for bit (of the fp32 weights main's
     # refit stand-in delivers; v0.7.0's own refit delivers them cast to bf16)
-    from cpu_host.refit import dtensor_refit_path
-
-    _trained_every_step(sspo, needs_ids=True,
-                        **TOL["peaked" if dtensor_refit_path() == "checkpoint" else "peaked_bf16_refit"])
+    _trained_every_step(sspo, needs_ids=True, **_peaked_tol())
     # SSPO's segments: some response has two or more segments ("\n\n" cut), groups/response logged
     assert any(c["group_ids"]["max"] >= 1 for c in sspo.of("policy_train"))
     assert all(v >= 1 for v in sspo.series("train/groups_per_response").values())
@@ -338,7 +346,7 @@ def test_gspo_clips_in_the_loop(gspo_tp2_dp2, world):
 
 @pytest.mark.v070
 def test_espo_dense_loop_three_steps(espo_dense):
-    _trained_every_step(espo_dense, needs_ids=True, **TOL["peaked"])
+    _trained_every_step(espo_dense, needs_ids=True, **_peaked_tol())
     assert all(c["group_ids"]["max"] == 1 for c in espo_dense.of("policy_train"))
 
 
@@ -473,8 +481,12 @@ def test_export_of_the_checkpoint_loads_in_transformers_and_generates(sspo, tmp_
     ids = tok("1+1=", return_tensors="pt").input_ids
     gen = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
     assert gen.shape[1] > ids.shape[1]
-    # the exported weights are, bit for bit, those the generation received at the last refit
-    params = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+    # the exported weights are, bit for bit, those the generation received at the last refit (on v0.7.0 its
+    # own refit casts them to policy.precision, bf16, as vLLM receives them)
+    from cpu_host.refit import dtensor_refit_path
+
+    cast = torch.float32 if dtensor_refit_path() == "checkpoint" else torch.bfloat16
+    params = torch.cat([p.detach().to(cast).float().flatten() for p in model.parameters()])
     refit = sspo.of("refit")[2]
     assert params[:8].tolist() == refit["head"] and float(params.double().sum()) == refit["sum"], refit
     assert float(params.norm()) == refit["norm"]
