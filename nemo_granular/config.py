@@ -223,6 +223,23 @@ class PolicyLossConfig(BaseModel):
     enable_torch_compile: bool = False
     granular: GranularConfig = Field(default_factory=GranularConfig)
 
+    # NeMo-RL's refusals keep its sentence verbatim (``pytest.raises(..., match=...)`` written for
+    # ClippedPGLossFn matches ours), our detail after it
+    @field_validator("ratio_clip_c", mode="before")
+    @classmethod
+    def _dual_clip_above_one(cls, v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 1:
+            raise ValueError(f"ratio_clip_c must exceed 1 representing a lower bound of the ratios, got {v}. "
+                             "(NeMo-RL refuses it at its first call)")
+        return v
+
+    @field_validator("truncated_importance_sampling_type", mode="before")
+    @classmethod
+    def _known_truncation(cls, v):
+        if v is not None and v not in ("tis", "icepop", "seq-mask-tis"):
+            raise ValueError(f"truncated_importance_sampling_type must be 'tis', 'icepop', or 'seq-mask-tis', got {v}")
+        return v
+
     @model_validator(mode="after")
     def _check(self):
         self._compose_aggregation()
@@ -256,8 +273,9 @@ class PolicyLossConfig(BaseModel):
         surrogate (false, NeMo-RL's default, leaves it to ``granular``), with NeMo-RL's checks."""
         g = self.granular
         if self.use_cispo and self.disable_ppo_ratio:
-            raise ValueError("loss_fn.use_cispo: true is incompatible with disable_ppo_ratio: true (CISPO needs the "
-                             "pi_theta/pi_old ratio that disable_ppo_ratio removes), as in NeMo-RL")
+            raise ValueError("use_cispo is incompatible with disable_ppo_ratio; CISPO needs the pi_theta/pi_theta_old "
+                             "ratio but disable_ppo_ratio removes it (loss_fn.use_cispo: true, "
+                             "disable_ppo_ratio: true)")
         wanted = "cispo" if self.use_cispo else "reinforce" if self.disable_ppo_ratio else None
         if wanted == "reinforce" and self.force_on_policy_ratio:
             wanted = "clipped"  # NeMo-RL checks force_on_policy_ratio first: the forced ratio wins
@@ -272,18 +290,24 @@ class PolicyLossConfig(BaseModel):
         if g.surrogate != "cispo":
             return
         key = "loss_fn.use_cispo: true" if self.use_cispo else "loss_fn.granular.surrogate 'cispo'"
+
+        def refuse(nemo: str, ours: str):  # NeMo-RL's sentence first when it is NeMo-RL's use_cispo
+            raise ValueError(f"{nemo} ({key}: {ours})" if self.use_cispo else f"{key}: {ours}")
         if self.force_on_policy_ratio:
-            raise ValueError(f"{key} is incompatible with force_on_policy_ratio (a ratio forced to 1 removes the "
-                             "clipped IS weight CISPO optimises), as in NeMo-RL")
+            refuse("use_cispo is incompatible with force_on_policy_ratio; forcing ratio=1 removes the clipped "
+                   "IS-weight that CISPO optimizes", "incompatible with force_on_policy_ratio, as in NeMo-RL")
         if self.sequence_level_importance_ratios:
-            raise ValueError(f"{key} is incompatible with sequence_level_importance_ratios (NeMo-RL's CISPO uses "
-                             "token weights; for CISPO on sequence ratios use granular.granularity: sequence)")
+            refuse("use_cispo is incompatible with sequence_level_importance_ratios; CISPO uses token-level "
+                   "importance weights", "incompatible with sequence_level_importance_ratios; for CISPO on "
+                   "sequence ratios use granular.granularity: sequence")
         if self.ratio_clip_c is not None:
-            raise ValueError(f"{key} is incompatible with dual clipping (ratio_clip_c); set ratio_clip_c: null, "
-                             "as NeMo-RL requires")
+            refuse("use_cispo is incompatible with dual clipping (ratio_clip_c); the dual-clip block runs after the "
+                   "CISPO loss assembly and would silently overwrite it. Set ratio_clip_c=null when use_cispo=True.",
+                   "incompatible with dual clipping; set ratio_clip_c: null, as NeMo-RL requires")
         if self.use_cispo and g.aggregation != "token_mean":
-            raise ValueError("loss_fn.use_cispo: true needs token_level_loss: true, as in NeMo-RL (CISPO with a "
-                             "per-sequence mean: granular.algorithm: cispo with token_level_loss: false)")
+            refuse("use_cispo requires token_level_loss=True (LossType.TOKEN_LEVEL).",
+                   "needs token_level_loss: true, as in NeMo-RL (CISPO with a per-sequence mean: "
+                   "granular.algorithm: cispo with token_level_loss: false)")
 
     def _check_ratio_modes(self) -> None:
         g = self.granular
@@ -295,8 +319,9 @@ class PolicyLossConfig(BaseModel):
                     "loss_fn.sequence_level_importance_ratios: true conflicts with "
                     f"granular.granularity={g.granularity!r} (use algorithm: gspo, or set it false)")
             if g.aggregation == "token_mean":
-                raise ValueError("loss_fn.sequence_level_importance_ratios: true needs a per-sequence loss "
-                                 "(token_level_loss: false), as in NeMo-RL")
+                raise ValueError("sequence-level importance sampling (e.g. GSPO) is mutually exclusive with "
+                                 "token-level loss (loss_fn.sequence_level_importance_ratios: true needs a "
+                                 "per-sequence loss, token_level_loss: false)")
 
     def _check_truncated_is(self) -> None:
         """NeMo-RL's checks of ``ClippedPGLossFn.__init__`` (and of its first call), in its order."""
@@ -307,21 +332,29 @@ class PolicyLossConfig(BaseModel):
             object.__setattr__(g, "is_level", "group_sum")  # NeMo-RL's GSPO-mode weight, one per response
         if kind is None:
             if hi is not None:
-                raise ValueError("loss_fn.truncated_importance_sampling_ratio is set but "
-                                 "truncated_importance_sampling_type is null (NeMo-RL refuses it at its first call)")
+                raise ValueError("Invalid truncated importance sampling type: None (loss_fn.truncated_importance_"
+                                 "sampling_ratio is set but truncated_importance_sampling_type is null; NeMo-RL "
+                                 "refuses it at its first call)")
             return
         if not self.use_importance_sampling_correction:
-            raise ValueError("loss_fn.truncated_importance_sampling_type needs use_importance_sampling_correction: true")
+            raise ValueError("truncated importance sampling is only supported when use_importance_sampling_correction "
+                             f"is True (loss_fn.truncated_importance_sampling_type: {kind} needs "
+                             "use_importance_sampling_correction: true)")
         if hi is None or hi <= 0:
-            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio must be > 0 (got {hi!r})")
+            raise ValueError(f"truncated_importance_sampling_ratio should be positive (loss_fn.truncated_importance_"
+                             f"sampling_ratio: got {hi!r})")
         if lo is not None and lo > hi:
-            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min ({lo}) must be <= "
-                             f"truncated_importance_sampling_ratio ({hi})")
+            raise ValueError("truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio "
+                             f"(loss_fn: truncated_importance_sampling_ratio_min {lo} > "
+                             f"truncated_importance_sampling_ratio {hi})")
         if kind in ("icepop", "seq-mask-tis") and lo is None:
-            raise ValueError(f"loss_fn.truncated_importance_sampling_ratio_min is required for {kind}")
+            raise ValueError("truncated_importance_sampling_ratio_min should be set when truncated_importance_"
+                             f"sampling_type is 'icepop' or 'seq-mask-tis' (loss_fn: it is {kind})")
         if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
-            raise ValueError("loss_fn.truncated_importance_sampling_type: seq-mask-tis is incompatible with "
-                             "sequence_level_importance_ratios: true, as in NeMo-RL")
+            raise ValueError("seq-mask-tis uses token-level IS correction with sequence-level masking, and is "
+                             "incompatible with sequence_level_importance_ratios=True (loss_fn."
+                             "truncated_importance_sampling_type: seq-mask-tis, sequence_level_importance_ratios: "
+                             "true)")
 
     @property
     def eps_low(self) -> float:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from .core.fused import masked_extrema, prob_error_sums
-from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, GroupedClip, aggregation_group_weights,
-                             aggregation_weights)
+from .core.objective import (LOG_RATIO_BOUND, GroupedClip, aggregation_group_weights,
+                             aggregation_weights, plus_count_eps)
 from .core.offpolicy import mismatch_sums
 
 __all__ = ["MINIMAL_SKIPS", "MISMATCH_METRICS", "metric_kinds", "policy_metrics", "mismatch_metrics"]
@@ -77,7 +77,7 @@ def mismatch_metrics(b, ratios, correction, gen_kl_k3=None) -> dict[str, torch.T
     of the same call when it is the k3 estimator (the same sum, not computed twice)."""
     return mismatch_sums(b.prev, b.gen, b.valid, b.w_tok, b.sample_mask * b.inv_gvs, index=ratios.index,
                          counts=ratios.counts, n_groups_row=ratios.n_groups_row, correction=correction,
-                         gen_kl_k3=gen_kl_k3)
+                         gen_kl_k3=gen_kl_k3, count_dtype=b.count_dtype)
 
 
 def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
@@ -119,7 +119,7 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
     # mode multiplies a [B, 1] weight by a [B] mask, which broadcasts to [B, B], so its dashboard
     # shows Σ_i w_i (about B × ours), not a mean (docs/nemo-rl.md, "Logged metrics").
     if row_is:  # without the correction: the weight the configured level would apply
-        log_w = diff.sum(-1) if is_level == "group_sum" else diff.sum(-1) / (b.n_row + COUNT_EPS)
+        log_w = diff.sum(-1) if is_level == "group_sum" else diff.sum(-1) / plus_count_eps(b.n_row, b.count_dtype)
         w_row = torch.exp(log_w.clamp(max=LOG_RATIO_BOUND))
         if is_weight is not None:
             w_row = (is_weight * b.valid).amax(-1)
@@ -181,7 +181,7 @@ def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, 
         m["clip_frac_low"], m["clip_frac_high"] = (terms.low * row_tok).sum(), (terms.high * row_tok).sum()
         if fraction_weights is None:
             fraction_weights = aggregation_group_weights("seq_mean_group_mean", sm, b.inv_gvt, b.inv_gvs, b.n_row,
-                                                         ratios.counts, ratios.n_groups_row)
+                                                         ratios.counts, ratios.n_groups_row, b.count_dtype)
         m["clip_frac_low_groups"] = (terms.low * fraction_weights).sum()
         m["clip_frac_high_groups"] = (terms.high * fraction_weights).sum()
     else:
@@ -189,7 +189,8 @@ def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, 
         m["clip_frac_high"] = tok(terms.high)
         if fraction_weights is None:
             fraction_weights = aggregation_weights("seq_mean_group_mean", b.valid, sm, b.inv_gvt, b.inv_gvs,
-                                                   b.n_row, ratios.index, ratios.counts, ratios.n_groups_row)
+                                                   b.n_row, ratios.index, ratios.counts, ratios.n_groups_row,
+                                                   b.count_dtype)
         fw = fraction_weights.reshape(-1)
         m["clip_frac_low_groups"] = torch.dot(terms.low.reshape(-1), fw)
         m["clip_frac_high_groups"] = torch.dot(terms.high.reshape(-1), fw)

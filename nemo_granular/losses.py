@@ -29,8 +29,8 @@ from .core.clipping import (ESPO_AUTO_TARGET_EPS, calibrate_espo_alpha, espo_ent
 from .core.fused import (FEW_GROUPS_MAX, FewGroupIndex, LinearizedLoss, RowIndex, compute_dtype, finite_valid,
                          indicator, masked_values, substitute_nonfinite)
 from .core.groups import build_delimiter_table, group_ids_for
-from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights, group_ratios,
-                             GroupedClip, grouped_clipped_objective, objective_logp_grad,
+from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights, count_eps_dtype, group_ratios,
+                             GroupedClip, grouped_clipped_objective, objective_logp_grad, plus_count_eps,
                              surrogate_terms)
 from .core.offpolicy import generation_weights, kl_penalty_per_token
 from .core.ratios import GroupIndex
@@ -60,11 +60,13 @@ def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> to
 
 
 def _count(x, like: torch.Tensor) -> torch.Tensor:
-    """A global count (tensor or number) as NeMo-RL's ``masked_mean`` divides by it: count + 1e-8,
-    a 0-d tensor of ``like``'s dtype (docs/algorithms/math.md, Notation)."""
-    x = x.to(like.device, like.dtype) if torch.is_tensor(x) else torch.tensor(float(x), dtype=like.dtype,
-                                                                               device=like.device)
-    return x.reshape(()) + COUNT_EPS
+    """A global count (tensor or number) as NeMo-RL's ``masked_mean`` divides by it: count + 1e-8 formed
+    in the count's own dtype (:func:`~nemo_granular.core.objective.count_eps_dtype`: float32 for a float32
+    or integer count, where the 1e-8 vanishes; Python's float64 for a number), then a 0-d tensor of
+    ``like``'s dtype (docs/algorithms/math.md, Notation)."""
+    if not torch.is_tensor(x):
+        return torch.tensor(float(x) + COUNT_EPS, dtype=like.dtype, device=like.device)
+    return (x.reshape(()).to(like.device) + COUNT_EPS).to(like.dtype)  # in torch.result_type(x, 1e-8)
 
 
 @dataclass
@@ -84,6 +86,7 @@ class PolicyBatch:
     row_on: torch.Tensor          # sample_mask != 0, [B]
     inv_gvt: torch.Tensor         # 1 / (global_valid_toks + 1e-8)
     inv_gvs: torch.Tensor         # 1 / (global_valid_seqs + 1e-8)
+    count_dtype: torch.dtype | None = None  # where per-row/group token counts take + 1e-8: token_mask's (NeMo-RL's)
     # computed on first use (the group path of the loss needs neither as a [B, T] pass)
     _n_row: torch.Tensor | None = None
     _w_tok: torch.Tensor | None = None
@@ -167,7 +170,8 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
         ent = masked_values(H, valid) if H is not None else None
     inv_gvt, inv_gvs = 1 / _count(global_valid_toks, L), 1 / _count(global_valid_seqs, L)
     return PolicyBatch(logp=logp, prev=prev, adv=adv, gen=gen, ent=ent, mask=mask_f, valid=valid, sample_mask=sm,
-                       row_on=indicator(torch.ne, sm, 0, sm), inv_gvt=inv_gvt, inv_gvs=inv_gvs)
+                       row_on=indicator(torch.ne, sm, 0, sm), inv_gvt=inv_gvt, inv_gvs=inv_gvs,
+                       count_dtype=count_eps_dtype(token_mask))
 
 
 class GranularPolicyLoss:
@@ -312,7 +316,7 @@ class GranularPolicyLoss:
         cfg, g = self.cfg, self.granular
         if self._grouped(index):
             return self._grouped_objective(b, index)
-        ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row)                     # §2
+        ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row, b.count_dtype)      # §2
         # clipped surrogate with per-group bounds: clip(s_g, lo_g, hi_g) on the group table, one gather
         group_clip = index is not None and g.clip != "fixed" and g.surrogate == "clipped"
         bounds, group_bounds = self._bounds(b, ratios, per_token=not group_clip)           # §3
@@ -325,7 +329,7 @@ class GranularPolicyLoss:
             weights = b.w_tok
         else:
             weights = aggregation_weights(g.aggregation, b.valid, b.sample_mask, b.inv_gvt, b.inv_gvs, b.n_row,
-                                          index, ratios.counts, ratios.n_groups_row)
+                                          index, ratios.counts, ratios.n_groups_row, b.count_dtype)
         per_group_mean = g.aggregation == "seq_mean_group_mean" or (index is None and g.aggregation != "token_mean")
         fraction_weights = weights if per_group_mean else None
         corr = None
@@ -334,7 +338,7 @@ class GranularPolicyLoss:
             weights = weights * corr.weight
         objective = (torch.dot(weights.reshape(-1), terms.value.reshape(-1)) if weights.shape == terms.value.shape
                      else (weights * terms.value).sum())
-        grad = objective_logp_grad(weights, terms, ratios, g.ratio, b.valid)
+        grad = objective_logp_grad(weights, terms, ratios, g.ratio, b.valid, b.count_dtype)
         return objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr
 
     def _grouped(self, index) -> bool:
@@ -349,7 +353,7 @@ class GranularPolicyLoss:
         bounds = (1.0 - self.cfg.eps_low, 1.0 + self.cfg.eps_high) if g.clip == "fixed" else self._entropy_bounds
         objective, grad, ratios, group_bounds, clip, omega = grouped_clipped_objective(
             b.logp, b.prev, b.adv, b.valid, b.ent, index, g.ratio, bounds, g.aggregation, b.sample_mask, b.inv_gvt,
-            b.inv_gvs)
+            b.inv_gvs, b.count_dtype)
         b.n_row = ratios.counts.sum(-1)  # the members are the valid tokens
         fraction_weights = omega if g.aggregation == "seq_mean_group_mean" else None
         return objective, grad, ratios, clip, group_bounds, group_bounds, fraction_weights, None
@@ -432,7 +436,7 @@ class GranularPolicyLoss:
         corr = generation_weights(b.prev, b.gen, b.valid, level=self.granular.is_level, index=index,
                                   counts=ratios.counts, kind=kind, ratio_max=cfg.truncated_importance_sampling_ratio,
                                   ratio_min=cfg.truncated_importance_sampling_ratio_min, mask_index=mask_index,
-                                  mask_counts=mask_counts)
+                                  mask_counts=mask_counts, count_dtype=b.count_dtype)
         if kind == "seq-mask-tis":
             n_units = corr.unit_counts.clamp(max=1).sum(-1).clamp(min=1)
             metrics["is_oob_ratio"] = (corr.oob_unit.sum(-1) / n_units * b.sample_mask).sum() * b.inv_gvs
@@ -456,7 +460,10 @@ class GranularPolicyLoss:
         if use_nll:
             rewards = data["rewards"].to(b.logp.device, b.logp.dtype).reshape(-1)
             correct = b.valid * b.sample_mask[:, None] * (rewards > 0).to(b.logp.dtype)[:, None]
-            nll = -(logp * correct).sum() / (correct.sum() + COUNT_EPS)
+            # NeMo-RL: Σ correct_mask + 1e-8 in correct_mask's dtype (token_mask·sample_mask·float32)
+            nll_dtype = torch.promote_types(torch.promote_types(data["token_mask"].dtype, data["sample_mask"].dtype),
+                                            torch.float32)
+            nll = -(logp * correct).sum() / plus_count_eps(correct.sum(), nll_dtype)
             loss = loss + cfg.positive_example_nll_weight * nll
         return loss, kl, nll
 
@@ -476,7 +483,7 @@ class GranularPolicyLoss:
         # NeMo-RL has two loss types: a token mean, or per response then over responses
         level = "token_mean" if cfg.token_level else "seq_mean_token_mean"
         weights = b.w_tok if cfg.token_level else aggregation_weights(
-            level, b.valid, b.sample_mask, b.inv_gvt, b.inv_gvs, b.n_row)
+            level, b.valid, b.sample_mask, b.inv_gvt, b.inv_gvs, b.n_row, count_dtype=b.count_dtype)
         return (kl * weights).sum()
 
 

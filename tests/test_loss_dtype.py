@@ -19,13 +19,17 @@ NEMO_METRICS = ("loss", "probs_ratio", "probs_ratio_clamped", "probs_ratio_min",
 
 def _float64_batch(seed, **kw):
     """A reference batch in float64 whose values are NOT float32-representable (a float32
-    computation then misses the reference by ~1e-8, far outside the 1e-12 checked here)."""
+    computation then misses the reference by ~1e-8, far outside the 1e-12 checked here). Masks are
+    float64 too, as the global counts of :func:`_run`: the loss forms count + 1e-8 in the count's dtype,
+    as NeMo-RL's masked_mean does (float32 counts: tests/test_loss_nemo.py against NeMo-RL itself)."""
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=seed, **kw)
     g = torch.Generator().manual_seed(1000 + seed)
     out = {}
     for k, v in data.items():
         if v.is_floating_point() and k not in ("token_mask", "sample_mask"):
             v = v.double() + 1e-9 * torch.randn(v.shape, generator=g, dtype=torch.float64) * (v != 0)
+        elif v.is_floating_point():
+            v = v.double()
         out[k] = v
     logp = logp.double() + 1e-9 * torch.randn(logp.shape, generator=g, dtype=torch.float64)
     return out, logp, gvs, gvt
@@ -33,8 +37,8 @@ def _float64_batch(seed, **kw):
 
 def _run(fn, logp, data, gvs, gvt, dtype=torch.float64):
     lp = logp.detach().clone().to(dtype).requires_grad_(True)
-    loss, m = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(float(gvs)),
-                 global_valid_toks=torch.tensor(float(gvt)))
+    loss, m = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(float(gvs), dtype=torch.float64),
+                 global_valid_toks=torch.tensor(float(gvt), dtype=torch.float64))
     loss.backward()
     return loss, lp.grad, m
 

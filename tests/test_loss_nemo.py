@@ -200,3 +200,57 @@ def test_gspo_preset_is_real_clipped_pg_gspo_mode(nemo_pg, option, dtype):
         _compare_real(nemo_pg, {"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True, **opts},
                       {"token_level_loss": False, "sequence_level_importance_ratios": True, **opts},
                       seed, False, dtype)
+
+
+# ---- NeMo-RL's float32 / integer masks and global counts with float64 values (issue 34) --------
+
+def _counted_as(data, logp, mask_dtype):
+    """float64 values, ``token_mask``/``sample_mask`` and the global counts in ``mask_dtype`` — NeMo-RL's
+    loops hand its loss float32 masks and float32 global counts (sums of them)."""
+    data = _as(data, torch.float64)
+    data["token_mask"], data["sample_mask"] = data["token_mask"].to(mask_dtype), data["sample_mask"].to(mask_dtype)
+    gvs = data["sample_mask"].sum()
+    gvt = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
+    assert gvs.dtype == gvt.dtype == (torch.int64 if mask_dtype == torch.int64 else mask_dtype)
+    return data, logp.to(torch.float64), gvs, gvt
+
+
+COUNT_CASES = {  # our config, NeMo-RL's config
+    "grpo": ({"granular": {"algorithm": "grpo"}}, {"token_level_loss": True}),
+    "gspo": ({"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True,
+              "ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4},
+             {"token_level_loss": False, "sequence_level_importance_ratios": True, "ratio_clip_min": 3e-4,
+              "ratio_clip_max": 4e-4}),
+}
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.int64], ids=["f32", "i64"])
+@pytest.mark.parametrize("option", ["plain", "kl_k3", "is_plain", "tis_min", "seq_mask_tis", "vapo_nll"])
+@pytest.mark.parametrize("preset", sorted(COUNT_CASES))
+def test_presets_real_clipped_pg_float32_int_counts(nemo_pg, preset, option, mask_dtype):
+    """NeMo-RL forms count + 1e-8 in the count's dtype (``masked_mean``: torch.sum(mask) or the global
+    count, + 1e-8): in float32 (a float32 count, or an integer one promoted to float32) the 1e-8 vanishes.
+    Ours must form it there too: float64 values, float32 / int64 masks and global counts, our presets
+    against the REAL ``ClippedPGLossFn`` — loss and gradient to 4e-15 relative (a float64 + 1e-8 differs
+    by 1.3e-9 for GSPO, 5e-11 for GRPO), metrics as in the float64 comparison above."""
+    if preset == "gspo" and option == "seq_mask_tis":
+        pytest.skip("NeMo-RL refuses seq-mask-tis with sequence_level_importance_ratios")
+    make, BDD = nemo_pg
+    ours_cfg, nemo_cfg = COUNT_CASES[preset]
+    base = {"reference_policy_kl_penalty": 0.0}
+    for seed in (0, 1):
+        data, logp, gvs, gvt = _counted_as(*_batch(seed, per_token_adv=preset == "grpo")[:2], mask_dtype)
+        loss, grad, m = _run(GranularPolicyLoss({**base, **ours_cfg, **OPTIONS[option]}), logp, data, gvs, gvt)
+        rloss, rgrad, rm = _run(make({**base, **nemo_cfg, **OPTIONS[option]}), logp, BDD(data), gvs, gvt)
+        assert loss.dtype == grad.dtype == rloss.dtype == torch.float64
+        assert float(loss) != 0 and grad.abs().sum() > 0
+        # measured after: 1.3e-15 relative (last bits: summation order); before: 1.3e-9 (GSPO), 5e-11 (GRPO)
+        R.assert_close(loss, rloss, rtol=4e-15, atol=0, what="loss")
+        R.assert_close(grad, rgrad, rtol=4e-15, atol=0, what="grad")
+        for k, v in rm.items():
+            if k == "sampling_importance_ratio" and preset == "gspo":
+                continue  # NeMo-RL's GSPO-mode metric is a sum over all rows (see _compare_real)
+            # NeMo-RL's is_oob_ratio is float32 here: masked_mean(oob.float(), float32 mask)
+            rel = 2e-7 if k == "is_oob_ratio" and mask_dtype != torch.float64 else 1e-12
+            assert float(m[k]) == pytest.approx(float(v), rel=rel, abs=1e-13), f"metric {k}"

@@ -209,3 +209,28 @@ def test_token_level_loss_composes_with_presets(name, token_level):
                                                          aggregation=want, kl={"coef": 0.05}), logp)
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")
+
+
+@pytest.mark.parametrize("extra", [{}, {"reference_policy_kl_penalty": 0.05, "positive_example_nll_weight": 0.3},
+                                   {"use_importance_sampling_correction": True}], ids=["plain", "kl_nll", "is"])
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_backward_honours_upstream_gradient(name, extra):
+    """d(c·loss)/d logp = c·d(loss)/d logp exactly, for c = −8, 0.25 and 0: the loss's backward (the custom
+    autograd Function that carries the closed-form gradient, and the autograd KL / NLL terms) scales by the
+    upstream gradient. A backward that ignored it passes every loss-value and unit-gradient test (issue 34).
+    Powers of two keep every product exact, so the comparison is bitwise."""
+    import torch
+
+    data, logp, gvs, gvt = R.make_batch(B=6, S=14, V=V, seed=5, per_token_adv=True, noise=(1e-3, 0.05, 0.3))
+    data["rewards"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    loss_fn = make_loss(name, **extra)
+    for dtype in (torch.float64, torch.float32):
+        d = {k: v.to(dtype) if v.is_floating_point() else v for k, v in data.items()}
+        lp = logp.to(dtype).requires_grad_(True)
+        loss, _ = loss_fn(next_token_logprobs=lp, data=d, global_valid_seqs=torch.tensor(gvs),
+                          global_valid_toks=torch.tensor(gvt))
+        (unit,) = torch.autograd.grad(loss, lp, retain_graph=True)
+        assert unit.abs().sum() > 0 and torch.isfinite(unit).all()
+        for c in (-8.0, 0.25, 0.0):
+            (scaled,) = torch.autograd.grad(c * loss, lp, retain_graph=True)
+            assert torch.equal(scaled, c * unit), f"{name} {dtype}: c={c}, max err {(scaled - c * unit).abs().max()}"

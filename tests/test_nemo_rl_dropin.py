@@ -322,6 +322,50 @@ def test_refused_where_nemo_rl_refuses(nemo, case):
     assert "\n" not in str(err.value) and key in str(err.value), str(err.value)
 
 
+def _nemo_refusal_sentences(nemo, cfg: dict) -> list[str]:
+    """The message of every ``assert ..., msg`` and ``raise X(msg)`` in NeMo-RL's ``ClippedPGLossFn.__init__``
+    and ``__call__``, read from its source now (f-strings evaluated with ``self`` = the config ``cfg``)."""
+    import ast
+    import inspect
+    from types import SimpleNamespace
+
+    tree = ast.parse(inspect.getsource(nemo.Fn))
+    self_ = SimpleNamespace(**nemo.Cfg(**cfg).model_dump())
+    out = []
+    for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__call__")):
+        for node in ast.walk(fn):
+            msg = node.msg if isinstance(node, ast.Assert) else (
+                node.exc.args[0] if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args
+                else None)
+            if msg is not None:
+                out.append(eval(compile(ast.Expression(msg), "<nemo-rl>", "eval"), {}, {"self": self_}))
+    return out
+
+
+@pytest.mark.nemo_rl
+def test_refusals_carry_nemo_rl_sentences(nemo):
+    """NeMo-RL's own refusal sentences, read from its source (not copied here), as ``match=`` against ours:
+    code and tests written for ``ClippedPGLossFn`` (e.g. NeMo-RL's test_clipped_pg_loss_rejects_tis_min_above_max,
+    ``match="truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio"``) hold for
+    our loss. Each REFUSED case that NeMo-RL refuses in ``ClippedPGLossFn`` itself raises one of those sentences
+    there; every sentence of its ``__init__``/``__call__`` is raised by some case."""
+    import re
+
+    data, logp, gvs, gvt = _batch()
+    covered = set()
+    for case, (cfg, _) in sorted(REFUSED.items()):
+        with pytest.raises((AssertionError, ValueError)) as theirs:
+            _run(nemo.Fn(nemo.Cfg(**cfg)), logp, nemo.BDD(data), gvs, gvt)
+        sentences = _nemo_refusal_sentences(nemo, cfg)
+        if str(theirs.value) not in sentences:
+            assert case == "unknown_kl_type", f"{case}: NeMo-RL's refusal {theirs.value} is not in its loss's source"
+            continue  # refused in calculate_kl, not in ClippedPGLossFn
+        covered.add(sentences.index(str(theirs.value)))
+        with pytest.raises(type(theirs.value), match=re.escape(str(theirs.value))):
+            GranularPolicyLoss(cfg)
+    assert covered == set(range(len(_nemo_refusal_sentences(nemo, {})))), "a NeMo-RL refusal without a case"
+
+
 # ---------------------------------------------------------------- 2. token_level_loss with presets
 
 

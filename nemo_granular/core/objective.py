@@ -20,7 +20,8 @@ import torch
 
 from .fused import clip_terms, indicator, row_constant
 
-__all__ = ["COUNT_EPS", "LOG_RATIO_BOUND", "GroupRatios", "group_ratios", "SurrogateTerms", "surrogate_terms",
+__all__ = ["COUNT_EPS", "count_eps_dtype", "plus_count_eps", "LOG_RATIO_BOUND", "GroupRatios", "group_ratios",
+           "SurrogateTerms", "surrogate_terms",
            "aggregation_group_weights", "aggregation_weights", "objective_logp_grad", "GroupedClip",
            "grouped_clipped_objective"]
 
@@ -31,6 +32,22 @@ LOG_RATIO_BOUND = 20.0
 # Every mean over tokens divides by (count + COUNT_EPS), as NeMo-RL's ``masked_mean`` does, so
 # float64 results equal NeMo-RL's ClippedPGLossFn on any batch size (math.md, Notation).
 COUNT_EPS = 1e-8
+
+
+def count_eps_dtype(count) -> torch.dtype:
+    """The dtype NeMo-RL's ``masked_mean`` forms count + 1e-8 in: ``torch.result_type(count, 1e-8)`` —
+    a floating count's (or mask's) own dtype, the default float dtype (float32) for an integer or bool
+    one, float64 for a Python number. In float32 the 1e-8 vanishes for every count ≥ 1."""
+    return torch.result_type(count, COUNT_EPS) if torch.is_tensor(count) else torch.float64
+
+
+def plus_count_eps(counts: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """counts + 1e-8 formed in ``dtype`` (:func:`count_eps_dtype` of the mask the counts come from, as
+    NeMo-RL's ``masked_mean`` forms torch.sum(mask) + 1e-8), returned in ``counts``' dtype; ``dtype``
+    None: in ``counts``' own dtype."""
+    if dtype is None or dtype == counts.dtype:
+        return counts + COUNT_EPS
+    return (counts.to(dtype) + COUNT_EPS).to(counts.dtype)
 
 
 @dataclass
@@ -47,9 +64,10 @@ class GroupRatios:
 
 
 def group_ratios(logp: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, index=None,
-                 n_row: torch.Tensor | None = None) -> GroupRatios:
+                 n_row: torch.Tensor | None = None, count_dtype: torch.dtype | None = None) -> GroupRatios:
     """L_g = Σ_{t∈g} ℓ_t / (|g| + 1e-8), s_g = exp(L_g) and r_it = s_{g(i,t)} (docs/algorithms/math.md §2;
-    GSPO eq. 6, SSPO eq. 9); token groups: r_it = exp(ℓ_it). One scatter for |g| and Σℓ together."""
+    GSPO eq. 6, SSPO eq. 9); token groups: r_it = exp(ℓ_it). One scatter for |g| and Σℓ together.
+    |g| + 1e-8 is formed in ``count_dtype`` (:func:`plus_count_eps`)."""
     log_ratio = logp - logq
     if index is not None:
         log_ratio.mul_(valid)  # group sums: only valid tokens (values may be unmasked)
@@ -57,7 +75,7 @@ def group_ratios(logp: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, in
         n = valid.sum(-1) if n_row is None else n_row
         return GroupRatios(log_ratio, torch.exp(log_ratio.clamp(max=LOG_RATIO_BOUND)), n)
     counts, group_lr = index.sum2(valid, log_ratio)
-    group_lr = group_lr / (counts + COUNT_EPS)
+    group_lr = group_lr / plus_count_eps(counts, count_dtype)
     cap = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)  # d clamp / d x
     s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))
     return GroupRatios(log_ratio, index.gather(s), counts.clamp(max=1).sum(-1), index, s, counts, cap)
@@ -107,8 +125,8 @@ def surrogate_terms(kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo,
 
 
 def aggregation_group_weights(kind: str, sample_mask: torch.Tensor, inv_gvt, inv_gvs, n_row: torch.Tensor,
-                              counts: torch.Tensor | None = None,
-                              n_groups_row: torch.Tensor | None = None) -> torch.Tensor:
+                              counts: torch.Tensor | None = None, n_groups_row: torch.Tensor | None = None,
+                              count_dtype: torch.dtype | None = None) -> torch.Tensor:
     """ω with W_it = valid_it·ω_{i,g(i,t)} (docs/algorithms/math.md §5): one value per row ``[B, 1]``
     — token_mean: sample_mask/gvt; seq_mean_token_mean: sample_mask/(n_i·gvs) — or per group
     ``[B, G]`` — seq_mean_group_mean: sample_mask/(G_i·|g|·gvs) (``counts`` None: token groups,
@@ -116,33 +134,36 @@ def aggregation_group_weights(kind: str, sample_mask: torch.Tensor, inv_gvt, inv
     if kind == "token_mean":
         return (sample_mask * inv_gvt)[:, None]
     if kind == "seq_mean_token_mean" or counts is None:
-        return (sample_mask * inv_gvs / (n_row + COUNT_EPS))[:, None]
+        return (sample_mask * inv_gvs / plus_count_eps(n_row, count_dtype))[:, None]
     if kind != "seq_mean_group_mean":
         raise ValueError(f"unknown aggregation {kind!r}")
-    return (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / (counts + COUNT_EPS)
+    return (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / plus_count_eps(counts, count_dtype)
 
 
 def aggregation_weights(kind: str, valid: torch.Tensor, sample_mask: torch.Tensor, inv_gvt, inv_gvs,
                         n_row: torch.Tensor, index=None, counts: torch.Tensor | None = None,
-                        n_groups_row: torch.Tensor | None = None) -> torch.Tensor:
+                        n_groups_row: torch.Tensor | None = None,
+                        count_dtype: torch.dtype | None = None) -> torch.Tensor:
     """W_it with objective = Σ_it W_it·c_it (docs/algorithms/math.md §5, global denominators):
 
     token_mean: m/gvt; seq_mean_token_mean: m/(n_i·gvs); seq_mean_group_mean: m/(G_i·|g|·gvs),
     m = valid·sample_mask, where every token count (n_i, |g|, and the global counts behind
-    ``inv_gvt``/``inv_gvs``) is taken + 1e-8 as NeMo-RL's ``masked_mean`` does; G_i is exact.
+    ``inv_gvt``/``inv_gvs``) is taken + 1e-8 as NeMo-RL's ``masked_mean`` does, in the dtype it
+    does (``count_dtype`` for n_i and |g|, :func:`plus_count_eps`); G_i is exact.
     With token groups the two per-sequence means coincide.
     """
     per_group = index is not None and kind == "seq_mean_group_mean"
     omega = aggregation_group_weights(kind, sample_mask, inv_gvt, inv_gvs, n_row, counts if per_group else None,
-                                      n_groups_row)
+                                      n_groups_row, count_dtype)
     return valid * (index.gather(omega) if per_group else omega)
 
 
 def objective_logp_grad(weights: torch.Tensor, terms: SurrogateTerms, ratios: GroupRatios, form: str,
-                        valid: torch.Tensor) -> torch.Tensor:
+                        valid: torch.Tensor, count_dtype: torch.dtype | None = None) -> torch.Tensor:
     """d(Σ W·c)/d logp (docs/algorithms/math.md §2 for the ratio's part): W·dc/dlogp directly for
     CISPO/REINFORCE; otherwise W·dc/dr times dr/dlogp — token: r (0 where ℓ is clamped);
-    ``token_decomposed``: s_g; ``shared``: s_g/(|g| + 1e-8) summed over the group's tokens."""
+    ``token_decomposed``: s_g; ``shared``: s_g/(|g| + 1e-8) summed over the group's tokens (|g| + 1e-8
+    in ``count_dtype``, as in :func:`group_ratios`)."""
     grad = weights * terms.slope
     if not terms.through_ratio:
         return grad
@@ -152,7 +173,8 @@ def objective_logp_grad(weights: torch.Tensor, terms: SurrogateTerms, ratios: Gr
     if form == "token_decomposed":  # sg[s_g]·exp(logp − sg[logp]): d/dlogp_t = s_g
         return grad.mul_(ratios.ratio)
     idx = ratios.index  # shared: r = exp(L_g), d/dlogp_u = s_g/|g| for every u in g
-    return idx.gather(ratios.group_ratio * ratios.cap / (ratios.counts + COUNT_EPS) * idx.sum(grad)) * valid
+    slope = ratios.group_ratio * ratios.cap / plus_count_eps(ratios.counts, count_dtype)
+    return idx.gather(slope * idx.sum(grad)) * valid
 
 
 @dataclass
@@ -169,7 +191,7 @@ class GroupedClip:
 
 def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor,
                               ent: torch.Tensor | None, index, form: str, bounds, aggregation: str,
-                              sample_mask: torch.Tensor, inv_gvt, inv_gvs):
+                              sample_mask: torch.Tensor, inv_gvt, inv_gvs, count_dtype: torch.dtype | None = None):
     """Σ_it W_it·c_it of the clipped surrogate and its gradient, for group ratios r_it = s_g and
     weights W_it = valid_it·ω_g (every group granularity and aggregation, docs/algorithms/math.md
     §2–§5), written per group. With A⁺ = max(A, 0), A⁻ = min(A, 0) and ĉ_g = clip(s_g, lo_g, hi_g):
@@ -180,8 +202,8 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
         shared (r = exp(L_g)):            ∂/∂logp_u = s_g·cap_g/(|g| + 1e-8)·ω_g·(k⁺_g·ΣA⁺_g + k⁻_g·ΣA⁻_g), u ∈ g
         token_decomposed (sg[s_g]·e^{logp−sg[logp]}): ∂/∂logp_t = ω_g·s_g·(k⁺_g·A⁺_t + k⁻_g·A⁻_t)
 
-    with L_g = Σ_{t∈g} ℓ_t/(|g| + 1e-8) as in :func:`group_ratios`. Segmented sums of the
-    channels ℓ, H (and, unless A is constant over each response's valid tokens, A⁺, A⁻, [A > 0],
+    with L_g = Σ_{t∈g} ℓ_t/(|g| + 1e-8) as in :func:`group_ratios` (+ 1e-8 in ``count_dtype``). Segmented
+    sums of the channels ℓ, H (and, unless A is constant over each response's valid tokens, A⁺, A⁻, [A > 0],
     [A < 0]; else ΣA⁺_g = A_i⁺·|g|, ...) give every group quantity; one gather (two for
     token_decomposed with per-token A) takes the gradient back to the tokens. ``index``: a plan whose members
     are the valid tokens (``index.sums``, ``index.counts``); values need not be 0 outside them. ``bounds``: (lo, hi)
@@ -208,7 +230,8 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
         sum_pos = a.clamp(min=0) * counts
         sum_neg = (a - a.clamp(min=0)) * counts
         n_pos, n_neg = indicator(torch.gt, a, 0, a) * counts, indicator(torch.lt, a, 0, a) * counts
-    group_lr = sums[..., 0] / (counts + COUNT_EPS)
+    counts_eps = plus_count_eps(counts, count_dtype)
+    group_lr = sums[..., 0] / counts_eps
     cap = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)
     s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))
     n_groups_row = counts.clamp(max=1).sum(-1)
@@ -218,7 +241,7 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
     rc = torch.clamp(s, *bounds)
     keep_pos, keep_neg = indicator(torch.le, s, rc, s), indicator(torch.ge, s, rc, s)
     omega = aggregation_group_weights(aggregation, sample_mask, inv_gvt, inv_gvs, counts.sum(-1), counts,
-                                      n_groups_row)
+                                      n_groups_row, count_dtype)
     objective = (omega * (torch.minimum(s, rc) * sum_pos + torch.maximum(s, rc) * sum_neg)).sum()
     if form == "token_decomposed" and row_adv is not None:
         grad = index.gather(omega * s * (keep_pos * indicator(torch.gt, a, 0, a) + keep_neg * indicator(torch.lt, a, 0, a))
@@ -227,7 +250,7 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
         ws = omega * s
         grad = index.gather(ws * keep_pos).mul_(adv_pos).add_(index.gather(ws * keep_neg).mul_(adv_neg))
     else:
-        grad = index.gather(s * cap / (counts + COUNT_EPS) * omega * (keep_pos * sum_pos + keep_neg * sum_neg))
+        grad = index.gather(s * cap / counts_eps * omega * (keep_pos * sum_pos + keep_neg * sum_neg))
     ratios = GroupRatios(None, None, n_groups_row, index, s, counts, cap)
     clip = GroupedClip(rc, (1 - keep_neg) * n_neg, (1 - keep_pos) * n_pos, ent_sum, probe)
     return objective, grad, ratios, bounds, clip, omega

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .objective import COUNT_EPS, LOG_RATIO_BOUND
+from .objective import LOG_RATIO_BOUND, plus_count_eps
 
 __all__ = ["IS_LEVELS", "TRUNCATIONS", "GenerationWeights", "importance_weights", "truncate_importance_weights",
            "generation_weights", "mismatch_sums", "mismatch_extrema", "batch_mismatch_extrema", "high_entropy_tokens", "kl_penalty_per_token"]
@@ -27,13 +27,14 @@ def _exp_weight(log_w: torch.Tensor) -> torch.Tensor:
 
 
 def importance_weights(logq: torch.Tensor, log_gen: torch.Tensor, index=None, level: str = "group_sum",
-                       counts: torch.Tensor | None = None) -> torch.Tensor:
+                       counts: torch.Tensor | None = None, count_dtype: torch.dtype | None = None) -> torch.Tensor:
     """w = π_old/π_gen (detached inputs) at ``level`` (math.md §10, eq. 10.1), with δ = logq − log π_gen:
 
     * ``token`` (or ``index`` None): w_t = exp(δ_t);
     * ``group_sum``: w_g = exp(Σ_{t∈g} δ_t) — NeMo-RL's convention for a whole response;
     * ``group_mean``: w_g = exp(Σ_{t∈g} δ_t / (|g| + 1e-8)), the geometric mean, as the granular
-      ratio (the + 1e-8 of NeMo-RL's ``masked_mean``, as every token mean here).
+      ratio (the + 1e-8 of NeMo-RL's ``masked_mean``, as every token mean here, formed in
+      ``count_dtype``: :func:`~nemo_granular.core.objective.plus_count_eps`).
 
     Group weights are gathered to their tokens (``RowIndex``: ``[B, 1]``). ``counts`` = |g| (valid
     tokens per group, needed by ``group_mean``). The exponent is clamped at LOG_RATIO_BOUND;
@@ -44,7 +45,7 @@ def importance_weights(logq: torch.Tensor, log_gen: torch.Tensor, index=None, le
         return _exp_weight(diff)
     log_w = index.sum(diff)
     if level == "group_mean":
-        log_w = log_w / (counts + COUNT_EPS)
+        log_w = log_w / plus_count_eps(counts, count_dtype)
     elif level != "group_sum":
         raise ValueError(f"loss_fn.granular.is_level: unknown value {level!r}")
     return index.gather(_exp_weight(log_w))
@@ -92,20 +93,22 @@ class GenerationWeights:
 def generation_weights(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor, *, level: str,
                        index=None, counts: torch.Tensor | None = None, kind: str | None = None,
                        ratio_max: float | None = None, ratio_min: float | None = None,
-                       mask_index=None, mask_counts: torch.Tensor | None = None) -> GenerationWeights:
+                       mask_index=None, mask_counts: torch.Tensor | None = None,
+                       count_dtype: torch.dtype | None = None) -> GenerationWeights:
     """Weights at ``level`` (eq. 10.1) truncated by ``kind`` (eq. 10.2) on the ratio's groups.
 
     ``index``/``counts``: the ratio's groups (None: token groups). tis and icepop act on the
     weights' own unit (a token for ``token``, a group otherwise). seq-mask-tis masks the units of
     ``mask_index``/``mask_counts`` (the ratio's groups; a whole row for token groups, NeMo-RL's
     case) by their geometric mean exp(mean δ), and keeps the level's weights of the others.
+    Every token count is taken + 1e-8 in ``count_dtype`` (:func:`~nemo_granular.core.objective.plus_count_eps`).
     """
     grouped = index is not None and level != "token"
     diff = logq - log_gen
     if grouped:
         log_w = index.sum(diff)
         if level == "group_mean":
-            log_w = log_w / (counts + COUNT_EPS)
+            log_w = log_w / plus_count_eps(counts, count_dtype)
         elif level != "group_sum":
             raise ValueError(f"loss_fn.granular.is_level: unknown value {level!r}")
         w_unit = _exp_weight(log_w)
@@ -114,7 +117,7 @@ def generation_weights(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.T
     if kind is None:
         return GenerationWeights(index.gather(w_unit) if grouped else w_unit, None, None, None)
     if kind == "seq-mask-tis":
-        unit_mean = mask_index.sum(diff) / (mask_counts + COUNT_EPS)
+        unit_mean = mask_index.sum(diff) / plus_count_eps(mask_counts, count_dtype)
         keep_unit = 1 - truncate_importance_weights(unit_mean, kind, ratio_max, ratio_min, unit_mean)[1]
         keep_tok = mask_index.gather(keep_unit)
         w = (index.gather(w_unit) if grouped else w_unit) * keep_tok
@@ -138,7 +141,8 @@ def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor
                   w_row: torch.Tensor, *, index=None, counts: torch.Tensor | None = None,
                   n_groups_row: torch.Tensor | None = None,
                   correction: GenerationWeights | None = None,
-                  gen_kl_k3: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                  gen_kl_k3: torch.Tensor | None = None,
+                  count_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Mismatch diagnostics as global-normalised partial sums (math.md §10.3), δ = logq − log π_gen:
 
     * ``gen_mismatch_abs_mean`` = Σ_t w_tok·|δ_t| (TOKENS);
@@ -151,6 +155,7 @@ def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor
     ``w_tok`` = valid·sample_mask/gvt ``[B, T]``, ``w_row`` = sample_mask/gvs ``[B]``; ``index`` /
     ``counts`` / ``n_groups_row`` the ratio's groups (None: token groups). ``gen_kl_k3``: that sum
     when the caller has it (NeMo-RL's ``gen_kl_error`` at ``reference_policy_kl_type: k3`` is it).
+    Token counts are taken + 1e-8 in ``count_dtype`` (:func:`~nemo_granular.core.objective.plus_count_eps`).
     """
     d = (logq - log_gen).mul_(valid)  # the values may be unmasked (the loss's optimistic read)
     ad = d.abs()
@@ -159,9 +164,9 @@ def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor
            "gen_kl_k3": torch.dot((torch.expm1(d) - d).reshape(-1), w_flat) if gen_kl_k3 is None else gen_kl_k3}
     n_row = valid.sum(-1)
     if index is None:
-        per_row = ad.sum(-1) / (n_row + COUNT_EPS)
+        per_row = ad.sum(-1) / plus_count_eps(n_row, count_dtype)
     else:
-        group_abs = (index.sum(d) / (counts + COUNT_EPS)).abs() * counts.clamp(max=1)
+        group_abs = (index.sum(d) / plus_count_eps(counts, count_dtype)).abs() * counts.clamp(max=1)
         per_row = group_abs.sum(-1) / n_groups_row.clamp(min=1)
     out["gen_mismatch_group_abs_mean"] = (per_row * w_row).sum()
     if correction is not None and correction.oob_token is not None:
