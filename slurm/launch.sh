@@ -59,7 +59,7 @@ DASHBOARD_AGENT_LISTEN_PORT=${DASHBOARD_AGENT_LISTEN_PORT:-1311}
 MIN_WORKER_PORT=${MIN_WORKER_PORT:-2000}
 MAX_WORKER_PORT=${MAX_WORKER_PORT:-2999}
 NOFILE_LIMIT=${NOFILE_LIMIT:-65535} # soft `ulimit -n` on every node (Ray's large-cluster advice, as ray.sub)
-UV_CACHE_DIR_OVERRIDE=${UV_CACHE_DIR_OVERRIDE:-}  # CONTAINER: a shared uv cache, mounted at /root/.cache/uv
+UV_CACHE_DIR_OVERRIDE=${UV_CACHE_DIR_OVERRIDE:-}  # refused with CONTAINER (NeMo-RL's image needs its /root/.cache/uv)
 RAY_TMP_BASE=${RAY_TMP_BASE:-/tmp}  # Ray's --temp-dir is $RAY_TMP_BASE/rayng<jobid>_<node>
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
 WATCH_INTERVAL=${WATCH_INTERVAL:-5}
@@ -306,6 +306,12 @@ elif [[ -n "$CONTAINER" ]]; then
     fi
   fi
 fi
+if [[ -n "$CONTAINER" && -n "$UV_CACHE_DIR_OVERRIDE" ]]; then
+  # ray.sub mounts it at /root/.cache/uv, but NeMo-RL's image builds its venvs with `uv sync --link-mode
+  # symlink` (docker/Dockerfile): their packages are links into /root/.cache/uv, and a mount over it
+  # hides them (`import torch` fails in every step)
+  fail "UV_CACHE_DIR_OVERRIDE with CONTAINER hides the image's /root/.cache/uv (its venvs link there); unset it" 2
+fi
 if [[ -n "$CONTAINER" ]]; then
   # pyxis: the image's values of these win over the host's unless named in --container-env; a
   # NEMO_RL_VENV_DIR set for the job (where its worker venvs were built) must reach NeMo-RL
@@ -366,7 +372,7 @@ NODE_ENV=$LOG_DIR/node_env.sh
   echo '[[ $ng_h == unlimited ]] || (( ng_h >= ng_w )) || ng_w=$ng_h'
   # shellcheck disable=SC2016
   echo '[[ $ng_s == unlimited ]] || (( ng_s >= ng_w )) || ulimit -Sn "$ng_w"'
-  # a host uv cache path means nothing inside the container (ray.sub); UV_CACHE_DIR_OVERRIDE is mounted instead
+  # a host uv cache path means nothing inside the container (ray.sub)
   [[ -n "$CONTAINER" ]] && echo 'unset UV_CACHE_DIR'
   if [[ -n "$SETUP_COMMAND" ]]; then   # must succeed on every node: a failure ends that step, and the job
     # shellcheck disable=SC2016  # expanded on the node, not here
@@ -378,10 +384,6 @@ NODE_ENV=$LOG_DIR/node_env.sh
 SRUN_COMMON=(--overlap --ntasks-per-node=1 --kill-on-bad-exit=1 "${GRES_ARGS[@]}")
 HEAD_CONTAINER=(); WORKER_CONTAINER=()
 if [[ -n "$CONTAINER" ]]; then
-  if [[ -n "$UV_CACHE_DIR_OVERRIDE" ]]; then
-    mkdir -p "$UV_CACHE_DIR_OVERRIDE"
-    MOUNTS=${MOUNTS:+$MOUNTS,}$UV_CACHE_DIR_OVERRIDE:/root/.cache/uv
-  fi
   SRUN_COMMON+=("--container-image=$CONTAINER" "--container-workdir=$WORKDIR" --no-container-mount-home)
   [[ -n "$MOUNTS" ]] && SRUN_COMMON+=("--container-mounts=$MOUNTS")
   [[ -n "$CONTAINER_ENV" ]] && SRUN_COMMON+=("--container-env=$CONTAINER_ENV")

@@ -25,11 +25,14 @@
 #                          first runs `python -m nemo_granular.preflight.eval_checks` where
 #                          eval-checkpoints runs (in its container): the staged benchmarks of
 #                          --data-dir, the interpreter that exports the run's Megatron checkpoints
-#   --eval-args "ARGS"     extra eval-checkpoints arguments (e.g. "--data-dir /data/benchmarks")
+#   --eval-args "ARGS"     extra eval-checkpoints arguments (e.g. "--data-dir /data/benchmarks"). With
+#                          HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set or a --data-dir, the suite's benchmarks
+#                          must be staged there before anything is submitted (one line, exit 2)
 #   --nemo-rl DIR          the NeMo-RL checkout in which the eval jobs run NeMo-RL's run_eval
 #                          (default: $NEMO_RL_SRC, else WORKDIR when it is one, as in the launch story)
-#   --no-preflight         do not run `nemo-granular preflight` on the NeMo-RL configs before
-#                          submitting (also PREFLIGHT=0, which the training jobs then get too)
+#   --no-preflight         do not run `nemo-granular preflight` on the NeMo-RL configs, nor the
+#                          staged-benchmarks check, before submitting (also PREFLIGHT=0, which the
+#                          training jobs then get too)
 #   --dry-run              print the sbatch commands; submit nothing, write nothing
 # Overrides after `--` go to every run. Before anything is submitted, each NeMo-RL config is checked
 # with `$NEMO_RL_PYTHON -m nemo_granular preflight` (in WORKDIR, with the run's overrides and
@@ -38,8 +41,8 @@
 # CONTAINER, MOUNTS, VENV, WORKDIR, ... are passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON
 # (default "uv run python") is how NeMo-RL drivers start Python (docs/slurm.md, "One launch
 # story"). CONTAINER with a VENV the container would not have (outside MOUNTS, or its python
-# linked outside them) is refused before anything is submitted (exit 2), as launch.sh refuses it
-# in the job. Prints the job ids and the report path.
+# linked outside them), or with UV_CACHE_DIR_OVERRIDE, is refused before anything is submitted
+# (exit 2), as launch.sh refuses it in the job. Prints the job ids and the report path.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 LAUNCH=$HERE/launch.sh
@@ -94,6 +97,11 @@ in_mounts() {  # in_mounts PATH: is PATH (host view) under the source of one of 
   done
   return 1
 }
+# UV_CACHE_DIR_OVERRIDE (ray.sub's) would be mounted over the image's /root/.cache/uv, into which NeMo-RL's
+# image links its venvs (uv sync --link-mode symlink): every step's `import torch` would fail
+if [[ -n "${CONTAINER:-}" && -n "${UV_CACHE_DIR_OVERRIDE:-}" ]]; then
+  die "UV_CACHE_DIR_OVERRIDE with CONTAINER hides the image's /root/.cache/uv (its venvs link there); unset it"
+fi
 if [[ -n "${CONTAINER:-}" && -n "${VENV:-}" ]]; then
   venv_py=$(readlink -m "$VENV/bin/python")
   keep="With CONTAINER, leave VENV unset (the image's environment runs the jobs; docs/slurm.md)"
@@ -139,6 +147,31 @@ if [[ -n "$EVAL_SUITE" ]] && (( NRL_RUNS )); then
   [[ -n "$NEMO_RL_DIR" ]] || die "--eval-suite: the eval jobs run NeMo-RL's run_eval and need its checkout: give --nemo-rl DIR (or set NEMO_RL_SRC, or WORKDIR to the checkout)"
   [[ "$NEMO_RL_DIR" = /* ]] || NEMO_RL_DIR=$PWD/$NEMO_RL_DIR
   [[ -f "$NEMO_RL_DIR/examples/run_eval.py" ]] || die "--nemo-rl $NEMO_RL_DIR: not a NeMo-RL checkout (no examples/run_eval.py)"
+fi
+
+# the eval jobs' benchmarks, before anything is submitted: where the jobs cannot download them
+# (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) or --eval-args gives --data-dir, each must be staged there;
+# else every eval job failed after all the training steps (one line, exit 2; --no-preflight skips it)
+EVAL_DATA_DIR=""
+for ((k = 0; k < ${#EVAL_ARGS[@]}; k++)); do
+  case "${EVAL_ARGS[$k]}" in
+    --data-dir) EVAL_DATA_DIR=${EVAL_ARGS[$((k + 1))]:-} ;;
+    --data-dir=*) EVAL_DATA_DIR=${EVAL_ARGS[$k]#--data-dir=} ;;
+  esac
+done
+is_on() { [[ "${1,,}" =~ ^(1|true|yes|on)$ ]]; }
+if [[ -n "$EVAL_SUITE" && "$PREFLIGHT" != 0 ]] && (( NRL_RUNS )) \
+    && { [[ -n "$EVAL_DATA_DIR" ]] || is_on "${HF_HUB_OFFLINE:-}" || is_on "${HF_DATASETS_OFFLINE:-}"; }; then
+  staged=0
+  why=$(cd "$WORKDIR" && PYTHONPATH=$NG_ROOT${PYTHONPATH:+:$PYTHONPATH} "${NRL_PY[@]}" -c '
+import sys
+from pathlib import Path
+from nemo_granular.evals.staging import staging_refusal
+line = staging_refusal(sys.argv[1], Path(sys.argv[2]) if sys.argv[2] else None)
+print(line or "")
+sys.exit(3 if line else 0)' "$EVAL_SUITE" "$EVAL_DATA_DIR" 2>&1) || staged=$?
+  (( staged == 0 )) || die "$(if (( staged == 3 )); then tail -n 1 <<<"$why"; else
+    echo "--eval-suite $EVAL_SUITE: cannot check the staged benchmarks: $(tail -n 1 <<<"$why")"; fi)"
 fi
 
 # the allocation every training job will have, for the preflight (launch.sh adds the same overrides)
@@ -228,13 +261,12 @@ wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, ven
   if [[ -n "${CONTAINER:-}" ]]; then
     # the image has NeMo-RL's environment but no nemo-granular: the checkout this script is in
     # (on the shared file system, in MOUNTS) on PYTHONPATH, `python -m nemo_granular`, as launch.sh
-    # does for its steps; no host uv cache path inside the container (UV_CACHE_DIR_OVERRIDE is mounted)
+    # does for its steps; no host uv cache path inside the container
     shift
     cmd="python -m nemo_granular $(printf '%q ' "$@")"
     [[ -n "${CHECK:-}" ]] && cmd="$CHECK && $cmd"
     # shellcheck disable=SC2016  # expanded in the container
     prefix="unset UV_CACHE_DIR && export PYTHONPATH=$(printf '%q' "$NG_ROOT")\${PYTHONPATH:+:\$PYTHONPATH} && $prefix"
-    [[ -n "${UV_CACHE_DIR_OVERRIDE:-}" ]] && mounts=${mounts:+$mounts,}$UV_CACHE_DIR_OVERRIDE:/root/.cache/uv
     [[ -n "${NEMO_RL_VENV_DIR:-}" ]] && env_arg=" --container-env=NEMO_RL_VENV_DIR"
     echo "srun --container-image=${CONTAINER} ${mounts:+--container-mounts=$mounts} --container-workdir=$WORKDIR --no-container-mount-home$env_arg bash -c $(printf '%q' "$prefix$cmd")"
   else

@@ -121,7 +121,10 @@ def test_bad_input_is_one_line_and_exit_2(nemo_rl_src, capsys, tmp_path):
 
 @pytest.mark.nemo_rl
 def test_strict_turns_warnings_into_failures(nemo_rl_src, capsys, monkeypatch):
+    # TORCH_CUDA_ARCH_LIST unset is a warning only on the submit host of a CONTAINER job (the image's
+    # value wins); elsewhere it is an error (tests/test_launch_checks.py)
     monkeypatch.delenv("TORCH_CUDA_ARCH_LIST")
+    monkeypatch.setenv("CONTAINER", "nemo-rl.sqsh")
     rc, out, err = run_main(capsys, MOE, "--no-venv-check", "--vocab-size", "151936")
     assert rc == 0 and any("TORCH_CUDA_ARCH_LIST is not set" in line for line in err)
     rc, out, err = run_main(capsys, MOE, "--no-venv-check", "--vocab-size", "151936", "--strict")

@@ -218,6 +218,31 @@ def staging_problems(suite: str, data_dir: Path | None, env: Mapping[str, str] =
     return out
 
 
+def staging_refusal(suite: str, data_dir: Path | None, env: Mapping[str, str] = os.environ) -> str | None:
+    """:func:`staging_problems` as ONE line (``slurm/submit_comparison.sh`` refuses to submit eval
+    jobs with it): the benchmarks missing and the command that stages them; None when none is."""
+    missing, bad = [], []
+    for key in suite_benchmarks(suite):
+        path = staged_path(data_dir, key) if data_dir is not None else None
+        if path is not None and path.exists():
+            try:
+                check_staged(path)
+            except (OSError, ValueError) as err:
+                bad.append(str(err).splitlines()[0])
+        elif BENCHMARKS[key].builtin is None or offline(env):
+            missing.append(key)
+    if bad:
+        return bad[0]
+    if not missing:
+        return None
+    where = f"not staged in {data_dir}" if data_dir is not None else "no --data-dir"
+    why = "HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set" if offline(env) else "NeMo-RL has no loader"
+    fix = f"nemo-granular stage-benchmarks --suite {suite} --data-dir {data_dir or 'DIR'}"
+    if data_dir is None:
+        fix += ' and --eval-args "--data-dir DIR"'
+    return f"--eval-suite {suite}: {', '.join(missing)}: {where} ({why}); run {fix}"
+
+
 def build_parser():
     from ..cli_common import ArgumentParser
 

@@ -14,6 +14,11 @@ inside a job step, what ``slurm/launch.sh`` writes into ``node_env.sh`` (``NG_CO
   which beats a host value unless passed with pyxis' ``--container-env`` (``launch.sh`` passes a
   ``NEMO_RL_VENV_DIR`` set for the job). Venvs checked or built here under another folder are then
   not where NeMo-RL looks.
+* Paths (CONTAINER): ``checkpointing.checkpoint_dir``, ``logger.log_dir`` and every local
+  ``data...data_path`` resolve (relative ones against the working directory, ``WORKDIR``) in the
+  container. Outside the destinations of ``MOUNTS`` they are the image's own folders (the shipped
+  configs' relative ``results/...`` under ``WORKDIR=/opt/nemo-rl``): checkpoints and logs vanish
+  with the container, and the data is not there.
 * Time: NeMo-RL stops at ``checkpointing.checkpoint_must_save_by`` counted from after its setup;
   ``nemo_granular/nemo_rl/time_limit.py`` also stops it ``NG_SAVE_RESERVE_SECONDS`` before the
   job's end. A limit later than that, or a job shorter than the reserve, is reported.
@@ -29,7 +34,7 @@ from ..nemo_rl.time_limit import job_seconds_left, save_reserve_seconds
 from .findings import Finding, error, warning
 from .layout import dig
 
-__all__ = ["runtime_findings", "parse_sbatch_time", "container_venv_problem"]
+__all__ = ["runtime_findings", "parse_sbatch_time", "container_venv_problem", "container_path_findings"]
 
 SOURCE = "nemo-granular:runtime"
 
@@ -89,6 +94,62 @@ def container_venv_problem(venv: str, mounts: str, in_container: bool, home: str
     return None
 
 
+def _mount_destinations(mounts: str) -> list[str]:
+    """The container-side folders of pyxis ``--container-mounts`` (``SRC[:DST[:FLAGS]]``, comma list)."""
+    out = []
+    for spec in mounts.split(","):
+        parts = spec.split(":")
+        dst = parts[1] if len(parts) > 1 and parts[1] else parts[0]
+        if dst:
+            out.append(os.path.normpath(dst).rstrip("/") or "/")
+    return out
+
+
+_DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
+
+
+def _data_paths(node, key: str = "data"):
+    """``(key, value)`` of every ``data_path`` under ``data`` that names a local file (an absolute
+    path, or a data file name), not a Hugging Face dataset id such as ``HuggingFaceH4/MATH-500``."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            if k == "data_path" and isinstance(v, str) and (v.startswith("/") or v.endswith(_DATA_SUFFIXES)):
+                yield f"{key}.{k}", v
+            else:
+                yield from _data_paths(v, f"{key}.{k}")
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _data_paths(v, f"{key}[{i}]")
+
+
+def container_path_findings(cfg: Mapping, environ: Mapping[str, str] = os.environ) -> list[Finding]:
+    """CONTAINER: the run's checkpoint, log and data paths must be inside MOUNTS (see the module
+    docstring); relative ones resolve against ``WORKDIR`` (else the working directory), where the
+    driver runs. No MOUNTS (site-wide enroot mounts, not visible here): nothing to check."""
+    inside = bool(environ.get("NG_CONTAINER"))
+    if not (environ.get("NG_CONTAINER") or environ.get("CONTAINER")):
+        return []
+    mounts = environ.get("NG_MOUNTS" if inside else "MOUNTS", "")
+    roots = _mount_destinations(mounts)
+    if not roots:
+        return []
+    base = environ.get("WORKDIR") or os.getcwd()
+    keyed = [(k, dig(cfg, k, None)) for k in ("checkpointing.checkpoint_dir", "logger.log_dir")]
+    if not dig(cfg, "checkpointing.enabled", True):
+        keyed = keyed[1:]
+    keyed += list(_data_paths(cfg.get("data") or {}))
+    out = []
+    for key, value in keyed:
+        if not isinstance(value, str) or not value:
+            continue
+        path = os.path.normpath(os.path.join(base, value))
+        if not _inside(path, roots) and "/" not in roots:
+            out.append(error(SOURCE, f"{key}={value} is {path} in the container, outside MOUNTS={mounts}: the "
+                                     "image's own file system (not shared, lost with the container); set it under "
+                                     "a mounted directory"))
+    return out
+
+
 def _venv_dir_findings(environ: Mapping[str, str], venv_dir: str | None) -> list[Finding]:
     if venv_dir is None or not environ.get("CONTAINER") or environ.get("NG_CONTAINER"):
         return []          # not a container job, or already inside it (then venv_dir is NeMo-RL's own view)
@@ -145,5 +206,6 @@ def runtime_findings(cfg: Mapping, environ: Mapping[str, str] = os.environ, venv
         if problem:
             out.append(error(SOURCE, problem))
     out += _venv_dir_findings(environ, venv_dir)
+    out += container_path_findings(cfg, environ)
     out += _time_findings(cfg, environ)
     return out

@@ -37,10 +37,29 @@ def _world_checks(src: str, world: int, tp: int, pp: int, cp: int, what: str) ->
     return []
 
 
+# NeMo-RL's docker/Dockerfile (7ea279ab and v0.7.0): `ENV TORCH_CUDA_ARCH_LIST="9.0 10.0"` (H100, B200)
+IMAGE_TORCH_CUDA_ARCH_LIST = "9.0 10.0"
+
+
+def torch_cuda_arch_list_finding(env: Mapping[str, str]) -> Finding:
+    """``TORCH_CUDA_ARCH_LIST`` unset with the Megatron backend: ``Policy.__init__`` raises
+    RuntimeError in NeMo-RL's ``setup()`` (after the allocation started). An error where ``env`` is
+    the job's environment: bare metal, or inside the job's container (``NG_CONTAINER``). A warning
+    on the submit host of a container job (``CONTAINER`` set, not inside it): the image's own
+    value wins there (NeMo-RL's image sets it), and this host cannot see the image's."""
+    if env.get("CONTAINER") and not env.get("NG_CONTAINER"):
+        return warning(LM_POLICY, "TORCH_CUDA_ARCH_LIST is not set on this host; the job's CONTAINER must set it "
+                                  f"(NeMo-RL's image does: '{IMAGE_TORCH_CUDA_ARCH_LIST}'): NeMo-RL's Megatron "
+                                  "backend raises without it")
+    return error(LM_POLICY, "TORCH_CUDA_ARCH_LIST is not set: NeMo-RL's Megatron backend (policy.megatron_cfg."
+                            "enabled) raises in setup() without it; export TORCH_CUDA_ARCH_LIST="
+                            f"'{IMAGE_TORCH_CUDA_ARCH_LIST}' (NeMo-RL's image: H100, B200) or your GPUs' capability")
+
+
 def policy_init_checks(policy: Mapping, world: int, env: Mapping[str, str] | None = None) -> list[Finding]:
     """``Policy.__init__``: one backend, draft model limits, the TP≥4 batch rule, world-size divisibility,
     dynamic batching vs PP and packing. ``TORCH_CUDA_ARCH_LIST`` (read from ``env``, the driver's
-    environment) is required by the Megatron backend; a warning here, since a login node differs."""
+    environment) is required by the Megatron backend (:func:`torch_cuda_arch_list_finding`)."""
     env = os.environ if env is None else env
     out: list[Finding] = []
     meg = bool((policy.get("megatron_cfg") or {}).get("enabled", False))
@@ -56,8 +75,7 @@ def policy_init_checks(policy: Mapping, world: int, env: Mapping[str, str] | Non
     if draft and bool((policy.get("sequence_packing") or {}).get("enabled", False)):
         out.append(error(LM_POLICY, "policy.draft.enabled does not support policy.sequence_packing.enabled"))
     if meg and "TORCH_CUDA_ARCH_LIST" not in env:
-        out.append(warning(LM_POLICY, "TORCH_CUDA_ARCH_LIST is not set in this environment; NeMo-RL's Megatron "
-                                      "backend refuses to start without it (NeMo-RL's container sets it)"))
+        out.append(torch_cuda_arch_list_finding(env))
     if dt and not dt_cfg.get("_v2", False):
         if (dt_cfg.get("lora_cfg") or {}).get("enabled", False):
             out.append(error(LM_POLICY, "LoRA is not supported by the DTensor v1 worker (set policy.dtensor_cfg._v2)"))

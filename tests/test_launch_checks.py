@@ -1,0 +1,258 @@
+"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6): what ``nemo-granular
+preflight`` (its runtime and worker checks, called directly), ``slurm/submit_comparison.sh`` and
+``slurm/launch.sh`` refuse before anything is submitted or started. The scripts run with fake
+``sbatch`` / ``srun`` / ``scontrol`` on ``PATH`` that only record their arguments; a refusal is one
+line on stderr, exit 2, and no fake was called. The runs in the local Slurm cluster are in
+``tests/test_slurm.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_granular.evals.staging import staging_refusal
+from nemo_granular.preflight.runtime import container_path_findings, runtime_findings
+from nemo_granular.preflight.worker_checks import IMAGE_TORCH_CUDA_ARCH_LIST, policy_init_checks
+
+ROOT = Path(__file__).resolve().parents[1]
+SLURM = ROOT / "slurm"
+DOCS = (ROOT / "docs" / "slurm.md").read_text()
+CFG = ROOT / "examples" / "configs"
+MEGATRON_30B = [str(CFG / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo")]
+LOCAL = [str(CFG / "local" / f"{a}.yaml") for a in ("espo", "gspo")]
+
+
+def _fakes(d: Path) -> Path:
+    """``sbatch``, ``srun``, ``scontrol`` that append their argv (one JSON list a line) to ``calls``."""
+    d.mkdir(parents=True, exist_ok=True)
+    log = d / "calls"
+    for name in ("sbatch", "srun", "scontrol"):
+        body = {"sbatch": 'echo "1$RANDOM"',
+                "srun": "exit 0",
+                # hostnames of the allocation: the one node; nothing else is known
+                "scontrol": '[[ "$1 $2" == "show hostnames" ]] && echo n1; exit 0'}[name]
+        record = f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' {name} \"$@\" >>{log}"
+        (d / name).write_text(f"#!/usr/bin/env bash\n{record}\n{body}\n")
+        (d / name).chmod(0o755)
+    return log
+
+
+def _calls(log: Path) -> list[list[str]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def _env(tmp_path: Path, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HF_")) and k not in
+           ("CONTAINER", "MOUNTS", "VENV", "UV_CACHE_DIR_OVERRIDE", "NEMO_RL_PYTHON", "PREFLIGHT", "WORKDIR")}
+    env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
+    env.update({k: v for k, v in extra.items() if v is not None})
+    return env
+
+
+def _submit(tmp_path: Path, args: list[str], **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    log = _fakes(tmp_path / "bin")
+    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(tmp_path / "cmp"), *args],
+                       capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path, **env), timeout=300)
+    return r, _calls(log)
+
+
+def _fake_nemo_rl(tmp_path: Path) -> tuple[Path, Path]:
+    """A NeMo-RL checkout as submit_comparison.sh looks for one, and a NEMO_RL_PYTHON whose
+    ``-m nemo_granular preflight`` passes (the real preflight is tests/test_slurm.py's) and which is
+    this Python otherwise."""
+    checkout = tmp_path / "NeMo-RL"
+    (checkout / "examples").mkdir(parents=True)
+    (checkout / "examples" / "run_eval.py").write_text("")
+    (checkout / "nemo_rl").mkdir()
+    py = tmp_path / "nrl-python"
+    py.write_text(f'#!/usr/bin/env bash\n[[ "$1 $2 $3" == "-m nemo_granular preflight" ]] && exit 0\n'
+                  f'exec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    return checkout, py
+
+
+# ---------------------------------------------------------------- 4. TORCH_CUDA_ARCH_LIST ----------
+
+MEGATRON_POLICY = {"megatron_cfg": {"enabled": True}, "dtensor_cfg": {"enabled": False},
+                   "train_micro_batch_size": 1, "logprob_batch_size": 1}
+
+
+def test_megatron_config_without_torch_cuda_arch_list_is_refused_with_the_value_to_set():
+    """NeMo-RL's Policy.__init__ raises RuntimeError when TORCH_CUDA_ARCH_LIST is unset and the
+    Megatron backend is on (in setup(), after the allocation started); the preflight said so only
+    as a warning. Now: an error where the environment is the job's (bare metal; inside the job's
+    container), naming the value NeMo-RL's image sets; a warning on the submit host of a CONTAINER
+    job, whose image's value wins."""
+    for env in ({}, {"NG_CONTAINER": "img.sqsh", "CONTAINER": "img.sqsh"}):
+        [f] = [f for f in policy_init_checks(MEGATRON_POLICY, 8, env) if "TORCH_CUDA_ARCH_LIST" in f.message]
+        assert f.level == "error", f
+        assert f"export TORCH_CUDA_ARCH_LIST='{IMAGE_TORCH_CUDA_ARCH_LIST}'" in f.message, f
+        assert f.source == "nemo_rl/models/policy/lm_policy.py:Policy.__init__"
+    [f] = [f for f in policy_init_checks(MEGATRON_POLICY, 8, {"CONTAINER": "img.sqsh"})
+           if "TORCH_CUDA_ARCH_LIST" in f.message]
+    assert f.level == "warning", f
+    assert not [f for f in policy_init_checks(MEGATRON_POLICY, 8, {"TORCH_CUDA_ARCH_LIST": "9.0"})
+                if "TORCH_CUDA_ARCH_LIST" in f.message]
+    dtensor = {**MEGATRON_POLICY, "megatron_cfg": {"enabled": False}, "dtensor_cfg": {"enabled": True}}
+    assert not [f for f in policy_init_checks(dtensor, 8, {}) if "TORCH_CUDA_ARCH_LIST" in f.message]
+
+
+@pytest.mark.nemo_rl
+def test_torch_cuda_arch_list_value_and_rule_are_nemo_rls(nemo_rl_src):
+    """The value the refusal names is NeMo-RL's Dockerfile's ENV, and NeMo-RL raises (not warns)
+    for the Megatron backend without it."""
+    docker = (nemo_rl_src / "docker" / "Dockerfile").read_text()
+    assert f'ENV TORCH_CUDA_ARCH_LIST="{IMAGE_TORCH_CUDA_ARCH_LIST}"' in docker
+    policy = (nemo_rl_src / "nemo_rl" / "models" / "policy" / "lm_policy.py").read_text()
+    megatron = policy[policy.index("megatron_policy_worker.MegatronPolicyWorker"):]
+    megatron = megatron[:megatron.index("else:")]
+    assert re.search(r'if "TORCH_CUDA_ARCH_LIST" not in os\.environ:\s+raise RuntimeError', megatron), megatron
+
+
+def test_docs_bare_metal_story_sets_torch_cuda_arch_list():
+    """docs/slurm.md's launch story (step 3, the submitting shell's variables) sets it."""
+    story = DOCS[DOCS.index("**3. Models and data pre-staged"):DOCS.index("**4. Check each config")]
+    assert f"export TORCH_CUDA_ARCH_LIST='{IMAGE_TORCH_CUDA_ARCH_LIST}'" in story, story
+
+
+# ---------------------------------------------------------------- 5. staged benchmarks -------------
+
+def test_offline_comparison_with_eval_suite_refuses_unstaged_benchmarks_before_submitting(tmp_path):
+    """HF_HUB_OFFLINE=1 and --eval-suite without --data-dir (docs/slurm.md's container
+    comparison): every eval job failed after all the training steps. submit_comparison.sh now
+    refuses before any sbatch, in one line naming the benchmarks and the stage-benchmarks
+    command; with --data-dir it names only what is not staged there; staged, it submits."""
+    checkout, py = _fake_nemo_rl(tmp_path)
+    common = ["--nodes", "8", "--eval-suite", "espo", "--nemo-rl", str(checkout)]
+    r, calls = _submit(tmp_path, [*common, *MEGATRON_30B], HF_HUB_OFFLINE="1", NEMO_RL_PYTHON=str(py))
+    assert r.returncode == 2 and not calls and not (tmp_path / "cmp").exists(), (r.stdout, r.stderr, calls)
+    assert r.stderr.splitlines() == [
+        "submit_comparison: --eval-suite espo: aime24, aime25, math500, hmmt25: no --data-dir "
+        "(HF_HUB_OFFLINE/HF_DATASETS_OFFLINE set); run nemo-granular stage-benchmarks --suite espo "
+        '--data-dir DIR and --eval-args "--data-dir DIR"'], r.stderr
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    for key in ("aime24", "aime25", "math500"):
+        (bench / f"{key}.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    # online, a --data-dir: hmmt25 has no NeMo-RL loader, so it must be staged anyway
+    r, calls = _submit(tmp_path, [*common, "--eval-args", f"--data-dir {bench}", *MEGATRON_30B],
+                       NEMO_RL_PYTHON=str(py))
+    assert r.returncode == 2 and not calls, (r.stderr, calls)
+    assert r.stderr.splitlines() == [
+        f"submit_comparison: --eval-suite espo: hmmt25: not staged in {bench} (NeMo-RL has no loader); "
+        f"run nemo-granular stage-benchmarks --suite espo --data-dir {bench}"], r.stderr
+    (bench / "hmmt25.jsonl").write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
+    r, calls = _submit(tmp_path, [*common, "--eval-args", f"--data-dir {bench}", *MEGATRON_30B],
+                       HF_HUB_OFFLINE="1", NEMO_RL_PYTHON=str(py))
+    assert r.returncode == 0, r.stderr
+    assert [c[0] for c in calls] == ["sbatch"] * 5, calls   # 2 training, 2 eval, the report
+
+
+def test_staging_refusal_names_a_bad_staged_file(tmp_path):
+    (tmp_path / "aime24.jsonl").write_text("not json\n")
+    line = staging_refusal("espo", tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert line.startswith(f"{tmp_path}/aime24.jsonl:1: not a staged benchmark line"), line
+    assert staging_refusal("espo", None, env={}) is not None   # hmmt25: no NeMo-RL loader
+
+
+def test_docs_container_comparison_passes_the_data_dir():
+    """docs/slurm.md's container comparison (b) runs offline with --eval-suite: it must stage and
+    pass --data-dir."""
+    block = DOCS[DOCS.index("# (b) a container built from a NeMo-RL main checkout"):]
+    block = block[:block.index("```")]
+    assert "--eval-suite espo" in block and '--eval-args "--data-dir /lustre/benchmarks"' in block, block
+
+
+# ---------------------------------------------------------------- 6. UV_CACHE_DIR_OVERRIDE ---------
+
+def test_submit_comparison_refuses_uv_cache_dir_override_with_container(tmp_path):
+    """It was mounted at /root/.cache/uv (ray.sub's), over the uv cache that NeMo-RL's image links
+    its venvs into (`uv sync --link-mode symlink`): `import torch` failed in every step."""
+    shared = tmp_path / "shared"
+    r, calls = _submit(tmp_path, LOCAL, CONTAINER="img.sqsh", MOUNTS=f"{tmp_path}:{tmp_path}",
+                       UV_CACHE_DIR_OVERRIDE=str(shared / "uv"))
+    assert r.returncode == 2 and not calls and not r.stdout, (r.stdout, r.stderr, calls)
+    assert r.stderr.splitlines() == [
+        "submit_comparison: UV_CACHE_DIR_OVERRIDE with CONTAINER hides the image's /root/.cache/uv "
+        "(its venvs link there); unset it"], r.stderr
+
+
+def _launch(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """slurm/launch.sh as the batch script of a one-node job (fake srun/scontrol; the driver `true`)."""
+    log = _fakes(tmp_path / "bin")
+    r = subprocess.run(["bash", str(SLURM / "launch.sh"), "true"], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120, env=_env(tmp_path, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1",
+                                             SLURM_JOB_NUM_NODES="1", SLURM_CPUS_ON_NODE="2", NG_ROOT=str(ROOT),
+                                             HEAD_IP="10.0.0.1", START_RAY="0", WORKDIR=str(tmp_path),
+                                             BASE_LOG_DIR=str(tmp_path / "logs"), **env))
+    return r, _calls(log)
+
+
+def test_launch_refuses_uv_cache_dir_override_with_container_before_any_step(tmp_path):
+    mounts = f"{tmp_path}:{tmp_path},{ROOT}:{ROOT}"
+    r, calls = _launch(tmp_path, CONTAINER="img.sqsh", MOUNTS=mounts, UV_CACHE_DIR_OVERRIDE=str(tmp_path / "uv"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert not [c for c in calls if c[0] == "srun"], calls
+    errors = [line for line in (r.stdout + r.stderr).splitlines() if "ERROR:" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "ERROR: UV_CACHE_DIR_OVERRIDE with CONTAINER hides the image's /root/.cache/uv (its venvs link there); "
+        "unset it"), errors
+    # without it the same job runs its driver step
+    ok, calls = _launch(tmp_path, CONTAINER="img.sqsh", MOUNTS=mounts)
+    assert ok.returncode == 0 and [c for c in calls if c[0] == "srun"], ok.stdout + ok.stderr
+
+
+def test_docs_say_why_uv_cache_dir_override_is_refused():
+    row = next(line for line in DOCS.splitlines() if line.startswith("| `UV_CACHE_DIR_OVERRIDE`"))
+    assert "refused" in row and "--link-mode symlink" in row, row
+
+
+# ---------------------------------------------------------------- 3. paths inside MOUNTS -----------
+
+SHIPPED_PATHS = {"checkpointing": {"enabled": True, "checkpoint_dir": "results/sspo_qwen2.5_math_1.5b"},
+                 "logger": {"log_dir": "logs/sspo_qwen2.5_math_1.5b"},
+                 "data": {"train": {"data_path": "data/math_level3to5_train.jsonl"},
+                          "validation": [{"data_path": "HuggingFaceH4/MATH-500"},
+                                         {"data_path": "/lustre/data/math500_test.jsonl"}],
+                          "default": {"prompt_file": "examples/prompts/cot.txt"}}}
+
+
+def test_container_run_paths_outside_the_mounts_are_refused():
+    """Release image, WORKDIR=/opt/nemo-rl: the shipped configs' relative checkpoint_dir/log_dir
+    (and a relative data file) resolve inside the image: checkpoints lost with the container. One
+    error per key, naming it and the path; none for paths under a mount's destination, for
+    Hugging Face dataset ids, prompt files (the image's examples/), or without CONTAINER/MOUNTS."""
+    env = {"CONTAINER": "nemo-rl-v0.7.0.sqsh", "MOUNTS": "/lustre:/lustre", "WORKDIR": "/opt/nemo-rl"}
+    lines = [f.line() for f in runtime_findings(SHIPPED_PATHS, env)]
+    assert lines == [
+        f"error: {key}={value} is /opt/nemo-rl/{value} in the container, outside MOUNTS=/lustre:/lustre: the image's "
+        "own file system (not shared, lost with the container); set it under a mounted directory "
+        "[nemo-granular:runtime]"
+        for key, value in (("checkpointing.checkpoint_dir", "results/sspo_qwen2.5_math_1.5b"),
+                           ("logger.log_dir", "logs/sspo_qwen2.5_math_1.5b"),
+                           ("data.train.data_path", "data/math_level3to5_train.jsonl"))], lines
+    # inside the job's container (launch.sh's preflight): NG_CONTAINER / NG_MOUNTS, the mount's destination
+    inside = {"NG_CONTAINER": "img", "NG_MOUNTS": "/host/lustre:/lustre", "WORKDIR": "/opt/nemo-rl"}
+    assert len(container_path_findings(SHIPPED_PATHS, inside)) == 3
+    fixed = {**SHIPPED_PATHS, "checkpointing": {"enabled": True, "checkpoint_dir": "/lustre/runs/sspo/checkpoints"},
+             "logger": {"log_dir": "/lustre/runs/sspo/logs"},
+             "data": {**SHIPPED_PATHS["data"], "train": {"data_path": "/lustre/data/math_level3to5_train.jsonl"}}}
+    assert container_path_findings(fixed, env) == [] and container_path_findings(fixed, inside) == []
+    assert container_path_findings(SHIPPED_PATHS, {"WORKDIR": "/opt/nemo-rl"}) == []          # no CONTAINER
+    assert container_path_findings(SHIPPED_PATHS, {"CONTAINER": "img", "WORKDIR": "/x"}) == []   # no MOUNTS
+    # WORKDIR on a mount (the main-checkout container): the relative paths are on the shared file system
+    assert container_path_findings(SHIPPED_PATHS, {**env, "WORKDIR": "/lustre/NeMo-RL"}) == []
+
+
+def test_docs_release_image_example_sets_paths_under_a_mount():
+    """docs/slurm.md's example (a) (WORKDIR=/opt/nemo-rl) sets checkpoint_dir and log_dir under /lustre."""
+    block = DOCS[DOCS.index("# (a) NeMo-RL's v0.7.0 release container"):DOCS.index("# (b) a container built")]
+    assert re.search(r"checkpointing\.checkpoint_dir=/lustre/\S+", block), block
+    assert re.search(r"logger\.log_dir=/lustre/\S+", block), block
+    assert "NG_DATA_DIR=/lustre/data" in block, block
