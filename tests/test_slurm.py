@@ -248,7 +248,9 @@ def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = (),
         layers += [f"{ROOT / 'tests' / 'harness' / 'cpu_stand_ins'}:/opt/cpu_stand_ins/cpu_stand_ins",
                    f"{SHIMS}:/opt/cpu_stand_ins/host_shims"]     # (the stand-ins find te_stub beside them)
         worker_pth += ["/opt/cpu_stand_ins", "import cpu_stand_ins; cpu_stand_ins.install()"]
-    args = ["bash", str(MAKE_IMAGE), str(dest), "--venv", sys.prefix, "--env", "PYTHONPATH=" + ":".join(path)]
+    # NeMo-RL's docker/Dockerfile sets TORCH_CUDA_ARCH_LIST (its Policy refuses Megatron without it)
+    args = ["bash", str(MAKE_IMAGE), str(dest), "--venv", sys.prefix, "--env", "PYTHONPATH=" + ":".join(path),
+            "--env", f"TORCH_CUDA_ARCH_LIST={IMAGE_CUDA_ARCHS}"]
     if nemo_rl is not None:
         args += ["--nemo-rl", str(nemo_rl)]
     for layer in layers:
@@ -274,6 +276,7 @@ def images(tmp_path_factory):
 
 
 MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
+IMAGE_CUDA_ARCHS = "9.0 10.0"     # NeMo-RL's image (docker/Dockerfile); the docs' bare-metal story exports it too
 
 
 def _pyxis_env(cluster: Cluster, image: Path, mounts: list[Path], srun_log: Path | None = None) -> dict:
@@ -401,8 +404,8 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     on a pyxis cluster and run in the local cluster's pyxis (slurm/local_cluster/pyxis: every step
     in a container root of the ``release`` image with only MOUNTS, no $HOME, the image's
     environment first): CONTAINER, MOUNTS = a shared folder and the nemo-granular checkout, no
-    VENV, the driver started with the image's ``python``; a host UV_CACHE_DIR,
-    UV_CACHE_DIR_OVERRIDE, a host UV_PROJECT_ENVIRONMENT (the image's wins) and NEMO_RL_VENV_DIR
+    VENV, the driver started with the image's ``python``; a host UV_CACHE_DIR
+    (UV_CACHE_DIR_OVERRIDE is refused with CONTAINER: tests/test_launch_checks.py), a host UV_PROJECT_ENVIRONMENT (the image's wins) and NEMO_RL_VENV_DIR
     (the launcher passes it with --container-env), a low soft ``ulimit -n``; from a home that
     holds the ``~/.ray/auth_token`` an earlier ``ray.init()`` left (Ray 2.60): the head and the
     joining nodes agreed on the auth mode only by chance before. The head node's name also maps
@@ -414,9 +417,9 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     run_dir, steps = shared / "run", (8 if train else 30)
     token = "token-an-earlier-ray-init-left-in-home-0123456789abcdef"
     home = _home(tmp_path / "home", token=token)
-    srun_log, facts, uv_cache = shared / "srun.log", shared / "node_facts.txt", shared / "uv-cache"
+    srun_log, facts = shared / "srun.log", shared / "node_facts.txt"
     env = {"HOME": str(home), **_pyxis_env(cluster, images["release"], [shared, ROOT], srun_log),
-           "WORKDIR": str(shared), "UV_CACHE_DIR": "/host/only/uv-cache", "UV_CACHE_DIR_OVERRIDE": str(uv_cache),
+           "WORKDIR": str(shared), "UV_CACHE_DIR": "/host/only/uv-cache",
            "UV_PROJECT_ENVIRONMENT": "/host/only/nemo_rl_venv", "NEMO_RL_VENV_DIR": str(shared / "venvs"),
            # what every step sees on its node once the launcher's environment is applied
            "SETUP_COMMAND": f'echo "$(hostname) $(ulimit -Sn) $(ulimit -Hn) ${{UV_CACHE_DIR-unset}} '
@@ -474,10 +477,9 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
         name = "ray-worker" if kind == "workers" else "ray-head"
         for argv in lines:
             assert {f"--container-image={images['release']}", f"--container-name={name}",
-                    f"--container-mounts={shared}:{shared},{ROOT}:{ROOT},{uv_cache}:/root/.cache/uv",
+                    f"--container-mounts={shared}:{shared},{ROOT}:{ROOT}",
                     f"--container-workdir={shared}", "--no-container-mount-home",
                     "--container-env=NEMO_RL_VENV_DIR"} <= set(argv), (kind, argv)
-    assert uv_cache.is_dir()
     # every step on both nodes, inside the container: the soft file limit raised (ray.sub: 65535,
     # at most the hard limit), no host UV_CACHE_DIR, the image's python and UV_PROJECT_ENVIRONMENT,
     # the job's NEMO_RL_VENV_DIR, the workdir; nothing of the host outside MOUNTS, no $HOME
@@ -811,11 +813,11 @@ def _independent_scores(model: Path, bench: Path, checkout: Path, keys) -> dict:
 def _without_nemo_rl_src(env: dict) -> dict:
     """Overrides for ``env`` (None = unset) so that it is a NeMo-RL cluster's: no ``NEMO_RL_SRC``
     and NeMo-RL not on ``PYTHONPATH`` (``nemo_rl`` is importable only where a NeMo-RL checkout is
-    the working directory, as with ``uv run`` there), no ``TORCH_CUDA_ARCH_LIST`` (the preflight
-    warns)."""
+    the working directory, as with ``uv run`` there), and ``TORCH_CUDA_ARCH_LIST`` as the docs' bare-metal
+    story exports it (NeMo-RL refuses a Megatron config without it; its image sets the same value)."""
     src = Path(os.environ["NEMO_RL_SRC"]).resolve()
     path = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != src]
-    return {"NEMO_RL_SRC": None, "TORCH_CUDA_ARCH_LIST": None, "PYTHONPATH": os.pathsep.join(path)}
+    return {"NEMO_RL_SRC": None, "TORCH_CUDA_ARCH_LIST": IMAGE_CUDA_ARCHS, "PYTHONPATH": os.pathsep.join(path)}
 
 
 def _env(base: dict, overrides: dict) -> dict:
@@ -866,7 +868,7 @@ def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_r
     """The REAL preflight in ``submit_comparison.sh`` (no cluster: ``--dry-run``; the runs are
     started by the ``real_preflight_dry_runs`` fixture). Both shipped Qwen3-30B-A3B configs pass,
     with the launch story's allocation and the runs' overrides (``~key`` too); the preflight's
-    warnings (missing worker venvs, TORCH_CUDA_ARCH_LIST, model config not cached) do not stop the
+    warnings (missing worker venvs, model config not cached) do not stop the
     submission, and the sbatch lines follow. Next to the shipped SPPO config (run_sppo's argv),
     the ESPO config before its Megatron fix stops the submission: exactly the preflight's own line
     for it, none for the SPPO config, exit 1. Where NeMo-RL is not importable the preflight's own
@@ -1309,8 +1311,7 @@ def _finished(cluster: Cluster, j: SimpleNamespace, name: str, state: str) -> tu
 @pytest.mark.nemo_rl
 def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, nemo_rl_src, one_node_jobs):
     """``one_node_jobs["ok"]``: the shipped SSPO config with the launcher's cluster overrides passes
-    the real preflight inside the job; its warnings (worker venvs missing, TORCH_CUDA_ARCH_LIST
-    unset, model config not cached) are shown in the launcher's log and do not stop the job. Under
+    the real preflight inside the job; its warnings (worker venvs missing, model config not cached) are shown in the launcher's log and do not stop the job. Under
     pyxis the preflight runs with the driver's Python in the head's named container, in WORKDIR:
     that is where NeMo-RL is importable and where the config's ``nemo_rl/upstream/`` parent
     resolves. The driver then runs the very command line the preflight checked."""
@@ -1353,7 +1354,7 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     assert re.search(r"preflight: no problems, \d+ warning\(s\):", launcher), info
     # (inside the image NeMo-RL looks for them in the image's NEMO_RL_VENV_DIR, not <checkout>/venvs)
     assert "[preflight] preflight: warning: worker venv missing: /opt/ray_venvs/" in launcher, info
-    assert "[preflight] preflight: warning: TORCH_CUDA_ARCH_LIST is not set" in launcher, info
+    assert "TORCH_CUDA_ARCH_LIST" not in launcher, info      # the image sets it, as NeMo-RL's does
     assert "driver exited with code 0" in launcher, info
     # the driver ran the command line the preflight checked
     cfg = yaml.safe_load((j.run / "checkpoints" / "step_2" / "config.yaml").read_text())
