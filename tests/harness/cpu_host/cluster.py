@@ -100,10 +100,9 @@ class RayHead:
                "--disable-usage-stats", "--node-ip-address=127.0.0.1",
                # every port of its own, so that two heads (two test modules on two xdist workers) can coexist:
                # Ray's defaults for these are fixed numbers
-               *(f"--{flag}={_free_port()}" for flag in ("ray-client-server-port", "dashboard-agent-listen-port",
-                                                         "dashboard-agent-grpc-port", "metrics-export-port",
-                                                         "runtime-env-agent-port", "node-manager-port",
-                                                         "object-manager-port"))]
+               *(f"--{flag}={_free_port()}" for flag in (
+                   "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                   "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port"))]
         env = cpu_host_env(self.home, **self.extra_env)
         self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
                                      start_new_session=True)
