@@ -13,6 +13,7 @@
 #   v0.7.0      NeMo-RL v0.7.0 (NEMO_RL_V070_SRC, or the source cache): the tests marked v070 and nemo_rl
 # Fill the source cache first (bash scripts/sources.sh, or --from DIR offline); a world whose sources are
 # absent does not run and says why. Under CI=true a skipped test fails its world.
+# shellcheck disable=SC2317  # the world set-up functions are called indirectly (world NAME SETUP ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
@@ -40,8 +41,8 @@ v070_world() {
 # present WORLD: whether its sources are there (quietly; a reason on stdout when not)
 present() {
   case $1 in
-    main) [ -n "${NEMO_RL_SRC:-}" ] || python3 scripts/sources.py env main 2>&1 >/dev/null ;;
-    v0.7.0) [ -n "${NEMO_RL_V070_SRC:-}" ] || python3 scripts/sources.py env v0.7.0 2>&1 >/dev/null ;;
+    main) [ -n "${NEMO_RL_SRC:-}" ] || { python3 scripts/sources.py env main >/dev/null; } 2>&1 ;;
+    v0.7.0) [ -n "${NEMO_RL_V070_SRC:-}" ] || { python3 scripts/sources.py env v0.7.0 >/dev/null; } 2>&1 ;;
   esac
 }
 

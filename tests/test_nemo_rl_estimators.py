@@ -22,7 +22,6 @@ from nemo_granular.advantages import ESPOEstimator
 from nemo_granular.nemo_rl import environments as envs
 from nemo_granular.nemo_rl import estimators as est
 
-pytestmark = pytest.mark.v070
 
 FAKE_GRPO = '''
 from pydantic import BaseModel

@@ -27,7 +27,6 @@ from nemo_granular.losses import GranularPolicyLoss
 from nemo_granular.nemo_rl import fallback, policy, workers
 from nemo_granular import run_grpo
 
-pytestmark = pytest.mark.v070
 
 ROOT = Path(__file__).resolve().parent.parent
 

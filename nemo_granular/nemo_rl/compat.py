@@ -52,7 +52,7 @@ __all__ = ["V0_7", "MAIN", "VERSIONS", "TITLES", "NemoRLVersion", "NotInThisVers
            "VersionRefusal", "version", "LOCATIONS", "VERSIONED", "MODULES", "CONFIG_KEYS", "BEHAVIOURS",
            "LOGPROB_OPTIONAL_KEYS", "get", "find", "module", "logprob_outputs", "conf", "adapt_config", "require",
            "shutdown_environments", "checkpoint_flush", "should_use_async_rollouts", "estimator_config",
-           "fused_linear_logprobs",
+           "fused_linear_logprobs", "verify_scores_need_own_call",
            "render_version_table"]
 
 V0_7, MAIN = "v0.7.0", "main"
