@@ -28,8 +28,9 @@
 #      within seconds with one clear ERROR line (no hang);
 #   4. USR1 (sent by Slurm --signal=B:USR1@300 before the time limit, or by
 #      `scancel --signal=USR1 --batch JOBID`) is forwarded to the driver, which saves a checkpoint
-#      and exits 99; the launcher then requeues the job, and the requeued job resumes. SIGTERM
-#      (scancel, preemption: Slurm sends it to every step) makes the known drivers save too. A driver
+#      and exits 99; the launcher then requeues the job, and the requeued job resumes (slurm/stop.sh
+#      JOBID sends it). SIGTERM (plain scancel, preemption) reaches every step: the embedded trainer
+#      saves, a NeMo-RL run does not (Ray stops under its driver; docs/slurm.md, "Preemption"). A driver
 #      that stops early by itself with exit 99 (run_grpo/run_sppo at NeMo-RL's time limit,
 #      checkpointing.checkpoint_must_save_by) is requeued the same way.
 # Logs: $BASE_LOG_DIR/<job name>-<job id>/ (launcher.log, ray-head.log, ray-worker-<node>.log,

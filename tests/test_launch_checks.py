@@ -256,3 +256,22 @@ def test_docs_release_image_example_sets_paths_under_a_mount():
     assert re.search(r"checkpointing\.checkpoint_dir=/lustre/\S+", block), block
     assert re.search(r"logger\.log_dir=/lustre/\S+", block), block
     assert "NG_DATA_DIR=/lustre/data" in block, block
+
+
+def test_stop_script_sends_usr1_to_the_batch_shell_and_refuses_a_bad_id(tmp_path):
+    """slurm/stop.sh is the documented stop: ``scancel --signal=USR1 --batch JOBID`` (the launcher's save
+    path), nothing sent for a malformed id."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    log = tmp_path / "scancel.args"
+    (fake / "scancel").write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {log}\n')
+    (fake / "scancel").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    ok = subprocess.run(["bash", str(ROOT / "slurm" / "stop.sh"), "4242", "17_3"], env=env, capture_output=True,
+                        text=True, timeout=30)
+    assert ok.returncode == 0 and log.read_text().split() == ["--signal=USR1", "--batch", "4242", "17_3"], ok.stderr
+    log.unlink()
+    bad = subprocess.run(["bash", str(ROOT / "slurm" / "stop.sh"), "4242;rm"], env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a Slurm job id" in bad.stderr
+    assert not log.exists()
