@@ -172,7 +172,7 @@ def main(argv=None):
     lines = [
         "## SPPO critic cost: prompt-only de-duplicated vs full sequence",
         "",
-        f"`python benchmarks/critic_cost.py{' --quick' if args.quick else ''}` — {machine()}.",
+        f"`.venv/bin/python benchmarks/critic_cost.py{' --quick' if args.quick else ''}` — {machine()}.",
         f"Critic: random Qwen3 ({layers} layers, hidden {hidden}, vocab {vocab}) + per-token value head, float32,"
         f" 1 thread. Prompts {p_range[0]}–{p_range[1] - 1} tokens, responses {r_range[0]}–{r_range[1] - 1} tokens"
         " (the paper's ≤1k / ≤8k scaled by 1/8); right-padded batches as NeMo-RL builds them. Median of"

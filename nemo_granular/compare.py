@@ -30,12 +30,16 @@ from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser, check_writable_di
 
 SMOKE = ["warmstart.max_steps=150", "rl.steps=10", "rl.prompts_per_step=8", "rl.generations_per_prompt=4",
          "rl.minibatches_per_rollout=2", "rl.eval_every=5", "logger.log_every=5"]
+# a config whose rl.generations_per_prompt is 1 (``sppo_equal_prompts``: SPPO at GRPO's prompts per step,
+# one sample each, the paper's setting) keeps it under --smoke: the smoke budget's G would make it plain SPPO
+SMOKE_ONE_SAMPLE = [o for o in SMOKE if not o.startswith("rl.generations_per_prompt=")]
 NOT_ALGORITHMS = ("base", "smoke")  # configs in the config directory that are not an algorithm of their own
 # seeds by default: enough for a 95 % interval over seeds of every paired claim (t with n−1 degrees of
 # freedom: 2.78 at 5 seeds, 4.30 at 3), within the demo's time budget on 2 cores (README); --smoke: the
 # fewest that give an interval at all
 DEFAULT_SEEDS, SMOKE_SEEDS = 5, 3
 DEFAULT_OUT = "outputs/compare"
+DEFAULT_ALGORITHMS = "grpo,gspo,sspo,espo,sppo"
 
 
 class CompareInterrupted(Exception):
@@ -162,6 +166,8 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
     valid = ", ".join(available_algorithms(config_dir))
     if not algorithms:
         raise ValueError(f"--algorithms is empty (valid: {valid})")
+    if "" in algorithms:
+        raise ValueError(f"--algorithms: a name is empty (two commas in a row, or one at an end; valid: {valid})")
     unknown = [a for a in algorithms if a in NOT_ALGORITHMS or not (config_dir / f"{a}.yaml").is_file()]
     if unknown:
         raise ValueError(f"--algorithms: unknown {', '.join(map(repr, unknown))} (valid: {valid})")
@@ -176,22 +182,31 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
     check_writable_dir(out, "--out")
     out = Path(out).absolute()  # every path printed and recorded holds from any directory
     jobs = jobs or max(1, min(2, os.cpu_count() or 1))
-    extra = (SMOKE if smoke else []) + list(overrides or [])
-    if steps is not None:
-        extra.append(f"rl.steps={steps}")
+    extra = list(overrides or []) + ([f"rl.steps={steps}"] if steps is not None else [])
     # every checkpoint kept: the benchmark suite evaluates them (SSPO protocol: every 10 steps)
-    common = ["logger.progress=false", "threads=1"] + (["checkpoint.keep=1000"] if suite else []) + extra
+    base = ["logger.progress=false", "threads=1"] + (["checkpoint.keep=1000"] if suite else [])
+    per_alg = {}  # each algorithm's overrides: --smoke keeps a one-sample-per-prompt config at one sample
+    for alg in algorithms:
+        smoke_here = SMOKE if smoke else []
+        if smoke:
+            try:
+                own = load_train_config(config_dir / f"{alg}.yaml", list(overrides or []))
+            except ValueError as err:
+                raise ValueError(f"{alg}: {err}") from None
+            if own.rl.generations_per_prompt == 1:
+                smoke_here = SMOKE_ONE_SAMPLE
+        per_alg[alg] = base + smoke_here + extra
     plan = []
     for s in range(seeds):
         for alg in algorithms:
             run = out / "runs" / f"{alg}_seed{s}"
             try:
-                cfg = load_train_config(config_dir / f"{alg}.yaml", common + [f"seed={s}", f"output_dir={run}"])
+                cfg = load_train_config(config_dir / f"{alg}.yaml", per_alg[alg] + [f"seed={s}", f"output_dir={run}"])
             except ValueError as err:
                 raise ValueError(f"{alg}: {err}") from None
             if cfg.rl.steps < 1:  # a run without RL steps has nothing the report can compare
                 raise ValueError(f"{alg}: rl.steps={cfg.rl.steps}: a comparison needs at least 1 RL step")
-            plan.append({"alg": alg, "seed": s, "run": run, "cfg": cfg, "init": None})
+            plan.append({"alg": alg, "seed": s, "run": run, "cfg": cfg, "init": None, "common": per_alg[alg]})
     previous = [n for n in ("report.md", "runs") if (out / n).exists()]
     if resume and not (out / "runs").is_dir():
         raise FileNotFoundError(f"--resume: nothing to resume in --out {out} (no runs/); drop --resume to start "
@@ -226,7 +241,8 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
                   file=sys.stderr, flush=True)
             continue
         g["dir"].mkdir(parents=True, exist_ok=True)
-        args = ["--force", *common, f"seed={g['seed']}", f"output_dir={g['dir']}", "rl.steps=0", "name=warmstart"]
+        args = ["--force", *per_alg[g["alg"]], f"seed={g['seed']}", f"output_dir={g['dir']}", "rl.steps=0",
+                "name=warmstart"]
 
         def call(g=g, args=args, label=label):
             _train(config_dir / f"{g['alg']}.yaml", args, g["dir"] / "train.log", label)
@@ -252,7 +268,7 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
         elif resume and run.exists():
             flags = ["--force"]  # an earlier attempt that never reached a checkpoint
         run.mkdir(parents=True, exist_ok=True)
-        args = [*flags, *common, f"seed={item['seed']}", f"output_dir={run}"]
+        args = [*flags, *item["common"], f"seed={item['seed']}", f"output_dir={run}"]
         if item["init"] is not None:
             args.append(f"model.init_from={item['init']}")
         calls.append(lambda item=item, args=args, append=bool(flags): _train(
@@ -310,9 +326,13 @@ def continue_command(argv: list[str]) -> str:
 
 
 def _algorithm_list(text: str) -> list[str]:
+    """The names of ``--algorithms``, in order, repeats dropped; an empty name (``grpo,,sspo``, a
+    trailing comma) stays in the list as ``""``, which :func:`compare` refuses."""
+    if not text.strip():
+        return []
     names = []
     for name in (a.strip() for a in text.split(",")):
-        if name and name not in names:
+        if name not in names:
             names.append(name)
     return names
 
@@ -324,8 +344,8 @@ def main(argv: list[str]) -> int:
     ap = ArgumentParser(prog="nemo-granular compare",
                         description="Run algorithms side by side (same data, seed and sample budget) "
                                     "and write report.md with plots.")
-    ap.add_argument("--algorithms", default="grpo,gspo,sspo,espo,sppo",
-                    help="comma-separated config names from --config-dir")
+    ap.add_argument("--algorithms", default=None,
+                    help=f"comma-separated config names from --config-dir (default: {DEFAULT_ALGORITHMS})")
     ap.add_argument("--seeds", type=int, default=None,
                     help=f"number of seeds (0..N-1; default {DEFAULT_SEEDS}, {SMOKE_SEEDS} with --smoke: every "
                          "claim gets a 95%% interval over seeds)")
@@ -333,9 +353,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", default=DEFAULT_OUT,
                     help="directory for the runs, warm starts, report.md and plots (default: %(default)s); "
                          "refused when it already holds a comparison, unless --resume or --force")
-    ap.add_argument("--config-dir", default=str(LOCAL_CONFIGS), help="where <algorithm>.yaml live")
+    ap.add_argument("--config-dir", default=None, help=f"where <algorithm>.yaml live (default: {LOCAL_CONFIGS})")
     ap.add_argument("--jobs", type=int, default=None, help="parallel runs (default: number of cores, max 2)")
-    ap.add_argument("--smoke", action="store_true", help="tiny budget (CI): smoke.yaml settings for every run")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny budget (CI): smoke.yaml's settings for every run, except that a config of one sample "
+                         "per prompt (sppo_equal_prompts) keeps one")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--force", action="store_true", help="redo a comparison whose --out already holds one")
     mode.add_argument("--resume", action="store_true",
@@ -349,6 +371,14 @@ def main(argv: list[str]) -> int:
     if args.from_runs:
         if args.resume:
             raise ValueError("--resume continues a comparison's runs; --from-runs only builds a report")
+        training = [opt for opt, given in (("--algorithms", args.algorithms is not None),
+                                           ("--seeds", args.seeds is not None), ("--steps", args.steps is not None),
+                                           ("--jobs", args.jobs is not None), ("--smoke", args.smoke),
+                                           ("--config-dir", args.config_dir is not None),
+                                           ("key=value overrides", bool(args.overrides))) if given]
+        if training:
+            raise ValueError(f"{', '.join(training)}: not with --from-runs, which only builds a report from the run "
+                             "directories it names (choose the runs by naming their directories)")
         runs = [Path(p) for p in args.from_runs]
         for run in runs:   # embedded (metrics.jsonl) or NeMo-RL (TensorBoard events) run directories
             if not run.is_dir():
@@ -367,9 +397,11 @@ def main(argv: list[str]) -> int:
             raise
     else:
         try:
-            report = compare(algorithms=_algorithm_list(args.algorithms), seeds=args.seeds, steps=args.steps,
-                             out=Path(args.out), config_dir=Path(args.config_dir), jobs=args.jobs,
-                             smoke=args.smoke, overrides=args.overrides, force=args.force, resume=args.resume)
+            algorithms = _algorithm_list(DEFAULT_ALGORITHMS if args.algorithms is None else args.algorithms)
+            config_dir = Path(LOCAL_CONFIGS if args.config_dir is None else args.config_dir)
+            report = compare(algorithms=algorithms, seeds=args.seeds, steps=args.steps, out=Path(args.out),
+                             config_dir=config_dir, jobs=args.jobs, smoke=args.smoke, overrides=args.overrides,
+                             force=args.force, resume=args.resume)
         except CompareInterrupted as err:
             print(f"nemo-granular compare: {err}; continue with: {continue_command(argv)}", file=sys.stderr)
             return INTERRUPTED_EXIT_CODE

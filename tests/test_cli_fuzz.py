@@ -200,6 +200,19 @@ CASES = [
     ("compare: from-runs missing", ["compare", "--from-runs", "{f}/gone", "--out", "{t}/c"], "gone"),
     ("compare: from-runs over a report", ["compare", "--from-runs", "{s}/run", "--out", "{f}/cmp"],
      "already holds a report.md"),
+    ("compare: an empty name among others", ["compare", "--algorithms", "grpo,,sspo", "--out", "{t}/c"],
+     "--algorithms: a name is empty"),
+    ("compare: a trailing comma", ["compare", "--algorithms", "grpo,", "--out", "{t}/c"],
+     "--algorithms: a name is empty"),
+    ("compare: from-runs with algorithms", ["compare", "--from-runs", "{s}/run", "--algorithms", "grpo", "--out",
+                                            "{t}/c"], "--algorithms: not with --from-runs"),
+    ("compare: from-runs with seeds and smoke", ["compare", "--smoke", "--seeds", "2", "--from-runs", "{s}/run",
+                                                 "--out", "{t}/c"], "--seeds, --smoke: not with --from-runs"),
+    # ---- eval-checkpoints
+    ("eval-checkpoints: a step without a checkpoint", ["eval-checkpoints", "{s}/run", "--steps", "55"],
+     "--steps: {s}/run has no checkpoint of step 55 (its checkpoints: 0)"),
+    ("eval-checkpoints: an empty step", ["eval-checkpoints", "{s}/run", "--steps", "0,,5"], "--steps: expected"),
+    ("eval-checkpoints: a negative step", ["eval-checkpoints", "{s}/run", "--steps=-5"], "--steps: expected"),
     # ---- export
     ("export: source missing", ["export", "{f}/gone", "{t}/e"], "gone"),
     ("export: source a file", ["export", "{f}/a_file", "{t}/e"], "a_file"),
@@ -286,7 +299,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(shared, tmp_path, monke
     assert rc == 2, (rc, err)
     assert len(lines) == 1, err
     assert lines[0].startswith(f"nemo-granular {args[0]}: error: ") or lines[0].startswith("nemo-granular: error: ")
-    assert expected.replace("{f}", str(tmp_path / "f")) in lines[0], lines[0]
+    assert expected.replace("{f}", str(tmp_path / "f")).replace("{s}", str(shared)) in lines[0], lines[0]
     assert out == ""
     assert _snapshot(tmp_path, shared) == before  # nothing created, changed or half-written
 

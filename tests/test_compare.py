@@ -115,6 +115,27 @@ def test_default_is_five_paired_seeds_and_every_claim_gets_an_interval(inprocess
     assert all(Path(line.rsplit("(", 1)[1].rstrip(")")).is_absolute() for line in out.splitlines() if "seed" in line)
 
 
+def test_smoke_keeps_sppo_equal_prompts_at_one_sample_per_prompt(inprocess_runs, tmp_path):
+    """--smoke's budget (8 prompts × 4 samples) used to override every run's G, so ``sppo_equal_prompts``
+    became plain ``sppo`` (same samples per step, identical metrics) under a claim labelled "equal
+    prompts per step". Under --smoke it keeps one sample per prompt at the smoke's prompts per step."""
+    import yaml
+
+    from nemo_granular.embedded.config import LOCAL_CONFIGS
+
+    # TINY without its prompts and G, so that the smoke's own budget is what the runs get
+    tiny = [o for o in TINY if not o.startswith(("rl.prompts_per_step=", "rl.generations_per_prompt="))]
+    algs = ["sppo", "sppo_equal_prompts"]
+    out = tmp_path / "smoke"
+    report = inprocess_runs.compare(algorithms=algs, seeds=1, steps=None, out=out, config_dir=LOCAL_CONFIGS,
+                                    jobs=1, smoke=True, overrides=tiny, suite=None).read_text()
+    rl = {a: yaml.safe_load((out / "runs" / f"{a}_seed0" / "config.yaml").read_text())["rl"] for a in algs}
+    batch = {a: (rl[a]["prompts_per_step"], rl[a]["generations_per_prompt"]) for a in algs}
+    assert batch == {"sppo": (8, 4), "sppo_equal_prompts": (8, 1)}  # SPPO: 32 prompts × 1; equal prompts: 8 × 1
+    assert "32 prompts × 1 sample (SPPO, equal samples)" in report
+    assert "8 prompts × 1 sample (SPPO, equal prompts)" in report
+
+
 def _policy_config(run: Path) -> dict:
     import json
 

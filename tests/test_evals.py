@@ -527,3 +527,69 @@ def test_embedded_evaluate_run_writes_evals_json(tmp_path):
     assert data["suites"]["sppo"]["benchmarks"]["tiny"]["samples_per_problem"] == 2
     assert data["suites"]["sppo"]["benchmarks"]["tiny"]["metric"] == "avg@2"
     assert json.loads((run / "evals.json").read_text()) == data
+
+
+def _tiny_embedded_run(tmp_path: Path, steps=(0, 10, 20), rl_steps=20) -> tuple[Path, Path]:
+    from nemo_granular.embedded.models import build_policy, build_tokenizer
+
+    tok = build_tokenizer()
+    mcfg = SimpleNamespace(path=None, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                           intermediate_size=32, max_positions=128, moe=False)
+    policy = build_policy(mcfg, tok)
+    run = tmp_path / "grpo_seed0"
+    for step in steps:
+        d = run / "checkpoints" / f"step_{step:06d}"
+        policy.save_pretrained(str(d / "policy"))
+        tok.save_pretrained(str(d / "tokenizer"))
+    (run / "config.yaml").write_text(yaml.safe_dump({"seed": 0, "task": {"kind": "arithmetic", "num_terms": 3,
+                                                                          "max_term": 5, "heldout_size": 8},
+                                                     "rl": {"max_new_tokens": 8, "steps": rl_steps}, "model": {}}))
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text("".join(json.dumps({"prompt": f"Q:{i}+1\n", "answer": str(i + 1)}) + "\n" for i in range(2)))
+    return run, tiny
+
+
+def test_embedded_steps_are_honoured_or_refused_naming_the_steps_that_exist(tmp_path, capsys):
+    """`--steps 55` on an embedded run was ignored (steps 90 and 100 evaluated, exit 0)."""
+    from nemo_granular.cli import main
+
+    run, tiny = _tiny_embedded_run(tmp_path)
+    argv = ["eval-checkpoints", str(run), "--suite", "sspo", "--benchmark", f"tiny={tiny}", "--max-samples", "1"]
+    capsys.readouterr()
+    assert main([*argv, "--steps", "55"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--steps: {run} has no checkpoint of step 55 (its checkpoints: 0, 10, 20)" in err
+    assert not (run / "evals.json").exists() and not (run / "benchmarks").exists()
+    assert main([*argv, "--steps", "10"]) == 0
+    data = json.loads((run / "evals.json").read_text())
+    assert list(data["suites"]["sspo"]["checkpoints"]) == ["10"]   # that step, and only that one
+
+
+def test_embedded_missing_final_checkpoint_is_named(tmp_path, capsys):
+    """A run whose final checkpoint is missing had its newest one evaluated as "the last" without a word."""
+    from nemo_granular.cli import main
+
+    run, tiny = _tiny_embedded_run(tmp_path, rl_steps=30)
+    capsys.readouterr()
+    assert main(["eval-checkpoints", str(run), "--suite", "sppo", "--benchmark", f"tiny={tiny}", "--max-samples",
+                 "1"]) == 0
+    err = capsys.readouterr().err
+    note = "the run's final checkpoint (step 30, rl.steps) is missing: step 20 is evaluated as the last"
+    assert [line for line in err.splitlines() if "final checkpoint" in line] == [f"[evals grpo_seed0] note: {note}"]
+    proto = json.loads((run / "evals.json").read_text())["suites"]["sppo"]["protocol"]
+    assert proto["select_note"].endswith(note)
+    # a complete run says nothing of the kind
+    done, tiny = _tiny_embedded_run(tmp_path / "done", rl_steps=20)
+    assert main(["eval-checkpoints", str(done), "--suite", "sppo", "--benchmark", f"tiny={tiny}", "--max-samples",
+                 "1"]) == 0
+    assert "final checkpoint" not in capsys.readouterr().err
+
+
+def test_plan_refuses_steps_without_a_checkpoint(tmp_path):
+    run = _fake_run(tmp_path)
+    message = r"--steps: .* has no checkpoint of step 15, 55 \(its checkpoints: 10, 20, 25\)"
+    with pytest.raises(ValueError, match=message):
+        ev.plan(run, protocols_for("sppo"), nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), steps=[10, 15, 55])
+    cmds = ev.plan(run, protocols_for("sppo"), nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), steps=[20])
+    assert {c.step for c in cmds} == {20}

@@ -21,8 +21,6 @@ from nemo_granular.evals import nemo_rl as ev
 from nemo_granular.evals.staging import MANIFEST, SOURCES, staging_problems, suite_benchmarks
 from nemo_granular.evals.suite import BENCHMARKS, PROTOCOLS
 
-pytest.importorskip("datasets")
-
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "nemo_granular" / "configs" / "evals"
 
@@ -89,6 +87,7 @@ def stage_cli(*argv, capsys):
 
 @pytest.fixture(scope="module")
 def mirror(tmp_path_factory):
+    pytest.importorskip("datasets")  # the tests that stage read the mirror with the real library
     root = tmp_path_factory.mktemp("mirror")
     return root, write_mirror(root)
 
@@ -168,10 +167,65 @@ def test_preflight_names_what_an_offline_eval_job_cannot_load(mirror, tmp_path, 
     assert sorted(f.message.split(":")[0] for f in bad) == ["amc23", "minerva_math", "olympiadbench"]
 
 
+# without the datasets library (the quick-start venv has none): a blocker on the import path
+NO_DATASETS = r'''
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "datasets" or name.startswith("datasets."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+sys.meta_path.insert(0, Block())
+from nemo_granular.cli import main
+sys.exit(main(["stage-benchmarks", *sys.argv[1:]]))
+'''
+
+
+def test_missing_datasets_is_one_line_with_the_install_command_and_creates_nothing(tmp_path):
+    """It was `No module named 'datasets'`, no hint, and an empty --data-dir left behind."""
+    data = tmp_path / "new" / "benchmarks"
+    res = subprocess.run([sys.executable, "-c", NO_DATASETS, "--suite", "espo", "--data-dir", str(data)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "needs the Python package 'datasets'" in res.stderr
+    assert f"{sys.executable} -m pip install 'datasets>=4.0.0'" in res.stderr
+    assert not (tmp_path / "new").exists()
+    # what is already staged needs no datasets: kept, and the command succeeds
+    data.mkdir(parents=True)
+    for key in suite_benchmarks("espo"):
+        (data / f"{key}.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    res = subprocess.run([sys.executable, "-c", NO_DATASETS, "--suite", "espo", "--data-dir", str(data)],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert res.returncode == 0 and res.stdout.count("already staged, kept") == 4, res.stderr
+
+
+def test_check_says_what_is_true_of_the_environment(tmp_path, capsys, monkeypatch):
+    """--check judges as for an offline node; it used to say `HF_HUB_OFFLINE ... is set` when it was not."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    rc, out, err = stage_cli("--suite", "espo", "--data-dir", tmp_path / "none", "--check", capsys=capsys)
+    assert rc == 1 and "is set" not in err and "OFFLINE" not in err
+    assert "math500: no " in err and "an eval node without internet (as --check assumes)" in err
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rc, out, err = stage_cli("--suite", "espo", "--data-dir", tmp_path / "none", "--check", capsys=capsys)
+    assert rc == 1 and "HF_DATASETS_OFFLINE is set" in err and "HF_HUB_OFFLINE" not in err
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("check", [False, True])
+def test_data_dir_that_is_a_file_is_refused_in_one_line(tmp_path, capsys, check):
+    """It was a raw `File exists` (and --check listed `no FILE/aime24.jsonl`)."""
+    f = tmp_path / "benchmarks"
+    f.write_text("mine\n")
+    rc, out, err = stage_cli("--suite", "espo", "--data-dir", f, *(["--check"] if check else []), capsys=capsys)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"--data-dir {f}: is a file, not a directory" in err
+    assert f.read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [f]
+
+
 def test_prepare_math_writes_the_math500_file_eval_checkpoints_reads(tmp_path):
     """``slurm/prepare_math_level3to5.py`` wrote MATH-500 only as ``math500_test.jsonl`` (the
     training configs' validation file), while ``eval-checkpoints --data-dir`` reads ``math500.jsonl``."""
-    from datasets import Dataset  # noqa: F401  (the script needs it)
+    pytest.importorskip("datasets")  # the script needs it
 
     root = tmp_path / "mirror"
     expected = write_mirror(root)

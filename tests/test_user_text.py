@@ -134,3 +134,18 @@ def test_setup_venv_says_what_it_is_doing_before_the_slow_install(tmp_path):
     again = subprocess.run(["bash", "scripts/setup_venv.sh"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=60)
     assert again.returncode == 0 and again.stderr == again.stdout == ""  # already set up: quiet
+
+
+# a bare `python` (or `python3`) running this clone's benchmarks or the standalone commands: from a plain shell it
+# has neither torch nor nemo_granular; the README's set-up puts both in .venv
+BARE_PYTHON = re.compile(r"(?<![\w/.-])python3? +(benchmarks/\S+|-m nemo_granular (train|compare)\b)")
+
+
+def test_documented_python_commands_use_the_venvs_interpreter():
+    """docs/algorithms/offpolicy.md showed `python -m nemo_granular train ...` and `python benchmarks/...`, which
+    fail from a plain shell (no torch, no nemo_granular outside .venv)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    bare = [f"{p.relative_to(ROOT)}:{n}: {m.group(0)}" for p in pages
+            for n, line in enumerate(p.read_text().splitlines(), 1) for m in BARE_PYTHON.finditer(line)]
+    assert not bare, "use .venv/bin/python (or .venv/bin/nemo-granular):\n" + "\n".join(bare)
+    assert ".venv/bin/python benchmarks/offpolicy_study.py" in (ROOT / "docs/algorithms/offpolicy.md").read_text()

@@ -54,7 +54,9 @@ def build_parser():
     g.add_argument("--tensor-parallel", type=int, default=None,
                    help="vLLM tensor parallel size (default: the run's policy.generation.vllm_cfg.tensor_parallel_size "
                         "from each checkpoint's config.yaml, else 1)")
-    g.add_argument("--steps", default=None, help="comma-separated steps to evaluate (default: the protocol's)")
+    ap.add_argument("--steps", default=None,
+                    help="comma-separated checkpoint steps to evaluate, each of which must exist (default: the "
+                         "protocol's)")
     g.add_argument("--benchmarks", default=None, metavar="KEY,...",
                    help="comma-separated benchmarks of the suite to evaluate, e.g. aime24,math500 (default: all of "
                         "them); evals.json then records the suite with those only")
@@ -112,11 +114,13 @@ def main(argv: list[str]) -> int:
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}")
     steps = None
-    if args.steps:
+    if args.steps is not None:
         try:
-            steps = [int(s) for s in args.steps.split(",") if s.strip()]
+            steps = [int(s) for s in args.steps.split(",")]
         except ValueError:
-            raise ValueError(f"--steps: expected comma-separated integers, got {args.steps!r}") from None
+            raise ValueError(f"--steps: expected comma-separated integers >= 0, got {args.steps!r}") from None
+        if any(s < 0 for s in steps):
+            raise ValueError(f"--steps: expected comma-separated integers >= 0, got {args.steps!r}")
     benchmarks = None
     if args.benchmarks is not None:
         benchmarks = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
@@ -125,17 +129,23 @@ def main(argv: list[str]) -> int:
         if unknown or not benchmarks:
             what = f"{unknown[0]!r} is not a benchmark of" if unknown else "no benchmark given; choose from"
             raise ValueError(f"--benchmarks: {what} suite {args.suite} ({', '.join(known)})")
-    failures = []
-    for run in map(Path, args.runs):
+    from .results import check_steps
+
+    for run in map(Path, args.runs):  # before any run is evaluated: every directory and every --steps
         if not run.is_dir():
             raise FileNotFoundError(f"{run}: no such run directory")
+        if steps is not None and detect(run) in ("embedded", "nemo-rl"):
+            have = embedded.available_steps(run) if detect(run) == "embedded" else nemo_rl.checkpoint_steps(run)
+            check_steps(run, steps, sorted(have))
+    failures = []
+    for run in map(Path, args.runs):
         kind = detect(run)
         if kind == "embedded":
             if args.dry_run:
                 print(f"# {run}: embedded run, evaluated in-process (suite {args.suite})")
                 continue
             files = dict(args.benchmark) if args.benchmark else None
-            embedded.evaluate_run(run, protocols, files, max_samples=args.max_samples,
+            embedded.evaluate_run(run, protocols, files, max_samples=args.max_samples, steps=steps,
                                   log=lambda m: print(m, file=sys.stderr, flush=True))
             print(f"{run}: {run / 'evals.json'}")
             continue

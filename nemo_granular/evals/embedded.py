@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .results import merge_write
+from .results import check_steps, merge_write
 from .suite import Protocol, Setting
 
 SYNTHETIC_SIZE = 64
@@ -117,11 +117,23 @@ def _policy_dirs(run: Path, cfg: dict) -> dict[int, Path]:
     return dirs
 
 
+def available_steps(run: Path) -> list[int]:
+    """The steps of an embedded run that can be evaluated (its checkpoints, and step 0 from ``model.init_from``)."""
+    import yaml
+
+    cfg_path = Path(run) / "config.yaml"
+    cfg = (yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.is_file() else {}
+    return sorted(_policy_dirs(Path(run), cfg))
+
+
 def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str, Path] | None = None,
-                 max_samples: int | None = None, log=print) -> dict:
+                 max_samples: int | None = None, log=print, steps: list[int] | None = None) -> dict:
     """Evaluate the checkpoints each protocol asks for (best: every ``every``-th step; last: step 0
     and the last) on the benchmark files; merge the scores into ``<run>/evals.json``. ``max_samples``
-    caps the samples per problem (CPU time); the table states the number used."""
+    caps the samples per problem (CPU time); the table states the number used. ``steps``: exactly
+    these checkpoints for every protocol (each must exist: a one-line error names those that do).
+    When the run's final step (``rl.steps``) has no checkpoint, one line says so and which step is
+    evaluated as the last, and each protocol's ``select_note`` in evals.json records it."""
     import yaml
 
     from ..embedded.models import load_pretrained_policy, load_tokenizer, tokenizer_dir
@@ -133,6 +145,11 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
     cfg = yaml.safe_load(cfg_path.read_text()) or {}
     task, rl = cfg.get("task") or {}, cfg.get("rl") or {}
     seed = int(cfg.get("seed", 0))
+    policies = _policy_dirs(run, cfg)
+    if not policies:
+        raise FileNotFoundError(f"{run}: no checkpoints/step_N and no model.init_from to evaluate")
+    have = sorted(policies)
+    check_steps(run, steps, have)
     if benchmark_files is None:
         if task.get("kind", "arithmetic") != "arithmetic":
             raise ValueError(f"{run}: a JSONL-task run needs --benchmark NAME=FILE (no synthetic default)")
@@ -143,18 +160,22 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
     base_tokens = int(rl.get("max_new_tokens", 32))
     num_terms = int(task.get("num_terms", 4))
     new_tokens = {k: base_tokens + (12 if k == f"sum{num_terms + 1}" else 0) for k in sets}
-    policies = _policy_dirs(run, cfg)
-    if not policies:
-        raise FileNotFoundError(f"{run}: no checkpoints/step_N and no model.init_from to evaluate")
-    steps = sorted(policies)
+    final = rl.get("steps")
+    missing_final = ""
+    if isinstance(final, int) and final > have[-1]:
+        missing_final = (f"the run's final checkpoint (step {final}, rl.steps) is missing: step {have[-1]} "
+                         "is evaluated as the last")
+        log(f"[evals {run.name}] note: {missing_final}")
     cache: dict = {}
     memo: dict = {}
     data = {}
     for proto in protocols:
-        if proto.select == "best":
-            chosen = sorted({s for s in steps if proto.every is None or s % proto.every == 0} | {steps[-1]})
+        if steps is not None:
+            chosen = sorted(set(steps))
+        elif proto.select == "best":
+            chosen = sorted({s for s in have if proto.every is None or s % proto.every == 0} | {have[-1]})
         else:
-            chosen = sorted({steps[0], steps[-1]})
+            chosen = sorted({have[0], have[-1]})
         setting = proto.default
         if max_samples is not None and setting.samples > max_samples:
             setting = Setting(max_samples, setting.temperature, setting.top_p)
@@ -179,6 +200,7 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
                 ", ".join(f"{k} {s:.3f}" for k, s in results[step].items()))
         data = merge_write(run / "evals.json", run.name, "embedded", proto.name,
                            {"description": proto.description + " — embedded: on the held-out synthetic levels",
-                            "select": proto.select, "select_note": proto.select_note,
+                            "select": proto.select,
+                            "select_note": "; ".join(n for n in (proto.select_note, missing_final) if n),
                             "every": proto.every}, benches, results)
     return data

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .export_python import ExportPython, megatron_export_python
-from .results import merge_write
+from .results import check_steps, merge_write
 from .suite import BENCHMARKS, Protocol
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "evals"  # package data: found from a wheel too
@@ -113,6 +113,7 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
     if not ckpts:
         raise FileNotFoundError(f"{run}: no checkpoints/step_N (not a NeMo-RL run directory with checkpoints)")
     all_steps = sorted(ckpts)
+    check_steps(run, steps, all_steps)
     exported: set[int] = set()
     cmds: list[Command] = []
     for proto in protocols:

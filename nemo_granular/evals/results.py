@@ -63,3 +63,14 @@ def select_checkpoint(suite_result: dict, select: str = "last"):
     if select == "best":
         return max(rows, key=lambda r: (r[2], -r[0]))  # ties: the earlier checkpoint
     return max(rows, key=lambda r: r[0])
+
+
+def check_steps(run: Path, asked: list[int] | None, have: list[int]) -> None:
+    """``--steps``: every asked step must have a checkpoint; a one-line ``ValueError`` names those that
+    do not and the steps that exist (never a silent substitution)."""
+    if asked is None:
+        return
+    missing = sorted(set(asked) - set(have))
+    if missing:
+        raise ValueError(f"--steps: {run} has no checkpoint of step {', '.join(map(str, missing))} "
+                         f"(its checkpoints: {', '.join(map(str, sorted(have))) or 'none'})")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -160,6 +161,8 @@ def stage(keys: list[str], data_dir: Path, *, mirror: Path | None = None, load_d
           log=print) -> dict[str, Path]:
     """Stage each benchmark of ``keys`` into ``data_dir``; returns {key: file}."""
     data_dir = Path(data_dir)
+    if load_dataset is None and any(not staged_path(data_dir, k).exists() for k in keys):
+        require_datasets()  # before anything is created: no empty --data-dir left behind
     data_dir.mkdir(parents=True, exist_ok=True)
     done: dict[str, Path] = {}
     manifest: dict[str, dict] = {}
@@ -186,18 +189,42 @@ def stage(keys: list[str], data_dir: Path, *, mirror: Path | None = None, load_d
     return done
 
 
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+DATASETS_REQUIREMENT = "datasets>=4.0.0"   # what stage-benchmarks reads the sources with (NeMo-RL's own pin)
+
+
+def offline_vars(env: Mapping[str, str] = os.environ) -> list[str]:
+    """Those of Hugging Face's offline switches that are set in ``env``."""
+    return [v for v in OFFLINE_VARS if str(env.get(v, "")).strip().lower() in ("1", "true", "yes", "on")]
+
+
 def offline(env: Mapping[str, str] = os.environ) -> bool:
     """Hugging Face's offline switches (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE``)."""
-    return any(str(env.get(v, "")).strip().lower() in ("1", "true", "yes", "on")
-               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    return bool(offline_vars(env))
+
+
+def require_datasets() -> None:
+    """The ``datasets`` library that reads the sources, or one line naming it and the command that installs it
+    into this interpreter."""
+    try:
+        import datasets  # noqa: F401
+    except ImportError:
+        raise ImportError(f"stage-benchmarks needs the Python package 'datasets' (not installed for {sys.executable}): "
+                          f"{shlex.join([sys.executable, '-m', 'pip', 'install', DATASETS_REQUIREMENT])}") from None
 
 
 def staging_problems(suite: str, data_dir: Path | None, env: Mapping[str, str] = os.environ,
-                     keys=None) -> list[str]:
+                     keys=None, assume_offline: bool = False) -> list[str]:
     """One line per benchmark of ``suite`` (those in ``keys`` only, when given) that an eval job
     could not load: no staged file where NeMo-RL has no loader, or none while offline (NeMo-RL's
-    loaders download), or a bad file."""
+    loaders download), or a bad file. ``assume_offline``: judge as for a node without internet
+    (``--check``), whatever ``env`` says; each line says which of the two it is."""
     out = []
+    set_vars = offline_vars(env)
+    if set_vars:
+        why_offline = f"{'/'.join(set_vars)} {'is' if len(set_vars) == 1 else 'are'} set"
+    else:
+        why_offline = "an eval node without internet (as --check assumes)"
     hint = f"nemo-granular stage-benchmarks --suite {suite} --data-dir {data_dir or 'DIR'}"
     for key in suite_benchmarks(suite):
         if keys is not None and key not in keys:
@@ -212,8 +239,8 @@ def staging_problems(suite: str, data_dir: Path | None, env: Mapping[str, str] =
         where = f"no {path}" if path is not None else "no --data-dir"
         if BENCHMARKS[key].builtin is None:
             out.append(f"{key}: {where} and NeMo-RL has no loader for it; stage it: {hint}")
-        elif offline(env):
-            out.append(f"{key}: {where} and HF_HUB_OFFLINE/HF_DATASETS_OFFLINE is set, where NeMo-RL's "
+        elif set_vars or assume_offline:
+            out.append(f"{key}: {where} and {why_offline}, where NeMo-RL's "
                        f"{BENCHMARKS[key].builtin} loader downloads; stage it: {hint}")
     return out
 
@@ -259,15 +286,20 @@ def build_parser():
 
 
 def main(argv: list[str]) -> int:
+    from ..cli_common import check_writable_dir
+
     args = build_parser().parse_args(argv)
     data_dir = Path(args.data_dir)
+    if data_dir.exists() and not data_dir.is_dir():
+        raise NotADirectoryError(f"--data-dir {data_dir}: is a file, not a directory")
     if args.check:
-        problems = staging_problems(args.suite, data_dir, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        problems = staging_problems(args.suite, data_dir, assume_offline=True)
         for p in problems:
             print(f"stage-benchmarks: {p}", file=sys.stderr)
         if not problems:
             print(f"{args.suite}: every benchmark staged in {data_dir}")
         return 1 if problems else 0
+    check_writable_dir(data_dir, "--data-dir")
     stage(suite_benchmarks(args.suite), data_dir, mirror=Path(args.mirror) if args.mirror else None,
           log=lambda m: print(m, flush=True))
     return 0
