@@ -184,6 +184,13 @@ def pytest_runtest_logreport(report):
             _skipped.append(report.nodeid)
 
 
+def pytest_collectreport(report):
+    # a whole module skipped at collection (a module-level skip or importorskip) counts as a skip too
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skipped.append(f"{report.nodeid} (collection: {reason})")
+
+
 def pytest_sessionfinish(session, exitstatus):
     if hasattr(session.config, "workerinput"):
         return  # an xdist worker: its reports reach the controller, which decides
