@@ -71,6 +71,7 @@ EOF
   local minutes; minutes=$(awk "BEGIN{printf \"%.1f\", ($SECONDS-$start)/60}")
   if (( rc == 90 )); then RESULTS+=("world $name: FAILED to set up ($minutes min)"); FAILED=1
   elif (( rc == 0 )); then RESULTS+=("world $name: ran, passed ($counts; $minutes min)")
+  elif (( rc == 5 && USER_OPTS > 0 )); then RESULTS+=("world $name: ran, no test selected by the options given ($minutes min)")
   else RESULTS+=("world $name: ran, FAILED (exit $rc: $counts; $minutes min)"); FAILED=1; fi
 }
 pinned_transformers() {   # main's DTensor-v2 worker venv pins Automodel's transformers (==5.5.0 at 7ea279ab)
@@ -89,23 +90,23 @@ pinned_transformers() {   # main's DTensor-v2 worker venv pins Automodel's trans
 }
 no_nemo_rl() { unset NEMO_RL_SRC MEGATRON_LM_SRC MEGATRON_BRIDGE_SRC AUTOMODEL_SRC; }
 
-FAILED=0
+FAILED=0 USER_OPTS=$#   # options given (e.g. -k EXPR) go to every world
 if why=$(present main); then HAVE_MAIN=1; PLAN+=("world main: will run"); else HAVE_MAIN=0; PLAN+=("world main: will NOT run: $why"); fi
 if why=$(present v0.7.0); then HAVE_V070=1; PLAN+=("world v0.7.0: will run"); else HAVE_V070=0; PLAN+=("world v0.7.0: will NOT run: $why"); fi
 printf '%s\n' "world standalone: will run" "${PLAN[@]}" "world slurm: will run"
 
-world standalone no_nemo_rl "not nemo_rl and not slurm" "${XDIST[@]}"
+world standalone no_nemo_rl "not nemo_rl and not slurm" "${XDIST[@]}" "$@"
 if (( HAVE_MAIN )); then
-  world main main_world "nemo_rl and not slurm" "${XDIST[@]}"
-  world main-transformers-pin pinned_transformers "transformers_pin" "${XDIST[@]}"
-  world slurm main_world "slurm"
+  world main main_world "nemo_rl and not slurm" "${XDIST[@]}" "$@"
+  world main-transformers-pin pinned_transformers "transformers_pin" "${XDIST[@]}" "$@"
+  world slurm main_world "slurm" "$@"
 else
   RESULTS+=("world main: did NOT run: $(present main)")
-  world slurm no_nemo_rl "slurm and not nemo_rl"
+  world slurm no_nemo_rl "slurm and not nemo_rl" "$@"
 fi
 if (( HAVE_V070 )); then
-  world v0.7.0 v070_world "v070 and nemo_rl and not slurm" "${XDIST[@]}"
-  world v0.7.0-slurm v070_world "v070 and nemo_rl and slurm"
+  world v0.7.0 v070_world "v070 and nemo_rl and not slurm" "${XDIST[@]}" "$@"
+  world v0.7.0-slurm v070_world "v070 and nemo_rl and slurm" "$@"
 else
   RESULTS+=("world v0.7.0: did NOT run: $(present v0.7.0)")
 fi
