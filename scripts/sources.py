@@ -231,7 +231,7 @@ class Cache:
 
 
 def _cache(args, git_dirs=None) -> Cache:
-    pins, _ = read_pins()
+    pins, _ = read_pins(Path(args.pins))
     root = Path(args.cache) if args.cache else default_cache()
     return Cache(root, pins, git_dirs, root / ".git-clones")
 
@@ -245,9 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", help="the source cache (default: $NEMO_GRANULAR_SOURCES, or "
                                     "${XDG_CACHE_HOME:-$HOME/.cache}/nemo-granular/sources)")
     ap.add_argument("--world", dest="only", action="append", help="fill only this world's trees (repeatable)")
+    ap.add_argument("--pins", default=str(PINS), help=argparse.SUPPRESS)   # tests: a pins file of their own
     args = ap.parse_args(argv)
     try:
-        _, worlds = read_pins()
+        _, worlds = read_pins(Path(args.pins))
         if args.command == "env":
             if args.world not in worlds:
                 raise SourceError(f"env: world {args.world!r} is not one of {', '.join(worlds)}")
