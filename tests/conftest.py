@@ -101,12 +101,15 @@ def megatron_workers(nemo_rl_src):
 
 # Parallel runs (pytest-xdist; scripts/test.sh runs ``-n 2 --dist loadgroup``). Each module is one
 # scheduling unit, so its module-scoped set-up (a Ray head, a tiny checkpoint, a Megatron world) is
-# built once. Two modules' Ray heads can run at once (cpu_host.cluster.RayHead gives every port of a
-# head a free one; Ray's defaults are fixed numbers). The longest units are handed out first (a stable
-# sort; the rest keep file order), so the two workers end together.
-LONG_UNITS = ("test_loop_grpo", "test_megatron_worker", "test_loop_megatron", "test_loop_sppo",
-              "test_preflight_nemo_rl", "test_megatron_worker_configs", "test_export_megatron",
-              "test_loop_shipped_configs", "test_loop_dtensor_packing")
+# built once. The modules that start a Ray head share one unit: two heads could coexist (each port of
+# cpu_host.cluster.RayHead is a free one), but two loops' Ray actors on two cores thrash (seen in a CI
+# rehearsal: the GRPO and PPO loops side by side at load 12, 27 of the main world's tests in 19 min). The
+# longest units are handed out first (a stable sort; the rest keep file order), so the two workers end
+# together.
+HOST_RAY_MODULES = {"test_loop_actor_class", "test_loop_grpo", "test_loop_megatron", "test_loop_shipped_configs",
+                    "test_loop_sppo"}
+LONG_UNITS = ("host_ray", "test_megatron_worker", "test_preflight_nemo_rl", "test_megatron_worker_configs",
+              "test_export_megatron", "test_loop_dtensor_packing")
 
 
 WORLD_MARKERS = {
@@ -159,7 +162,8 @@ def pytest_collection_modifyitems(config, items):
     _version_skips(items)
 
     def unit(item) -> str:
-        return Path(str(item.fspath)).stem
+        module = Path(str(item.fspath)).stem
+        return "host_ray" if module in HOST_RAY_MODULES else module
 
     for item in items:
         # a test that needs NeMo-RL by its fixtures is marked so (the marker selects the world it runs in)
