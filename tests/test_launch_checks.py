@@ -225,7 +225,7 @@ SHIPPED_PATHS = {"checkpointing": {"enabled": True, "checkpoint_dir": "results/s
 
 def test_container_run_paths_outside_the_mounts_are_refused():
     """Release image, WORKDIR=/opt/nemo-rl: the shipped configs' relative checkpoint_dir/log_dir
-    (and a relative data file) resolve inside the image: checkpoints lost with the container. One
+    resolve inside the image: checkpoints lost with the container (data files, only read, are not checked). One
     error per key, naming it and the path; none for paths under a mount's destination, for
     Hugging Face dataset ids, prompt files (the image's examples/), or without CONTAINER/MOUNTS."""
     env = {"CONTAINER": "nemo-rl-v0.7.0.sqsh", "MOUNTS": "/lustre:/lustre", "WORKDIR": "/opt/nemo-rl"}
@@ -235,11 +235,10 @@ def test_container_run_paths_outside_the_mounts_are_refused():
         "own file system (not shared, lost with the container); set it under a mounted directory "
         "[nemo-granular:runtime]"
         for key, value in (("checkpointing.checkpoint_dir", "results/sspo_qwen2.5_math_1.5b"),
-                           ("logger.log_dir", "logs/sspo_qwen2.5_math_1.5b"),
-                           ("data.train.data_path", "data/math_level3to5_train.jsonl"))], lines
+                           ("logger.log_dir", "logs/sspo_qwen2.5_math_1.5b"))], lines
     # inside the job's container (launch.sh's preflight): NG_CONTAINER / NG_MOUNTS, the mount's destination
     inside = {"NG_CONTAINER": "img", "NG_MOUNTS": "/host/lustre:/lustre", "WORKDIR": "/opt/nemo-rl"}
-    assert len(container_path_findings(SHIPPED_PATHS, inside)) == 3
+    assert len(container_path_findings(SHIPPED_PATHS, inside)) == 2
     fixed = {**SHIPPED_PATHS, "checkpointing": {"enabled": True, "checkpoint_dir": "/lustre/runs/sspo/checkpoints"},
              "logger": {"log_dir": "/lustre/runs/sspo/logs"},
              "data": {**SHIPPED_PATHS["data"], "train": {"data_path": "/lustre/data/math_level3to5_train.jsonl"}}}

@@ -123,7 +123,7 @@ def _data_paths(node, key: str = "data"):
 
 
 def container_path_findings(cfg: Mapping, environ: Mapping[str, str] = os.environ) -> list[Finding]:
-    """CONTAINER: the run's checkpoint, log and data paths must be inside MOUNTS (see the module
+    """CONTAINER: the run's checkpoint and log paths (what it writes) must be inside MOUNTS (see the module
     docstring); relative ones resolve against ``WORKDIR`` (else the working directory), where the
     driver runs. No MOUNTS (site-wide enroot mounts, not visible here): nothing to check."""
     inside = bool(environ.get("NG_CONTAINER"))
@@ -137,7 +137,8 @@ def container_path_findings(cfg: Mapping, environ: Mapping[str, str] = os.enviro
     keyed = [(k, dig(cfg, k, None)) for k in ("checkpointing.checkpoint_dir", "logger.log_dir")]
     if not dig(cfg, "checkpointing.enabled", True):
         keyed = keyed[1:]
-    keyed += list(_data_paths(cfg.get("data") or {}))
+    # data files are read, not written: one inside the image is the image's own (a shipped dataset) and is
+    # not lost with the container; whether it exists is the data loader's check
     out = []
     for key, value in keyed:
         if not isinstance(value, str) or not value:
