@@ -598,8 +598,9 @@ def test_submit_comparison_runs_both_losses_and_builds_the_report(cluster, tmp_p
 def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     """A NeMo-RL checkout as the launch story has one (WORKDIR): its package, examples and project."""
     dest.mkdir(parents=True)
-    for name in ("nemo_rl", "examples", "pyproject.toml"):
-        (dest / name).symlink_to(nemo_rl_src / name)
+    for name in ("nemo_rl", "examples"):       # copies: the source cache may lie under a folder the image
+        shutil.copytree(nemo_rl_src / name, dest / name, symlinks=True)   # holds (/root/.cache): no mount there
+    shutil.copy2(nemo_rl_src / "pyproject.toml", dest / "pyproject.toml")
     return dest
 
 
@@ -658,7 +659,7 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     staged_keys = ("aime24", "aime25", "math500", "hmmt25")
     assert sorted(p.name for p in bench.glob("*.jsonl")) == sorted(f"{k}.jsonl" for k in staged_keys)
     keys = ("aime24",)      # evaluated (CI time: each benchmark is one run_eval, a NeMo-RL import and a Ray start)
-    pyxis = _pyxis_env(cluster, images["deps"], [tmp_path, ROOT, nemo_rl_src])
+    pyxis = _pyxis_env(cluster, images["deps"], [tmp_path, ROOT])
     env = _env(cluster.env, {**pyxis, "PATH": f"{PYXIS}:{Path(sys.executable).parent}:{cluster.env['PATH']}",
                              "NEMO_RL_PYTHON": f"python {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
                              "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT": "1",
@@ -1234,7 +1235,9 @@ def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jo
     # a COMMAND string of plain words is the command's arguments: the launcher finds the driver's
     # Python and config and appends the cluster overrides
     jobs["bad"] = SimpleNamespace(job=_submit(cluster, d / "bad", "ng-pf-bad", [], nodes=1,
-                                              env={"COMMAND": " ".join(bad_cmd)}),
+                                              # bare metal, as the docs' story: TORCH_CUDA_ARCH_LIST exported
+                                              env={"COMMAND": " ".join(bad_cmd),
+                                                   "TORCH_CUDA_ARCH_LIST": IMAGE_CUDA_ARCHS}),
                                   workdir=d / "bad", config=bad_cfg)
 
 
