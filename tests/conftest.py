@@ -119,7 +119,22 @@ WORLD_MARKERS = {
 }
 
 
+def _loadgroup_works() -> bool:
+    """Whether pytest-xdist's --dist loadgroup can group: it appends "@group" to ``item._nodeid``, which
+    pytest 9.2 no longer reads (Node.nodeid became a view of Node._id). Without grouping every test is its
+    own unit, module-scoped Ray heads and Megatron worlds are built on both workers at once, and the run
+    thrashes (seen: the main world's Ray loops side by side, a raylet that missed its start-up window)."""
+    import inspect
+
+    from _pytest.nodes import Node
+
+    return "_nodeid" in inspect.getsource(Node.nodeid.fget)
+
+
 def pytest_configure(config):
+    if config.getoption("dist", "no") == "loadgroup" and not _loadgroup_works():
+        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup cannot group tests under pytest "
+                                f"{pytest.__version__}; install pytest<9.2 (pyproject.toml's test extra)")
     for name, what in WORLD_MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
     config.addinivalue_line("markers", "needs_nemo_rl(name): tests a NeMo-RL name (compat.VERSIONED) or feature "

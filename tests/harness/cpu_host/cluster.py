@@ -74,6 +74,10 @@ def cpu_host_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+class _HeadExited(RuntimeError):
+    """The head process ended before the cluster answered."""
+
+
 class RayHead:
     """``ray start --head --block`` with a private temp dir / HOME; ``stop()`` kills its process group."""
 
@@ -93,7 +97,22 @@ class RayHead:
     def env(self, **extra: str) -> dict[str, str]:
         return cpu_host_env(self.home, RAY_ADDRESS=self.address, **{**self.extra_env, **extra})
 
-    def start(self, timeout: float = 180.0) -> "RayHead":
+    def start(self, timeout: float = 180.0, attempts: int = 3) -> "RayHead":
+        """Start the head; a head that exits while starting is retried with fresh ports: its raylet must register
+        within a fixed 30 s (ray/_private/node.py), which a loaded two-core machine can miss, and a port
+        ``_free_port`` chose may have been taken since."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(timeout)
+            except _HeadExited:
+                if attempt == attempts:
+                    raise
+                self.stop()
+                self.port = _free_port()
+                self.address = f"127.0.0.1:{self.port}"
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "RayHead":
         ray_bin = Path(sys.executable).with_name("ray")
         cmd = [str(ray_bin), "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={self.num_cpus}",
                f"--num-gpus={self.num_gpus}", f"--temp-dir={self.temp}", "--include-dashboard=false",
@@ -111,7 +130,7 @@ class RayHead:
                  "print('GPUS', ray.cluster_resources().get('GPU', 0)); ray.shutdown()")
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray head exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
+                raise _HeadExited(f"ray head exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
             out = subprocess.run([sys.executable, "-c", probe], env=self.env(), capture_output=True, text=True,
                                  timeout=120)
             if out.returncode == 0 and f"GPUS {float(self.num_gpus)}" in out.stdout:
