@@ -101,15 +101,16 @@ def megatron_workers(nemo_rl_src):
 
 # Parallel runs (pytest-xdist; scripts/test.sh runs ``-n 2 --dist loadgroup``). Each module is one
 # scheduling unit, so its module-scoped set-up (a Ray head, a tiny checkpoint, a Megatron world) is
-# built once. The modules that start a Ray head share one unit: two heads could coexist (each port of
-# cpu_host.cluster.RayHead is a free one), but two loops' Ray actors on two cores thrash (seen in a CI
-# rehearsal: the GRPO and PPO loops side by side at load 12, 27 of the main world's tests in 19 min). The
+# built once. The GRPO-side modules that start a Ray head share one unit and the PPO loop has its own:
+# at most two Ray loops side by side (each head's ports are free ones, cpu_host.cluster.RayHead). The
 # longest units are handed out first (a stable sort; the rest keep file order), so the two workers end
 # together.
-HOST_RAY_MODULES = {"test_loop_actor_class", "test_loop_grpo", "test_loop_megatron", "test_loop_shipped_configs",
-                    "test_loop_sppo"}
-LONG_UNITS = ("host_ray", "test_megatron_worker", "test_preflight_nemo_rl", "test_megatron_worker_configs",
-              "test_export_megatron", "test_loop_dtensor_packing")
+HOST_RAY_UNITS = {"test_loop_actor_class": "host_ray", "test_loop_grpo": "host_ray", "test_loop_megatron": "host_ray",
+                  "test_loop_shipped_configs": "host_ray", "test_loop_sppo": "host_ray_ppo"}
+LONG_UNITS = ("host_ray", "test_megatron_worker", "host_ray_ppo", "test_export_megatron", "test_preflight_nemo_rl",
+              "test_megatron_worker_configs", "test_loop_dtensor_packing",
+              # the standalone world's (a CI rehearsal: 6.8, 3.7, 1.9, 1.4 min)
+              "test_learning", "test_compare", "test_wheel_install", "test_embedded_reliability")
 
 
 WORLD_MARKERS = {
@@ -178,7 +179,7 @@ def pytest_collection_modifyitems(config, items):
 
     def unit(item) -> str:
         module = Path(str(item.fspath)).stem
-        return "host_ray" if module in HOST_RAY_MODULES else module
+        return HOST_RAY_UNITS.get(module, module)
 
     for item in items:
         # a test that needs NeMo-RL by its fixtures is marked so (the marker selects the world it runs in)
