@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,10 @@ TINY = ["warmstart.max_steps=3", "warmstart.eval_every=3", "rl.steps=1", "model.
 @pytest.fixture
 def inprocess_runs(monkeypatch):
     """``compare`` with every ``nemo-granular train`` run in this process (no interpreter start-up)."""
+    return _inprocess(monkeypatch)
+
+
+def _inprocess(monkeypatch):
     import contextlib
     import io
 
@@ -134,6 +139,29 @@ def test_smoke_keeps_sppo_equal_prompts_at_one_sample_per_prompt(inprocess_runs,
     assert batch == {"sppo": (8, 4), "sppo_equal_prompts": (8, 1)}  # SPPO: 32 prompts × 1; equal prompts: 8 × 1
     assert "32 prompts × 1 sample (SPPO, equal samples)" in report
     assert "8 prompts × 1 sample (SPPO, equal prompts)" in report
+
+
+def test_a_warm_start_stopped_before_its_record_is_continued_never_redone(inprocess_runs, tmp_path):
+    """An interrupted comparison whose warm start has its step-0 checkpoint but no step-0 record (what a
+    Ctrl-C in the warm start left behind before the trainer wrote the record first): a fresh start into it is
+    refused (it used to be reused silently, the warm start redone with --force over its checkpoint);
+    --resume continues that warm start from its checkpoint, which stays as it was."""
+    C, out = inprocess_runs, tmp_path / "cmp"
+    _compare(C, out)
+    (ws,) = list((out / "warmstart").iterdir())
+    shutil.rmtree(out / "runs")
+    (out / "report.md").unlink()
+    (ws / "metrics.jsonl").write_text("")  # checkpointed, never recorded
+    kept = {str(p): p.stat().st_mtime_ns for p in (ws / "checkpoints").rglob("*") if p.is_file()}
+    with pytest.raises(FileExistsError, match=r"already holds a comparison \(warmstart\): add --resume"):
+        _compare(C, out)
+    report = _compare(C, out, resume=True).read_text()
+    assert {str(p): p.stat().st_mtime_ns for p in (ws / "checkpoints").rglob("*") if p.is_file()} == kept
+    assert f"warm-start cache key {ws.name} (resumed)" in report
+    log = (ws / "train.log").read_text()
+    assert "resuming at step 0 of 0" in log and log.count("warm start step 3:") == 1  # not trained again
+    assert [json.loads(line)["step"] for line in (ws / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert (out / "runs" / "grpo_seed0" / "checkpoints" / "latest").is_file()
 
 
 def _policy_config(run: Path) -> dict:
@@ -283,3 +311,114 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
         steps = [json.loads(line)["step"] for line in (out / "runs" / f"{alg}_seed0" / "metrics.jsonl").read_text()
                  .splitlines()]
         assert steps == list(range(total + 1))
+
+
+# ---------------------------------------------------------------- Ctrl-C during the warm-start phase
+# a smoke-sized comparison whose warm start lasts a few seconds (40 SFT steps, 4 evaluations)
+WARM = [*TINY, "model.hidden_size=32", "warmstart.max_steps=40", "warmstart.eval_every=10", "warmstart.batch_size=16",
+        "rl.steps=2", "rl.eval_every=1"]
+TIMING = ("wall_time", "warmstart/seconds")  # and timing/*: what an interruption may change
+
+
+def _deterministic(rec: dict) -> dict:
+    return {k: v for k, v in rec.items() if k not in TIMING and not k.startswith("timing/")}
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The same comparison, never interrupted (in-process runs: no interpreter start-ups; no benchmark suite,
+    which changes neither the warm start nor the runs)."""
+    from nemo_granular.embedded.config import LOCAL_CONFIGS
+
+    out = tmp_path_factory.mktemp("uninterrupted") / "cmp"
+    with pytest.MonkeyPatch.context() as mp:
+        _inprocess(mp).compare(algorithms=["grpo"], seeds=1, steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
+                               smoke=True, overrides=WARM, suite=None)
+    return out
+
+
+def _interrupt(cmd: list[str], out: Path, moment: str) -> tuple[int, str]:
+    """Run ``cmd`` in its own session (a terminal's foreground job) and send SIGINT to the whole group at
+    ``moment``: ``"starting"`` (the warm start's folder exists, its process is starting), ``"training"``
+    (the warm start has logged its first evaluation) or ``"done"`` (warm starts done, RL starting)."""
+    import threading
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    lines, hit = [], threading.Event()
+    marker = {"training": "] warm start step 10:", "done": "warm starts done"}.get(moment)
+
+    def read():
+        for line in proc.stderr:
+            lines.append(line)
+            if marker and marker in line:
+                hit.set()
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if hit.is_set() or (moment == "starting" and list(out.glob("warmstart/*/key.json"))):
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, f"finished before the moment {moment!r}:\n" + "".join(lines)
+    os.killpg(proc.pid, signal.SIGINT)
+    rc = proc.wait(timeout=120)
+    reader.join(timeout=10)
+    return rc, "".join(lines)
+
+
+def _snapshot(root: Path) -> dict:
+    return {str(p): (p.stat().st_ino, p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["starting", "training", "done"])
+def test_ctrl_c_in_the_warm_start_phase_continues_as_printed(uninterrupted, tmp_path, moment):
+    """Ctrl-C during the warm-start phase printed a `continue with: ... --resume` that failed (exit 2, "nothing
+    to resume ... (no runs/)"), and a comparison started again redid the checkpointed warm start, whose step-0
+    record then had no warmstart/* keys. The printed command, run from another directory, now finishes the
+    comparison: the warm start is continued from its checkpoint (never redone or overwritten) and every
+    result that does not measure time equals the uninterrupted comparison's."""
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "nemo_granular", "compare", "--smoke", "--seeds", "1", "--algorithms", "grpo",
+           "--out", str(out), *WARM]
+    rc, err = _interrupt(cmd, out, moment)
+    assert rc == 130, err
+    last = err.strip().splitlines()[-1]
+    assert "continue with: " in last and last.endswith("--resume"), err
+    assert not (out / "report.md").exists()
+    (ws,) = list((out / "warmstart").iterdir())
+    kept = _snapshot(ws / "checkpoints") if (ws / "checkpoints").is_dir() else {}
+    sft_lines = (ws / "train.log").read_text().count("warm start step ")
+    log_before = (ws / "train.log").read_text()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    again = subprocess.run(last.split("continue with: ", 1)[1], shell=True, cwd=elsewhere,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (out / "report.md").is_file() and list((out / "warmstart").iterdir()) == [ws]
+
+    # nothing overwritten: a checkpoint written before the Ctrl-C is the one the runs started from, untouched,
+    # and its warm start was not trained again (no SFT step logged after the Ctrl-C)
+    assert {p: v for p, v in _snapshot(ws / "checkpoints").items() if p in kept} == kept
+    assert (ws / "train.log").read_text().startswith(log_before)
+    if kept:
+        assert (ws / "train.log").read_text().count("warm start step ") == sft_lines
+        assert "(computed)" not in (out / "report.md").read_text()
+
+    # the results equal the uninterrupted comparison's where they do not measure time
+    (ref,) = list((uninterrupted / "warmstart").iterdir())
+    assert ws.name == ref.name  # the same key: the same warm start
+    mine, theirs = _records(ws / "metrics.jsonl"), _records(ref / "metrics.jsonl")
+    assert len(mine) == 1 and mine[0]["step"] == 0 and "warmstart/accuracy" in mine[0]
+    assert _deterministic(mine[0]) == _deterministic(theirs[0])
+    policy = "checkpoints/step_000000/policy/model.safetensors"
+    assert (ws / policy).read_bytes() == (ref / policy).read_bytes()
+    run, ref_run = out / "runs" / "grpo_seed0", uninterrupted / "runs" / "grpo_seed0"
+    assert [_deterministic(r) for r in _records(run / "metrics.jsonl")] == \
+        [_deterministic(r) for r in _records(ref_run / "metrics.jsonl")]
