@@ -146,7 +146,8 @@ def _warm_starts(plan: list[dict], per_alg: dict, out: Path, config_dir: Path, j
     for g in groups.values():
         state, g["policy"] = _warmstart_state(g["dir"], g["key"])
         label = f"warmstart seed{g['seed']}-{g['key'][:8]}"
-        notes.append(f"seed{g['seed']}-{g['key']} ({dict(done='reused', checkpointed='resumed', new='computed')[state]})")
+        how = {"done": "reused", "checkpointed": "resumed", "new": "computed"}[state]
+        notes.append(f"seed{g['seed']}-{g['key']} ({how})")
         if state == "done":
             print(f"[{label}] reusing the cached warm start {g['dir']} (same key: same config, code and versions)",
                   file=sys.stderr, flush=True)
@@ -329,7 +330,7 @@ def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max
         timing["warm-start cache key"] = "; ".join(cache_notes)
     from .report import report_from_runs
 
-    report = report_from_runs([item["run"] for item in plan], out, timing=timing)
+    report = report_from_runs([item["run"] for item in plan], out, timing=timing, smoke=smoke)
     for item in plan:
         acc0, acc = _accuracies(item["run"])
         shown = "n/a" if acc is None else f"{acc0:.3f} → {acc:.3f}"

@@ -317,7 +317,8 @@ def test_ctrl_c_during_the_warm_start_keeps_its_outcome_in_the_step0_record(tmp_
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
     def untimed(rec):
-        return {k: v for k, v in rec.items() if k not in ("wall_time", "warmstart/seconds") and not k.startswith("timing/")}
+        return {k: v for k, v in rec.items()
+                if k not in ("wall_time", "warmstart/seconds") and not k.startswith("timing/")}
 
     def ctrl_c_mid_warm_start(line):  # a real SIGINT, to the handler the trainer installed
         if line.startswith("warm start step 2:"):
