@@ -100,17 +100,82 @@ def _run_all(jobs: int, calls: list) -> None:
     pool.shutdown()
 
 
-def _cached_warmstart(d: Path, key: str) -> Path | None:
-    """The policy of a complete warm start with this key in ``d``, or None."""
+def _warmstart_state(d: Path, key: str) -> tuple[str, Path | None]:
+    """Where the warm start in ``d`` (the folder of ``key``) stands, and its policy: ``"done"`` (step-0
+    checkpoint and step-0 record written; also after a Ctrl-C, which lets a warm start finish and save),
+    ``"checkpointed"`` (a checkpoint but no step-0 record, as earlier versions left a warm start stopped by
+    Ctrl-C: ``train --resume`` writes the record) or ``"new"`` (nothing checkpointed: never started,
+    stopped while its process was starting, or aborted by a second Ctrl-C)."""
     from .embedded.checkpoint import CheckpointError, find_resumable
+    from .rundir import step0_record
 
     try:
-        if json.loads((d / "key.json").read_text()).get("key") != key:
-            return None
+        recorded = json.loads((d / "key.json").read_text()).get("key")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    if recorded not in (None, key):
+        raise FileExistsError(f"{d}: its key.json names the warm start {recorded}, not {key}: move the folder away")
+    try:
         loaded, _ = find_resumable(d / "checkpoints")
     except (OSError, ValueError, CheckpointError):
-        return None
-    return loaded.path / "policy" if loaded.state.get("step") == 0 else None
+        return "new", None
+    if loaded.state.get("step") != 0:
+        raise FileExistsError(f"{d}: holds a checkpoint past step 0 ({loaded.path.name}), not a warm start: "
+                              "move the folder away")
+    return ("done" if step0_record(d) is not None else "checkpointed"), loaded.path / "policy"
+
+
+def _warm_starts(plan: list[dict], per_alg: dict, out: Path, config_dir: Path, jobs: int) -> list[str]:
+    """One warm start per distinct key (seed, model, task, warm-start settings, code, versions), shared by
+    every algorithm whose config gives that key, in ``<out>/warmstart/seed<S>-<key>`` (``key.json``
+    written before it starts). A complete one is reused, one stopped after its checkpoint is resumed,
+    never redone; only one that left no checkpoint starts again. Sets each item's ``init``; returns the
+    report's cache notes."""
+    from .embedded.warmstart import warmstart_key
+
+    groups: dict[str, dict] = {}
+    for item in plan:
+        cfg = item["cfg"]
+        if cfg.model.init_from or not cfg.warmstart.enabled:
+            continue  # nothing to warm-start: each run starts from its own config
+        key, parts = warmstart_key(cfg)
+        g = groups.setdefault(key, {"key": key, "parts": parts, "alg": item["alg"], "seed": item["seed"],
+                                    "dir": out / "warmstart" / f"seed{item['seed']}-{key}", "items": []})
+        g["items"].append(item)
+    notes, calls = [], []
+    for g in groups.values():
+        state, g["policy"] = _warmstart_state(g["dir"], g["key"])
+        label = f"warmstart seed{g['seed']}-{g['key'][:8]}"
+        how = {"done": "reused", "checkpointed": "resumed", "new": "computed"}[state]
+        notes.append(f"seed{g['seed']}-{g['key']} ({how})")
+        if state == "done":
+            print(f"[{label}] reusing the cached warm start {g['dir']} (same key: same config, code and versions)",
+                  file=sys.stderr, flush=True)
+            continue
+        earlier = g["dir"].is_dir()
+        if state == "checkpointed":
+            print(f"[{label}] continuing the interrupted warm start {g['dir']} from its checkpoint (not redone)",
+                  file=sys.stderr, flush=True)
+        elif earlier:
+            print(f"[{label}] the interrupted warm start {g['dir']} left no checkpoint: starting it again",
+                  file=sys.stderr, flush=True)
+        g["dir"].mkdir(parents=True, exist_ok=True)
+        if not (g["dir"] / "key.json").is_file():  # the folder names its key before anything is trained
+            (g["dir"] / "key.json").write_text(json.dumps({"key": g["key"], **g["parts"]}, indent=1))
+        args = ["--resume" if state == "checkpointed" else "--force", *per_alg[g["alg"]], f"seed={g['seed']}",
+                f"output_dir={g['dir']}", "rl.steps=0", "name=warmstart"]
+
+        def call(g=g, args=args, label=label, append=earlier):
+            _train(config_dir / f"{g['alg']}.yaml", args, g["dir"] / "train.log", label, append=append)
+            state, g["policy"] = _warmstart_state(g["dir"], g["key"])
+            if state != "done":
+                raise RunFailed(f"warm start {g['dir']} wrote no complete step-0 checkpoint and record")
+        calls.append(call)
+    _run_all(jobs, calls)
+    for g in groups.values():
+        for item in g["items"]:
+            item["init"] = g["policy"]
+    return notes
 
 
 def _accuracies(run: Path) -> tuple[float | None, float | None]:
@@ -156,9 +221,7 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
             jobs: int | None = None, smoke: bool = False, overrides: list[str] | None = None,
             force: bool = False, resume: bool = False, suite: str | None = "all",
             eval_max_samples: int | None = 8) -> Path:
-    from .embedded.checkpoint import step_dirs
     from .embedded.config import load_train_config
-    from .embedded.warmstart import warmstart_key
 
     # 1. every argument and every run's config checked before anything is written or run
     if not config_dir.is_dir():
@@ -207,10 +270,10 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
             if cfg.rl.steps < 1:  # a run without RL steps has nothing the report can compare
                 raise ValueError(f"{alg}: rl.steps={cfg.rl.steps}: a comparison needs at least 1 RL step")
             plan.append({"alg": alg, "seed": s, "run": run, "cfg": cfg, "init": None, "common": per_alg[alg]})
-    previous = [n for n in ("report.md", "runs") if (out / n).exists()]
-    if resume and not (out / "runs").is_dir():
-        raise FileNotFoundError(f"--resume: nothing to resume in --out {out} (no runs/); drop --resume to start "
-                                "a comparison")
+    previous = [n for n in ("report.md", "runs", "warmstart") if (out / n).exists()]
+    if resume and not ((out / "runs").is_dir() or (out / "warmstart").is_dir()):
+        raise FileNotFoundError(f"--resume: nothing to resume in --out {out} (no runs/ or warmstart/); drop --resume "
+                                "to start a comparison")
     if previous and not (force or resume):
         raise FileExistsError(f"--out {out} already holds a comparison ({', '.join(previous)}): add --resume to "
                               "continue it, --force to redo it, or choose another --out")
@@ -218,43 +281,23 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
     if force:
         shutil.rmtree(out / "runs", ignore_errors=True)
         (out / "report.md").unlink(missing_ok=True)
+    # runs/ marks the folder as a comparison from its first moment, so that the `continue with: ... --resume`
+    # printed after a Ctrl-C at any later moment (a warm start included) finds something to resume
+    (out / "runs").mkdir(exist_ok=True)
+
+    # 2. the warm starts (cached by key); 3. every algorithm from its seed's warm start; 4. the benchmark
+    #    suite; 5. the report. Ctrl-C at any moment: the runs checkpoint, CompareInterrupted, --resume continues
+    try:
+        return _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max_samples)
+    except KeyboardInterrupt:  # outside the runs (between stages, building the report): nothing to save
+        raise CompareInterrupted("interrupted; finished runs and checkpoints are kept") from None
+
+
+def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max_samples) -> Path:
+    from .embedded.checkpoint import step_dirs
+
     t0 = time.time()
-
-    # 2. one warm start per distinct key (seed, model, task, warm-start settings, code, versions),
-    #    shared by every algorithm whose config gives that key; reused when already complete
-    groups: dict[str, dict] = {}
-    for item in plan:
-        cfg = item["cfg"]
-        if cfg.model.init_from or not cfg.warmstart.enabled:
-            continue  # nothing to warm-start: each run starts from its own config
-        key, parts = warmstart_key(cfg)
-        g = groups.setdefault(key, {"key": key, "parts": parts, "alg": item["alg"], "seed": item["seed"],
-                                    "dir": out / "warmstart" / f"seed{item['seed']}-{key}", "items": []})
-        g["items"].append(item)
-    cache_notes, calls = [], []
-    for g in groups.values():
-        g["policy"] = _cached_warmstart(g["dir"], g["key"])
-        label = f"warmstart seed{g['seed']}-{g['key'][:8]}"
-        cache_notes.append(f"seed{g['seed']}-{g['key']} ({'reused' if g['policy'] else 'computed'})")
-        if g["policy"] is not None:
-            print(f"[{label}] reusing the cached warm start {g['dir']} (same key: same config, code and versions)",
-                  file=sys.stderr, flush=True)
-            continue
-        g["dir"].mkdir(parents=True, exist_ok=True)
-        args = ["--force", *per_alg[g["alg"]], f"seed={g['seed']}", f"output_dir={g['dir']}", "rl.steps=0",
-                "name=warmstart"]
-
-        def call(g=g, args=args, label=label):
-            _train(config_dir / f"{g['alg']}.yaml", args, g["dir"] / "train.log", label)
-            (g["dir"] / "key.json").write_text(json.dumps({"key": g["key"], **g["parts"]}, indent=1))
-            g["policy"] = _cached_warmstart(g["dir"], g["key"])
-            if g["policy"] is None:
-                raise RunFailed(f"warm start {g['dir']} wrote no complete step-0 checkpoint")
-        calls.append(call)
-    _run_all(jobs, calls)
-    for g in groups.values():
-        for item in g["items"]:
-            item["init"] = g["policy"]
+    cache_notes = _warm_starts(plan, per_alg, out, config_dir, jobs)
     t_warm = time.time() - t0
     print(f"warm starts done in {t_warm:.0f} s", file=sys.stderr, flush=True)
 
@@ -287,7 +330,7 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
         timing["warm-start cache key"] = "; ".join(cache_notes)
     from .report import report_from_runs
 
-    report = report_from_runs([item["run"] for item in plan], out, timing=timing)
+    report = report_from_runs([item["run"] for item in plan], out, timing=timing, smoke=smoke)
     for item in plan:
         acc0, acc = _accuracies(item["run"])
         shown = "n/a" if acc is None else f"{acc0:.3f} → {acc:.3f}"

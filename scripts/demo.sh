@@ -22,7 +22,7 @@ args=()
 if (( own_out )); then
   base=$out
   n=2
-  while [ -e "$out/report.md" ] || [ -e "$out/runs" ]; do out="$base-$n"; n=$((n + 1)); done
+  while [ -e "$out/report.md" ] || [ -e "$out/runs" ] || [ -e "$out/warmstart" ]; do out="$base-$n"; n=$((n + 1)); done
   if [ "$out" != "$base" ]; then
     echo "demo: $base already holds a comparison (kept); writing this one to $out" >&2
     [ -e "$base/report.md" ] || echo "demo: ($base was interrupted: 'bash $repo/scripts/demo.sh $* --out $base --resume' continues it)" >&2

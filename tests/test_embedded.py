@@ -301,3 +301,37 @@ def test_a_warm_start_that_misses_its_target_says_so_in_one_line(tmp_path):
     assert len(missed) == 1 and "\n" not in missed[0], missed
     assert f"accuracy {acc} < warmstart.target_accuracy=1" in missed[0] and "warmstart.max_steps=2" in missed[0]
     assert warm(0.0, "hit")[1] == []  # reached (any accuracy >= 0): nothing to say
+
+
+def test_ctrl_c_during_the_warm_start_keeps_its_outcome_in_the_step0_record(tmp_path):
+    """A stop signal during the warm start finishes the warm start, then saves; its step-0 record (the
+    warmstart/* keys, which only this process knows) used to be left unwritten, and the resumed run wrote
+    one without them. Now the record is written before the checkpoint, equal to an uninterrupted run's
+    but for the time it measures, and --resume writes no second one."""
+    from nemo_granular.embedded.trainer import Trainer
+
+    warm = ["warmstart.enabled=true", "warmstart.max_steps=4", "warmstart.eval_every=2", "warmstart.batch_size=4",
+            "rl.steps=1"]
+
+    def records(run):
+        return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+    def untimed(rec):
+        return {k: v for k, v in rec.items()
+                if k not in ("wall_time", "warmstart/seconds") and not k.startswith("timing/")}
+
+    def ctrl_c_mid_warm_start(line):  # a real SIGINT, to the handler the trainer installed
+        if line.startswith("warm start step 2:"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    stopped = tmp_path / "stopped"
+    trainer = Trainer(_cfg("grpo", stopped, *warm), log=ctrl_c_mid_warm_start, summary=lambda m: None)
+    assert trainer.run() == 130
+    (rec0,) = records(stopped)
+    assert rec0["step"] == 0 and rec0["warmstart/steps"] == 4  # the warm start ran to its end, then saved
+    assert (stopped / "checkpoints" / "step_000000").is_dir()
+    reference = tmp_path / "uninterrupted"
+    assert Trainer(_cfg("grpo", reference, *warm), log=lambda m: None, summary=lambda m: None).run() == 0
+    assert untimed(rec0) == untimed(records(reference)[0])
+    assert Trainer(_cfg("grpo", stopped, *warm), resume=True, log=lambda m: None, summary=lambda m: None).run() == 0
+    assert [untimed(r) for r in records(stopped)] == [untimed(r) for r in records(reference)]

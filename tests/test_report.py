@@ -442,3 +442,48 @@ def test_report_shows_each_clip_range_and_says_how_plots_are_smoothed(tmp_path, 
     assert "not smoothed" in titles["held-out validation accuracy"], titles
     assert "smoothed" not in titles["held-out validation accuracy"].replace("not smoothed", ""), titles
     assert outside and all(outside.values()), outside
+
+
+# ---------------------------------------------------------------------------- warm starts, smoke runs
+def _warm_start_dir(root: Path, seed: int, accuracy: float, steps: int, target: float, max_steps: int) -> Path:
+    """A warm start's folder as ``compare`` writes it: config.yaml and the step-0 record (warmstart/*)."""
+    ws = root / "warmstart" / f"seed{seed}-{seed:016x}"
+    ws.mkdir(parents=True)
+    (ws / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "warmstart": {"target_accuracy": target,
+                                                                                 "max_steps": max_steps}}))
+    (ws / "metrics.jsonl").write_text(json.dumps({"step": 0, "validation/accuracy": accuracy, "warmstart/steps": steps,
+                                                  "warmstart/accuracy": accuracy, "warmstart/seconds": 9.0}) + "\n")
+    return ws
+
+
+def test_warm_starts_against_their_targets_and_a_smoke_report(tmp_path):
+    """Each warm start the runs started from (model.init_from) is stated against its target, a missed one at
+    the top; a smoke report says so at its top and judges no claim, while the same runs otherwise get verdicts."""
+    missed = _warm_start_dir(tmp_path, 0, 0.195, 150, 0.5, 150)
+    reached = _warm_start_dir(tmp_path, 1, 0.5, 75, 0.5, 150)  # exactly the target: reached
+    runs = []
+    for seed, ws in ((0, missed), (1, reached)):
+        for alg, clip in (("grpo", 0.02), ("gspo", 0.001)):
+            run = _embedded_run(tmp_path / "runs", alg, seed, [0.3, 0.4 + 0.01 * seed, 0.5], clip=clip)
+            cfg = yaml.safe_load((run / "config.yaml").read_text())
+            cfg["model"]["init_from"] = str(ws / "checkpoints" / "step_000000" / "policy")
+            (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+            runs.append(run)
+    smoke = report_from_runs(runs, tmp_path / "smoke", smoke=True).read_text()
+    full = report_from_runs(runs, tmp_path / "full").read_text()
+    for report in (smoke, full):
+        top, setting = report.split("## Setting")
+        assert ("**1 of 2 warm starts missed their target**" in top and
+                f"seed 0 (`{missed.name}`) reached 0.195 < target 0.5 after 150 steps (warmstart.max_steps=150)" in top)
+        assert reached.name not in top
+        assert (f"seed 0 (`{missed.name}`): 0.195 after 150 steps, target 0.5: **missed**; "
+                f"seed 1 (`{reached.name}`): 0.500 after 75 steps, target 0.5: reached") in setting
+    assert smoke.startswith("# nemo-granular comparison (smoke run)\n\n> **Smoke run**")
+    assert "Smoke run" not in full and "not judged" not in full
+    verdicts = {r: [line.split("|")[4].strip() for line in r.split("## The papers")[1].splitlines()
+                    if line.startswith("| ") and not line.startswith("| claim")] for r in (smoke, full)}
+    assert verdicts[smoke] and set(verdicts[smoke]) == {"not judged: smoke run"}
+    assert len(verdicts[full]) == len(verdicts[smoke])
+    assert all(v.startswith((HOLDS, FAILS, INCONCLUSIVE)) for v in verdicts[full]), verdicts[full]
+    assert HOLDS in verdicts[full]  # GSPO's clip fraction 0.001 < 1 %, in both seeds
+    assert f"| {HOLDS} |" not in smoke and FAILS not in smoke and INCONCLUSIVE not in smoke

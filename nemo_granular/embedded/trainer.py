@@ -512,13 +512,12 @@ class Trainer:
 
     def _run(self) -> int:
         cfg = self.cfg
-        if self._stop_signal is not None:  # stopped during set-up: keep the warm start
+        if self._stop_signal is not None:  # stopped during set-up: keep the warm start and its outcome
+            if self.warmstart_info and self.sinks.last_step is None:
+                self._write_start_record()  # the warmstart/* keys exist only in this process
             return self._stop()
         if self.sinks.last_step is None:  # a fresh run: the starting accuracy
-            rec0 = {"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": self.evaluate()}
-            if self.warmstart_info:
-                rec0.update({f"warmstart/{k}": v for k, v in self.warmstart_info.items()})
-            self.sinks.write(rec0)
+            self._write_start_record()
         progress = Progress(cfg, self.step, self.sinks.last_accuracy, self.log)
         try:
             while self.step < cfg.rl.steps:
@@ -545,6 +544,13 @@ class Trainer:
                      f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
                      f"metrics {self.sinks.path}")
         return 0
+
+    def _write_start_record(self) -> None:
+        """The step-0 record: the starting accuracy and, after a warm start, its outcome (warmstart/*)."""
+        rec0 = {"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": self.evaluate()}
+        if self.warmstart_info:
+            rec0.update({f"warmstart/{k}": v for k, v in self.warmstart_info.items()})
+        self.sinks.write(rec0)
 
     def _stop(self) -> int:
         self.save_checkpoint()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .cpu import CPU_KEY, cpu_usage
 from .runs import Run, load_run
-from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_RUN, fmt, mean_sd, moving_average, seed_band,
+from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_JUDGED, NOT_RUN, fmt, mean_sd, moving_average, seed_band,
                     verdict_below, verdict_between, verdict_greater)
 from .suites import benchmark_tables
 
@@ -342,11 +342,61 @@ def _setting(runs: list[Run], key: str):
     return " / ".join(map(str, vals)) if vals else "not recorded"
 
 
-def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, notes: list[str] | None = None) -> Path:
+def _warm_starts(runs: list[Run]) -> tuple[list[str], list[str]]:
+    """(each warm start the runs started from: greedy held-out accuracy reached against its target;
+    the ones that missed their target), one text per warm start folder, by seed."""
+    seen: dict = {}
+    for r in sorted(runs, key=lambda r: r.seed):
+        ws = r.meta.get("warmstart")
+        if ws and ws["dir"] not in seen:
+            seen[ws["dir"]] = (r.seed, ws)
+    every, missed = [], []
+    for seed, ws in seen.values():
+        name = f"seed {seed} (`{Path(ws['dir']).name}`)"
+        steps = f"{ws['steps']} steps" if ws["steps"] is not None else "? steps"
+        target = ws["target"]
+        if target is None:
+            every.append(f"{name}: {ws['accuracy']:.3f} after {steps}, target not recorded")
+        elif ws["accuracy"] < target:
+            every.append(f"{name}: {ws['accuracy']:.3f} after {steps}, target {target:g}: **missed**")
+            missed.append(f"{name} reached {ws['accuracy']:.3f} < target {target:g} after {steps} "
+                          f"(warmstart.max_steps={ws['max_steps']})")
+        else:
+            every.append(f"{name}: {ws['accuracy']:.3f} after {steps}, target {target:g}: reached")
+    return every, missed
+
+
+def _smoke_banner(runs: list[Run]) -> list[str]:
+    seeds = len({r.seed for r in runs})
+    return ["> **Smoke run** (`nemo-granular compare --smoke`): "
+            f"{seeds} seed{'s' if seeds > 1 else ''} × {_setting(runs, 'steps')} RL steps at a tiny budget. "
+            "It checks the wiring end to end — every algorithm warm-starts, trains, checkpoints, is evaluated on "
+            "the benchmark suite and lands in this report — and proves nothing about the papers' claims: so few "
+            f"seeds and steps cannot test them, and none is judged here (each reads *{NOT_JUDGED}*). The full "
+            "demo (`bash scripts/demo.sh`, without `--smoke`) measures them.", ""]
+
+
+def _verdict_table(measured: list[str]) -> list[str]:
+    return ["Verdict rule: each claim is judged on a 95 % confidence interval over seeds — for a comparison, "
+            "the Student-t interval of the mean per-seed paired difference Δ (the runs of one seed share the "
+            "warm start and the prompts), mean(Δ) ± t(0.975, n−1)·sd(Δ)/√n; for a threshold claim, the same "
+            f"interval of the quantity's mean. **{HOLDS}**: the whole interval is on the claim's side; "
+            f"**{FAILS}**: the whole interval is on the other side; **{INCONCLUSIVE}**: the interval contains "
+            "0 (the threshold). One seed gives no interval: a comparison is then inconclusive and only its "
+            "direction is shown, while a threshold claim is judged against the run's own step-to-step "
+            "spread. Mean ± sd in the measured column is over seeds.", "",
+            "| claim | paper | measured | verdict | effect, 95 % interval (paired over seeds) |",
+            "|---|---|---|---|---|",
+            *measured]
+
+
+def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, notes: list[str] | None = None,
+                     smoke: bool = False) -> Path:
     """Build ``out/report.md`` and the plots from run directories (embedded and/or NeMo-RL).
 
     Failed or incomplete runs are listed with the reason and left out of tables and verdicts;
-    an error only when no run is usable."""
+    an error only when no run is usable. ``smoke`` (``compare --smoke``): the report says at its top
+    that it is a smoke run and judges no claim."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     all_runs = [load_run(d) for d in run_dirs]
@@ -360,9 +410,15 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
     S = {name: [summary(r) for r in rs] for name, rs in by_name.items()}
     files = plots(by_name, out)
     seeds = sorted({r.seed for r in runs})
-    lines = ["# nemo-granular comparison", "",
+    warm_every, warm_missed = _warm_starts(runs)
+    lines = ["# nemo-granular comparison" + (" (smoke run)" if smoke else ""), "",
+             *(_smoke_banner(runs) if smoke else []),
              f"Runs: {len(runs)} usable of {len(all_runs)} "
              f"({', '.join(f'{a} × {len(r)}' for a, r in by_name.items())}); seeds {', '.join(map(str, seeds))}.", ""]
+    if warm_missed:
+        lines += [f"**{len(warm_missed)} of {len(warm_every)} warm starts missed their target** (greedy held-out "
+                  "accuracy below `warmstart.target_accuracy`: RL started from a weaker policy than asked for; more "
+                  "`warmstart.max_steps` gets closer): " + "; ".join(warm_missed) + ".", ""]
     if bad:
         lines += ["**Runs left out** (failed or incomplete; the tables and verdicts cover the others):", ""]
         lines += [f"- `{r.dir.name}` ({r.source}, {r.status}): {r.problem}" for r in bad]
@@ -380,6 +436,9 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
         lines.append("- Each seed's runs start from the same warm-started policy and see the same prompts and the "
                      "same number of samples per step (SPPO: one sample per prompt, G× more prompts) unless the "
                      "algorithm's name says otherwise (`sppo_equal_prompts`: the same prompts, one sample each).")
+    if warm_every:
+        lines.append("- Warm starts (greedy held-out accuracy reached, against `warmstart.target_accuracy`): "
+                     + "; ".join(warm_every))
     for r in runs:
         if r.meta.get("entropy_note"):
             lines.append(f"- {r.name}: {r.meta['entropy_note']}")
@@ -414,18 +473,14 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
     rows = claims(by_name)
     measured = [r for r in rows if r.split("|")[4].strip() != NOT_RUN]
     unmeasured = [f"{r.split('|')[1].strip()} ({r.split('|')[2].strip()})" for r in rows if r not in measured]
-    lines += ["## The papers' directional claims, as measured here", "",
-              "Verdict rule: each claim is judged on a 95 % confidence interval over seeds — for a comparison, "
-              "the Student-t interval of the mean per-seed paired difference Δ (the runs of one seed share the "
-              "warm start and the prompts), mean(Δ) ± t(0.975, n−1)·sd(Δ)/√n; for a threshold claim, the same "
-              f"interval of the quantity's mean. **{HOLDS}**: the whole interval is on the claim's side; "
-              f"**{FAILS}**: the whole interval is on the other side; **{INCONCLUSIVE}**: the interval contains "
-              "0 (the threshold). One seed gives no interval: a comparison is then inconclusive and only its "
-              "direction is shown, while a threshold claim is judged against the run's own step-to-step "
-              "spread. Mean ± sd in the measured column is over seeds.", "",
-              "| claim | paper | measured | verdict | effect, 95 % interval (paired over seeds) |",
-              "|---|---|---|---|---|",
-              *measured, "",
+    lines += ["## The papers' directional claims, as measured here", ""]
+    if smoke:  # the measured numbers, no verdict and no interval: a smoke run judges nothing
+        lines += [f"**{NOT_JUDGED}**: a smoke run checks that every claim can be measured, not whether it is true.",
+                  "", "| claim | paper | measured | verdict |", "|---|---|---|---|",
+                  *("|".join(r.split("|")[:4]) + f"| {NOT_JUDGED} |" for r in measured)]
+    else:
+        lines += _verdict_table(measured)
+    lines += ["",
               *([f"Not measured here (no runs of what it compares in these run directories): "
                  + "; ".join(unmeasured) + ".", ""] if unmeasured else []),
               "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL times "

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..rundir import detect, event_files
+from ..rundir import detect, event_files, step0_record
 from ..rundir import read_yaml as _read_yaml
 
 # canonical key <- NeMo-RL TensorBoard tags, first present wins
@@ -150,8 +150,30 @@ def _load_embedded(run: Path) -> Run:
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
             out.recs.append({k: v for k, v in rec.items() if isinstance(v, (int, float))})
     out.recs.sort(key=lambda r: r["step"])
+    out.meta["warmstart"] = warm_start_of(run, cfg, out.recs)
     _check_complete(out, rl.get("steps"), bad)
     return out
+
+
+def warm_start_of(run: Path, cfg: dict, recs: list[dict]) -> dict | None:
+    """The warm start an embedded run started from, or None: its own (the ``warmstart/*`` keys of its
+    step-0 record) or, for a run started from ``model.init_from=<dir>/checkpoints/step_N/policy`` (the
+    runs of ``compare``), the one in ``<dir>`` (its step-0 record and config.yaml). ``dir``, ``accuracy``
+    (greedy held-out), ``steps``, ``target`` (``warmstart.target_accuracy``), ``max_steps``."""
+    init = _get(cfg, "model.init_from")
+    if init:
+        parents = Path(init).parents
+        if len(parents) < 3:
+            return None
+        where = parents[2]
+        rec0, wcfg = step0_record(where) or {}, _read_yaml(where / "config.yaml")
+    else:
+        where, wcfg = run, cfg
+        rec0 = next((r for r in recs if r["step"] == 0), {})
+    if not isinstance(rec0.get("warmstart/accuracy"), (int, float)):
+        return None
+    return {"dir": where, "accuracy": rec0["warmstart/accuracy"], "steps": rec0.get("warmstart/steps"),
+            "target": _get(wcfg, "warmstart.target_accuracy"), "max_steps": _get(wcfg, "warmstart.max_steps")}
 
 
 def _check_complete(out: Run, planned, unreadable: int = 0) -> None:

@@ -17,6 +17,7 @@ import math
 import numpy as np
 
 HOLDS, FAILS, INCONCLUSIVE, NOT_RUN = "holds", "does NOT hold", "inconclusive", "n/a (not run)"
+NOT_JUDGED = "not judged: smoke run"  # compare --smoke: the claims are measured, never judged
 
 # t_{0.975, df}: the two-sided 95 % quantile of Student's t for df = 1..30 (standard table values;
 # tests/test_report.py checks them against a numerical integration of the t density)
