@@ -101,16 +101,14 @@ class RayHead:
         """Start the head; a head that exits while starting is retried with fresh ports: its raylet must register
         within a fixed 30 s (ray/_private/node.py), which a loaded two-core machine can miss, and a port
         ``_free_port`` chose may have been taken since."""
-        for attempt in range(1, attempts + 1):
+        for _ in range(attempts - 1):
             try:
                 return self._start_once(timeout)
             except _HeadExited:
-                if attempt == attempts:
-                    raise
                 self.stop()
                 self.port = _free_port()
                 self.address = f"127.0.0.1:{self.port}"
-        raise AssertionError("unreachable")
+        return self._start_once(timeout)
 
     def _start_once(self, timeout: float) -> "RayHead":
         ray_bin = Path(sys.executable).with_name("ray")
@@ -123,7 +121,8 @@ class RayHead:
                    "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                    "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port"))]
         env = cpu_host_env(self.home, **self.extra_env)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "a"),   # "a": every attempt's log kept
+                                     stderr=subprocess.STDOUT,
                                      start_new_session=True)
         deadline = time.monotonic() + timeout
         probe = ("import ray; ray.init(address='auto', logging_level='ERROR'); "
