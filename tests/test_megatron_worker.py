@@ -151,7 +151,7 @@ def _run_layout(name: str, tiny) -> dict:
     # one Megatron checkpoint per model: the first layout imports it from HF, the others load it
     env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tiny["root"] / "mcore"), "HOME": str(tiny["root"] / "home"),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1"}
-    ranks = world.run_world(n, cases.run_layout, spec, env=env)
+    ranks = world.run_world(n, cases.run_layout, spec, env=env, preload=True)
 
     m = policy["megatron_cfg"]["optimizer"]
     frozen = {k for k in dict(hf.named_parameters()) if k.endswith("mlp.gate.weight")} \

@@ -89,7 +89,7 @@ def test_every_shipped_megatron_config_constructs_the_worker(nemo_rl_src, megatr
 
     env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tmp_path / "mcore"), "HOME": str(tmp_path / "home"),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1"}
-    (results,) = world.run_world(1, cases.construct_each, items, env=env)
+    (results,) = world.run_world(1, cases.construct_each, items, env=env, preload=True)
 
     for res, (shipped, family, driver, lp, ent, lengths) in zip(results, refs):
         m = shipped["megatron_cfg"]
