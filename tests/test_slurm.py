@@ -62,6 +62,7 @@ import importlib.util
 import json
 import math
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -951,8 +952,9 @@ def test_submit_comparison_preflights_in_the_image_with_its_python(cluster, nemo
     uv = subprocess.run(args, env={**env, "NEMO_RL_PYTHON": "uv run python"}, capture_output=True, text=True,
                         timeout=300, cwd=tmp_path)
     assert uv.returncode == 1 and not out.exists(), uv.stderr
-    for cfg in (shipped, hidden):   # (enroot's HOME: /nonexistent is nobody's)
-        assert f"submit_comparison: preflight: {cfg}: error: Failed to initialize cache at `/nonexistent/.cache/uv`" \
+    home = pwd.getpwnam("nobody").pw_dir     # HOME in the container (enroot's: the user's, empty, read-only)
+    for cfg in (shipped, hidden):
+        assert f"submit_comparison: preflight: {cfg}: error: Failed to initialize cache at `{home}/.cache/uv`" \
             in uv.stderr.splitlines(), uv.stderr
     # a container step that cannot start: one line, exit 2, nothing submitted or written
     broken = subprocess.run(args, env={**env, "MOUNTS": f"{tmp_path / 'missing'}:/x"}, capture_output=True,
