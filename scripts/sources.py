@@ -146,6 +146,8 @@ class Cache:
             raise SourceError(f"{tree}: no readable {RECORD}: not a tree this command wrote; remove it") from None
         if held != commit:
             raise SourceError(f"{tree}: holds {held}, but {name} is pinned at {commit}; remove it and fill again")
+        if tree.stat().st_mode & 0o755 != 0o755:   # a tree written before fill() made it readable by all
+            tree.chmod(0o755)
         return tree
 
     # -- filling ----------------------------------------------------------------------------------
@@ -202,6 +204,9 @@ class Cache:
             (tmp / RECORD).write_text(json.dumps({"name": name, "repository": pin.repository, "commit": commit,
                                                   "revision": pin.revision, "paths": list(pin.paths),
                                                   "gitlinks": gitlinks}, indent=1) + "\n")
+            # readable by every user, as a checkout is (mkdtemp makes it 0700): the local Slurm cluster's
+            # container steps read it from the image as a non-root user (slurm/local_cluster/pyxis)
+            tmp.chmod(0o755)
             tmp.rename(tree)        # atomic: the tree appears whole or not at all
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -37,12 +37,16 @@
 # Overrides after `--` go to every run. Before anything is submitted, each NeMo-RL config is checked
 # with `$NEMO_RL_PYTHON -m nemo_granular preflight` (in WORKDIR, with the run's overrides and
 # allocation; all configs at once); a problem stops the submission (exit 1, one line per problem:
-# `submit_comparison: preflight: CONFIG: <the preflight's message>`). Environment:
-# CONTAINER, MOUNTS, VENV, WORKDIR, ... are passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON
-# (default "uv run python") is how NeMo-RL drivers start Python (docs/slurm.md, "One launch
-# story"). CONTAINER with a VENV the container would not have (outside MOUNTS, or its python
-# linked outside them), or with UV_CACHE_DIR_OVERRIDE, is refused before anything is submitted
-# (exit 2), as launch.sh refuses it in the job. Prints the job ids and the report path.
+# `submit_comparison: preflight: CONFIG: <the preflight's message>`). With CONTAINER these checks
+# (and the staged-benchmarks check) run in the image, where the jobs run: one one-task container step
+# (`srun --ntasks=1 --container-image=...`, launch.sh's mounts and environment rules); a step that
+# cannot run them stops the submission (one line, exit 2). Environment:
+# CONTAINER, MOUNTS, VENV, WORKDIR, ... are passed to slurm/launch.sh unchanged; NEMO_RL_PYTHON is
+# how NeMo-RL drivers and the preflight start Python: default "uv run python", with CONTAINER
+# "python" (the image's venv is first on its PATH; docs/slurm.md, "One launch story"). CONTAINER
+# with a VENV the container would not have (outside MOUNTS, or its python linked outside them), or
+# with UV_CACHE_DIR_OVERRIDE, is refused before anything is submitted (exit 2), as launch.sh refuses
+# it in the job. Prints the job ids and the report path.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 LAUNCH=$HERE/launch.sh
@@ -115,7 +119,11 @@ if [[ -n "${CONTAINER:-}" && -n "${VENV:-}" ]]; then
 fi
 
 WORKDIR=${WORKDIR:-$PWD}
-NEMO_RL_PYTHON=${NEMO_RL_PYTHON:-uv run python}
+# in NeMo-RL's image `uv run` fails: it re-syncs the project (the image installed NeMo-RL from /opt/nemo-rl,
+# a checkout mounted elsewhere is built again, offline that needs setuptools from an index) and needs a
+# writable cache (under pyxis HOME is an empty directory in a read-only root); the image's PATH has
+# NeMo-RL's venv first, so its `python` is the driver's environment
+if [[ -n "${CONTAINER:-}" ]]; then NEMO_RL_PYTHON=${NEMO_RL_PYTHON:-python}; else NEMO_RL_PYTHON=${NEMO_RL_PYTHON:-uv run python}; fi
 read -r -a NRL_PY <<<"$NEMO_RL_PYTHON"
 names=() drivers=()
 for i in "${!CONFIGS[@]}"; do
@@ -160,22 +168,14 @@ for ((k = 0; k < ${#EVAL_ARGS[@]}; k++)); do
   esac
 done
 is_on() { [[ "${1,,}" =~ ^(1|true|yes|on)$ ]]; }
-if [[ -n "$EVAL_SUITE" && "$PREFLIGHT" != 0 ]] && (( NRL_RUNS )) \
-    && { [[ -n "$EVAL_DATA_DIR" ]] || is_on "${HF_HUB_OFFLINE:-}" || is_on "${HF_DATASETS_OFFLINE:-}"; }; then
-  staged=0
-  why=$(cd "$WORKDIR" && PYTHONPATH=$NG_ROOT${PYTHONPATH:+:$PYTHONPATH} "${NRL_PY[@]}" -c '
+STAGING_PY='
 import sys
 from pathlib import Path
 from nemo_granular.evals.staging import staging_refusal
 line = staging_refusal(sys.argv[1], Path(sys.argv[2]) if sys.argv[2] else None)
-print(line or "")
-sys.exit(3 if line else 0)' "$EVAL_SUITE" "$EVAL_DATA_DIR" 2>&1) || staged=$?
-  # 3: a benchmark is not staged (refused); any other failure: this interpreter cannot run the check (the
-  # eval job's own preflight checks the staged data again in its container): say so and go on
-  if (( staged == 3 )); then die "$(tail -n 1 <<<"$why")"; fi
-  (( staged == 0 )) || echo "submit_comparison: warning: --eval-suite $EVAL_SUITE: could not check the staged" \
-    "benchmarks here ($(tail -n 1 <<<"$why")); the eval jobs check them before evaluating" >&2
-fi
+if line:
+    print(line, file=sys.stderr)
+sys.exit(3 if line else 0)'
 
 # the allocation every training job will have, for the preflight (launch.sh adds the same overrides)
 TRAIN_GPUS="" TRAIN_TIME=""
@@ -197,8 +197,55 @@ run_args() {  # run_args I -> the driver command of config I, one word per line 
   esac
 }
 
-# preflight: every NeMo-RL config checked before anything is submitted, all at once (each check is
-# mostly NeMo-RL's import, tens of seconds); stderr of each in a temporary directory, removed at exit
+# pyxis, as launch.sh runs its steps: --container-env gets CONTAINER_ENV and a NEMO_RL_VENV_DIR set
+# for the job; in the container the checkout this script is in (on the shared file system, in
+# MOUNTS) is on PYTHONPATH, a host uv cache path is unset, and NG_CONTAINER / NG_MOUNTS / NG_VENV say
+# where it runs (the preflight's runtime checks, eval-checkpoints' default launcher)
+container_env() {
+  local e=${CONTAINER_ENV:-}
+  [[ -n "${NEMO_RL_VENV_DIR:-}" && ",$e," != *",NEMO_RL_VENV_DIR,"* ]] && e=${e:+$e,}NEMO_RL_VENV_DIR
+  printf '%s' "$e"
+}
+container_prelude() {
+  # shellcheck disable=SC2016  # expanded in the container
+  printf 'unset UV_CACHE_DIR && export PYTHONPATH=%q${PYTHONPATH:+:$PYTHONPATH} NG_CONTAINER=%q NG_MOUNTS=%q NG_VENV=%q && ' \
+    "$NG_ROOT" "$CONTAINER" "${MOUNTS:-}" "${VENV:-}"
+}
+
+# The checks before anything is submitted, all at once (each is mostly NeMo-RL's import, tens of
+# seconds): the staged benchmarks (key "staging") and the preflight of every NeMo-RL config (key: its
+# index). Here, or with CONTAINER in the image, where the jobs will run them: one one-task container
+# step (srun from here: a small allocation of its own). Each check's exit status and stderr come
+# back framed on the step's stdout ("@@ng-check KEY RC", then its lines) into $PF_TMP/KEY.rc, KEY.err.
+CHECK_KEYS=() CHECK_CMDS=()
+if [[ -n "$EVAL_SUITE" && "$PREFLIGHT" != 0 ]] && (( NRL_RUNS )) \
+    && { [[ -n "$EVAL_DATA_DIR" ]] || is_on "${HF_HUB_OFFLINE:-}" || is_on "${HF_DATASETS_OFFLINE:-}"; }; then
+  CHECK_KEYS+=(staging)
+  # shellcheck disable=SC2016  # expanded where the check runs
+  CHECK_CMDS+=("$(printf 'PYTHONPATH=%q${PYTHONPATH:+:$PYTHONPATH} exec' "$NG_ROOT")$(printf ' %q' "${NRL_PY[@]}" -c "$STAGING_PY" "$EVAL_SUITE" "$EVAL_DATA_DIR")")
+fi
+if (( NRL_RUNS )) && [[ "$PREFLIGHT" != 0 ]]; then
+  for i in "${!CONFIGS[@]}"; do
+    [[ "${drivers[$i]}" == train ]] && continue
+    run_args "$i"
+    extra=()
+    [[ " ${OVERRIDES[*]} " == *" cluster.num_nodes="* ]] || extra+=("cluster.num_nodes=$NODES")
+    [[ -n "$TRAIN_GPUS" && " ${OVERRIDES[*]} " != *" cluster.gpus_per_node="* ]] && extra+=("cluster.gpus_per_node=$TRAIN_GPUS")
+    CHECK_KEYS+=("$i")
+    CHECK_CMDS+=("$(printf 'NG_TIME_LIMIT=%q exec' "$TRAIN_TIME")$(printf ' %q' "${NRL_PY[@]}" -m nemo_granular preflight \
+      --driver "${drivers[$i]}" "${CONFIGS[$i]}" "${RUN_CMD[@]:${#NRL_PY[@]}+4}" "${extra[@]}")")
+  done
+fi
+checks_script() {  # the bash that runs CHECK_CMDS at once in WORKDIR (scratch files in $d), then prints the frames
+  local k s
+  for k in "${!CHECK_KEYS[@]}"; do
+    s+="(cd $(printf %q "$WORKDIR") && ${CHECK_CMDS[$k]}) >/dev/null 2>\"\$d/$k.err\" & p$k=\$!"$'\n'
+  done
+  for k in "${!CHECK_KEYS[@]}"; do
+    s+="rc=0; wait \"\$p$k\" || rc=\$?; echo \"@@ng-check ${CHECK_KEYS[$k]} \$rc\"; cat \"\$d/$k.err\""$'\n'
+  done
+  printf '%s' "$s"
+}
 preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a line (as slurm/launch.sh)
   local lines
   lines=$(sed -n 's/^preflight: error: //p' "$1" 2>/dev/null)
@@ -206,23 +253,48 @@ preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a li
   [[ -n "$lines" ]] || lines=$(grep -v '^[[:space:]]*$' "$1" 2>/dev/null | tail -n 3)
   if [[ -n "$lines" ]]; then printf '%s\n' "$lines"; fi
 }
-if (( NRL_RUNS )) && [[ "$PREFLIGHT" != 0 ]]; then
+if (( ${#CHECK_KEYS[@]} )); then
   PF_TMP=$(mktemp -d "${TMPDIR:-/tmp}/submit_comparison.XXXXXX")
   trap 'rm -rf "$PF_TMP"' EXIT
-  pf_pids=()
-  for i in "${!CONFIGS[@]}"; do
-    [[ "${drivers[$i]}" == train ]] && continue
-    run_args "$i"
-    extra=()
-    [[ " ${OVERRIDES[*]} " == *" cluster.num_nodes="* ]] || extra+=("cluster.num_nodes=$NODES")
-    [[ -n "$TRAIN_GPUS" && " ${OVERRIDES[*]} " != *" cluster.gpus_per_node="* ]] && extra+=("cluster.gpus_per_node=$TRAIN_GPUS")
-    (cd "$WORKDIR" && NG_TIME_LIMIT=$TRAIN_TIME exec "${NRL_PY[@]}" -m nemo_granular preflight --driver "${drivers[$i]}" "${CONFIGS[$i]}" \
-       "${RUN_CMD[@]:${#NRL_PY[@]}+4}" "${extra[@]}" >/dev/null 2>"$PF_TMP/$i.err") &
-    pf_pids[i]=$!
+  step_rc=0
+  if [[ -n "${CONTAINER:-}" ]]; then
+    step=(srun --nodes=1 --ntasks=1 --job-name=cmp-preflight "${SBATCH_ALL[@]}" "--container-image=$CONTAINER"
+          "--container-workdir=$WORKDIR" --no-container-mount-home)
+    [[ -n "${MOUNTS:-}" ]] && step+=("--container-mounts=$MOUNTS")
+    cenv=$(container_env)
+    [[ -n "$cenv" ]] && step+=("--container-env=$cenv")
+    # shellcheck disable=SC2016  # expanded in the container
+    "${step[@]}" bash -c "$(container_prelude)"'d=$(mktemp -d /tmp/ng-checks.XXXXXX) || exit 1'$'\n'"$(checks_script)"$'\nrm -rf "$d"\n' \
+      >"$PF_TMP/frames" 2>"$PF_TMP/step.err" || step_rc=$?
+    where="in the image" how="in the image (srun --container-image=$CONTAINER exited $step_rc)"
+  else
+    mkdir "$PF_TMP/run"
+    d=$PF_TMP/run bash -c "$(checks_script)" >"$PF_TMP/frames" 2>"$PF_TMP/step.err" || step_rc=$?
+    where="here" how="here (exit $step_rc)"
+  fi
+  awk -v dir="$PF_TMP" '/^@@ng-check [^ ]+ [0-9]+$/ { f = dir "/" $2 ".err"; print $3 > (dir "/" $2 ".rc"); printf "" > f; next }
+                         f != "" { print > f }' "$PF_TMP/frames"
+  for key in "${CHECK_KEYS[@]}"; do
+    if [[ ! -s "$PF_TMP/$key.rc" ]]; then
+      # the step's own last line, not srun's account of its exit
+      why=$(cat "$PF_TMP/step.err" "$PF_TMP/frames" 2>/dev/null | grep -v -e '^[[:space:]]*$' -e '^srun: ' | tail -n 1)
+      [[ -n "$why" ]] || why=$(grep -v '^[[:space:]]*$' "$PF_TMP/step.err" 2>/dev/null | tail -n 1)
+      die "preflight: the checks could not run $how: ${why:-no output}; nothing submitted"
+    fi
   done
+  if [[ -f "$PF_TMP/staging.rc" ]]; then
+    # 3: a benchmark is not staged (refused); any other failure: this interpreter cannot run the check (the
+    # eval job's own preflight checks the staged data again in its container): say so and go on
+    staged=$(<"$PF_TMP/staging.rc")
+    why=$(grep -v '^[[:space:]]*$' "$PF_TMP/staging.err" | tail -n 1 || true)
+    if (( staged == 3 )); then die "$why"; fi
+    (( staged == 0 )) || echo "submit_comparison: warning: --eval-suite $EVAL_SUITE: could not check the staged" \
+      "benchmarks $where ($why); the eval jobs check them before evaluating" >&2
+  fi
   bad=0
-  for i in "${!pf_pids[@]}"; do
-    wait "${pf_pids[$i]}" && continue
+  for i in "${!CONFIGS[@]}"; do
+    [[ -f "$PF_TMP/$i.rc" ]] || continue
+    (( $(<"$PF_TMP/$i.rc") == 0 )) && continue
     bad=1
     while IFS= read -r line; do
       [[ -n "$line" ]] && echo "submit_comparison: preflight: ${CONFIGS[$i]}: $line" >&2
@@ -256,22 +328,21 @@ done
 
 wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, venv/setup, optional container
   # (CHECK: a command run first in the same place, e.g. the eval preflight; the job stops if it fails)
-  local cmd prefix mounts=${MOUNTS:-} env_arg=""
+  local cmd prefix mounts=${MOUNTS:-} env_arg
   cmd=$(printf '%q ' "$@")
   prefix=$(printf 'cd %q && ' "$WORKDIR")
   [[ -n "${VENV:-}" ]] && prefix+=$(printf 'source %q/bin/activate && ' "$VENV")
   [[ -n "${SETUP_COMMAND:-}" ]] && prefix+="$SETUP_COMMAND && "
   if [[ -n "${CONTAINER:-}" ]]; then
-    # the image has NeMo-RL's environment but no nemo-granular: the checkout this script is in
-    # (on the shared file system, in MOUNTS) on PYTHONPATH, `python -m nemo_granular`, as launch.sh
-    # does for its steps; no host uv cache path inside the container
+    # the image has NeMo-RL's environment but no nemo-granular: the checkout this script is in on
+    # PYTHONPATH, `python -m nemo_granular`, NG_CONTAINER (eval-checkpoints then starts run_eval with the
+    # image's python, not `uv run`), as launch.sh does for its steps (container_prelude)
     shift
     cmd="python -m nemo_granular $(printf '%q ' "$@")"
     [[ -n "${CHECK:-}" ]] && cmd="$CHECK && $cmd"
-    # shellcheck disable=SC2016  # expanded in the container
-    prefix="unset UV_CACHE_DIR && export PYTHONPATH=$(printf '%q' "$NG_ROOT")\${PYTHONPATH:+:\$PYTHONPATH} && $prefix"
-    [[ -n "${NEMO_RL_VENV_DIR:-}" ]] && env_arg=" --container-env=NEMO_RL_VENV_DIR"
-    echo "srun --container-image=${CONTAINER} ${mounts:+--container-mounts=$mounts} --container-workdir=$WORKDIR --no-container-mount-home$env_arg bash -c $(printf '%q' "$prefix$cmd")"
+    prefix="$(container_prelude)$prefix"
+    env_arg=$(container_env)
+    echo "srun --container-image=${CONTAINER} ${mounts:+--container-mounts=$mounts} --container-workdir=$WORKDIR --no-container-mount-home${env_arg:+ --container-env=$env_arg} bash -c $(printf '%q' "$prefix$cmd")"
   else
     # (the check's nemo_granular: this checkout, as in the container; eval-checkpoints: the installed one)
     [[ -n "${CHECK:-}" ]] && cmd="PYTHONPATH=$(printf '%q' "$NG_ROOT")\${PYTHONPATH:+:\$PYTHONPATH} $CHECK && $cmd"

@@ -148,6 +148,32 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
     assert not (run / "evals.json").exists() and not (run / "evals").exists()
 
 
+def test_default_launcher_is_the_images_python_in_a_container_job(tmp_path, capsys, monkeypatch):
+    """Issue 33.2: in a container job (``NG_CONTAINER``, set in every container step by launch.sh and
+    submit_comparison.sh) ``uv run`` fails (it re-syncs NeMo-RL's project and needs a writable cache:
+    under pyxis HOME is an empty directory in a read-only root), so ``eval-checkpoints`` starts
+    ``run_eval`` with the image's ``python`` by default; ``uv run python`` stays the default
+    elsewhere, and an explicit ``--launcher`` wins in both."""
+    from nemo_granular.cli import main
+
+    run = _fake_run(tmp_path, steps=(30,))
+    argv = ["eval-checkpoints", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path), "--data-dir",
+            str(_data_dir(tmp_path)), "--benchmarks", "aime24", "--dry-run"]
+
+    def launcher(*extra) -> str:
+        assert main([*argv, *extra]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        return line.split(" && ", 1)[1].split(" --config ", 1)[0]
+
+    monkeypatch.delenv("NG_CONTAINER", raising=False)
+    assert launcher() == "uv run python examples/run_eval.py"
+    monkeypatch.setenv("NG_CONTAINER", "/lustre/images/nemo-rl.sqsh")
+    assert launcher() == "python examples/run_eval.py"
+    assert launcher("--launcher", "uv run python examples/run_eval.py") == "uv run python examples/run_eval.py"
+    assert ev.default_launcher({"NG_CONTAINER": "img"}) == "python examples/run_eval.py"
+    assert ev.default_launcher({}) == ev.DEFAULT_LAUNCHER == "uv run python examples/run_eval.py"
+
+
 def test_benchmarks_option_plans_only_those_of_the_suite(tmp_path, capsys):
     """``--benchmarks``: only the named benchmarks of the suite are run (the export still once); a
     name outside the suite, or none, is one line, exit 2, nothing planned."""

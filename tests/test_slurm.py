@@ -62,6 +62,7 @@ import importlib.util
 import json
 import math
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -902,6 +903,94 @@ def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_r
     skip = subprocess.run([*args[:3], "--no-preflight", *args[3:]], capture_output=True, text=True, timeout=120,
                           env={**env, "NEMO_RL_PYTHON": "/nonexistent/python"}, cwd=d)
     assert skip.returncode == 0 and len([x for x in skip.stderr.splitlines() if x.startswith("sbatch")]) == 3, skip.stderr
+
+
+@pytest.mark.nemo_rl
+def test_submit_comparison_preflights_in_the_image_with_its_python(cluster, nemo_rl_src, images, tmp_path):
+    """Issue 33.1-2: with CONTAINER nothing of the launch story is installed on the submit host, and
+    with the release image WORKDIR (/opt/nemo-rl) exists only in the image: the REAL preflight of
+    every config must run in the image, as one one-task container step (``srun --ntasks=1`` with
+    launch.sh's container options), with the image's ``python`` (``uv run`` fails there), before
+    anything is submitted. The step runs as enroot runs a user's container (the local cluster's
+    pyxis with ``NG_PYXIS_USER=nobody``: not root, HOME an empty directory it cannot write, uv with
+    no index and an empty cache). Configs: the shipped SSPO config (passes: no line) and a copy of
+    the GSPO config outside MOUNTS (the jobs would not see it: refused in the image, one line); exit
+    1, nothing written. An explicit ``NEMO_RL_PYTHON="uv run python"`` still wins, and then fails in
+    the image with uv's own reason; a container step that cannot start stops the submission with one
+    line, exit 2."""
+    shipped = ROOT / "examples" / "configs" / "sspo_qwen2.5_math_1.5b.yaml"
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    shared.mkdir()
+    elsewhere.mkdir()
+    hidden = elsewhere / "gspo_qwen2.5_math_1.5b.yaml"
+    shutil.copy(ROOT / "examples" / "configs" / "gspo_qwen2.5_math_1.5b.yaml", hidden)
+    srun_log, out = tmp_path / "srun.log", shared / "cmp"
+    env = _env(cluster.env, {**_pyxis_env(cluster, images["release"], [shared, ROOT], srun_log),
+                             "WORKDIR": "/opt/nemo-rl", "NEMO_RL_PYTHON": None, "NG_PYXIS_USER": "nobody",
+                             **_without_nemo_rl_src(cluster.env)})
+    args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(out), "--nodes", "1",
+            "--train-sbatch", f"--gres=gpu:{FAKE_GPUS} --time=4:00:00", str(shipped), str(hidden)]
+    t0 = time.monotonic()
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    print(f"submission preflight in the image: {time.monotonic() - t0:.0f} s")
+    assert r.returncode == 1 and not r.stdout, r.stdout + r.stderr
+    assert r.stderr.splitlines() == [
+        f"submit_comparison: preflight: {hidden}: {hidden}: config file not found",
+        "submit_comparison: nothing submitted; fix the configs (nemo-granular preflight CONFIG shows the plan) "
+        "or pass --no-preflight"], r.stderr
+    assert not out.exists()
+    steps = _srun_lines(srun_log)
+    assert list(steps) == ["preflight"] and len(steps["preflight"]) == 1, steps
+    [step] = steps["preflight"]
+    assert {"--nodes=1", "--ntasks=1", f"--container-image={images['release']}", "--container-workdir=/opt/nemo-rl",
+            f"--container-mounts={shared}:{shared},{ROOT}:{ROOT}", "--no-container-mount-home"} <= set(step), step
+    script = step[-1]
+    assert f"exec python -m nemo_granular preflight --driver grpo {shipped} grpo.seed=0" in script, script
+    assert "uv run" not in script and "NG_CONTAINER=" in script, script
+
+    # the user's NEMO_RL_PYTHON wins; `uv run` in the image fails (no writable cache, no index)
+    uv = subprocess.run(args, env={**env, "NEMO_RL_PYTHON": "uv run python"}, capture_output=True, text=True,
+                        timeout=300, cwd=tmp_path)
+    assert uv.returncode == 1 and not out.exists(), uv.stderr
+    home = pwd.getpwnam("nobody").pw_dir     # HOME in the container (enroot's: the user's, empty, read-only)
+    for cfg in (shipped, hidden):
+        assert f"submit_comparison: preflight: {cfg}: error: Failed to initialize cache at `{home}/.cache/uv`" \
+            in uv.stderr.splitlines(), uv.stderr
+    # a container step that cannot start: one line, exit 2, nothing submitted or written
+    broken = subprocess.run(args, env={**env, "MOUNTS": f"{tmp_path / 'missing'}:/x"}, capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path)
+    assert broken.returncode == 2 and not broken.stdout and not out.exists(), broken.stderr
+    [line] = broken.stderr.splitlines()
+    assert line.startswith(f"submit_comparison: preflight: the checks could not run in the image (srun "
+                           f"--container-image={images['release']} exited ") and \
+        line.endswith(f"--container-mounts: {tmp_path / 'missing'}: No such file or directory; nothing submitted"), line
+
+
+def test_submit_comparison_starts_nemo_rl_with_the_images_python_in_a_container(tmp_path):
+    """Issue 33.2 (no cluster: ``--dry-run --no-preflight``): with CONTAINER the drivers start with
+    the image's ``python`` (NEMO_RL_PYTHON's default there; ``uv run python`` on bare metal), and
+    the eval jobs' containers get NG_CONTAINER, so ``eval-checkpoints`` starts ``run_eval`` with it
+    too (tests/test_evals.py); an explicit NEMO_RL_PYTHON wins."""
+    cfgs = [str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo")]
+    checkout = _fake_nemo_rl_checkout(tmp_path / "NeMo-RL")
+
+    def sbatch_lines(**env) -> list[str]:
+        r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--no-preflight", "--nodes", "8",
+                            "--eval-suite", "espo", "--nemo-rl", str(checkout), *cfgs], capture_output=True, text=True,
+                           cwd=tmp_path, env=_env(os.environ, {"CONTAINER": None, "VENV": None, "NEMO_RL_PYTHON": None,
+                                                               "MOUNTS": f"{tmp_path}:{tmp_path}", **env}))
+        assert r.returncode == 0, r.stderr
+        return [line for line in r.stderr.splitlines() if line.startswith("sbatch")]
+
+    def driver(line: str) -> str:
+        return line.split("/launch.sh ", 1)[1].split(" -m ", 1)[0]
+
+    image = sbatch_lines(CONTAINER="/lustre/images/nemo-rl.sqsh")
+    assert [driver(x) for x in image[:2]] == ["python"] * 2, image
+    assert all("NG_CONTAINER=/lustre/images/nemo-rl.sqsh" in x for x in image[2:4]), image
+    assert [driver(x) for x in sbatch_lines()[:2]] == ["uv run python"] * 2
+    own = sbatch_lines(CONTAINER="/lustre/images/nemo-rl.sqsh", NEMO_RL_PYTHON="/opt/venv/bin/python")
+    assert [driver(x) for x in own[:2]] == ["/opt/venv/bin/python"] * 2, own
 
 
 def test_submit_comparison_dry_run_writes_nothing_and_keeps_training_resources_off_the_report(tmp_path):

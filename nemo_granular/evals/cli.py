@@ -25,7 +25,7 @@ def _benchmark_arg(text: str) -> tuple[str, Path]:
 
 
 def build_parser():
-    from .nemo_rl import CONFIG_DIR, DEFAULT_LAUNCHER
+    from .nemo_rl import CONFIG_DIR, CONTAINER_LAUNCHER, DEFAULT_LAUNCHER
 
     ap = ArgumentParser(prog="nemo-granular eval-checkpoints",
                         description="Evaluate every checkpoint of run directories on a paper benchmark suite; "
@@ -47,7 +47,9 @@ def build_parser():
                    help="interpreter that exports Megatron checkpoints (needs Megatron-Bridge; default: "
                         "$NG_EXPORT_PYTHON, else this one if it has Megatron-Bridge, else NeMo-RL's Megatron "
                         "worker venv under $NEMO_RL_VENV_DIR; see docs/export.md)")
-    g.add_argument("--launcher", default=DEFAULT_LAUNCHER, help=f"how to start run_eval (default: {DEFAULT_LAUNCHER!r})")
+    g.add_argument("--launcher", default=None,
+                   help=f"how to start run_eval (default: {DEFAULT_LAUNCHER!r}; in a container job, NG_CONTAINER set by "
+                        f"slurm/launch.sh or submit_comparison.sh: {CONTAINER_LAUNCHER!r}, the image's python)")
     g.add_argument("--config-dir", default=str(CONFIG_DIR), help="the benchmark configs (default: the packaged nemo_granular/configs/evals)")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--num-nodes", type=int, default=1)

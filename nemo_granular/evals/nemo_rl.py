@@ -8,7 +8,8 @@ For each checkpoint ``<run>/checkpoints/step_N`` the protocol asks for (:mod:`.s
 2. per benchmark: ``<launcher> --config nemo_granular/configs/evals/<benchmark>.yaml
    generation.model_name=<hf> tokenizer.name=<hf> eval.num_tests_per_prompt=<n> ...
    eval.save_path=<run>/evals/<suite>/step_N/<benchmark>``, in the NeMo-RL checkout (its prompt
-   file and ``examples/run_eval.py``); the launcher defaults to ``uv run python examples/run_eval.py``;
+   file and ``examples/run_eval.py``); the launcher defaults to ``uv run python examples/run_eval.py``,
+   and to ``python examples/run_eval.py`` in a container job (:func:`default_launcher`);
 3. read ``evaluation_data.json`` that ``run_eval`` saves there: the score is the mean reward over
    all samples (avg@n); merged into ``<run>/evals.json`` (:mod:`.results`).
 
@@ -32,6 +33,20 @@ from .suite import BENCHMARKS, Protocol
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs" / "evals"  # package data: found from a wheel too
 DEFAULT_LAUNCHER = "uv run python examples/run_eval.py"
+CONTAINER_LAUNCHER = "python examples/run_eval.py"
+
+
+def default_launcher(environ=None) -> str:
+    """How ``run_eval`` is started when ``--launcher`` is not given: ``uv run python`` in a NeMo-RL
+    checkout; in a container job (``NG_CONTAINER``, which ``slurm/launch.sh`` and
+    ``submit_comparison.sh`` set in every container step) the image's ``python``, whose venv is
+    NeMo-RL's. ``uv run`` there re-syncs the project (a checkout mounted elsewhere than the image's
+    own is built again, which needs an index) and needs a writable cache: under pyxis ``HOME`` is
+    an empty directory in a read-only root (docs/slurm.md)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    return CONTAINER_LAUNCHER if env.get("NG_CONTAINER") else DEFAULT_LAUNCHER
 STEP_RE = re.compile(r"step_(\d+)")
 
 
@@ -99,16 +114,18 @@ def training_vllm_tp(step_dir: Path) -> int | None:
 
 
 def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: Path | None = None,
-         launcher: str = DEFAULT_LAUNCHER, config_dir: Path = CONFIG_DIR, gpus_per_node: int = 8,
+         launcher: str | None = None, config_dir: Path = CONFIG_DIR, gpus_per_node: int = 8,
          num_nodes: int = 1, tensor_parallel: int | None = None, prompt_tokens: int = 1024,
          python: str = sys.executable, export_python: str | None = None, steps: list[int] | None = None,
          extra: list[str] | None = None, benchmarks: list[str] | None = None) -> list[Command]:
     """The commands, in order. ``python`` exports DTensor checkpoints; ``export_python`` is the
     interpreter for Megatron ones (default: :func:`.export_python.megatron_export_python`).
-    ``benchmarks``: only these of each protocol's benchmarks (None: all).
+    ``benchmarks``: only these of each protocol's benchmarks (None: all). ``launcher``: None =
+    :func:`default_launcher`.
     ``tensor_parallel``: vLLM's TP for every benchmark; None = the training run's
     (:func:`training_vllm_tp`, else 1), at most the eval's GPUs (``gpus_per_node * num_nodes``)."""
     run = Path(run).resolve()
+    launcher = default_launcher() if launcher is None else launcher
     ckpts = checkpoint_steps(run)
     if not ckpts:
         raise FileNotFoundError(f"{run}: no checkpoints/step_N (not a NeMo-RL run directory with checkpoints)")

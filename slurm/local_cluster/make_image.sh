@@ -17,7 +17,8 @@
 #                              PREFIX's site-packages: what only the workers have (NeMo-RL's `mcore`
 #                              extra is only in its Megatron worker's venv)
 #   /opt/nemo-rl               the NeMo-RL checkout the image was built from (--nemo-rl DIR)
-# IMAGE_DIR/env holds the image's environment: PATH (the venv first), VIRTUAL_ENV,
+#   /root/.local/bin/uv        PREFIX's uv, when it has one (NeMo-RL's image installs uv there)
+# IMAGE_DIR/env holds the image's environment: PATH (the venv first, then /root/.local/bin), VIRTUAL_ENV,
 # UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv, NEMO_RL_VENV_DIR=/opt/ray_venvs, then each --env
 # (e.g. PYTHONPATH=/opt/nemo-rl: the real image installs NeMo-RL into its venv instead).
 # IMAGE_DIR/rootfs is the image's own tree, IMAGE_DIR/layers its read-only layers (SRC DEST).
@@ -46,8 +47,8 @@ print(os.path.realpath(sys.executable), f"python{sys.version_info[0]}.{sys.versi
 base_prefix=$(dirname "$(dirname "$base")")
 mkdir -p "$IMAGE/rootfs/opt" "$IMAGE/rootfs/root/.cache/uv"   # ray.sub mounts a uv cache there
 : >"$IMAGE/layers"
-layer() {  # layer SRC DEST: read-only content of the image, visible only at DEST
-  mkdir -p "$IMAGE/rootfs$2"
+layer() {  # layer SRC DEST: read-only content of the image (a folder or a file), visible only at DEST
+  if [[ -d "$1" ]]; then mkdir -p "$IMAGE/rootfs$2"; else mkdir -p "$(dirname "$IMAGE/rootfs$2")"; : >"$IMAGE/rootfs$2"; fi
   echo "$1 $2" >>"$IMAGE/layers"
 }
 [[ "$base_prefix" == /usr || "$base_prefix" == /usr/* ]] || layer "$base_prefix" "$base_prefix"
@@ -80,9 +81,10 @@ make_venv /opt/nemo_rl_venv
 for w in "${workers[@]}"; do make_venv "/opt/ray_venvs/$w" "${worker_pth[@]}"; done
 mkdir -p "$IMAGE/rootfs/opt/ray_venvs"
 [[ -z "$NRL" ]] || layer "$(cd "$NRL" && pwd)" /opt/nemo-rl
+[[ ! -x "$VENV/bin/uv" ]] || layer "$VENV/bin/uv" /root/.local/bin/uv
 for l in "${layers[@]}"; do layer "${l%%:*}" "${l#*:}"; done
 {
-  echo "PATH=/opt/nemo_rl_venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+  echo "PATH=/opt/nemo_rl_venv/bin:/root/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
   echo "VIRTUAL_ENV=/opt/nemo_rl_venv"
   echo "UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv"
   echo "NEMO_RL_VENV_DIR=/opt/ray_venvs"

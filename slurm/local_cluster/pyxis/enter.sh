@@ -13,6 +13,10 @@
 # * environment (pyxis' --container-env help): every exported variable of the step is set, but the
 #   image's values (IMAGE/env) take precedence, except for the variables named in --container-env;
 # * the working directory is --container-workdir (it must exist inside), else /.
+# * NG_PYXIS_USER=NAME (in the step's environment; default: the step's own user, root on the test
+#   cluster): the task runs as that non-root user, as enroot runs a user's container, with HOME its
+#   home directory, empty and not writable (the root is the image's, read-only), and uv with no index
+#   and an empty cache (UV_OFFLINE=1; UV_CACHE_DIR and XDG_CACHE_HOME unset).
 # Network, PIDs, /dev (with /dev/shm) and /sys are the node's, as in an enroot container. Unlike
 # enroot's, the image's own directories are read-only (only /tmp and the mounts are writable).
 set -euo pipefail
@@ -21,8 +25,8 @@ if [[ -z "${NG_PYXIS_INNER:-}" ]]; then
 fi
 unset NG_PYXIS_INNER
 image=${NG_PYXIS_IMAGE:?} mounts=${NG_PYXIS_MOUNTS:-} workdir=${NG_PYXIS_WORKDIR:-} name=${NG_PYXIS_NAME:-}
-envs=${NG_PYXIS_ENV:-} mount_home=${NG_PYXIS_MOUNT_HOME:-1}
-unset NG_PYXIS_IMAGE NG_PYXIS_MOUNTS NG_PYXIS_WORKDIR NG_PYXIS_NAME NG_PYXIS_ENV NG_PYXIS_MOUNT_HOME
+envs=${NG_PYXIS_ENV:-} mount_home=${NG_PYXIS_MOUNT_HOME:-1} user=${NG_PYXIS_USER:-}
+unset NG_PYXIS_IMAGE NG_PYXIS_MOUNTS NG_PYXIS_WORKDIR NG_PYXIS_NAME NG_PYXIS_ENV NG_PYXIS_MOUNT_HOME NG_PYXIS_USER
 die() { echo "pyxis (emulation): $*" >&2; exit 125; }
 
 # the container's own /tmp: per named container (job, node, name), else per step
@@ -34,7 +38,7 @@ root=$state/root-${SLURM_STEP_ID:-0}.${SLURM_PROCID:-0}.$$
 mkdir -p "$root"
 mount -t tmpfs -o mode=755 ng-pyxis-root "$root"
 bind() {  # bind ro|rw SRC DEST: SRC visible at DEST inside the root
-  if [[ -d "$2" ]]; then mkdir -p "$root$3"; else mkdir -p "$(dirname "$root$3")"; : >>"$root$3"; fi
+  if [[ -d "$2" ]]; then mkdir -p "$root$3"; else mkdir -p "$(dirname "$root$3")"; [[ -e "$root$3" ]] || : >>"$root$3"; fi
   mount --rbind "$2" "$root$3"
   [[ "$1" == rw ]] || mount -o remount,bind,ro "$root$3"
 }
@@ -77,6 +81,13 @@ if [[ -n "$mounts" ]]; then
 fi
 workdir=${workdir:-/}
 [[ -d "$root$workdir" ]] || die "--container-workdir: $workdir does not exist in the container"
+as_user=()
+if [[ -n "$user" ]]; then
+  IFS=: read -r _ _ uid gid _ uhome _ < <(getent passwd "$user") || true
+  [[ "${uid:-0}" != 0 ]] || die "NG_PYXIS_USER=$user: not a non-root user of $(hostname)"
+  [[ -e "$root$uhome" ]] || mkdir -p "$root$uhome"   # empty, root's: not writable
+  as_user=("--userspec=$uid:$gid" "--groups=$gid")
+fi
 
 # the image's environment wins, except for the variables named in --container-env
 declare -A from_host=()
@@ -88,5 +99,9 @@ while IFS= read -r line || [[ -n "$line" ]]; do
   if [[ -n "${from_host[$key]:-}" && -v "$key" ]]; then continue; fi
   export "$key=${line#*=}"
 done <"$image/env"
+if [[ -n "$user" ]]; then
+  export HOME=$uhome USER=$user LOGNAME=$user UV_OFFLINE=1
+  unset UV_CACHE_DIR XDG_CACHE_HOME
+fi
 # shellcheck disable=SC2016  # expanded inside the container
-exec chroot "$root" /bin/bash -c 'cd "$1" && shift && exec "$@"' _ "$workdir" "$@"
+exec chroot "${as_user[@]}" "$root" /bin/bash -c 'cd "$1" && shift && exec "$@"' _ "$workdir" "$@"
