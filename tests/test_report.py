@@ -487,3 +487,103 @@ def test_warm_starts_against_their_targets_and_a_smoke_report(tmp_path):
     assert all(v.startswith((HOLDS, FAILS, INCONCLUSIVE)) for v in verdicts[full]), verdicts[full]
     assert HOLDS in verdicts[full]  # GSPO's clip fraction 0.001 < 1 %, in both seeds
     assert f"| {HOLDS} |" not in smoke and FAILS not in smoke and INCONCLUSIVE not in smoke
+
+
+# ---------------------------------------------------------------------------- what the plots draw (issue #36, item 8)
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """file name → what its figure drew, read from the figure as it is saved: the labelled (bold)
+    lines' (label, colour, x, y), the band polygons' x, the legend texts, every text on the axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.colors import to_hex
+    from matplotlib.figure import Figure
+
+    drawn, real_savefig = {}, Figure.savefig
+
+    def savefig(fig, path, **kw):
+        ax = fig.axes[0]
+        legend = ax.get_legend()
+        drawn[Path(path).name.removeprefix(".").removesuffix(".tmp.png")] = {  # report/build.py's _save
+            "lines": [(ln.get_label(), to_hex(ln.get_color()), np.asarray(ln.get_xdata(), float),
+                       np.asarray(ln.get_ydata(), float)) for ln in ax.lines if not ln.get_label().startswith("_")],
+            "n_lines": len(ax.lines),
+            "band_x": [p.vertices[:, 0] for c in ax.collections for p in c.get_paths()],
+            "legend": [t.get_text() for t in legend.get_texts()] if legend else [],
+            "texts": [t.get_text() for t in ax.texts] + [ax.get_title()],
+        }
+        return real_savefig(fig, path, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return drawn
+
+
+def test_no_mismatch_is_said_not_plotted_as_float_noise(tmp_path, saved_figures):
+    noise = {0: 1e-7, 1: 2.5e-7}  # π_old vs π_gen equal up to float32 rounding: no mismatch
+    runs = [_embedded_run(tmp_path / "a", "grpo", seed, [0.5, 0.6, 0.7],
+                          per_step=lambda s, m=noise[seed]: {"train/gen_mismatch_abs_mean": m * (s % 3)})
+            for seed in noise]
+    report = report_from_runs(runs, tmp_path / "rep_a").read_text()
+    panel = saved_figures["gen_mismatch_abs_mean_vs_step.png"]
+    assert panel["n_lines"] == 0 and not panel["band_x"], panel  # no curve, so no 1e-7 ticks
+    biggest = max(noise.values()) * 2  # s % 3 == 2
+    assert any(f"no mismatch (max |x| = {biggest:.1e}" in t for t in panel["texts"]), panel["texts"]
+    assert f"no mismatch (max |x| = {biggest:.1e}" in report
+    # a real mismatch is still drawn
+    saved_figures.clear()
+    real = [_embedded_run(tmp_path / "b", "grpo", 0, [0.5, 0.6, 0.7],
+                          per_step=lambda s: {"train/gen_mismatch_abs_mean": 1e-3 * s})]
+    report_from_runs(real, tmp_path / "rep_b")
+    assert saved_figures["gen_mismatch_abs_mean_vs_step.png"]["lines"]
+
+
+def test_a_mean_that_stops_at_the_shortest_seed_says_so(tmp_path, saved_figures):
+    per_s = {0: 1.5, 1: 2.0, 2: 2.5}  # RL wall seconds per step: the seeds end at 30, 40 and 50 s
+    runs = [_embedded_run(tmp_path, "grpo", seed, [0.5, 0.6, 0.7],
+                          per_step=lambda s, k=per_s[seed]: {"wall_time": k * s}) for seed in per_s]
+    report_from_runs(runs, tmp_path / "rep")
+    shortest = min(json.loads(line)["wall_time"] for r in runs
+                   for line in (r / "metrics.jsonl").read_text().splitlines()[-1:])
+    (label, _, xs, _), = saved_figures["reward_vs_wall_time.png"]["lines"]
+    assert xs.max() == pytest.approx(shortest)
+    assert f"mean over the 3 seeds up to {shortest:g} s, where the shortest ends" in label, label
+    # every seed reaches step 20: nothing to say there
+    (label, _, xs, _), = saved_figures["reward_vs_step.png"]["lines"]
+    assert label == "grpo (3 seeds)" and xs.max() == 20
+
+
+def test_clip_curves_are_straight_between_steps(tmp_path, saved_figures):
+    runs = [_embedded_run(tmp_path, alg, seed, [0.5, 0.6, 0.7], clip=0.01 * (seed + 1))
+            for alg in ("grpo", "gspo") for seed in (0, 1)]
+    report_from_runs(runs, tmp_path / "rep")
+    steps = set(range(1, 21))
+    for name in ("clip_frac_low_vs_step.png", "clip_frac_high_vs_step.png"):
+        panel = saved_figures[name]
+        # a vertex between two steps is what a symlog axis bends into an arc: every vertex is a step
+        for label, _, xs, ys in panel["lines"]:
+            assert set(xs.tolist()) <= steps, (name, label, xs[:5])
+        for xs in panel["band_x"]:
+            assert set(np.round(xs, 9).tolist()) <= steps, (name, xs[:5])
+    # the bold low-side curve: the mean over seeds of each seed's trailing mean over 2 steps, at each step
+    (_, _, xs, ys), _ = saved_figures["clip_frac_low_vs_step.png"]["lines"]
+    per_seed = [[json.loads(line)["train/clip_frac_low"] for line in (r / "metrics.jsonl").read_text().splitlines()[1:]]
+                for r in runs[:2]]
+    trailing = [[statistics.mean(c[max(0, i - 1): i + 1]) for i in range(len(c))] for c in per_seed]
+    np.testing.assert_allclose(ys, [statistics.mean(v) for v in zip(*trailing)], rtol=1e-12)
+
+
+def test_an_algorithm_keeps_its_colour_whichever_others_are_in_the_report(tmp_path, saved_figures):
+    colours = []
+    for i, algs in enumerate((("grpo", "sspo"), ("gspo", "espo", "sspo"))):
+        runs = [_embedded_run(tmp_path / str(i), alg, 0, [0.5, 0.6, 0.7]) for alg in algs]
+        saved_figures.clear()
+        report_from_runs(runs, tmp_path / f"rep{i}")
+        by_label = {}
+        for name, panel in saved_figures.items():
+            for label, colour, _, _ in panel["lines"]:
+                by_label.setdefault(label.split(" ")[0], set()).add(colour)
+        assert all(len(c) == 1 for c in by_label.values()), by_label  # one colour in every plot
+        assert len({next(iter(c)) for c in by_label.values()}) == len(algs), by_label  # distinct in a report
+        colours.append({alg: c.pop() for alg, c in by_label.items()})
+    assert colours[0]["sspo"] == colours[1]["sspo"], colours

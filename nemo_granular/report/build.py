@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from pathlib import Path
 
 from .cpu import CPU_KEY, cpu_usage
@@ -36,7 +37,16 @@ PANELS = [("train/reward", "step", "reward (sampled, training)", "mean reward"),
            "nats/token")]
 X_LABEL = {"step": "RL step", "wall_time": "RL wall time (s, validation excluded)",
            "cpu_time": "RL CPU time (CPU s of the run's process, validation excluded)", "samples": "samples drawn"}
+X_UNIT = {"step": "step {:g}", "wall_time": "{:g} s", "cpu_time": "{:g} CPU s", "samples": "{:g} samples"}
 CPU_STEP_KEY = CPU_KEY  # CPU seconds of one RL step (embedded trainer), see report/cpu.py
+MISMATCH_KEY = "train/gen_mismatch_abs_mean"
+# |log π_old − log π_gen| at or below this is float rounding between two evaluations of one policy,
+# not a mismatch: the panel says so instead of drawing noise on 1e-7 ticks
+NO_MISMATCH = 1e-6
+# one colour per algorithm name in every plot of every report, whichever algorithms a report holds
+ALGORITHM_COLOURS = {"grpo": "tab:blue", "gspo": "tab:orange", "sspo": "tab:green", "espo": "tab:red",
+                     "sppo": "tab:purple", "sppo_equal_prompts": "tab:brown", "gspo_token": "tab:pink",
+                     "sspo_no_ec": "tab:gray", "sppo_small_critic": "tab:olive", "moe": "tab:cyan"}
 
 
 def _cpu_clock(run: Run) -> dict[int, float] | None:
@@ -156,11 +166,44 @@ def _smoothing_text(windows: set[int], key: str) -> str:
     return f"bold: mean over seeds of each seed's trailing mean over {sizes} {unit}"
 
 
+def colour_of(name: str):
+    """The algorithm's fixed colour; a name not in :data:`ALGORITHM_COLOURS` gets one of tab20's
+    light colours picked by a CRC of the name (stable across processes, unlike ``hash``)."""
+    if name in ALGORITHM_COLOURS:
+        return ALGORITHM_COLOURS[name]
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](2 * (zlib.crc32(name.encode()) % 10) + 1)
+
+
+def no_mismatch(by_name: dict[str, list[Run]]) -> float | None:
+    """max |train/gen_mismatch_abs_mean| over every run and step when all of it is within float noise
+    of zero (≤ :data:`NO_MISMATCH`), else None (a real mismatch, or none logged)."""
+    values = [abs(y) for runs in by_name.values() for run in runs for y in _series(run, MISMATCH_KEY)[1]]
+    return max(values) if values and max(values) <= NO_MISMATCH else None
+
+
+def _no_mismatch_text(biggest: float) -> str:
+    return f"no mismatch (max |x| = {biggest:.1e} nats/token ≤ {NO_MISMATCH:g}: float rounding, not drawn)"
+
+
+def _mean_label(name: str, curves: list, grid, x: str) -> str:
+    """The legend entry: the seeds, and where the bold mean stops when a seed runs further than that."""
+    label = f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
+    if grid is not None and len(curves) > 1 and max(c[0][-1] for c in curves) > grid[-1]:
+        label = label[:-1] + (f"; mean over the {len(curves)} seeds up to {X_UNIT[x].format(grid[-1])}, "
+                              "where the shortest ends)")
+    return label
+
+
 def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
     """One PNG per panel: each algorithm's seeds faint (raw), bold the mean over seeds of each
     seed's trailing mean over a tenth of its points (:func:`smoothing_window`; a curve of fewer
     than 20 points, such as the held-out evaluations, is not smoothed), the seeds' min–max band of
-    those curves shaded. The title says which; the legend sits outside the axes."""
+    those curves shaded. The title says which; the legend sits outside the axes. An algorithm has one
+    colour in every report (:func:`colour_of`); a bold mean that stops before a seed's curve does
+    (at the shortest seed's end) says where in its legend entry; a mismatch panel of float noise only
+    says so instead of plotting it (:func:`no_mismatch`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -169,9 +212,17 @@ def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
     files = []
     for key, x, title, ylabel in PANELS:
         fig, ax = plt.subplots(figsize=(6.4, 3.8))
+        biggest = no_mismatch(by_name) if key == MISMATCH_KEY else None
+        if biggest is not None:
+            ax.set_axis_off()
+            ax.set_title(title, fontsize=8)
+            ax.text(0.5, 0.5, _no_mismatch_text(biggest), ha="center", va="center", fontsize=9, wrap=True)
+            files.append(_save(fig, out, f"{key.split('/')[-1]}_vs_{x}.png"))
+            plt.close(fig)
+            continue
         windows = set()
-        for ci, (name, runs) in enumerate(by_name.items()):
-            color = f"C{ci % 10}"
+        for name, runs in by_name.items():
+            color = colour_of(name)
             curves = []
             for run in runs:
                 xs, ys = _series(run, key, x)
@@ -183,7 +234,7 @@ def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
             window = smoothing_window(max(len(c[0]) for c in curves))
             windows.add(window)
             band = seed_band([(xs, moving_average(ys, window)) for xs, ys in curves])
-            label = f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
+            label = _mean_label(name, curves, band[0] if band else None, x)
             if band is None:
                 xs, ys = curves[0]
                 ax.plot(xs, moving_average(ys, window), color=color, lw=1.8, label=label)
@@ -201,7 +252,7 @@ def plots(by_name: dict[str, list[Run]], out: Path) -> list[str]:
         ax.set_ylabel(ylabel)
         if key.startswith("train/clip"):
             ax.set_yscale("symlog", linthresh=1e-4)
-        elif key == "train/gen_mismatch_abs_mean":
+        elif key == MISMATCH_KEY:
             ax.set_yscale("symlog", linthresh=1e-6)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
         fig.tight_layout()
@@ -495,6 +546,9 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
               "A run that never reaches the target counts as reaching it at the end of its RL time (censored): "
               "when that is earlier than GRPO's time the seed cannot tell either way.",
               "", "## Plots", ""]
+    biggest = no_mismatch(by_name)
+    if biggest is not None:
+        lines += [f"π_old vs π_gen mismatch: {_no_mismatch_text(biggest)}.", ""]
     lines += [f"![{f}]({f})" for f in files]
     report = out / "report.md"
     tmp = out / ".report.md.tmp"

@@ -58,9 +58,12 @@ def moving_average(y, window: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def seed_band(curves: list[tuple], grid_points: int = 200):
+def seed_band(curves: list[tuple], grid_points: int | None = None):
     """Per-seed (x, y) curves → (grid, mean, min, max) on the x range all seeds cover (linear
-    interpolation); None when fewer than one curve has two points."""
+    interpolation); None when fewer than one curve has two points. The grid: the seeds' own x
+    values in that range (default), so that a line through it has a vertex only where a seed has a
+    point and stays straight between them on any axis scale (a denser grid of linearly interpolated
+    points bends into arcs on a symlog axis), or ``grid_points`` evenly spaced points."""
     curves = [(np.asarray(x, float), np.asarray(y, float)) for x, y in curves if len(x) >= 2]
     if not curves:
         return None
@@ -68,7 +71,10 @@ def seed_band(curves: list[tuple], grid_points: int = 200):
     hi = min(x[-1] for x, _ in curves)
     if not hi > lo:
         return None
-    grid = np.linspace(lo, hi, grid_points)
+    if grid_points is None:
+        grid = np.unique(np.concatenate([x[(x >= lo) & (x <= hi)] for x, _ in curves]))
+    else:
+        grid = np.linspace(lo, hi, grid_points)
     Y = np.stack([np.interp(grid, x, y) for x, y in curves])
     return grid, Y.mean(0), Y.min(0), Y.max(0)
 
