@@ -22,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -285,12 +286,23 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
     # printed after a Ctrl-C at any later moment (a warm start included) finds something to resume
     (out / "runs").mkdir(exist_ok=True)
 
+    print(_plan_line(plan, algorithms, seeds, jobs, suite, out), file=sys.stderr, flush=True)
     # 2. the warm starts (cached by key); 3. every algorithm from its seed's warm start; 4. the benchmark
     #    suite; 5. the report. Ctrl-C at any moment: the runs checkpoint, CompareInterrupted, --resume continues
     try:
         return _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max_samples)
     except KeyboardInterrupt:  # outside the runs (between stages, building the report): nothing to save
         raise CompareInterrupted("interrupted; finished runs and checkpoints are kept") from None
+
+
+def _plan_line(plan, algorithms, seeds, jobs, suite, out) -> str:
+    """What ``compare`` is about to do, printed before it starts (no silent first minutes)."""
+    steps = sorted({item["cfg"].rl.steps for item in plan})
+    shown = "/".join(map(str, steps)) + f" RL step{'s' if steps != [1] else ''}"
+    algs = f"{len(algorithms)} algorithm{'s' if len(algorithms) > 1 else ''} ({', '.join(algorithms)})"
+    bench = f"then the benchmark suite {suite!r} on each run's checkpoints; " if suite else ""
+    return (f"compare: {len(plan)} run{'s' if len(plan) > 1 else ''} = {algs} × {seeds} seed{'s' if seeds > 1 else ''}, "
+            f"{shown} each, {jobs} at a time; {bench}report: {out / 'report.md'}")
 
 
 def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max_samples) -> Path:
@@ -321,8 +333,16 @@ def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max
     t_train = time.time() - t0
     if suite:  # 4. the benchmark suite on every run's checkpoints
         max_samples = min(eval_max_samples or 2, 2) if smoke else eval_max_samples
-        _run_all(jobs, [lambda item=item: _evaluate(item["run"], suite, max_samples,
-                                                    f"{item['alg']} seed{item['seed']}") for item in plan])
+        finished, lock = [], threading.Lock()
+        print(f"benchmark suite {suite!r}: 0/{len(plan)} runs evaluated", file=sys.stderr, flush=True)
+
+        def evaluate(item):
+            _evaluate(item["run"], suite, max_samples, f"{item['alg']} seed{item['seed']}")
+            with lock:  # two runs may finish at once: each count printed once, in order
+                finished.append(item["run"])
+                print(f"benchmark suite {suite!r}: {len(finished)}/{len(plan)} runs evaluated", file=sys.stderr,
+                      flush=True)
+        _run_all(jobs, [lambda item=item: evaluate(item) for item in plan])
     total = time.time() - t0
     timing = {"warm start (s)": t_warm, "training (s)": t_train - t_warm, "benchmark suite (s)": total - t_train,
               "total wall (s)": total, "jobs": jobs}
@@ -330,6 +350,7 @@ def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max
         timing["warm-start cache key"] = "; ".join(cache_notes)
     from .report import report_from_runs
 
+    print(f"writing the report: {out / 'report.md'}", file=sys.stderr, flush=True)
     report = report_from_runs([item["run"] for item in plan], out, timing=timing, smoke=smoke)
     for item in plan:
         acc0, acc = _accuracies(item["run"])

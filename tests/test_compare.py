@@ -485,3 +485,23 @@ def test_ctrl_c_in_the_warm_start_phase_continues_as_printed(uninterrupted, tmp_
     run, ref_run = out / "runs" / "grpo_seed0", uninterrupted / "runs" / "grpo_seed0"
     assert [_deterministic(r) for r in _records(run / "metrics.jsonl")] == \
         [_deterministic(r) for r in _records(ref_run / "metrics.jsonl")]
+
+
+def test_compare_says_its_plan_counts_the_benchmark_runs_and_says_it_writes_the_report(inprocess_runs, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """Issue #36 item 7: no silent phase. The plan first (runs, algorithms, seeds, steps), an n/N counter
+    through the benchmark phase, and a line before the report is written."""
+    C, out = inprocess_runs, tmp_path / "cmp"
+    evaluated = []
+    monkeypatch.setattr(C, "_evaluate", lambda run, *a, **k: evaluated.append(run))  # the suite: test_evals.py
+    capsys.readouterr()
+    _compare(C, out, algorithms=("grpo", "gspo"), seeds=2, suite="all")
+    err = capsys.readouterr().err.splitlines()
+    runs = sorted(p.name for p in (out / "runs").iterdir())
+    assert len(runs) == len(evaluated) == 4
+    assert err[0] == (f"compare: {len(runs)} runs = 2 algorithms (grpo, gspo) × 2 seeds, 1 RL step each, 1 at a time; "
+                      f"then the benchmark suite 'all' on each run's checkpoints; report: {out / 'report.md'}"), err[0]
+    counts = [line for line in err if line.startswith("benchmark suite 'all': ")]
+    assert counts == [f"benchmark suite 'all': {n}/{len(runs)} runs evaluated" for n in range(len(runs) + 1)]
+    writing = err.index(f"writing the report: {out / 'report.md'}")
+    assert writing > err.index(counts[-1]) and (out / "report.md").is_file()
