@@ -215,9 +215,11 @@ class Trainer:
             start = int(latest.state["step"])
             return (f"{head}: resuming at step {start} of {cfg.rl.steps} from {latest.path} "
                     f"→ {self.out}/ (metrics.jsonl; {checkpoint_plan(start, cfg.rl.steps, cfg.checkpoint.every)})")
-        warm = ("warm start, then " if not cfg.model.init_from and cfg.warmstart.enabled else "")
+        warm = not cfg.model.init_from and cfg.warmstart.enabled
         steps = f"{cfg.rl.steps} RL step{'s' if cfg.rl.steps != 1 else ''}"
-        return (f"{head}: {warm}{steps} → {self.out}/ (metrics.jsonl; "
+        if warm:  # rl.steps=0: a warm start alone, as compare starts one (not "then 0 RL steps")
+            steps = "warm start only, no RL steps" if cfg.rl.steps == 0 else f"warm start, then {steps}"
+        return (f"{head}: {steps} → {self.out}/ (metrics.jsonl; "
                 f"{checkpoint_plan(0, cfg.rl.steps, cfg.checkpoint.every)})")
 
     def _prepare_output_dir(self):
@@ -339,8 +341,7 @@ class Trainer:
         if rng.get("cuda") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self._saved_step = self.step
-        self.last_checkpoint = path
-        self.log(f"resumed from {path} at step {self.step}")
+        self.last_checkpoint = path  # the start line said "resuming at step … from <path>": not said twice
 
     # ------------------------------------------------------------------ one RL step
     def rollout(self, step: int) -> dict:
