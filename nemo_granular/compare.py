@@ -191,6 +191,23 @@ def _accuracies(run: Path) -> tuple[float | None, float | None]:
     return (acc[0], acc[-1]) if acc else (None, None)
 
 
+def _finished(run: Path, steps: int) -> bool:
+    """Whether the run has its step ``steps`` both checkpointed and in ``metrics.jsonl`` (what
+    ``train --resume`` would find with nothing left to train)."""
+    from .embedded.checkpoint import STEP_RE, step_dirs
+
+    newest = step_dirs(run / "checkpoints")
+    if not newest or int(STEP_RE.fullmatch(newest[0].name).group(1)) < steps:
+        return False
+    recorded = set()
+    for line in (run / "metrics.jsonl").read_text(errors="replace").splitlines() if (run / "metrics.jsonl").is_file() else []:
+        try:
+            recorded.add(json.loads(line).get("step"))
+        except (ValueError, AttributeError):  # a line cut by a kill
+            continue
+    return steps in recorded
+
+
 def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> None:
     """``nemo-granular eval-checkpoints`` on one finished run (output in ``<run>/evals.log``); skipped
     when ``evals.json`` already holds every suite with the run's newest checkpoint (``--resume``)."""
@@ -317,6 +334,10 @@ def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max
     calls = []
     for item in plan:
         run = item["run"]
+        if resume and _finished(run, item["cfg"].rl.steps):  # no process started just to find nothing to do
+            print(f"[{item['alg']} seed{item['seed']}] finished earlier (step {item['cfg'].rl.steps} checkpointed and "
+                  f"recorded): kept, not restarted", file=sys.stderr, flush=True)
+            continue
         flags = []
         if resume and step_dirs(run / "checkpoints"):
             flags = ["--resume"]

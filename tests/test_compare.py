@@ -505,3 +505,17 @@ def test_compare_says_its_plan_counts_the_benchmark_runs_and_says_it_writes_the_
     assert counts == [f"benchmark suite 'all': {n}/{len(runs)} runs evaluated" for n in range(len(runs) + 1)]
     writing = err.index(f"writing the report: {out / 'report.md'}")
     assert writing > err.index(counts[-1]) and (out / "report.md").is_file()
+
+
+def test_resume_keeps_finished_runs_without_restarting_them(inprocess_runs, tmp_path, capsys):
+    """Issue #36 item 7: ``--resume`` after a comparison finished starts no run again and says so."""
+    C, out = inprocess_runs, tmp_path / "cmp"
+    _compare(C, out)
+    log = out / "runs" / "grpo_seed0" / "train.log"
+    before = log.read_text()
+    assert before.count("train grpo (seed 0)") == 1
+    capsys.readouterr()
+    _compare(C, out, resume=True)
+    assert log.read_text() == before  # no second start appended
+    err = capsys.readouterr().err
+    assert "[grpo seed0] finished earlier (step 1 checkpointed and recorded): kept, not restarted" in err, err
