@@ -547,7 +547,7 @@ def test_a_mean_that_stops_at_the_shortest_seed_says_so(tmp_path, saved_figures)
                    for line in (r / "metrics.jsonl").read_text().splitlines()[-1:])
     (label, _, xs, _), = saved_figures["reward_vs_wall_time.png"]["lines"]
     assert xs.max() == pytest.approx(shortest)
-    assert f"mean over the 3 seeds up to {shortest:g} s, where the shortest ends" in label, label
+    assert label == f"grpo (3 seeds;\nbold: mean of all 3 up to\n{shortest:g} s, where the shortest ends)", label
     # every seed reaches step 20: nothing to say there
     (label, _, xs, _), = saved_figures["reward_vs_step.png"]["lines"]
     assert label == "grpo (3 seeds)" and xs.max() == 20
