@@ -199,8 +199,8 @@ def _finished(run: Path, steps: int) -> bool:
     newest = step_dirs(run / "checkpoints")
     if not newest or int(STEP_RE.fullmatch(newest[0].name).group(1)) < steps:
         return False
-    recorded = set()
-    for line in (run / "metrics.jsonl").read_text(errors="replace").splitlines() if (run / "metrics.jsonl").is_file() else []:
+    metrics, recorded = run / "metrics.jsonl", set()
+    for line in metrics.read_text(errors="replace").splitlines() if metrics.is_file() else []:
         try:
             recorded.add(json.loads(line).get("step"))
         except (ValueError, AttributeError):  # a line cut by a kill
@@ -318,8 +318,8 @@ def _plan_line(plan, algorithms, seeds, jobs, suite, out) -> str:
     shown = "/".join(map(str, steps)) + f" RL step{'s' if steps != [1] else ''}"
     algs = f"{len(algorithms)} algorithm{'s' if len(algorithms) > 1 else ''} ({', '.join(algorithms)})"
     bench = f"then the benchmark suite {suite!r} on each run's checkpoints; " if suite else ""
-    return (f"compare: {len(plan)} run{'s' if len(plan) > 1 else ''} = {algs} × {seeds} seed{'s' if seeds > 1 else ''}, "
-            f"{shown} each, {jobs} at a time; {bench}report: {out / 'report.md'}")
+    runs = f"{len(plan)} run{'s' if len(plan) > 1 else ''} = {algs} × {seeds} seed{'s' if seeds > 1 else ''}"
+    return f"compare: {runs}, {shown} each, {jobs} at a time; {bench}report: {out / 'report.md'}"
 
 
 def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max_samples) -> Path:

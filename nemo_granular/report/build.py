@@ -192,7 +192,8 @@ def _mean_label(name: str, curves: list, grid, x: str) -> str:
     label = f"{name} ({len(curves)} seed{'s' if len(curves) > 1 else ''})"
     if grid is not None and len(curves) > 1 and max(c[0][-1] for c in curves) > grid[-1]:
         # three short lines: one long line would widen the legend and squeeze the axes beside it
-        label = label[:-1] + f";\nbold: mean of all {len(curves)} up to\n{X_UNIT[x].format(grid[-1])}, where the shortest ends)"
+        end = X_UNIT[x].format(grid[-1])
+        label = label[:-1] + f";\nbold: mean of all {len(curves)} up to\n{end}, where the shortest ends)"
     return label
 
 
