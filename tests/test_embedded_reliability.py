@@ -146,7 +146,7 @@ def test_kill9_during_checkpoint_write_then_resume_matches_an_uninterrupted_run(
     assert list(ckpts.glob(".tmp_step_000004_*"))
     resumed = _cli(*args, f"output_dir={run}", "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resumed from {ckpts / 'step_000002'}" in resumed.stderr
+    assert f"resuming at step 2 of 4 from {ckpts / 'step_000002'}" in resumed.stderr, resumed.stderr[-2000:]
     assert not list(ckpts.glob(".tmp_*"))  # the leftover was cleaned up
     assert _records(run) == _records(tmp_path / "full")
     superseded = run / "metrics.superseded.jsonl"  # steps 3-4 were logged before the kill and redone

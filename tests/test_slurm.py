@@ -123,6 +123,10 @@ def _ensure_debian_packages() -> str | None:
     return result
 
 
+# a resumed driver says so: the embedded trainer's start line, or the stand-in driver's
+RESUMED = re.compile(r"resuming at step \d+ of \d+ from \S*step_|^resumed from ", re.M)
+
+
 def _driver_kind() -> str:
     forced = os.environ.get("NG_SLURM_TEST_DRIVER")
     if forced in ("stub", "train"):
@@ -499,7 +503,7 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     assert done == list(range(1, steps + 1)), f"lost or repeated steps: {done}\n{info}"
     assert _assert_checkpoint(run_dir) == f"step_{steps:06d}"
     driver_log = (logs / "driver.log").read_text()
-    assert "resumed from" in driver_log, info
+    assert RESUMED.search(driver_log), info
     if not train:  # the stand-in records which attempt ran each step
         rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
         first_resumed = next(r for r in rows if r["attempt"] == 1)
@@ -526,7 +530,7 @@ def test_preempted_job_saves_on_sigterm_and_slurm_requeues_it(cluster, tmp_path)
     assert "received SIGTERM" in launcher and "driver exited with code 99 after SIGTERM" in launcher, info
     assert "checkpoint saved after SIGTERM; not requeued by the launcher" in launcher, info
     assert _steps(run_dir) == list(range(1, steps + 1)), f"lost or repeated steps: {_steps(run_dir)}\n{info}"
-    assert "resumed from" in (logs / "driver.log").read_text(), info
+    assert RESUMED.search((logs / "driver.log").read_text()), info
 
 
 def test_gpus_per_node_contradicting_gres_fails_before_ray(cluster, tmp_path):
