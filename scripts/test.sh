@@ -102,8 +102,8 @@ if why=$(present main); then HAVE_MAIN=1; PLAN+=("world main: will run"); else H
 if why=$(present v0.7.0); then HAVE_V070=1; PLAN+=("world v0.7.0: will run"); else HAVE_V070=0; PLAN+=("world v0.7.0: will NOT run: $why"); fi
 printf '%s\n' "world standalone: will run" "${PLAN[@]}" "world slurm: will run"
 
-# The Slurm world mostly waits (daemons, requeues, container starts, signals; measured: under one core
-# busy on average) while the standalone world computes, so the Slurm world runs beside it, its output
+# The Slurm world keeps about one core busy (1.1 on average, measured: it waits on daemons, requeues,
+# container starts and signals), the standalone world two: the Slurm world runs beside it, its output
 # printed when it ends. NEMO_GRANULAR_SLURM_BESIDE=0 runs it after the standalone world instead.
 SLURM=beside; [[ "${NEMO_GRANULAR_SLURM_BESIDE:-1}" != 0 ]] || SLURM=world
 if (( HAVE_MAIN )); then
