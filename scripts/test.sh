@@ -9,7 +9,7 @@
 #   main        NeMo-RL main 7ea279ab (NEMO_RL_SRC, or the source cache): the nemo_rl tests, then the
 #               transformers_pin ones again on Automodel's pinned transformers
 #   slurm       the local Slurm cluster (root; Debian's slurm packages): the slurm tests, with main's NeMo-RL
-#               when present (else those not marked nemo_rl); beside the standalone world (below)
+#               when present (else those not marked nemo_rl)
 #   v0.7.0      NeMo-RL v0.7.0 (NEMO_RL_V070_SRC, or the source cache): the tests marked v070 and nemo_rl
 # Fill the source cache first (bash scripts/sources.sh, or --from DIR offline); a world whose sources are
 # absent does not run and says why. Under CI=true a skipped test fails its world.
@@ -20,12 +20,12 @@ bash scripts/setup_venv.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # two pytest-xdist workers (NEMO_GRANULAR_TEST_WORKERS; 0: one process): much of the suite waits on Ray,
 # Megatron start-up and subprocesses, so two overlap even on two cores; tests/conftest.py keeps each module
-# on one worker. The Slurm tests run one at a time (one local cluster), beside the standalone world.
+# on one worker. The Slurm tests run on their own: they time daemons, requeues and signals.
 WORKERS=${NEMO_GRANULAR_TEST_WORKERS:-2}
 PYTEST=(.venv/bin/python -m pytest -q --durations=10)
 XDIST=(); (( WORKERS > 0 )) && XDIST=(-n "$WORKERS" --dist loadgroup)
 LOGS=$(mktemp -d)
-declare -a PLAN=() BESIDE=()
+declare -a PLAN=() RESULTS=()
 
 main_world() {
   unset NEMO_RL_WORLD
@@ -54,9 +54,9 @@ for arg in "$@"; do   # tests named: just those, in the main world when present
   fi
 done
 
-# world NAME SETUP MARKERS [pytest args...]: runs one world in a subshell; its line goes to $LOGS/NAME.result
+# world NAME SETUP MARKERS [pytest args...]: runs one world in a subshell, records its line
 world() {
-  local name=$1 setup=$2 markers=$3 start=$SECONDS rc=0 log=$LOGS/$1.log line; shift 3
+  local name=$1 setup=$2 markers=$3 start=$SECONDS rc=0 log=$LOGS/$1.log; shift 3
   echo "=== world $name: pytest -m \"$markers\""
   ( set +u; $setup || exit 90; set -u; "${PYTEST[@]}" -m "$markers" "$@" ) 2>&1 | tee "$log" || rc=${PIPESTATUS[0]}
   local counts; counts=$(python3 - "$log" <<'EOF'
@@ -69,18 +69,11 @@ print(", ".join(f"{v} {k}" for k, v in c.items()))
 EOF
 )
   local minutes; minutes=$(awk "BEGIN{printf \"%.1f\", ($SECONDS-$start)/60}")
-  if (( rc == 90 )); then line="world $name: FAILED to set up ($minutes min)"
-  elif (( rc == 0 )); then line="world $name: ran, passed ($counts; $minutes min)"
-  elif (( rc == 5 && USER_OPTS > 0 )); then line="world $name: ran, no test selected by the options given ($minutes min)"
-  else line="world $name: ran, FAILED (exit $rc: $counts; $minutes min)"; fi
-  echo "$line" >"$LOGS/$name.result"
+  if (( rc == 90 )); then RESULTS+=("world $name: FAILED to set up ($minutes min)"); FAILED=1
+  elif (( rc == 0 )); then RESULTS+=("world $name: ran, passed ($counts; $minutes min)")
+  elif (( rc == 5 && USER_OPTS > 0 )); then RESULTS+=("world $name: ran, no test selected by the options given ($minutes min)")
+  else RESULTS+=("world $name: ran, FAILED (exit $rc: $counts; $minutes min)"); FAILED=1; fi
 }
-# beside NAME SETUP MARKERS [pytest args...]: world, in the background; its output is printed when it ends
-beside() {
-  world "$@" >"$LOGS/$1.out" 2>&1 &
-  BESIDE+=("$1:$!")
-}
-did_not_run() { echo "world $1: did NOT run: $2" >"$LOGS/$1.result"; }
 pinned_transformers() {   # main's DTensor-v2 worker venv pins Automodel's transformers (==5.5.0 at 7ea279ab)
   main_world || return 1
   local pin dir
@@ -97,44 +90,27 @@ pinned_transformers() {   # main's DTensor-v2 worker venv pins Automodel's trans
 }
 no_nemo_rl() { unset NEMO_RL_SRC MEGATRON_LM_SRC MEGATRON_BRIDGE_SRC AUTOMODEL_SRC; }
 
-USER_OPTS=$#   # options given (e.g. -k EXPR) go to every world
+FAILED=0 USER_OPTS=$#   # options given (e.g. -k EXPR) go to every world
 if why=$(present main); then HAVE_MAIN=1; PLAN+=("world main: will run"); else HAVE_MAIN=0; PLAN+=("world main: will NOT run: $why"); fi
 if why=$(present v0.7.0); then HAVE_V070=1; PLAN+=("world v0.7.0: will run"); else HAVE_V070=0; PLAN+=("world v0.7.0: will NOT run: $why"); fi
 printf '%s\n' "world standalone: will run" "${PLAN[@]}" "world slurm: will run"
 
-# The Slurm world keeps about one core busy (1.1 on average, measured: it waits on daemons, requeues,
-# container starts and signals), the standalone world two: the Slurm world runs beside it, its output
-# printed when it ends. NEMO_GRANULAR_SLURM_BESIDE=0 runs it after the standalone world instead.
-SLURM=beside; [[ "${NEMO_GRANULAR_SLURM_BESIDE:-1}" != 0 ]] || SLURM=world
-if (( HAVE_MAIN )); then
-  $SLURM slurm main_world "slurm" "$@"
-else
-  did_not_run main "$(present main || true)"
-  $SLURM slurm no_nemo_rl "slurm and not nemo_rl" "$@"
-fi
 world standalone no_nemo_rl "not nemo_rl and not slurm" "${XDIST[@]}" "$@"
-for job in "${BESIDE[@]}"; do
-  wait "${job#*:}" || true
-  echo "=== world ${job%%:*} (ran beside the standalone world): its output"
-  cat "$LOGS/${job%%:*}.out"
-done
 if (( HAVE_MAIN )); then
   world main main_world "nemo_rl and not slurm" "${XDIST[@]}" "$@"
   world main-transformers-pin pinned_transformers "transformers_pin" "${XDIST[@]}" "$@"
+  world slurm main_world "slurm" "$@"
+else
+  RESULTS+=("world main: did NOT run: $(present main || true)")
+  world slurm no_nemo_rl "slurm and not nemo_rl" "$@"
 fi
 if (( HAVE_V070 )); then
   world v0.7.0 v070_world "v070 and nemo_rl and not slurm" "${XDIST[@]}" "$@"
   world v0.7.0-slurm v070_world "v070 and nemo_rl and slurm" "$@"
 else
-  did_not_run v0.7.0 "$(present v0.7.0 || true)"
+  RESULTS+=("world v0.7.0: did NOT run: $(present v0.7.0 || true)")
 fi
 echo "=== the worlds"
-FAILED=0
-for name in standalone main main-transformers-pin slurm v0.7.0 v0.7.0-slurm; do
-  if [ -f "$LOGS/$name.result" ]; then
-    line=$(cat "$LOGS/$name.result"); echo "$line"
-    if [[ "$line" == *FAILED* ]]; then FAILED=1; fi
-  fi
-done
+printf '%s\n' "${RESULTS[@]}"
 rm -rf "$LOGS"
 exit "$FAILED"
