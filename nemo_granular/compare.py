@@ -20,6 +20,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -425,6 +426,12 @@ def _algorithm_list(text: str) -> list[str]:
 def main(argv: list[str]) -> int:
     """``nemo-granular compare``."""
     from .embedded.config import LOCAL_CONFIGS
+
+    if threading.current_thread() is threading.main_thread():
+        # started with SIGINT ignored (a non-interactive shell's `cmd &`, nohup), Python raises no
+        # KeyboardInterrupt: a Ctrl-C / kill -INT would stop the runs (train handles SIGINT itself) but not
+        # the comparison, which then carried on without them. Take Python's handler back.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     ap = ArgumentParser(prog="nemo-granular compare",
                         description="Run algorithms side by side (same data, seed and sample budget) "
