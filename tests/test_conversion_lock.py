@@ -168,3 +168,21 @@ def test_a_conversion_killed_half_way_is_moved_aside_and_converted_again(tmp_pat
     assert len(lines) == 1 and "moved to" in lines[0] and str(aside) in lines[0]
     fn({}, "Qwen/Qwen3-30B-A3B-Base", str(path), True)    # the next job: converted, skips
     assert calls == [False, True]
+
+
+def test_a_users_megatron_checkpoint_is_passed_through_untouched(tmp_path):
+    """``policy.pretrained_checkpoint`` (format megatron_bridge / megatron_lm): ``pretrained_path`` is
+    the user's own checkpoint, which NeMo-RL does not convert; it is never moved aside, whatever
+    files it holds (a guard for the moving-aside above; passes before and after it)."""
+    from nemo_granular.nemo_rl.conversion_lock import locked_model_import
+
+    path = tmp_path / "mine" / "iter_0005000"
+    path.mkdir(parents=True)
+    (path / "run_config.yaml").touch()
+    calls = []
+    fn = locked_model_import(lambda c, h, p, e: calls.append((p, e)), is_rank0=lambda: True,
+                             broadcast=lambda v: v, barrier=lambda: None)
+    for fmt in ("megatron_bridge", "megatron_lm"):
+        fn({"pretrained_checkpoint": {"format": fmt, "path": str(path)}}, "m", str(path), True)
+    assert calls == [(str(path), True)] * 2
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["iter_0005000"]

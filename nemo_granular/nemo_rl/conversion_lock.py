@@ -117,6 +117,10 @@ def locked_model_import(handle_model_import: Callable[..., Any], *, is_rank0: Ca
     ``poll_s``: seconds between two tries of the lock (keep it well under the process-group timeout)."""
 
     def wrapper(config, hf_model_name, pretrained_path, pt_checkpoint_exists, *args, **kwargs):
+        if (config.get("pretrained_checkpoint") or {}).get("format", "hf") != "hf":
+            # a user's Megatron checkpoint (policy.pretrained_checkpoint): NeMo-RL converts nothing,
+            # and pretrained_path is that checkpoint, not the conversion cache: never move it
+            return handle_model_import(config, hf_model_name, pretrained_path, pt_checkpoint_exists, *args, **kwargs)
         rank0 = is_rank0()
         lock = pretrained_path.rstrip("/") + ".lock"
         with wait_for_lock(lock, rank0=rank0, broadcast=broadcast, poll_s=poll_s, log=log):
