@@ -172,8 +172,8 @@ def test_a_conversion_killed_half_way_is_moved_aside_and_converted_again(tmp_pat
 
 def test_a_users_megatron_checkpoint_is_passed_through_untouched(tmp_path):
     """``policy.pretrained_checkpoint`` (format megatron_bridge / megatron_lm): ``pretrained_path`` is
-    the user's own checkpoint, which NeMo-RL does not convert; it is never moved aside, whatever
-    files it holds (a guard for the moving-aside above; passes before and after it)."""
+    the user's own checkpoint, which NeMo-RL does not convert: it is never moved aside, whatever
+    files it holds, and no lock file is made beside it (the earlier code made one there)."""
     from nemo_granular.nemo_rl.conversion_lock import locked_model_import
 
     path = tmp_path / "mine" / "iter_0005000"
@@ -185,4 +185,5 @@ def test_a_users_megatron_checkpoint_is_passed_through_untouched(tmp_path):
     for fmt in ("megatron_bridge", "megatron_lm"):
         fn({"pretrained_checkpoint": {"format": fmt, "path": str(path)}}, "m", str(path), True)
     assert calls == [(str(path), True)] * 2
-    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["iter_0005000"]
+    assert (path / "run_config.yaml").exists()
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["iter_0005000"]   # no .partial-*, no .lock
