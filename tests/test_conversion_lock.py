@@ -121,6 +121,7 @@ OTHER_JOB = textwrap.dedent("""
 """)
 
 
+@pytest.mark.dist
 def test_a_job_waiting_for_another_jobs_conversion_outlives_the_process_group_timeout(tmp_path):
     """Job B (two ranks, gloo, 3 s collective timeout) starts while job A holds the lock for 8 s and
     converts: B's ranks wait in rounds of short broadcasts, then find A's checkpoint and skip.
