@@ -38,6 +38,7 @@ JOB = textwrap.dedent("""
             open(os.path.join(it, name), "w").close()
 
     exists = os.path.exists(os.path.join(path, "iter_0000000"))   # NeMo-RL: validate_model_paths, at worker start
+    open(f"{go}.{os.getpid()}", "w").close()
     while not os.path.exists(go): time.sleep(0.01)        # both jobs past that point
     fn = handle_model_import if mode == "plain" else locked_model_import(
         handle_model_import, is_rank0=lambda: True, broadcast=lambda v: v, barrier=lambda: None)
@@ -49,6 +50,9 @@ def _two_jobs(tmp_path: Path, mode: str) -> list[str]:
     path, log, go = tmp_path / mode / "hf" / "nemo_rl" / "Qwen" / "Qwen3-30B-A3B-Base", tmp_path / f"{mode}.log", \
         tmp_path / f"{mode}.go"
     procs = [subprocess.Popen([sys.executable, "-c", JOB, str(path), str(log), str(go), mode]) for _ in range(2)]
+    while not all((tmp_path / f"{go.name}.{p.pid}").exists() for p in procs):   # both jobs past validate_model_paths
+        assert all(p.poll() is None for p in procs)
+        time.sleep(0.01)
     go.touch()
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     return sorted(line.split()[0] for line in log.read_text().splitlines())
