@@ -26,13 +26,18 @@
 #      driver on the head node with RAY_ADDRESS set;
 #   3. watches Ray and every srun step: a lost node, a dead Ray step or a dead driver fails the job
 #      within seconds with one clear ERROR line (no hang);
-#   4. USR1 (sent by Slurm --signal=B:USR1@300 before the time limit, or by
-#      `scancel --signal=USR1 --batch JOBID`) is forwarded to the driver, which saves a checkpoint
-#      and exits 99; the launcher then requeues the job, and the requeued job resumes (slurm/stop.sh
-#      JOBID sends it). SIGTERM (plain scancel, preemption) reaches every step: the embedded trainer
-#      saves, a NeMo-RL run does not (Ray stops under its driver; docs/slurm.md, "Preemption"). A driver
-#      that stops early by itself with exit 99 (run_grpo/run_sppo at NeMo-RL's time limit,
-#      checkpointing.checkpoint_must_save_by) is requeued the same way.
+#   4. USR1 to the batch shell (Slurm's --signal=B:USR1@300, 300 s before the time limit, or
+#      `scancel --signal=USR1 --batch JOBID`, which slurm/stop.sh JOBID sends) is forwarded to the
+#      driver, which saves a checkpoint at the end of its current step and exits 99; the launcher then
+#      requeues the job, and the requeued job resumes. Before the time limit that save is in time only
+#      if the current step and the save end within the 300 s; for NeMo-RL runs the driver's time
+#      budget (the job's end minus NG_SAVE_RESERVE_SECONDS, or checkpointing.checkpoint_must_save_by)
+#      starts the last save earlier, and a driver that stops that way by itself with exit 99 is
+#      requeued the same way. SIGTERM (plain scancel, preemption, the time limit itself) reaches
+#      every step: the embedded trainer saves after its step if that fits in KillWait/GraceTime (exit
+#      99; the launcher does not requeue, Slurm decides); a NeMo-RL run does not save (the Ray steps
+#      die of the same SIGTERM under its driver), and a job that Slurm requeues resumes from the last
+#      periodic checkpoint (docs/slurm.md, "Preemption").
 # Logs: $BASE_LOG_DIR/<job name>-<job id>/ (launcher.log, ray-head.log, ray-worker-<node>.log,
 # driver.log, watch.log, preflight.log, ray_nodes.json, status.json), appended across requeues.
 set -euo pipefail

@@ -82,7 +82,9 @@ def _is_rank0() -> bool:
 class GranularMegatronPolicyWorkerImpl(_mpw.MegatronPolicyWorkerImpl):
     def __init__(self, *args, **kwargs):
         # the HF→Megatron conversion under the cache folder's lock: the ESPO and GSPO jobs of a
-        # comparison, started side by side on a fresh cache, would both convert into one folder
+        # comparison, started side by side on a fresh cache, would both convert into one folder.
+        # A job waiting for the other's conversion polls the lock in short rounds (conversion_lock.py),
+        # so no NCCL collective outlasts the process group's timeout while it waits.
         locked = locked_model_import(_mpw.handle_model_import, is_rank0=_is_rank0,
                                      broadcast=_broadcast_from_rank0, barrier=_barrier)
         with swap_attr(_mpw, "handle_model_import", locked):

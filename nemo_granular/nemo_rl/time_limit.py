@@ -8,13 +8,18 @@ finished: never requeued, and the comparison report was built on the partial run
 
 :class:`StopWatch` rebinds ``TimeoutChecker`` in the algorithm module for the duration of the
 training call (the loop looks the class up when it starts) with a subclass that records when
-NeMo-RL's own limit fired, and that also fires at the next step boundary once SIGUSR1 has come
-or SIGTERM (the launcher's "save a checkpoint and stop" signal, see :func:`install_stop_signal`;
-SIGTERM is what ``scancel`` and Slurm's preemption send to every job step, the driver's too): NeMo-RL
-then saves through its own checkpoint path and returns, so nothing is ever cut off in the middle
-of a save. :meth:`StopWatch.exit_code` tells the launcher what happened: 0 when the run reached
-its end, :data:`PREEMPTED_EXIT_CODE` when it stopped early with a checkpoint (requeue and resume),
-1 when it stopped early without one (``checkpointing.enabled: false``).
+NeMo-RL's own limit fired, and that also fires at the next step boundary once SIGUSR1 (the
+launcher's "save a checkpoint and stop" signal, forwarded from the batch shell; see
+:func:`install_stop_signal`) or SIGTERM has come: NeMo-RL then saves through its own checkpoint
+path and returns, so the signal never cuts a save in the middle. Under ``slurm/launch.sh`` only
+SIGUSR1 leads to that save (in time only if the current step and the save end before the job's
+time limit: the time budget below starts the last save earlier). SIGTERM (``scancel``, Slurm's
+preemption, the time limit) reaches every job step, the Ray head and worker steps too, and Ray
+stops under the driver before the step ends: no checkpoint is saved, and a job that Slurm
+requeues resumes from the last periodic checkpoint (``checkpointing.save_period``).
+:meth:`StopWatch.exit_code` tells the launcher what happened: 0 when the run reached its end,
+:data:`PREEMPTED_EXIT_CODE` when it stopped early with a checkpoint (requeue and resume), 1 when it
+stopped early without one (``checkpointing.enabled: false``).
 
 The job's time budget: NeMo-RL's ``TimeoutChecker`` counts ``checkpoint_must_save_by`` from its
 construction inside the training loop, i.e. after setup (Ray, Megatron init, vLLM, checkpoint
