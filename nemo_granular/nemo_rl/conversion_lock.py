@@ -40,11 +40,15 @@ __all__ = ["file_lock", "wait_for_lock", "locked_model_import", "converted", "mo
 COMPLETION_MARKERS = ("iter_0000000/metadata.json", "iter_0000000/run_config.yaml")
 
 
+def _open_lock_file(path: str) -> int:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+
+
 @contextmanager
 def file_lock(path: str) -> Iterator[None]:
     """An exclusive ``flock`` on ``path`` (created if missing), held for the ``with`` block."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fd = _open_lock_file(path)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -61,10 +65,7 @@ def wait_for_lock(path: str, *, rank0: bool, broadcast: Callable[[bool], bool], 
     would hit the process-group timeout when another job holds the lock longer than that; here
     rank 0 tries without blocking every ``poll_s`` seconds and all ranks join one broadcast of
     "got it?" per round, so no collective waits much longer than ``poll_s``."""
-    fd = -1
-    if rank0:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+    fd = _open_lock_file(path) if rank0 else -1
     try:
         waited = False
         while True:
