@@ -1,8 +1,10 @@
-"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6): what ``nemo-granular
+"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6, 9): what ``nemo-granular
 preflight`` (its runtime and worker checks, called directly), ``slurm/submit_comparison.sh`` and
-``slurm/launch.sh`` refuse before anything is submitted or started. The scripts run with fake
-``sbatch`` / ``srun`` / ``scontrol`` on ``PATH`` that only record their arguments; a refusal is one
-line on stderr, exit 2, and no fake was called. The runs in the local Slurm cluster are in
+``slurm/launch.sh`` refuse before anything is submitted or started, and what the scripts ask
+``sbatch`` / ``srun`` / ``ray start`` for. The scripts run with fake ``sbatch`` / ``srun`` /
+``scontrol`` on ``PATH`` that only record their arguments; a refusal is one line on stderr, exit 2,
+and no fake was called. ``_launch_ray`` takes launch.sh through every step (Ray head, readiness
+probe, watchdog, driver) with those fakes. The runs in the local Slurm cluster are in
 ``tests/test_slurm.py``."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,15 +31,17 @@ MEGATRON_30B = [str(CFG / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", 
 LOCAL = [str(CFG / "local" / f"{a}.yaml") for a in ("espo", "gspo")]
 
 
-def _fakes(d: Path) -> Path:
-    """``sbatch``, ``srun``, ``scontrol`` that append their argv (one JSON list a line) to ``calls``."""
+def _fakes(d: Path, srun: str = "exit 0", scontrol: str = "") -> Path:
+    """``sbatch``, ``srun``, ``scontrol`` that append their argv (one JSON list a line) to ``calls``
+    (``srun``: the fake's shell after that; ``scontrol``: lines it runs before answering ``show
+    hostnames``)."""
     d.mkdir(parents=True, exist_ok=True)
     log = d / "calls"
     for name in ("sbatch", "srun", "scontrol"):
         body = {"sbatch": 'echo "1$RANDOM"',
-                "srun": "exit 0",
+                "srun": srun,
                 # hostnames of the allocation: the one node; nothing else is known
-                "scontrol": '[[ "$1 $2" == "show hostnames" ]] && echo n1; exit 0'}[name]
+                "scontrol": scontrol + '[[ "$1 $2" == "show hostnames" ]] && echo n1; exit 0'}[name]
         record = f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' {name} \"$@\" >>{log}"
         (d / name).write_text(f"#!/usr/bin/env bash\n{record}\n{body}\n")
         (d / name).chmod(0o755)
@@ -51,7 +56,11 @@ def _env(tmp_path: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HF_")) and k not in
            ("CONTAINER", "MOUNTS", "VENV", "UV_CACHE_DIR_OVERRIDE", "NEMO_RL_PYTHON", "PREFLIGHT", "WORKDIR")}
     env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
-    env.update({k: v for k, v in extra.items() if v is not None})
+    for k, v in extra.items():   # None: not set
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 
@@ -183,15 +192,37 @@ def test_submit_comparison_refuses_uv_cache_dir_override_with_container(tmp_path
         "(its venvs link there); unset it"], r.stderr
 
 
-def _launch(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
-    """slurm/launch.sh as the batch script of a one-node job (fake srun/scontrol; the driver `true`)."""
-    log = _fakes(tmp_path / "bin")
-    r = subprocess.run(["bash", str(SLURM / "launch.sh"), "true"], capture_output=True, text=True, cwd=tmp_path,
-                       timeout=120, env=_env(tmp_path, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1",
-                                             SLURM_JOB_NUM_NODES="1", SLURM_CPUS_ON_NODE="2", NG_ROOT=str(ROOT),
-                                             HEAD_IP="10.0.0.1", START_RAY="0", WORKDIR=str(tmp_path),
-                                             BASE_LOG_DIR=str(tmp_path / "logs"), **env))
+def _launch(tmp_path: Path, cmd: tuple[str, ...] = ("true",), fakes: dict | None = None,
+            **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """slurm/launch.sh as the batch script of a one-node job (fake srun/scontrol; the driver CMD)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log = _fakes(tmp_path / "bin", **(fakes or {}))
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1", "SLURM_CPUS_ON_NODE": "2",
+           "NG_ROOT": str(ROOT), "HEAD_IP": "10.0.0.1", "START_RAY": "0", "WORKDIR": str(tmp_path),
+           "BASE_LOG_DIR": str(tmp_path / "logs")}
+    r = subprocess.run(["bash", str(SLURM / "launch.sh"), *cmd], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120, env=_env(tmp_path, **{**job, **env}))
     return r, _calls(log)
+
+
+# the Ray head's and the watchdog's steps run until they are stopped, as the real ones do
+RAY_SRUN = 'case "$*" in *"ray start"*|*"ray_cluster.py\' watch"*) exec sleep 60 ;; esac; exit 0'
+
+
+def _launch_ray(tmp_path: Path, cmd: tuple[str, ...] = ("true",), scontrol: str = "",
+                **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """_launch with START_RAY=1 through every step to the driver: a socket listening at
+    HEAD_IP:RAY_PORT stands for the head's GCS, the readiness probe's fake step succeeds."""
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen(8)
+        return _launch(tmp_path, cmd, {"srun": RAY_SRUN, "scontrol": scontrol}, START_RAY="1",
+                       HEAD_IP="127.0.0.1", RAY_PORT=str(gcs.getsockname()[1]), **env)
+
+
+def _srun_scripts(calls: list[list[str]]) -> list[str]:
+    """The command line of each recorded srun (its last argument: the step's bash -c script, or driver.sh)."""
+    return [" ".join(c[1:]) for c in calls if c[0] == "srun"]
 
 
 def test_launch_refuses_uv_cache_dir_override_with_container_before_any_step(tmp_path):
@@ -274,3 +305,22 @@ def test_stop_script_sends_usr1_to_the_batch_shell_and_refuses_a_bad_id(tmp_path
                          text=True, timeout=30)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a Slurm job id" in bad.stderr
     assert not log.exists()
+
+
+# ---------------------------------------------------------------- 9. launch.sh on a real cluster ---
+
+def _table_default(name: str) -> str:
+    row = next(line for line in DOCS.splitlines() if line.startswith(f"| `{name}` |"))
+    return row.split("|")[2].strip()
+
+
+def test_ray_wait_timeout_default_leaves_time_for_the_image_import(tmp_path):
+    """Issue 33.9c: RAY_WAIT_TIMEOUT covers each node's import of the container image (pyxis) before
+    Ray starts; ray.sub gives its workers 1800 s, the launcher gave 600. The readiness probe of a
+    launch through every step gets the default, and docs/slurm.md's table says the same."""
+    r, calls = _launch_ray(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [wait] = [s for s in _srun_scripts(calls) if "ray_cluster.py' wait" in s]
+    timeout = re.search(r"--timeout=(\d+)", wait).group(1)
+    assert timeout == "1800", wait
+    assert _table_default("RAY_WAIT_TIMEOUT") == timeout
