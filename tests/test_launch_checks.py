@@ -324,3 +324,43 @@ def test_ray_wait_timeout_default_leaves_time_for_the_image_import(tmp_path):
     timeout = re.search(r"--timeout=(\d+)", wait).group(1)
     assert timeout == "1800", wait
     assert _table_default("RAY_WAIT_TIMEOUT") == timeout
+
+
+NO_GRES = ('[[ "$1 $2 $3" == "show node -o" ]] && echo "NodeName=n1 Arch=x86_64 CPUTot=2 Gres=(null) State=IDLE"\n'
+           '[[ "$1 $2 $3" == "show job -o" ]] && echo "JobId=7 JobName=job TimeLimit=UNLIMITED"\n')
+NRL_DRIVER = ("python", "-m", "nemo_granular.run_grpo", "--config", "cfg.yaml")
+
+
+def test_launch_without_gres_counts_the_head_nodes_gpu_devices(tmp_path):
+    """Issue 33.9d: on a site without GRES (no --gres in the job, no gpu Gres on the node) Ray started
+    with --num-gpus=0 on GPU nodes. Now the batch shell (on the head node) counts its GPU devices,
+    as nvidia-smi -L would (NG_GPU_DEVICE_GLOB, /dev/nvidia[0-9]*; /dev/nvidiactl is not a GPU),
+    for ray start, NG_GPUS_PER_NODE and cluster.gpus_per_node, and says so; no --gres for srun
+    (the site has none). No devices: 0, as before."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
+        (dev / name).write_text("")
+    r, calls = _launch_ray(tmp_path / "job", NRL_DRIVER, NO_GRES, NG_GPU_DEVICE_GLOB=f"{dev}/nvidia[0-9]*")
+    assert r.returncode == 0, r.stdout + r.stderr
+    scripts = _srun_scripts(calls)
+    [head] = [s for s in scripts if "ray start --head" in s]
+    assert "--num-gpus=3 " in head, head
+    assert not [c for c in calls if c[0] == "srun" and any(a.startswith("--gres") for a in c)], calls
+    [preflight] = [s for s in scripts if "-m nemo_granular preflight" in s]
+    assert "cluster.num_nodes=1 cluster.gpus_per_node=3" in preflight, preflight
+    logs = tmp_path / "job" / "logs" / "job-7"
+    assert "cluster.gpus_per_node=3" in (logs / "driver.sh").read_text()
+    assert "NG_GPUS_PER_NODE=3 " in (logs / "node_env.sh").read_text()
+    assert (f"gpus_per_node=3 (job asked: none, node gres: '(null)') from 3 GPU devices ({dev}/nvidia[0-9]*) "
+            "on the head node") in r.stdout, r.stdout
+    # a node without GPU devices
+    r, calls = _launch_ray(tmp_path / "cpu", NRL_DRIVER, NO_GRES, NG_GPU_DEVICE_GLOB=f"{tmp_path}/none/nvidia[0-9]*")
+    assert r.returncode == 0, r.stdout + r.stderr
+    [head] = [s for s in _srun_scripts(calls) if "ray start --head" in s]
+    assert "--num-gpus=0 " in head and "cluster.gpus_per_node" not in " ".join(_srun_scripts(calls)), calls
+    assert "gpus_per_node=0 (job asked: none, node gres: '(null)') from 0 GPU devices" in r.stdout, r.stdout
+
+
+def test_docs_name_the_gpu_device_glob():
+    assert _table_default("NG_GPU_DEVICE_GLOB") == "`/dev/nvidia[0-9]*`"
