@@ -390,6 +390,21 @@ NODE_ENV=$LOG_DIR/node_env.sh
   echo '[[ $ng_s == unlimited ]] || (( ng_s >= ng_w )) || ulimit -Sn "$ng_w"'
   # a host uv cache path means nothing inside the container (ray.sub)
   [[ -n "$CONTAINER" ]] && echo 'unset UV_CACHE_DIR'
+  if [[ -n "$CONTAINER" ]]; then
+    # under pyxis HOME is an empty read-only directory, and caches default under it (Triton's
+    # ~/.triton/cache, vLLM's: NeMo-RL's vllm_worker uses ~/.cache/vllm): job-scoped ones in the
+    # container's /tmp (writable, as for Ray's temp dirs). A value you set is kept: the image
+    # defines none of them, so pyxis passes the host's
+    for cache in TRITON_CACHE_DIR=triton VLLM_CACHE_ROOT=vllm TORCHINDUCTOR_CACHE_DIR=torchinductor XDG_CACHE_HOME=cache; do
+      name=${cache%%=*}
+      [[ -z "${!name:-}" ]] || continue
+      # XDG_CACHE_HOME only where HOME is not writable: uv's cache is $XDG_CACHE_HOME/uv, and in a
+      # root container NeMo-RL's image has its uv cache in /root/.cache/uv
+      # shellcheck disable=SC2016  # expanded on the node, not here
+      [[ "$name" == XDG_CACHE_HOME ]] && printf '[[ -d "${HOME:-}" && -w "${HOME:-}" ]] || '
+      printf 'export %s=%q\n' "$name" "/tmp/nemo-granular-$SLURM_JOB_ID/${cache#*=}"
+    done
+  fi
   if [[ -n "$SETUP_COMMAND" ]]; then   # must succeed on every node: a failure ends that step, and the job
     # shellcheck disable=SC2016  # expanded on the node, not here
     printf 'if ! {\n%s\n}; then echo "ERROR: SETUP_COMMAND failed on $(hostname)" >&2; exit 3; fi\n' "$SETUP_COMMAND"

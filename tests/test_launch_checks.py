@@ -364,3 +364,47 @@ def test_launch_without_gres_counts_the_head_nodes_gpu_devices(tmp_path):
 
 def test_docs_name_the_gpu_device_glob():
     assert _table_default("NG_GPU_DEVICE_GLOB") == "`/dev/nvidia[0-9]*`"
+
+
+CACHES = {"TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+          "XDG_CACHE_HOME": "cache"}
+
+
+def _step_env(tmp_path: Path, **env) -> dict:
+    """The four cache variables in a step: node_env.sh sourced, with the job's environment (what pyxis
+    passes from the host, the image defining none of them) and, unless given, a HOME that cannot be
+    written (pyxis: an empty read-only directory; for root here: none)."""
+    script = f"source {tmp_path / 'logs' / 'job-7' / 'node_env.sh'} >/dev/null && " + \
+        " && ".join(f'echo "{k}=${{{k}:-}}"' for k in CACHES)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                         env=_env(tmp_path, **{**{k: None for k in CACHES}, "HOME": str(tmp_path / "no-home"), **env}))
+    assert out.returncode == 0, out.stderr
+    return dict(line.split("=", 1) for line in out.stdout.splitlines())
+
+
+def test_container_steps_get_writable_compile_caches(tmp_path):
+    """Issue 33.9b: under pyxis HOME is an empty read-only directory, and Triton's and vLLM's caches
+    (NeMo-RL's vllm_worker: ~/.cache/vllm) default under it. With CONTAINER every step gets them,
+    torch-inductor's and, where HOME cannot be written, XDG_CACHE_HOME under /tmp/nemo-granular-<job
+    id>/ in the container (XDG_CACHE_HOME moves uv's cache too: a root container's /root/.cache/uv
+    is NeMo-RL's image's). A value the user set is kept (and reaches the container as every host
+    variable the image does not define)."""
+    mounts = f"{tmp_path}:{tmp_path},{ROOT}:{ROOT}"
+    unset = {k: None for k in CACHES}
+    r, calls = _launch(tmp_path / "a", CONTAINER="img.sqsh", MOUNTS=mounts, **unset)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _step_env(tmp_path / "a") == {k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}
+    # a writable HOME (a root container): its XDG cache, uv's with it, stays
+    assert _step_env(tmp_path / "a", HOME=str(tmp_path)) == {
+        **{k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}, "XDG_CACHE_HOME": ""}
+    # the user's own value
+    r, calls = _launch(tmp_path / "b", CONTAINER="img.sqsh", MOUNTS=mounts,
+                       **{**unset, "TRITON_CACHE_DIR": "/lustre/triton", "XDG_CACHE_HOME": "/lustre/cache"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    mine = _step_env(tmp_path / "b", TRITON_CACHE_DIR="/lustre/triton", XDG_CACHE_HOME="/lustre/cache")
+    assert (mine["TRITON_CACHE_DIR"], mine["XDG_CACHE_HOME"]) == ("/lustre/triton", "/lustre/cache"), mine
+    assert not [a for c in calls for a in c if a.startswith("--container-env")], calls
+    # no container: the host's caches, untouched
+    r, _ = _launch(tmp_path / "c", **unset)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _step_env(tmp_path / "c") == {k: "" for k in CACHES}
