@@ -1,4 +1,4 @@
-"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6, 9): what ``nemo-granular
+"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6, 8, 9): what ``nemo-granular
 preflight`` (its runtime and worker checks, called directly), ``slurm/submit_comparison.sh`` and
 ``slurm/launch.sh`` refuse before anything is submitted or started, and what the scripts ask
 ``sbatch`` / ``srun`` / ``ray start`` for. The scripts run with fake ``sbatch`` / ``srun`` /
@@ -305,6 +305,40 @@ def test_stop_script_sends_usr1_to_the_batch_shell_and_refuses_a_bad_id(tmp_path
                          text=True, timeout=30)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a Slurm job id" in bad.stderr
     assert not log.exists()
+
+
+# ---------------------------------------------------------------- 8. the eval jobs' node -----------
+
+def _evals(calls: list[list[str]]) -> list[list[str]]:
+    return [c for c in calls if c[0] == "sbatch" and any(a.startswith("--job-name=cmp-eval-") for a in c)]
+
+
+def test_eval_jobs_ask_for_the_whole_node_and_its_memory_before_the_users_sbatch_args(tmp_path):
+    """The eval job exports a 30B Megatron checkpoint (tens of GB of RSS) and runs vLLM: with only
+    --nodes=1 it got a site's default memory (DefMemPerCPU for one CPU). Now --exclusive --mem=0,
+    before --sbatch/--train-sbatch so that the user's own --mem still wins (sbatch: the last one);
+    with the user's --mem-per-cpu/--mem-per-gpu no --mem=0 (sbatch refuses two of them)."""
+    checkout, py = _fake_nemo_rl(tmp_path)
+    common = ["--no-preflight", "--nodes", "8", "--eval-suite", "espo", "--nemo-rl", str(checkout)]
+    r, calls = _submit(tmp_path, [*common, "--train-sbatch", "--gres=gpu:8 --mem=500G", *MEGATRON_30B],
+                       NEMO_RL_PYTHON=str(py))
+    assert r.returncode == 0, r.stderr
+    evals = _evals(calls)
+    assert len(evals) == 2, calls
+    for argv in evals:
+        assert "--exclusive" in argv and "--mem=0" in argv, argv
+        assert argv.index("--exclusive") < argv.index("--gres=gpu:8"), argv
+        assert argv.index("--mem=0") < argv.index("--mem=500G"), argv
+    per_gpu = tmp_path / "per-gpu"
+    per_gpu.mkdir()
+    r, calls = _submit(per_gpu, [*common, "--train-sbatch", "--gres=gpu:8 --mem-per-gpu=100G", *MEGATRON_30B],
+                       NEMO_RL_PYTHON=str(py))
+    assert r.returncode == 0, r.stderr
+    assert [("--exclusive" in argv, "--mem=0" in argv) for argv in _evals(calls)] == [(True, False)] * 2, calls
+
+
+def test_docs_say_the_eval_jobs_get_a_whole_node():
+    assert "--exclusive --mem=0" in DOCS, "docs/slurm.md does not say what the eval jobs ask for"
 
 
 # ---------------------------------------------------------------- 9. launch.sh on a real cluster ---
