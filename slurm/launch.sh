@@ -19,9 +19,10 @@
 #   0. for `run_grpo` / `run_sppo`: `nemo-granular preflight` on the final command line (PREFLIGHT=0
 #      skips it), so a config NeMo-RL would reject fails the job before any node starts Ray;
 #   1. a Ray head on the first node and one Ray worker per other node (srun steps), each with the
-#      node's CPUs and the job's GPUs per node (its --gres request), inside CONTAINER (pyxis; the head's
-#      steps share the named container `ray-head`, as in NeMo-RL's ray.sub) or VENV, with one Ray
-#      token-auth mode and token for every Ray process, ray.sub's fixed ports and `ulimit -n`;
+#      node's CPUs and the job's GPUs per node (its --gres request; without GRES the head node's GPU
+#      devices), inside CONTAINER (pyxis; the head's steps share the named container `ray-head`, as
+#      in NeMo-RL's ray.sub) or VENV, with one Ray token-auth mode and token for every Ray process,
+#      ray.sub's fixed ports and `ulimit -n`;
 #   2. waits until every node has joined (`ray.nodes()` count printed and saved), then runs the
 #      driver on the head node with RAY_ADDRESS set;
 #   3. watches Ray and every srun step: a lost node, a dead Ray step or a dead driver fails the job
@@ -50,7 +51,8 @@ MOUNTS=${MOUNTS:-}                  # pyxis --container-mounts, comma list src:d
 VENV=${VENV:-}                      # virtual environment activated on every node (host; with CONTAINER only one inside MOUNTS)
 CONTAINER_ENV=${CONTAINER_ENV:-}    # CONTAINER: variables whose host value beats the image's (pyxis --container-env)
 SETUP_COMMAND=${SETUP_COMMAND:-}    # shell run on every node before Ray starts
-GPUS_PER_NODE=${GPUS_PER_NODE:-}    # default: the GPUs per node the job asked for (--gres/--gpus-per-node), else the node's GRES
+GPUS_PER_NODE=${GPUS_PER_NODE:-}    # default: the GPUs per node the job asked for (--gres/--gpus-per-node), else the node's GRES, else the head's GPU devices
+NG_GPU_DEVICE_GLOB=${NG_GPU_DEVICE_GLOB:-/dev/nvidia[0-9]*}  # the GPU devices counted without GRES (nvidia-smi -L's count)
 CPUS_PER_NODE=${CPUS_PER_NODE:-}    # CPUs each Ray node advertises; default: Slurm's CPUs on the node
 # Ray's ports as NeMo-RL's ray.sub pins them, all below 9000: the kernel hands out ephemeral source
 # ports from 9000 up on some clusters, and a Ray port picked at random can collide with one
@@ -67,7 +69,7 @@ MAX_WORKER_PORT=${MAX_WORKER_PORT:-2999}
 NOFILE_LIMIT=${NOFILE_LIMIT:-65535} # soft `ulimit -n` on every node (Ray's large-cluster advice, as ray.sub)
 UV_CACHE_DIR_OVERRIDE=${UV_CACHE_DIR_OVERRIDE:-}  # refused with CONTAINER (NeMo-RL's image needs its /root/.cache/uv)
 RAY_TMP_BASE=${RAY_TMP_BASE:-/tmp}  # Ray's --temp-dir is $RAY_TMP_BASE/rayng<jobid>_<node>
-RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-600}
+RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-1800}  # includes each node's import of CONTAINER (ray.sub gives its workers 1800 s)
 WATCH_INTERVAL=${WATCH_INTERVAL:-5}
 DRIVER_STOP_GRACE=${DRIVER_STOP_GRACE:-20}  # seconds between SIGTERM and SIGKILL when failing
 AUTO_RESUME=${AUTO_RESUME:-1}       # add --auto-resume to `nemo-granular train`
@@ -260,7 +262,15 @@ if (( REQ_GPUS > 0 )); then
   GPUS_PER_NODE=$REQ_GPUS
   GRES_ARGS=("--gres=gpu:$REQ_GPUS")
 fi
-GPUS_PER_NODE=${GPUS_PER_NODE:-0}
+GPU_SOURCE=""
+if [[ -z "$GPUS_PER_NODE" ]]; then
+  # a site without GRES: neither the job nor the node says, and Ray got --num-gpus=0 on GPU nodes.
+  # The batch shell runs on the head node: count its GPU devices (/dev/nvidiactl and
+  # /dev/nvidia-uvm are not GPUs), as nvidia-smi -L would; none: 0
+  mapfile -t gpu_devices < <(compgen -G "$NG_GPU_DEVICE_GLOB" || true)
+  GPUS_PER_NODE=${#gpu_devices[@]}
+  GPU_SOURCE=" from $GPUS_PER_NODE GPU devices ($NG_GPU_DEVICE_GLOB) on the head node"
+fi
 if [[ -z "$CPUS_PER_NODE" ]]; then
   CPUS_PER_NODE=${SLURM_CPUS_ON_NODE:-$(node_field "$HEAD" CPUTot)}
 fi
@@ -274,7 +284,7 @@ if [[ -z "${HEAD_IP:-}" ]]; then
   [[ -n "$HEAD_IP" ]] || fail "no non-loopback IPv4 address for the head node $HEAD (getent ahostsv4, hostname -I); set HEAD_IP" 2
 fi
 RAY_ADDRESS_HEAD="$HEAD_IP:$RAY_PORT"
-log "nodes=${NODES[*]} head=$HEAD ($RAY_ADDRESS_HEAD) gpus_per_node=$GPUS_PER_NODE (job asked: ${JOB_GPUS:-none}, node gres: '${GRES:-none}') cpus_per_node=$CPUS_PER_NODE"
+log "nodes=${NODES[*]} head=$HEAD ($RAY_ADDRESS_HEAD) gpus_per_node=$GPUS_PER_NODE (job asked: ${JOB_GPUS:-none}, node gres: '${GRES:-none}')$GPU_SOURCE cpus_per_node=$CPUS_PER_NODE"
 log "container=${CONTAINER:-none} venv=${VENV:-none} workdir=$WORKDIR ng_root=$NG_ROOT"
 
 # ------------------------------------------------------------------ container checks -----------
@@ -380,6 +390,21 @@ NODE_ENV=$LOG_DIR/node_env.sh
   echo '[[ $ng_s == unlimited ]] || (( ng_s >= ng_w )) || ulimit -Sn "$ng_w"'
   # a host uv cache path means nothing inside the container (ray.sub)
   [[ -n "$CONTAINER" ]] && echo 'unset UV_CACHE_DIR'
+  if [[ -n "$CONTAINER" ]]; then
+    # under pyxis HOME is an empty read-only directory, and caches default under it (Triton's
+    # ~/.triton/cache, vLLM's: NeMo-RL's vllm_worker uses ~/.cache/vllm): job-scoped ones in the
+    # container's /tmp (writable, as for Ray's temp dirs). A value you set is kept: the image
+    # defines none of them, so pyxis passes the host's
+    for cache in TRITON_CACHE_DIR=triton VLLM_CACHE_ROOT=vllm TORCHINDUCTOR_CACHE_DIR=torchinductor XDG_CACHE_HOME=cache; do
+      name=${cache%%=*}
+      [[ -z "${!name:-}" ]] || continue
+      # XDG_CACHE_HOME only where HOME is not writable: uv's cache is $XDG_CACHE_HOME/uv, and in a
+      # root container NeMo-RL's image has its uv cache in /root/.cache/uv
+      # shellcheck disable=SC2016  # expanded on the node, not here
+      [[ "$name" == XDG_CACHE_HOME ]] && printf '[[ -d "${HOME:-}" && -w "${HOME:-}" ]] || '
+      printf 'export %s=%q\n' "$name" "/tmp/nemo-granular-$SLURM_JOB_ID/${cache#*=}"
+    done
+  fi
   if [[ -n "$SETUP_COMMAND" ]]; then   # must succeed on every node: a failure ends that step, and the job
     # shellcheck disable=SC2016  # expanded on the node, not here
     printf 'if ! {\n%s\n}; then echo "ERROR: SETUP_COMMAND failed on $(hostname)" >&2; exit 3; fi\n' "$SETUP_COMMAND"

@@ -18,8 +18,9 @@
 #   --train-sbatch "ARGS"  sbatch arguments for the training jobs only (--gres, --time, ...)
 #   --report-sbatch "ARGS" sbatch arguments for the report job only
 #                          (default "--time=00:30:00 --cpus-per-task=2")
-#   --eval-suite SUITE     after each training job (afterok), an eval job on one node with the
-#                          training resources runs `nemo-granular eval-checkpoints RUN --suite SUITE`
+#   --eval-suite SUITE     after each training job (afterok), an eval job on one whole node
+#                          (--exclusive --mem=0, then --sbatch's and --train-sbatch's arguments)
+#                          runs `nemo-granular eval-checkpoints RUN --suite SUITE`
 #                          (sspo | sppo | espo | all) so the report has the benchmark table; the
 #                          report waits for it (default: no eval jobs). For NeMo-RL runs the job
 #                          first runs `python -m nemo_granular.preflight.eval_checks` where
@@ -350,7 +351,7 @@ wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, ven
   fi
 }
 
-# benchmark evaluation: one job per run after its training job succeeded, on one node with the
+# benchmark evaluation: one job per run after its training job succeeded, on one whole node with the
 # training jobs' resources (run_eval needs the GPUs); the report then also waits for these
 if [[ -n "$EVAL_SUITE" ]]; then
   # the eval preflight (nemo_granular.preflight.eval_checks) runs first in each eval job, in its
@@ -363,6 +364,13 @@ if [[ -n "$EVAL_SUITE" ]]; then
       --data-dir=*|--export-python=*) check_opts+=("${EVAL_ARGS[$k]}") ;;
     esac
   done
+  # the whole node and all its memory: the eval job exports each Megatron checkpoint (a 30B model's
+  # bfloat16 weights alone are about 57 GiB) and runs vLLM, and with only --nodes=1 it got a site's
+  # default memory (DefMemPerCPU: one CPU's). Before --sbatch/--train-sbatch, so that a --mem of
+  # theirs wins (sbatch: the last one); no --mem=0 with their --mem-per-cpu/--mem-per-gpu (sbatch
+  # refuses two of them)
+  eval_node=(--exclusive --mem=0)
+  for a in "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}"; do [[ "$a" == --mem-per-* ]] && eval_node=(--exclusive); done
   train_jobs=("${jobs[@]}")
   for i in "${!train_jobs[@]}"; do
     nrl=()
@@ -372,7 +380,7 @@ if [[ -n "$EVAL_SUITE" ]]; then
       --eval-suite "$EVAL_SUITE" --run "${run_dirs[$i]}" "${nrl[@]}" "${check_opts[@]}")"
     CHECK=${CHECK% }
     ejid=$(run sbatch --parsable --nodes=1 --dependency="afterok:${train_jobs[$i]}" --kill-on-invalid-dep=yes \
-           --job-name="cmp-eval-${names[$i]}" --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
+           --job-name="cmp-eval-${names[$i]}" --output="$OUT/slurm-%x-%j.out" "${eval_node[@]}" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
            --wrap="$(wrapped nemo-granular eval-checkpoints "${run_dirs[$i]}" --suite "$EVAL_SUITE" "${nrl[@]}" "${EVAL_ARGS[@]}")")
     ejid=${ejid%%;*}
     jobs+=("$ejid")

@@ -1,8 +1,10 @@
-"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6): what ``nemo-granular
+"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6, 8, 9): what ``nemo-granular
 preflight`` (its runtime and worker checks, called directly), ``slurm/submit_comparison.sh`` and
-``slurm/launch.sh`` refuse before anything is submitted or started. The scripts run with fake
-``sbatch`` / ``srun`` / ``scontrol`` on ``PATH`` that only record their arguments; a refusal is one
-line on stderr, exit 2, and no fake was called. The runs in the local Slurm cluster are in
+``slurm/launch.sh`` refuse before anything is submitted or started, and what the scripts ask
+``sbatch`` / ``srun`` / ``ray start`` for. The scripts run with fake ``sbatch`` / ``srun`` /
+``scontrol`` on ``PATH`` that only record their arguments; a refusal is one line on stderr, exit 2,
+and no fake was called. ``_launch_ray`` takes launch.sh through every step (Ray head, readiness
+probe, watchdog, driver) with those fakes. The runs in the local Slurm cluster are in
 ``tests/test_slurm.py``."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,15 +31,17 @@ MEGATRON_30B = [str(CFG / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", 
 LOCAL = [str(CFG / "local" / f"{a}.yaml") for a in ("espo", "gspo")]
 
 
-def _fakes(d: Path) -> Path:
-    """``sbatch``, ``srun``, ``scontrol`` that append their argv (one JSON list a line) to ``calls``."""
+def _fakes(d: Path, srun: str = "exit 0", scontrol: str = "") -> Path:
+    """``sbatch``, ``srun``, ``scontrol`` that append their argv (one JSON list a line) to ``calls``
+    (``srun``: the fake's shell after that; ``scontrol``: lines it runs before answering ``show
+    hostnames``)."""
     d.mkdir(parents=True, exist_ok=True)
     log = d / "calls"
     for name in ("sbatch", "srun", "scontrol"):
         body = {"sbatch": 'echo "1$RANDOM"',
-                "srun": "exit 0",
+                "srun": srun,
                 # hostnames of the allocation: the one node; nothing else is known
-                "scontrol": '[[ "$1 $2" == "show hostnames" ]] && echo n1; exit 0'}[name]
+                "scontrol": scontrol + '[[ "$1 $2" == "show hostnames" ]] && echo n1; exit 0'}[name]
         record = f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' {name} \"$@\" >>{log}"
         (d / name).write_text(f"#!/usr/bin/env bash\n{record}\n{body}\n")
         (d / name).chmod(0o755)
@@ -51,7 +56,11 @@ def _env(tmp_path: Path, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "HF_")) and k not in
            ("CONTAINER", "MOUNTS", "VENV", "UV_CACHE_DIR_OVERRIDE", "NEMO_RL_PYTHON", "PREFLIGHT", "WORKDIR")}
     env["PATH"] = f"{tmp_path / 'bin'}:{env['PATH']}"
-    env.update({k: v for k, v in extra.items() if v is not None})
+    for k, v in extra.items():   # None: not set
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
     return env
 
 
@@ -183,15 +192,37 @@ def test_submit_comparison_refuses_uv_cache_dir_override_with_container(tmp_path
         "(its venvs link there); unset it"], r.stderr
 
 
-def _launch(tmp_path: Path, **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
-    """slurm/launch.sh as the batch script of a one-node job (fake srun/scontrol; the driver `true`)."""
-    log = _fakes(tmp_path / "bin")
-    r = subprocess.run(["bash", str(SLURM / "launch.sh"), "true"], capture_output=True, text=True, cwd=tmp_path,
-                       timeout=120, env=_env(tmp_path, SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1",
-                                             SLURM_JOB_NUM_NODES="1", SLURM_CPUS_ON_NODE="2", NG_ROOT=str(ROOT),
-                                             HEAD_IP="10.0.0.1", START_RAY="0", WORKDIR=str(tmp_path),
-                                             BASE_LOG_DIR=str(tmp_path / "logs"), **env))
+def _launch(tmp_path: Path, cmd: tuple[str, ...] = ("true",), fakes: dict | None = None,
+            **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """slurm/launch.sh as the batch script of a one-node job (fake srun/scontrol; the driver CMD)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log = _fakes(tmp_path / "bin", **(fakes or {}))
+    job = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_NUM_NODES": "1", "SLURM_CPUS_ON_NODE": "2",
+           "NG_ROOT": str(ROOT), "HEAD_IP": "10.0.0.1", "START_RAY": "0", "WORKDIR": str(tmp_path),
+           "BASE_LOG_DIR": str(tmp_path / "logs")}
+    r = subprocess.run(["bash", str(SLURM / "launch.sh"), *cmd], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120, env=_env(tmp_path, **{**job, **env}))
     return r, _calls(log)
+
+
+# the Ray head's and the watchdog's steps run until they are stopped, as the real ones do
+RAY_SRUN = 'case "$*" in *"ray start"*|*"ray_cluster.py\' watch"*) exec sleep 60 ;; esac; exit 0'
+
+
+def _launch_ray(tmp_path: Path, cmd: tuple[str, ...] = ("true",), scontrol: str = "",
+                **env) -> tuple[subprocess.CompletedProcess, list[list[str]]]:
+    """_launch with START_RAY=1 through every step to the driver: a socket listening at
+    HEAD_IP:RAY_PORT stands for the head's GCS, the readiness probe's fake step succeeds."""
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen(8)
+        return _launch(tmp_path, cmd, {"srun": RAY_SRUN, "scontrol": scontrol}, START_RAY="1",
+                       HEAD_IP="127.0.0.1", RAY_PORT=str(gcs.getsockname()[1]), **env)
+
+
+def _srun_scripts(calls: list[list[str]]) -> list[str]:
+    """The command line of each recorded srun (its last argument: the step's bash -c script, or driver.sh)."""
+    return [" ".join(c[1:]) for c in calls if c[0] == "srun"]
 
 
 def test_launch_refuses_uv_cache_dir_override_with_container_before_any_step(tmp_path):
@@ -274,3 +305,140 @@ def test_stop_script_sends_usr1_to_the_batch_shell_and_refuses_a_bad_id(tmp_path
                          text=True, timeout=30)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "not a Slurm job id" in bad.stderr
     assert not log.exists()
+
+
+# ---------------------------------------------------------------- 8. the eval jobs' node -----------
+
+def _evals(calls: list[list[str]]) -> list[list[str]]:
+    return [c for c in calls if c[0] == "sbatch" and any(a.startswith("--job-name=cmp-eval-") for a in c)]
+
+
+def test_eval_jobs_ask_for_the_whole_node_and_its_memory_before_the_users_sbatch_args(tmp_path):
+    """The eval job exports a 30B Megatron checkpoint (tens of GB of RSS) and runs vLLM: with only
+    --nodes=1 it got a site's default memory (DefMemPerCPU for one CPU). Now --exclusive --mem=0,
+    before --sbatch/--train-sbatch so that the user's own --mem still wins (sbatch: the last one);
+    with the user's --mem-per-cpu/--mem-per-gpu no --mem=0 (sbatch refuses two of them)."""
+    checkout, py = _fake_nemo_rl(tmp_path)
+    common = ["--no-preflight", "--nodes", "8", "--eval-suite", "espo", "--nemo-rl", str(checkout)]
+    r, calls = _submit(tmp_path, [*common, "--train-sbatch", "--gres=gpu:8 --mem=500G", *MEGATRON_30B],
+                       NEMO_RL_PYTHON=str(py))
+    assert r.returncode == 0, r.stderr
+    evals = _evals(calls)
+    assert len(evals) == 2, calls
+    for argv in evals:
+        assert "--exclusive" in argv and "--mem=0" in argv, argv
+        assert argv.index("--exclusive") < argv.index("--gres=gpu:8"), argv
+        assert argv.index("--mem=0") < argv.index("--mem=500G"), argv
+    per_gpu = tmp_path / "per-gpu"
+    per_gpu.mkdir()
+    r, calls = _submit(per_gpu, [*common, "--train-sbatch", "--gres=gpu:8 --mem-per-gpu=100G", *MEGATRON_30B],
+                       NEMO_RL_PYTHON=str(py))
+    assert r.returncode == 0, r.stderr
+    assert [("--exclusive" in argv, "--mem=0" in argv) for argv in _evals(calls)] == [(True, False)] * 2, calls
+
+
+def test_docs_say_the_eval_jobs_get_a_whole_node():
+    assert "--exclusive --mem=0" in DOCS, "docs/slurm.md does not say what the eval jobs ask for"
+
+
+# ---------------------------------------------------------------- 9. launch.sh on a real cluster ---
+
+def _table_default(name: str) -> str:
+    row = next(line for line in DOCS.splitlines() if line.startswith(f"| `{name}` |"))
+    return row.split("|")[2].strip()
+
+
+def test_ray_wait_timeout_default_leaves_time_for_the_image_import(tmp_path):
+    """Issue 33.9c: RAY_WAIT_TIMEOUT covers each node's import of the container image (pyxis) before
+    Ray starts; ray.sub gives its workers 1800 s, the launcher gave 600. The readiness probe of a
+    launch through every step gets the default, and docs/slurm.md's table says the same."""
+    r, calls = _launch_ray(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [wait] = [s for s in _srun_scripts(calls) if "ray_cluster.py' wait" in s]
+    timeout = re.search(r"--timeout=(\d+)", wait).group(1)
+    assert timeout == "1800", wait
+    assert _table_default("RAY_WAIT_TIMEOUT") == timeout
+
+
+NO_GRES = ('[[ "$1 $2 $3" == "show node -o" ]] && echo "NodeName=n1 Arch=x86_64 CPUTot=2 Gres=(null) State=IDLE"\n'
+           '[[ "$1 $2 $3" == "show job -o" ]] && echo "JobId=7 JobName=job TimeLimit=UNLIMITED"\n')
+NRL_DRIVER = ("python", "-m", "nemo_granular.run_grpo", "--config", "cfg.yaml")
+
+
+def test_launch_without_gres_counts_the_head_nodes_gpu_devices(tmp_path):
+    """Issue 33.9d: on a site without GRES (no --gres in the job, no gpu Gres on the node) Ray started
+    with --num-gpus=0 on GPU nodes. Now the batch shell (on the head node) counts its GPU devices,
+    as nvidia-smi -L would (NG_GPU_DEVICE_GLOB, /dev/nvidia[0-9]*; /dev/nvidiactl is not a GPU),
+    for ray start, NG_GPUS_PER_NODE and cluster.gpus_per_node, and says so; no --gres for srun
+    (the site has none). No devices: 0, as before."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
+        (dev / name).write_text("")
+    r, calls = _launch_ray(tmp_path / "job", NRL_DRIVER, NO_GRES, NG_GPU_DEVICE_GLOB=f"{dev}/nvidia[0-9]*")
+    assert r.returncode == 0, r.stdout + r.stderr
+    scripts = _srun_scripts(calls)
+    [head] = [s for s in scripts if "ray start --head" in s]
+    assert "--num-gpus=3 " in head, head
+    assert not [c for c in calls if c[0] == "srun" and any(a.startswith("--gres") for a in c)], calls
+    [preflight] = [s for s in scripts if "-m nemo_granular preflight" in s]
+    assert "cluster.num_nodes=1 cluster.gpus_per_node=3" in preflight, preflight
+    logs = tmp_path / "job" / "logs" / "job-7"
+    assert "cluster.gpus_per_node=3" in (logs / "driver.sh").read_text()
+    assert "NG_GPUS_PER_NODE=3 " in (logs / "node_env.sh").read_text()
+    assert (f"gpus_per_node=3 (job asked: none, node gres: '(null)') from 3 GPU devices ({dev}/nvidia[0-9]*) "
+            "on the head node") in r.stdout, r.stdout
+    # a node without GPU devices
+    r, calls = _launch_ray(tmp_path / "cpu", NRL_DRIVER, NO_GRES, NG_GPU_DEVICE_GLOB=f"{tmp_path}/none/nvidia[0-9]*")
+    assert r.returncode == 0, r.stdout + r.stderr
+    [head] = [s for s in _srun_scripts(calls) if "ray start --head" in s]
+    assert "--num-gpus=0 " in head and "cluster.gpus_per_node" not in " ".join(_srun_scripts(calls)), calls
+    assert "gpus_per_node=0 (job asked: none, node gres: '(null)') from 0 GPU devices" in r.stdout, r.stdout
+
+
+def test_docs_name_the_gpu_device_glob():
+    assert _table_default("NG_GPU_DEVICE_GLOB") == "`/dev/nvidia[0-9]*`"
+
+
+CACHES = {"TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+          "XDG_CACHE_HOME": "cache"}
+
+
+def _step_env(tmp_path: Path, **env) -> dict:
+    """The four cache variables in a step: node_env.sh sourced, with the job's environment (what pyxis
+    passes from the host, the image defining none of them) and, unless given, a HOME that cannot be
+    written (pyxis: an empty read-only directory; for root here: none)."""
+    script = f"source {tmp_path / 'logs' / 'job-7' / 'node_env.sh'} >/dev/null && " + \
+        " && ".join(f'echo "{k}=${{{k}:-}}"' for k in CACHES)
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                         env=_env(tmp_path, **{**{k: None for k in CACHES}, "HOME": str(tmp_path / "no-home"), **env}))
+    assert out.returncode == 0, out.stderr
+    return dict(line.split("=", 1) for line in out.stdout.splitlines())
+
+
+def test_container_steps_get_writable_compile_caches(tmp_path):
+    """Issue 33.9b: under pyxis HOME is an empty read-only directory, and Triton's and vLLM's caches
+    (NeMo-RL's vllm_worker: ~/.cache/vllm) default under it. With CONTAINER every step gets them,
+    torch-inductor's and, where HOME cannot be written, XDG_CACHE_HOME under /tmp/nemo-granular-<job
+    id>/ in the container (XDG_CACHE_HOME moves uv's cache too: a root container's /root/.cache/uv
+    is NeMo-RL's image's). A value the user set is kept (and reaches the container as every host
+    variable the image does not define)."""
+    mounts = f"{tmp_path}:{tmp_path},{ROOT}:{ROOT}"
+    unset = {k: None for k in CACHES}
+    r, calls = _launch(tmp_path / "a", CONTAINER="img.sqsh", MOUNTS=mounts, **unset)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _step_env(tmp_path / "a") == {k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}
+    # a writable HOME (a root container): its XDG cache, uv's with it, stays
+    assert _step_env(tmp_path / "a", HOME=str(tmp_path)) == {
+        **{k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}, "XDG_CACHE_HOME": ""}
+    # the user's own value
+    r, calls = _launch(tmp_path / "b", CONTAINER="img.sqsh", MOUNTS=mounts,
+                       **{**unset, "TRITON_CACHE_DIR": "/lustre/triton", "XDG_CACHE_HOME": "/lustre/cache"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    mine = _step_env(tmp_path / "b", TRITON_CACHE_DIR="/lustre/triton", XDG_CACHE_HOME="/lustre/cache")
+    assert (mine["TRITON_CACHE_DIR"], mine["XDG_CACHE_HOME"]) == ("/lustre/triton", "/lustre/cache"), mine
+    assert not [a for c in calls for a in c if a.startswith("--container-env")], calls
+    # no container: the host's caches, untouched
+    r, _ = _launch(tmp_path / "c", **unset)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert _step_env(tmp_path / "c") == {k: "" for k in CACHES}
