@@ -48,6 +48,30 @@ class CompareInterrupted(Exception):
     """Ctrl-C (or a stopped run): the running runs saved a checkpoint; ``--resume`` continues."""
 
 
+class _Children:
+    """The runs started (``nemo-granular train`` processes, each in its own session) and whether a signal
+    has stopped the comparison; ``lock`` orders starting a run against forwarding a signal."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.procs: set = set()
+        self.stopping = False
+
+    def forward(self, signum: int, frame=None) -> None:
+        """SIGINT / SIGTERM handler: no new run; each running one gets the signal (SIGINT: it checkpoints
+        and exits 130, a second SIGINT aborts it; SIGTERM: it checkpoints and exits 99); then
+        KeyboardInterrupt, so the comparison stops as on Ctrl-C."""
+        with self.lock:
+            self.stopping = True
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+        raise KeyboardInterrupt
+
+
+_CHILDREN = _Children()
+
+
 class RunFailed(RuntimeError):
     """A run exited with an error; the message is its last output line and the log's path."""
 
@@ -65,14 +89,26 @@ def _train(config: Path, args: list[str], log: Path, label: str, append: bool = 
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1", PYTHONUNBUFFERED="1")
     last = ""
     with log.open("a" if append else "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-        for line in proc.stdout:
-            fh.write(line)
-            fh.flush()
-            last = line.strip() or last
-            if not line.startswith(RESUME_HINT):
-                print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
-        rc = proc.wait()
+        with _CHILDREN.lock:   # no run starts after a Ctrl-C; one that started gets it forwarded
+            if _CHILDREN.stopping:
+                raise CompareInterrupted(f"run {label} not started (interrupted)")
+            # its own session: the terminal's Ctrl-C reaches only this process, which forwards it to each
+            # run exactly once (a run started in the instant between the terminal's signal and Python's
+            # handler got none and trained on to the end; a second one would abort a run before it saved)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+                                    start_new_session=True)
+            _CHILDREN.procs.add(proc)
+        try:
+            for line in proc.stdout:
+                fh.write(line)
+                fh.flush()
+                last = line.strip() or last
+                if not line.startswith(RESUME_HINT):
+                    print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
+            rc = proc.wait()
+        finally:
+            with _CHILDREN.lock:
+                _CHILDREN.procs.discard(proc)
     if rc in (130, 99):
         raise CompareInterrupted(f"run {label} stopped (exit {rc}) after saving a checkpoint")
     if rc != 0:
@@ -83,8 +119,9 @@ def _run_all(jobs: int, calls: list) -> None:
     """Run the calls ``jobs`` at a time. On Ctrl-C: start nothing new, let the running ones
     checkpoint (they received the same SIGINT from the terminal), then raise CompareInterrupted."""
     pool = ThreadPoolExecutor(jobs)
-    futures = [pool.submit(c) for c in calls]
+    futures = []
     try:
+        futures += [pool.submit(c) for c in calls]
         for f in futures:
             f.result()
     except KeyboardInterrupt:
@@ -425,13 +462,21 @@ def _algorithm_list(text: str) -> list[str]:
 
 def main(argv: list[str]) -> int:
     """``nemo-granular compare``."""
-    from .embedded.config import LOCAL_CONFIGS
+    if threading.current_thread() is not threading.main_thread():
+        return _main(argv)
+    # the runs are in sessions of their own: SIGINT (Ctrl-C, kill -INT) and SIGTERM reach them through
+    # this handler, also when started with SIGINT ignored (a non-interactive shell's `cmd &`, nohup)
+    _CHILDREN.stopping = False
+    before = {sig: signal.signal(sig, _CHILDREN.forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _main(argv)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
-    if threading.current_thread() is threading.main_thread():
-        # started with SIGINT ignored (a non-interactive shell's `cmd &`, nohup), Python raises no
-        # KeyboardInterrupt: a Ctrl-C / kill -INT would stop the runs (train handles SIGINT itself) but not
-        # the comparison, which then carried on without them. Take Python's handler back.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+def _main(argv: list[str]) -> int:
+    from .embedded.config import LOCAL_CONFIGS
 
     ap = ArgumentParser(prog="nemo-granular compare",
                         description="Run algorithms side by side (same data, seed and sample budget) "

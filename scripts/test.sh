@@ -10,6 +10,7 @@
 #               transformers_pin ones again on Automodel's pinned transformers
 #   slurm       the local Slurm cluster (root; Debian's slurm packages): the slurm tests, with main's NeMo-RL
 #               when present (else those not marked nemo_rl)
+#               (with v0.7.0's one job after them: both in a second lane, beside the main world)
 #   v0.7.0      NeMo-RL v0.7.0 (NEMO_RL_V070_SRC, or the source cache): the tests marked v070 and nemo_rl
 # Fill the source cache first (bash scripts/sources.sh, or --from DIR offline); a world whose sources are
 # absent does not run and says why. Under CI=true a skipped test fails its world.
@@ -20,7 +21,7 @@ bash scripts/setup_venv.sh
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # two pytest-xdist workers (NEMO_GRANULAR_TEST_WORKERS; 0: one process): much of the suite waits on Ray,
 # Megatron start-up and subprocesses, so two overlap even on two cores; tests/conftest.py keeps each module
-# on one worker. The Slurm tests run on their own: they time daemons, requeues and signals.
+# on one worker. The Slurm tests run without xdist (one local cluster at a time), in a lane of their own.
 WORKERS=${NEMO_GRANULAR_TEST_WORKERS:-2}
 PYTEST=(.venv/bin/python -m pytest -q --durations=10)
 XDIST=(); (( WORKERS > 0 )) && XDIST=(-n "$WORKERS" --dist loadgroup)
@@ -95,22 +96,52 @@ if why=$(present main); then HAVE_MAIN=1; PLAN+=("world main: will run"); else H
 if why=$(present v0.7.0); then HAVE_V070=1; PLAN+=("world v0.7.0: will run"); else HAVE_V070=0; PLAN+=("world v0.7.0: will NOT run: $why"); fi
 printf '%s\n' "world standalone: will run" "${PLAN[@]}" "world slurm: will run"
 
+# The Slurm worlds keep about one core of two busy (daemons, requeues, Ray start-up waits): they run in a
+# second lane beside the CPU-bound main world, their output printed when the lane is done. Every set-up
+# that installs into .venv (main_world's first use) runs before the lanes: an install under a running
+# world broke it (transformers changed under its imports).
+lane() {  # lane WORLD-CALL...: the Slurm lane's worlds, one after the other; their lines in $LOGS/lane.results
+  local -a RESULTS=(); FAILED=0
+  "$@"
+  printf '%s\n' "${RESULTS[@]}" >"$LOGS/lane.results"; echo "$FAILED" >"$LOGS/lane.failed"
+}
+slurm_lane() {   # and Automodel's pinned transformers (a few tests), which would otherwise wait for main
+  if (( HAVE_MAIN )); then
+    world slurm main_world "slurm" "$@"
+    world main-transformers-pin pinned_transformers "transformers_pin" "${XDIST[@]}" "$@"
+  else world slurm no_nemo_rl "slurm and not nemo_rl" "$@"; fi
+  if (( HAVE_V070 )); then world v0.7.0-slurm v070_world "v070 and nemo_rl and slurm" "$@"; fi
+}
+
 world standalone no_nemo_rl "not nemo_rl and not slurm" "${XDIST[@]}" "$@"
 if (( HAVE_MAIN )); then
+  ( main_world ) >/dev/null || true   # its one-time set-up (the nemo-rl-test extra), before the lanes
+  echo "=== the Slurm worlds and the pinned-transformers one run beside the main world; their output follows when they are done"
+  lane slurm_lane "$@" >"$LOGS/lane.log" 2>&1 &
+  LANE=$!
   world main main_world "nemo_rl and not slurm" "${XDIST[@]}" "$@"
-  world main-transformers-pin pinned_transformers "transformers_pin" "${XDIST[@]}" "$@"
-  world slurm main_world "slurm" "$@"
 else
   RESULTS+=("world main: did NOT run: $(present main || true)")
-  world slurm no_nemo_rl "slurm and not nemo_rl" "$@"
+  lane slurm_lane "$@" >"$LOGS/lane.log" 2>&1 &
+  LANE=$!
 fi
 if (( HAVE_V070 )); then
   world v0.7.0 v070_world "v070 and nemo_rl and not slurm" "${XDIST[@]}" "$@"
-  world v0.7.0-slurm v070_world "v070 and nemo_rl and slurm" "$@"
 else
   RESULTS+=("world v0.7.0: did NOT run: $(present v0.7.0 || true)")
 fi
+wait "$LANE" || true
+echo "=== the Slurm worlds (run beside the others)"
+cat "$LOGS/lane.log"
+if [ -f "$LOGS/lane.results" ]; then
+  mapfile -t lane_results <"$LOGS/lane.results"; RESULTS+=("${lane_results[@]}")
+  (( $(cat "$LOGS/lane.failed") == 0 )) || FAILED=1
+else
+  RESULTS+=("world slurm: FAILED: its lane ended without results (see above)"); FAILED=1
+fi
 echo "=== the worlds"
-printf '%s\n' "${RESULTS[@]}"
+for name in standalone main main-transformers-pin slurm v0.7.0 v0.7.0-slurm; do   # in this order, whichever lane
+  for line in "${RESULTS[@]}"; do [[ "$line" == "world $name:"* ]] && echo "$line"; done
+done
 rm -rf "$LOGS"
 exit "$FAILED"

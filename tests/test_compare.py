@@ -330,7 +330,11 @@ def test_warm_start_key_changes_with_each_input_and_only_those(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl_c", "sigterm_to_compare_alone"])
+def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_path, how):
+    """A Ctrl-C (SIGINT to the terminal's foreground group), or a SIGTERM to the compare process alone (kill
+    PID), stops every run with a checkpoint: compare forwards the signal to its runs, each in a session of
+    its own (a run started just after the terminal's SIGINT got none and trained on to the end)."""
     out = tmp_path / "cmp"
     # many steps: under load one run's start-up can lag the other's by more than 20 tiny steps, and a
     # run that finished before the Ctrl-C has nothing to resume (seen once on two xdist workers)
@@ -338,7 +342,7 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
     cmd = [sys.executable, "-m", "nemo_granular", "compare", "--algorithms", "grpo,sspo", "--seeds", "1",
            "--out", str(out), *TINY, "model.hidden_size=32", "warmstart.enabled=false", f"rl.steps={total}",
            "logger.log_every=1", "--jobs", "2"]
-    # its own session, as a terminal's foreground job: Ctrl-C reaches the parent and every run
+    # its own session, as a terminal's foreground job: Ctrl-C reaches the group (compare; its runs have sessions of their own)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, text=True, start_new_session=True)
     seen, started = [], set()
@@ -349,7 +353,10 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
                 started.add(alg)
         if len(started) == 2:
             break
-    os.killpg(proc.pid, signal.SIGINT)
+    if how == "ctrl_c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
     rest = proc.stderr.read()
     assert proc.wait(timeout=120) == 130, "".join(seen) + rest
     last = rest.strip().splitlines()[-1]

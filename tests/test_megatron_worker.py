@@ -41,11 +41,11 @@ LAYOUTS = {
     # SP, router replay, logprob chunking) in one world, and each layout costs a Megatron world on CI's
     # two cores (1.5–2.5 min each), so those three went (issue #32: CI time)
     "tp1": (1, "dense", "sspo_qwen2.5_math_1.5b.yaml", {}, False, {}),
-    # sequence parallelism, as every shipped Megatron config with TP > 1 runs (the norms: cpu_stand_ins);
-    # the GSPO config: each algorithm's shipped Megatron config runs at least once here
-    "tp2_sp": (2, "dense", "gspo_qwen2.5_math_1.5b.yaml", {"tp": 2, "sp": True}, False, {}),
-    # EP without router replay (Megatron's own routing; a3b_shape replays a rollout's routes)
-    "ep2_moe": (2, "moe", "espo_qwen3_30b_a3b_megatron.yaml", {"ep": 2}, False, {"router_replay": {"enabled": False}}),
+    # EP without router replay (Megatron's own routing; a3b_shape replays a rollout's routes), with the
+    # GSPO side of the 30B-A3B pair: each algorithm's shipped Megatron config runs at least once here.
+    # TP 2 with sequence parallelism (as every shipped Megatron config with TP > 1 runs; the norms:
+    # cpu_stand_ins) had a layout of its own, with gspo_qwen2.5_math_1.5b.yaml; a3b_shape holds it (#32)
+    "ep2_moe": (2, "moe", "gspo_qwen3_30b_a3b_megatron.yaml", {"ep": 2}, False, {"router_replay": {"enabled": False}}),
     # the 30B-A3B config's shape (TP 4 × PP 2 × CP 2 × EP 8 with sequence parallelism, packing, router
     # replay and logprob chunking) at toy size: every dimension 2, DP 1 and expert-DP 2 as EP 2 leaves
     # it (shipped: DP 4, expert-DP 4); chunks of 5 tokens split each CP rank's packed sequence
