@@ -20,13 +20,14 @@
 #      skips it), so a config NeMo-RL would reject fails the job before any node starts Ray;
 #   1. a Ray head on the first node and one Ray worker per other node (srun steps), each with the
 #      node's CPUs and the job's GPUs per node (its --gres request; without GRES the head node's GPU
-#      devices), inside CONTAINER (pyxis; the head's steps share the named container `ray-head`, as
-#      in NeMo-RL's ray.sub) or VENV, with one Ray token-auth mode and token for every Ray process,
-#      ray.sub's fixed ports and `ulimit -n`;
+#      devices), inside CONTAINER (pyxis; the head's steps share the named container
+#      `ray-head-<job id>`, as in NeMo-RL's ray.sub, removed at the end) or VENV, with one Ray
+#      token-auth mode and token for every Ray process, ray.sub's fixed ports and `ulimit -n`;
 #   2. waits until every node has joined (`ray.nodes()` count printed and saved), then runs the
-#      driver on the head node with RAY_ADDRESS set;
-#   3. watches Ray and every srun step: a lost node, a dead Ray step or a dead driver fails the job
-#      within seconds with one clear ERROR line (no hang);
+#      driver on the head node with RAY_ADDRESS set (without the step's SLURM_*/PMI* variables);
+#   3. watches Ray and every srun step: a dead Ray step, a dead driver or a Ray head that stops
+#      answering fails the job within seconds with one clear ERROR line (no hang); a lost node
+#      requeues it (within MAX_RESTARTS);
 #   4. USR1 to the batch shell (Slurm's --signal=B:USR1@300, 300 s before the time limit, or
 #      `scancel --signal=USR1 --batch JOBID`, which slurm/stop.sh JOBID sends) is forwarded to the
 #      driver, which saves a checkpoint at the end of its current step and exits 99; the launcher then
@@ -71,6 +72,7 @@ UV_CACHE_DIR_OVERRIDE=${UV_CACHE_DIR_OVERRIDE:-}  # refused with CONTAINER (NeMo
 RAY_TMP_BASE=${RAY_TMP_BASE:-/tmp}  # Ray's --temp-dir is $RAY_TMP_BASE/rayng<jobid>_<node>
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-1800}  # includes each node's import of CONTAINER (ray.sub gives its workers 1800 s)
 WATCH_INTERVAL=${WATCH_INTERVAL:-5}
+RAY_WATCH_FAILURES=${RAY_WATCH_FAILURES:-3}  # the watchdog fails after this many failed ray.nodes() probes in a row
 DRIVER_STOP_GRACE=${DRIVER_STOP_GRACE:-20}  # seconds between SIGTERM and SIGKILL when failing
 AUTO_RESUME=${AUTO_RESUME:-1}       # add --auto-resume to `nemo-granular train`
 CLUSTER_OVERRIDES=${CLUSTER_OVERRIDES:-1}  # add cluster.num_nodes/gpus_per_node to run_grpo/run_sppo
@@ -122,6 +124,7 @@ DRIVER_PID=""
 SIGNALED=""
 FINAL_RC=""
 FINAL_REASON=""
+CONTAINER_NAMES=()        # with CONTAINER: the job's named pyxis containers (remove_containers)
 
 write_status() {  # write_status RC REASON  (status.json, atomic; REASON JSON-escaped)
   local tmp="$LOG_DIR/.status.json.$$" reason
@@ -142,6 +145,28 @@ stop_pid() {  # stop_pid PID GRACE  (TERM, wait up to GRACE s, KILL)
   kill -KILL "$pid" 2>/dev/null || true
 }
 
+# shellcheck disable=SC2317  # also run by the EXIT trap
+remove_containers() {  # remove the job's named containers on every node: pyxis keeps named ones
+  (( ${#CONTAINER_NAMES[@]} )) || return 0
+  local names=() n node script pids=() pid
+  # enroot's names for them: pyxis_<name> (container_scope=global, pyxis' default), pyxis_<job
+  # id>_<name> (container_scope=job, whose epilog removes them too); only those that exist. A node
+  # without enroot has none; a failure is a warning: the job's outcome is decided already
+  for n in "${CONTAINER_NAMES[@]}"; do names+=("pyxis_$n" "pyxis_${SLURM_JOB_ID}_$n"); done
+  log "removing the job's containers (${CONTAINER_NAMES[*]}) on ${NODES[*]}"
+  CONTAINER_NAMES=()
+  # shellcheck disable=SC2016  # expanded on the node, not here
+  script='command -v enroot >/dev/null || exit 0
+enroot list 2>/dev/null | grep -Fx'$(printf ' -e %q' "${names[@]}")' | while read -r c; do
+  enroot remove -f "$c" </dev/null >/dev/null || echo "WARNING: enroot remove -f $c failed on $(hostname)"
+done; exit 0'
+  for node in "${NODES[@]}"; do   # a step per node: a node that is gone does not stop the others'
+    timeout 120 srun --overlap --nodes=1 --ntasks=1 -w "$node" bash -c "$script" &
+    pids+=("$!")
+  done
+  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
+}
+
 # shellcheck disable=SC2317  # run by the EXIT trap
 cleanup() {
   local rc=$?
@@ -152,6 +177,7 @@ cleanup() {
   local name
   for name in "${!STEP_PIDS[@]}"; do stop_pid "${STEP_PIDS[$name]}" 5; done
   write_status "$rc" "${FINAL_REASON:-exit $rc}"
+  remove_containers
   log "=== job $SLURM_JOB_ID attempt $ATTEMPT ends: exit $rc (${FINAL_REASON:-})"
   exit "$rc"
 }
@@ -275,6 +301,7 @@ if [[ -z "$CPUS_PER_NODE" ]]; then
   CPUS_PER_NODE=${SLURM_CPUS_ON_NODE:-$(node_field "$HEAD" CPUTot)}
 fi
 [[ "$CPUS_PER_NODE" =~ ^[0-9]+$ ]] || fail "cannot determine CPUs per node; set CPUS_PER_NODE" 2
+[[ "$RAY_WATCH_FAILURES" =~ ^[1-9][0-9]*$ ]] || fail "RAY_WATCH_FAILURES=$RAY_WATCH_FAILURES: must be a number >= 1" 2
 
 if [[ -z "${HEAD_IP:-}" ]]; then
   # not a loopback address: Debian/Ubuntu's /etc/hosts maps a machine's own name to 127.0.1.1,
@@ -420,9 +447,15 @@ if [[ -n "$CONTAINER" ]]; then
   [[ -n "$CONTAINER_ENV" ]] && SRUN_COMMON+=("--container-env=$CONTAINER_ENV")
   # the head's steps (Ray head, preflight, probe, watchdog, driver) share one named container on the
   # head node, as ray.sub runs its driver in the head's: what the driver builds in the container
-  # (NeMo-RL's worker venvs) is there for the head's Ray workers too
-  HEAD_CONTAINER=(--container-name=ray-head)
-  WORKER_CONTAINER=(--container-name=ray-worker)
+  # (NeMo-RL's worker venvs) is there for the head's Ray workers too. Named per job: under pyxis'
+  # default container_scope (global) a named container outlives the job on its node, and a step
+  # naming an existing one skips the import of --container-image, so ray.sub's fixed names ran a
+  # later job in an earlier job's container (its image, its files). Not per attempt: a requeued
+  # attempt has the same CONTAINER, and a container the last attempt could not remove (a node lost,
+  # SIGKILL) is reused by this job, never by another. remove_containers removes them at the end
+  CONTAINER_NAMES=("ray-head-$SLURM_JOB_ID" "ray-worker-$SLURM_JOB_ID")
+  HEAD_CONTAINER=("--container-name=${CONTAINER_NAMES[0]}")
+  WORKER_CONTAINER=("--container-name=${CONTAINER_NAMES[1]}")
 fi
 RAY_TMP=$RAY_TMP_BASE/rayng${SLURM_JOB_ID}
 RAY_COMMON="--block --disable-usage-stats --num-cpus=$CPUS_PER_NODE --num-gpus=$GPUS_PER_NODE \
@@ -461,6 +494,13 @@ check_steps() {
       esac
       why=$(last_error "${logs[@]}")
       if [[ "$name" == watch ]]; then
+        if (( rc == 4 )); then
+          # a lost node (not the run's fault): requeued within MAX_RESTARTS. Slurm requeues a
+          # --requeue job on a node failure itself, but only once it declares the node down
+          # (SlurmdTimeout, minutes later), and the launcher has ended the job by then
+          (( ATTEMPT < MAX_RESTARTS )) && requeue "a Ray node was lost (${why:-Ray watchdog exit 4})"
+          fail "${why:-a Ray node was lost} (Ray watchdog exit $rc; see $LOG_DIR/watch.log); MAX_RESTARTS=$MAX_RESTARTS reached, not requeueing"
+        fi
         fail "${why:-the Ray watchdog stopped} (Ray watchdog exit $rc; see $LOG_DIR/watch.log)"
       fi
       fail "the $name step exited (code $rc): ${why:-a node or its Ray process died}; see ${logs[*]}"
@@ -469,6 +509,19 @@ check_steps() {
 }
 
 nap() { sleep "$1" & wait $! 2>/dev/null || true; }  # interruptible by traps
+
+requeue() {  # requeue WHY: stop the driver and the Ray steps, requeue the job (the next attempt resumes), exit 0
+  local name
+  FINAL_RC=0; FINAL_REASON="$1: requeued, attempt $((ATTEMPT + 1)) will resume from the latest checkpoint"
+  stop_pid "$DRIVER_PID" "$DRIVER_STOP_GRACE"; DRIVER_PID=""
+  log "stopping the Ray steps"
+  for name in "${!STEP_PIDS[@]}"; do stop_pid "${STEP_PIDS[$name]}" 5; unset "STEP_PIDS[$name]"; done
+  write_status 0 "$FINAL_REASON"
+  log "$FINAL_REASON"
+  remove_containers   # before the requeue, which ends this attempt's steps
+  scontrol requeue "$SLURM_JOB_ID" || fail "scontrol requeue $SLURM_JOB_ID failed (submit with --requeue)"
+  exit 0
+}
 
 # one task on the head node, in the head's container (preflight, readiness probe, watchdog, driver)
 ON_HEAD=(srun "${SRUN_COMMON[@]}" "${HEAD_CONTAINER[@]}" --nodes=1 --ntasks=1 -w "$HEAD")
@@ -557,7 +610,7 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
 
   # ------------------------------------------------------------------ 4. watchdog -----------------
   "${ON_HEAD[@]}" --output="$LOG_DIR/watch.log" --open-mode=append bash -c "source '$NODE_ENV' && exec python '$NG_ROOT/slurm/ray_cluster.py' watch \
-    --address=$RAY_ADDRESS_HEAD --expected=$NNODES --interval=$WATCH_INTERVAL" &
+    --address=$RAY_ADDRESS_HEAD --expected=$NNODES --interval=$WATCH_INTERVAL --failures=$RAY_WATCH_FAILURES" &
   STEP_PIDS[watch]=$!
 }
 
@@ -581,6 +634,15 @@ if [[ "$job_end" =~ ^[0-9]{4}- && "$job_limit" != UNLIMITED ]]; then JOB_END_TIM
   # when the job ends (epoch s), for the driver's time budget (nemo_granular/nemo_rl/time_limit.py);
   # a container has no Slurm commands to ask
   [[ -n "$JOB_END_TIME" ]] && printf 'export NG_JOB_END_TIME=%q\n' "$JOB_END_TIME"
+  # the driver runs without the step's SLURM_*/PMI* variables (SLURM_PROCID=0 of SLURM_NTASKS=1 on
+  # the head node), as ray.sub (7ea279abf) clears ^(PMI|PMIX|MPI|OMPI|SLURM)_ before Ray and its
+  # driver: NeMo-RL v0.7.0's init_ray hands the driver's whole environment to every Ray actor, where
+  # MPI/PMIx (TRT-LLM's MPI_Init) and anything that takes its rank from them read task 0 of 1. The
+  # step stays a Slurm step; the time budget's SLURM_JOB_END_TIME stays as NG_JOB_END_TIME
+  # shellcheck disable=SC2016  # expanded in the step, not here
+  echo '[[ -n "${NG_JOB_END_TIME:-}" || -z "${SLURM_JOB_END_TIME:-}" ]] || export NG_JOB_END_TIME=$SLURM_JOB_END_TIME'
+  # shellcheck disable=SC2016
+  echo 'for ng_v in $(compgen -e); do if [[ $ng_v =~ ^(PMI|PMIX|MPI|OMPI|SLURM)_ ]]; then unset "$ng_v"; fi; done; unset ng_v'
   if (( DRIVER_HANDLES_PREEMPT )) && [[ "$PREEMPT_SIGNAL" == USR[12] ]]; then
     # ignored (inherited through exec by uv run and python) until the driver installs its own
     # handlers: one that comes earlier must not kill it; the launcher repeats the signal. TERM
@@ -625,12 +687,6 @@ if (( DRIVER_RC == PREEMPT_EXIT_CODE )) || [[ "$SIGNALED" == "USR1" ]]; then
     fail "stopped early but MAX_RESTARTS=$MAX_RESTARTS reached; not requeueing"
   fi
   why=${SIGNALED:+preempted by SIG$SIGNALED}
-  FINAL_RC=0; FINAL_REASON="${why:-stopped before the end of the run} (driver exit $DRIVER_RC): requeued, attempt $((ATTEMPT + 1)) will resume from the latest checkpoint"
-  log "stopping the Ray steps"
-  for name in "${!STEP_PIDS[@]}"; do stop_pid "${STEP_PIDS[$name]}" 5; unset "STEP_PIDS[$name]"; done
-  write_status 0 "$FINAL_REASON"
-  log "$FINAL_REASON"
-  scontrol requeue "$SLURM_JOB_ID" || fail "scontrol requeue $SLURM_JOB_ID failed (submit with --requeue)"
-  exit 0
+  requeue "${why:-stopped before the end of the run} (driver exit $DRIVER_RC)"
 fi
 fail "the driver exited with code $DRIVER_RC (see $LOG_DIR/driver.log): $(grep -v '^===' "$LOG_DIR/driver.log" | tail -n 3 | tr '\n' ' ' | cut -c1-400)"

@@ -7,7 +7,9 @@
             and ports). Exit 0 when ready, 3 on timeout.
 ``watch`` — poll ``ray.nodes()`` every ``--interval`` seconds; the moment fewer than
             ``--expected`` nodes are alive, print one ``ERROR`` line naming the lost node(s) and
-            exit 4 (exit 5 when the head itself stops answering). The launcher fails the job on it.
+            exit 4 (the launcher requeues the job, within MAX_RESTARTS); exit 5 when the head stops
+            answering: ``--failures`` probes in a row that raised (one that times out under load
+            is retried at the next poll). The launcher fails the job on exit 5.
 
 Both connect with ``ray.init(address=...)``; nothing here schedules work on the cluster. When Ray
 refuses the connection (exit 6) or cannot be imported (exit 7), the one ``ERROR:`` line carries
@@ -150,12 +152,20 @@ def cmd_wait(args) -> int:
 def cmd_watch(args) -> int:
     ray = _connect(args.address, "Ray watchdog")
     known: dict[str, str] = {}
+    failed = 0
     while True:
         try:
             alive, dead = _snapshot(ray)
-        except Exception as err:  # the GCS (head) stopped answering
-            print(f"ERROR: lost contact with the Ray head at {args.address}: {_first_line(err)}", flush=True)
-            return 5
+            failed = 0
+        except Exception as err:  # the GCS did not answer: it stopped, or it was slow this once
+            failed += 1
+            if failed >= args.failures:
+                print(f"ERROR: lost contact with the Ray head at {args.address}: {failed} probes in a row failed, "
+                      f"the last: {_first_line(err)}", flush=True)
+                return 5
+            _log(f"probe {failed} of {args.failures} failed in a row, retrying: {_first_line(err)}")
+            time.sleep(args.interval)
+            continue
         for n in alive:
             known[n["NodeID"]] = f"{n.get('NodeManagerHostname')} ({n.get('NodeManagerAddress')})"
         if len(alive) < args.expected:
@@ -179,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--out", default="")
         else:
             s.add_argument("--interval", type=float, default=5.0)
+            s.add_argument("--failures", type=int, default=3,
+                           help="fail after this many ray.nodes() probes in a row that raised")
     args = p.parse_args(argv)
-    if args.expected < 1:
-        print("ERROR: --expected must be >= 1", file=sys.stderr)
+    if args.expected < 1 or getattr(args, "failures", 1) < 1:
+        print("ERROR: --expected and --failures must be >= 1", file=sys.stderr)
         return 2
     try:
         return cmd_wait(args) if args.cmd == "wait" else cmd_watch(args)

@@ -1,4 +1,4 @@
-"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6, 8, 9): what ``nemo-granular
+"""Launch-story checks that need no Slurm cluster (issue 33, items 3-6, 8-10): what ``nemo-granular
 preflight`` (its runtime and worker checks, called directly), ``slurm/submit_comparison.sh`` and
 ``slurm/launch.sh`` refuse before anything is submitted or started, and what the scripts ask
 ``sbatch`` / ``srun`` / ``ray start`` for. The scripts run with fake ``sbatch`` / ``srun`` /
@@ -442,3 +442,190 @@ def test_container_steps_get_writable_compile_caches(tmp_path):
     r, _ = _launch(tmp_path / "c", **unset)
     assert r.returncode == 0, r.stdout + r.stderr
     assert _step_env(tmp_path / "c") == {k: "" for k in CACHES}
+
+
+MOUNTS_OK = f"/tmp:/tmp,{ROOT}:{ROOT}"   # pytest's tmp_path is under /tmp
+# every step is recorded; the containers' cleanup step (its last three words: bash -c SCRIPT) runs here
+RUN_CLEANUP = 'case "$*" in *"enroot remove"*) shift $(($# - 3)); exec "$@" ;; esac; exit 0'
+
+
+def _fake_enroot(d: Path, listed: list[str]) -> Path:
+    """An ``enroot`` whose ``list`` prints ``listed`` (pyxis' names) and which records each ``remove``."""
+    log = d / "enroot.calls"
+    (d / "enroot").write_text(f'#!/usr/bin/env bash\n[[ "$1" == list ]] && printf "%s\\n" {" ".join(listed)}\n'
+                              f'[[ "$1" == remove ]] && echo "$*" >>{log}\nexit 0\n')
+    (d / "enroot").chmod(0o755)
+    return log
+
+
+def test_named_containers_are_job_scoped_and_removed_at_the_end_of_the_job(tmp_path):
+    """Issue 33.9a: under pyxis' default container_scope (global) a named container stays on the node
+    after the job as enroot's ``pyxis_<name>``, and a later step naming it skips the import of its
+    --container-image: with the fixed names ``ray-head``/``ray-worker`` a changed CONTAINER was
+    silently ignored on a reused node, and an earlier job's state persisted. Now the names carry the
+    job id, and at the end of the job one step per node removes them (``pyxis_<name>``, or with
+    container_scope=job ``pyxis_<job id>_<name>``) with ``enroot remove -f``: only these, and a
+    failing or missing enroot does not change the job's exit status."""
+    bin_ = tmp_path / "job" / "bin"
+    bin_.mkdir(parents=True)
+    removed = _fake_enroot(bin_, ["pyxis_ray-head", "pyxis_ray-head-7", "pyxis_ray-head-70", "pyxis_7_ray-worker-7",
+                                  "pyxis_ray-worker-6"])
+    r, calls = _launch(tmp_path / "job", fakes={"srun": RUN_CLEANUP}, CONTAINER="img.sqsh", MOUNTS=MOUNTS_OK)
+    assert r.returncode == 0, r.stdout + r.stderr
+    sruns = [c for c in calls if c[0] == "srun"]
+    [driver] = [c for c in sruns if c[-1].endswith("driver.sh")]
+    assert "--container-name=ray-head-7" in driver, driver
+    assert not [a for c in sruns for a in c if a in ("--container-name=ray-head", "--container-name=ray-worker")]
+    [cleanup] = [c for c in sruns if "enroot remove" in c[-1]]
+    assert sruns[-1] == cleanup and "--overlap" in cleanup and "n1" in cleanup, sruns
+    assert not [a for a in cleanup if a.startswith("--container")], cleanup   # on the host, where enroot is
+    assert sorted(removed.read_text().split("\n")[:-1]) == ["remove -f pyxis_7_ray-worker-7",
+                                                            "remove -f pyxis_ray-head-7"], removed.read_text()
+    # no enroot on the node; a cleanup step that fails: the job's status is the driver's
+    r, calls = _launch(tmp_path / "no-enroot", fakes={"srun": RUN_CLEANUP}, CONTAINER="img.sqsh", MOUNTS=MOUNTS_OK)
+    assert r.returncode == 0 and [c for c in calls if c[0] == "srun" and "enroot remove" in c[-1]], r.stdout + r.stderr
+    fail_cleanup = 'case "$*" in *"enroot remove"*) exit 1 ;; esac; exit 0'
+    r, _ = _launch(tmp_path / "bad", fakes={"srun": fail_cleanup}, CONTAINER="img.sqsh", MOUNTS=MOUNTS_OK)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r, _ = _launch(tmp_path / "driver-fails", ("false",), fakes={"srun": RUN_CLEANUP.replace("exit 0", 'exit "$FAKE_RC"')},
+                   CONTAINER="img.sqsh", MOUNTS=MOUNTS_OK, FAKE_RC="3")
+    assert r.returncode == 1, r.stdout + r.stderr
+    # without CONTAINER: no names, no cleanup step
+    r, calls = _launch(tmp_path / "host")
+    assert r.returncode == 0 and not [c for c in calls if c[0] == "srun" and "enroot" in c[-1]], calls
+
+
+def test_docs_say_the_named_containers_are_job_scoped_and_removed():
+    row = next(line for line in DOCS.splitlines() if line.startswith("| `CONTAINER` |"))
+    assert "`ray-head-<job id>`" in row and "`ray-worker-<job id>`" in row, row
+    assert "enroot remove" in DOCS and "container_scope" in DOCS
+
+
+# the driver's step runs driver.sh here, in the batch shell's environment (as srun passes it)
+RUN_DRIVER = 'case "$*" in *driver.sh) shift $(($# - 2)); exec "$@" ;; esac; exit 0'
+
+
+def test_driver_runs_without_the_steps_slurm_and_pmi_variables(tmp_path):
+    """Issue 33.9e: the driver's step inherited the batch shell's SLURM_* and PMI* variables (and
+    srun adds its task's: SLURM_PROCID=0 of SLURM_NTASKS=1). NeMo-RL v0.7.0's init_ray passes the
+    driver's whole environment to every Ray actor, where MPI/PMIx and anything that takes its rank
+    from them read task 0 of 1; ray.sub (7ea279abf) unsets ^(PMI|PMIX|MPI|OMPI|SLURM)_ before Ray and
+    its driver. Now driver.sh does the same for the driver's process only: the step is still an srun
+    step, what the launcher gives the driver stays (NG_SLURM_ATTEMPT, NG_JOB_END_TIME, also from
+    SLURM_JOB_END_TIME when scontrol gave no end), SLURMD_NODENAME (not SLURM_) too."""
+    out = tmp_path / "driver.env"
+    r, calls = _launch(tmp_path / "job", ("bash", "-c", f"env >{out}"), fakes={"srun": RUN_DRIVER},
+                       SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_STEP_ID="3", PMI_RANK="0", PMIX_RANK="0",
+                       OMPI_COMM_WORLD_RANK="0", MPI_LOCALRANKID="0", SLURMD_NODENAME="n1",
+                       SLURM_JOB_END_TIME="4102444800", SLURM_RESTART_COUNT="2", MAX_RESTARTS="5")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert [c for c in calls if c[0] == "srun" and c[-1].endswith("driver.sh")], calls
+    env = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
+    leaked = sorted(k for k in env if re.match(r"(PMI|PMIX|MPI|OMPI|SLURM)_", k))
+    assert leaked == [], leaked
+    assert env["NG_SLURM_ATTEMPT"] == "2" and env["NG_JOB_END_TIME"] == "4102444800", env
+    assert env["SLURMD_NODENAME"] == "n1"
+
+
+# ---------------------------------------------------------------- 10. the watchdog -----------------
+
+def _ray_cluster():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ray_cluster_under_test", SLURM / "ray_cluster.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _FakeRay:
+    """``ray.nodes()`` answering from a script: a list of nodes, or an exception to raise."""
+
+    def __init__(self, answers):
+        self.answers = list(answers)
+        self.calls = 0
+
+    def nodes(self):
+        self.calls += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+NODE_A = {"NodeID": "a", "Alive": True, "NodeManagerHostname": "n1", "NodeManagerAddress": "10.0.0.1"}
+NODE_B = {"NodeID": "b", "Alive": True, "NodeManagerHostname": "n2", "NodeManagerAddress": "10.0.0.2"}
+
+
+def _watch(monkeypatch, capsys, answers, *args, env=None):
+    rc_mod = _ray_cluster()
+    fake = _FakeRay(answers)
+    monkeypatch.setattr(rc_mod, "_connect", lambda address, what: fake)
+    monkeypatch.setattr(rc_mod.time, "sleep", lambda s: None)
+    for k, v in (env or {}).items():
+        monkeypatch.setenv(k, v)
+    rc = rc_mod.main(["watch", "--address=10.0.0.1:1200", "--expected=2", "--interval=0", *args])
+    return rc, fake.calls, capsys.readouterr().out
+
+
+def test_watchdog_tolerates_transient_probe_errors_and_fails_after_k_in_a_row(monkeypatch, capsys):
+    """Issue 33.10a: one ``ray.nodes()`` that raised (a GCS call timing out under load) ended the
+    watchdog (exit 5) and so the job. Now the watchdog fails only after K probes in a row failed
+    (--failures, launch.sh's RAY_WATCH_FAILURES, default 3); a probe that answers resets the count;
+    a lost node still fails at the first probe that shows it (exit 4)."""
+    both, lost_b = [NODE_A, NODE_B], [NODE_A, {**NODE_B, "Alive": False}]
+    err = TimeoutError("GetAllNodeInfo timed out")
+    rc, calls, out = _watch(monkeypatch, capsys, [both, err, both, err, err, both, lost_b])
+    assert (rc, calls) == (4, 7), out
+    assert "ERROR: Ray node lost: n2 (10.0.0.2)" in out, out
+    assert out.count("ERROR") == 1 and "probe 2 of 3 failed in a row" in out, out
+    rc, calls, out = _watch(monkeypatch, capsys, [both, err, err, err, both])
+    assert (rc, calls) == (5, 4), out
+    assert out.strip().splitlines()[-1] == (f"ERROR: lost contact with the Ray head at 10.0.0.1:1200: 3 probes in a "
+                                            f"row failed, the last: TimeoutError: GetAllNodeInfo timed out"), out
+    rc, calls, out = _watch(monkeypatch, capsys, [both, err, both], "--failures=1")
+    assert (rc, calls) == (5, 2), out
+
+
+def test_launch_passes_ray_watch_failures_to_the_watchdog(tmp_path):
+    r, calls = _launch_ray(tmp_path / "a")
+    assert r.returncode == 0, r.stdout + r.stderr
+    [watch] = [s for s in _srun_scripts(calls) if "ray_cluster.py' watch" in s]
+    assert "--failures=3" in watch and _table_default("RAY_WATCH_FAILURES") == "3", watch
+    r, calls = _launch_ray(tmp_path / "b", RAY_WATCH_FAILURES="5")
+    assert [s for s in _srun_scripts(calls) if "ray_cluster.py' watch" in s and "--failures=5" in s], calls
+
+
+# the watchdog reports a lost node (its ERROR line in watch.log, exit 4) while the driver runs
+NODE_LOST_SRUN = ('out=""; for a; do [[ "$a" == --output=* ]] && out=${a#--output=}; done\n'
+                  'case "$*" in *"ray start"*) exec sleep 60 ;;\n'
+                  '  *"ray_cluster.py\' watch"*) sleep 1; echo "ERROR: Ray node lost: n2 (10.0.0.2) — 1 of 2 nodes '
+                  'alive" >>"$out"; exit 4 ;;\n'
+                  '  *driver.sh) exec sleep 60 ;; esac; exit 0')
+
+
+def test_a_lost_node_requeues_the_job_within_max_restarts(tmp_path):
+    """Issue 33.10a: a node lost under a running driver (the watchdog's exit 4) failed the job for
+    good; Slurm would requeue a --requeue job on a node failure itself, but only once it declares the
+    node down (SlurmdTimeout, minutes later), and the launcher had ended the job by then. Now the
+    launcher requeues it (the run resumes from its latest checkpoint) within the same MAX_RESTARTS,
+    and says why; at MAX_RESTARTS it fails as before."""
+    def launch(d, **env):
+        with socket.socket() as gcs:
+            gcs.bind(("127.0.0.1", 0))
+            gcs.listen(8)
+            return _launch(d, ("true",), {"srun": NODE_LOST_SRUN}, START_RAY="1", HEAD_IP="127.0.0.1",
+                           RAY_PORT=str(gcs.getsockname()[1]), DRIVER_STOP_GRACE="2", **env)
+    r, calls = launch(tmp_path / "a", SLURM_RESTART_COUNT="1", MAX_RESTARTS="3")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ["scontrol", "requeue", "7"] in calls, calls
+    status = json.loads((tmp_path / "a" / "logs" / "job-7" / "status.json").read_text())
+    assert status["exit_code"] == 0 and status["reason"] == (
+        "a Ray node was lost (Ray node lost: n2 (10.0.0.2) — 1 of 2 nodes alive): requeued, attempt 2 will "
+        "resume from the latest checkpoint"), status
+    assert status["reason"] in r.stdout, r.stdout
+    r, calls = launch(tmp_path / "b", SLURM_RESTART_COUNT="3", MAX_RESTARTS="3")
+    assert r.returncode == 1 and ["scontrol", "requeue", "7"] not in calls, r.stdout + r.stderr
+    errors = [line for line in r.stdout.splitlines() if "ERROR:" in line]
+    assert errors and errors[-1].endswith("ERROR: Ray node lost: n2 (10.0.0.2) — 1 of 2 nodes alive (Ray watchdog "
+                                          f"exit 4; see {tmp_path}/b/logs/job-7/watch.log); MAX_RESTARTS=3 reached, "
+                                          "not requeueing"), errors

@@ -392,7 +392,8 @@ def _srun_lines(log: Path) -> dict[str, list[list[str]]]:
         cmd = argv[-1] if argv else ""
         kind = ("head" if "ray start --head" in cmd else "workers" if "ray start --address" in cmd
                 else "probe" if "ray_cluster.py' wait" in cmd else "watch" if "ray_cluster.py' watch" in cmd
-                else "driver" if cmd.endswith("driver.sh") else "preflight" if "preflight" in cmd else "other")
+                else "driver" if cmd.endswith("driver.sh") else "preflight" if "preflight" in cmd
+                else "cleanup" if "enroot remove" in cmd else "other")
         kinds.setdefault(kind, []).append(argv)
     return kinds
 
@@ -477,9 +478,12 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     # driver) join the head's named container, as ray.sub runs its driver in it
     steps_by_kind = _srun_lines(srun_log)
     assert {k: len(v) >= 2 for k, v in steps_by_kind.items()} == dict.fromkeys(
-        ("head", "workers", "probe", "watch", "driver"), True), steps_by_kind.keys()
+        ("head", "workers", "probe", "watch", "driver", "cleanup"), True), steps_by_kind.keys()
+    # the job's named containers removed at the end of each attempt: a step per node, on the host
+    cleanup = steps_by_kind.pop("cleanup")
+    assert len(cleanup) == 4 and not [a for argv in cleanup for a in argv if a.startswith("--container")], cleanup
     for kind, lines in steps_by_kind.items():
-        name = "ray-worker" if kind == "workers" else "ray-head"
+        name = f"ray-worker-{job}" if kind == "workers" else f"ray-head-{job}"
         for argv in lines:
             assert {f"--container-image={images['release']}", f"--container-name={name}",
                     f"--container-mounts={shared}:{shared},{ROOT}:{ROOT}",
@@ -1420,12 +1424,12 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     argv = [*j.cmd[:2], "-m", "nemo_granular", "preflight", "--driver", "grpo", str(j.config), *words,
             "cluster.num_nodes=1", f"cluster.gpus_per_node={FAKE_GPUS}"]
     steps = _srun_lines(j.srun_log)
-    assert sorted(steps) == ["driver", "preflight"] and len(steps["preflight"]) == 1, steps
+    assert sorted(steps) == ["cleanup", "driver", "preflight"] and len(steps["preflight"]) == 1, steps
     pf = steps["preflight"][0]
     prefix, _, words = pf[-1].partition(" && exec ")
     assert prefix == f"source '{logs}/node_env.sh'" and shlex.split(words) == argv, (pf[-1], argv)
     for argv_ in (pf, steps["driver"][0]):    # preflight and driver: one named container, in WORKDIR
-        assert {f"--container-image={j.image}", "--container-name=ray-head",
+        assert {f"--container-image={j.image}", f"--container-name=ray-head-{j.job}",
                 f"--container-workdir={j.checkout}", "--no-container-mount-home"} <= set(argv_), argv_
     assert f"--output={logs}/preflight.log" in pf and f"--error={logs}/preflight-0.err" in pf, pf
     assert f"cd {j.checkout}\n" in (logs / "node_env.sh").read_text()
@@ -1550,7 +1554,9 @@ def test_worker_that_cannot_start_fails_the_job_at_once(cluster, tmp_path):
 def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
     """Runs LAST among the cluster tests: it leaves node ngt2 dead (down.sh cleans up)."""
     run_dir = tmp_path / "run"
-    job = _submit(cluster, tmp_path, "ng-kill", _driver_cmd(run_dir, 100000, every=1000, slow=True))
+    # MAX_RESTARTS=0: a lost node fails the job instead of requeueing it (tests/test_launch_checks.py)
+    job = _submit(cluster, tmp_path, "ng-kill", _driver_cmd(run_dir, 100000, every=1000, slow=True),
+                  env={"MAX_RESTARTS": "0"})
     deadline = time.monotonic() + 240
     while not _steps(run_dir):
         assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), _explain(cluster, tmp_path, job)
