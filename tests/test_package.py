@@ -31,6 +31,26 @@ def test_cli_help():
     assert "train" in out.stdout and "export" in out.stdout
 
 
+@pytest.mark.parametrize("argv", [
+    ["train", "--config", "/nonexistent/grpo.yaml"],
+    ["train", "--config", "examples/configs/local/grpo.yaml", "rl.no_such_key=1"],
+    ["compare", "--algorithms", "grpo,,sspo"],
+    ["export", "/nonexistent/run", "/tmp/nemo-granular-test-hf-unused"],
+    ["eval-checkpoints", "/nonexistent/run", "--suite", "sspo"],
+], ids=lambda a: "-".join(a[:2]))
+def test_bad_input_is_refused_before_torch_is_imported(argv):
+    """A mistyped command answers at once (issue #36: errors took 1.5-8 s, torch loaded before validation;
+    ``import nemo_granular`` imported it for its public names, which are now imported on first use)."""
+    from pathlib import Path
+
+    code = ("import sys\nfrom nemo_granular import cli\nrc = cli.main(sys.argv[1:])\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\nsys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 2 and lines[-1] == "no torch", r.stderr
+
+
 def test_every_cli_command_resolves():
     import importlib
 

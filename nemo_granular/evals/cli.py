@@ -109,7 +109,7 @@ def runtime_checks(cmds, suite: str, data_dir: Path | None) -> None:
 
 def main(argv: list[str]) -> int:
     from ..rundir import detect
-    from . import embedded, nemo_rl
+    from . import nemo_rl   # .embedded (torch) only for an embedded run: bad input answers without it
 
     args = parse_args(argv)
     protocols = protocols_for(args.suite)
@@ -137,12 +137,17 @@ def main(argv: list[str]) -> int:
         if not run.is_dir():
             raise FileNotFoundError(f"{run}: no such run directory")
         if steps is not None and detect(run) in ("embedded", "nemo-rl"):
-            have = embedded.available_steps(run) if detect(run) == "embedded" else nemo_rl.checkpoint_steps(run)
+            if detect(run) == "embedded":
+                from . import embedded
+                have = embedded.available_steps(run)
+            else:
+                have = nemo_rl.checkpoint_steps(run)
             check_steps(run, steps, sorted(have))
     failures = []
     for run in map(Path, args.runs):
         kind = detect(run)
         if kind == "embedded":
+            from . import embedded
             if args.dry_run:
                 print(f"# {run}: embedded run, evaluated in-process (suite {args.suite})")
                 continue

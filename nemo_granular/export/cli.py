@@ -62,6 +62,8 @@ def export_checkpoint(src, out, *, source: str = "auto", what: str = "policy", d
                       max_shard_size: str | int = "5GB", verify: Optional[bool] = None,
                       prompts: Optional[Sequence[str]] = None, model_config: Optional[str] = None) -> dict:
     """Export ``src`` to ``out`` atomically; returns a report (files, sizes, verification numbers)."""
+    if not Path(src).exists():   # before torch is imported (seconds): a mistyped path answers at once
+        raise FileNotFoundError(f"checkpoint {src} does not exist")
     import copy
     import shutil
 
