@@ -33,13 +33,14 @@
 #      driver, which saves a checkpoint at the end of its current step and exits 99; the launcher then
 #      requeues the job, and the requeued job resumes. Before the time limit that save is in time only
 #      if the current step and the save end within the 300 s; for NeMo-RL runs the driver's time
-#      budget (the job's end minus NG_SAVE_RESERVE_SECONDS, or checkpointing.checkpoint_must_save_by)
-#      starts the last save earlier, and a driver that stops that way by itself with exit 99 is
-#      requeued the same way. SIGTERM (plain scancel, preemption, the time limit itself) reaches
-#      every step: the embedded trainer saves after its step if that fits in KillWait/GraceTime (exit
-#      99; the launcher does not requeue, Slurm decides); a NeMo-RL run does not save (the Ray steps
-#      die of the same SIGTERM under its driver), and a job that Slurm requeues resumes from the last
-#      periodic checkpoint (docs/slurm.md, "Preemption").
+#      budget (less of the job left than its longest recent step plus its last save, or
+#      checkpointing.checkpoint_must_save_by) starts the last save earlier, and a driver that
+#      stops that way by itself with exit 99 is requeued the same way. SIGTERM (plain scancel,
+#      preemption, the time limit itself) reaches every step: the embedded trainer saves after its
+#      step if that fits in KillWait/GraceTime (exit 99; the launcher does not requeue, Slurm
+#      decides); a NeMo-RL run does not save (the Ray steps die of the same SIGTERM under its
+#      driver), and a job that Slurm requeues resumes from the last periodic checkpoint
+#      (docs/slurm.md, "Preemption").
 # Logs: $BASE_LOG_DIR/<job name>-<job id>/ (launcher.log, ray-head.log, ray-worker-<node>.log,
 # driver.log, watch.log, preflight.log, ray_nodes.json, status.json), appended across requeues.
 set -euo pipefail
