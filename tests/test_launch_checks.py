@@ -688,3 +688,35 @@ def test_docs_say_what_the_preemption_line_reports():
     section = DOCS[DOCS.index("## Preemption, time limit and requeue"):DOCS.index("## One launch story")]
     assert "preemption: PreemptMode=" in section and "GraceTime" in section and "send_user_signal" in section
 
+
+def _trainings(calls: list[list[str]]) -> dict[str, list[str]]:
+    """The training jobs' sbatch argv by job name (those that run slurm/launch.sh)."""
+    return {next(a for a in c if a.startswith("--job-name=")): c for c in calls
+            if c[0] == "sbatch" and str(SLURM / "launch.sh") in c}
+
+
+def test_a_30b_a3b_training_job_gets_a_30_minute_usr1_lead_before_the_users_sbatch_args(tmp_path):
+    """Issue 33.11: launch.sh's --signal=B:USR1@300 gives the driver 300 s to end its step and save;
+    a 30B-A3B step takes 10-15 min, so that USR1 came too late and the time limit cut the run
+    without a save. submit_comparison.sh now asks for --signal=B:USR1@1800 for a 30B-A3B config's
+    training job, before --sbatch / --train-sbatch (the user's own --signal wins: sbatch takes the
+    last); other configs keep launch.sh's 300 s."""
+    r, calls = _submit(tmp_path / "a", ["--no-preflight", *MEGATRON_30B])
+    assert r.returncode == 0, r.stderr
+    jobs = _trainings(calls)
+    assert len(jobs) == 2, calls
+    for argv in jobs.values():
+        assert [a for a in argv if a.startswith("--signal")] == ["--signal=B:USR1@1800"], argv
+    r, calls = _submit(tmp_path / "b", ["--no-preflight", "--train-sbatch", "--time=4:00:00 --signal=B:USR1@900",
+                                        *MEGATRON_30B])
+    assert r.returncode == 0, r.stderr
+    for argv in _trainings(calls).values():
+        assert argv.index("--signal=B:USR1@1800") < argv.index("--signal=B:USR1@900"), argv
+    r, calls = _submit(tmp_path / "c", ["--no-preflight", *LOCAL])
+    assert r.returncode == 0, r.stderr
+    jobs = _trainings(calls)
+    assert len(jobs) == 2 and not [a for c in jobs.values() for a in c if a.startswith("--signal")], jobs
+
+
+def test_docs_say_why_the_30b_a3b_lead_is_30_minutes():
+    assert "--signal=B:USR1@1800" in DOCS and "30b_a3b" in DOCS
