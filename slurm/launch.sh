@@ -33,13 +33,15 @@
 #      driver, which saves a checkpoint at the end of its current step and exits 99; the launcher then
 #      requeues the job, and the requeued job resumes. Before the time limit that save is in time only
 #      if the current step and the save end within the 300 s; for NeMo-RL runs the driver's time
-#      budget (the job's end minus NG_SAVE_RESERVE_SECONDS, or checkpointing.checkpoint_must_save_by)
-#      starts the last save earlier, and a driver that stops that way by itself with exit 99 is
-#      requeued the same way. SIGTERM (plain scancel, preemption, the time limit itself) reaches
-#      every step: the embedded trainer saves after its step if that fits in KillWait/GraceTime (exit
-#      99; the launcher does not requeue, Slurm decides); a NeMo-RL run does not save (the Ray steps
-#      die of the same SIGTERM under its driver), and a job that Slurm requeues resumes from the last
-#      periodic checkpoint (docs/slurm.md, "Preemption").
+#      budget (less of the job left than its longest recent step plus its last save, or
+#      checkpointing.checkpoint_must_save_by) starts the last save earlier, and a driver that
+#      stops that way by itself with exit 99 is requeued the same way. SIGTERM (plain scancel,
+#      preemption, the time limit itself) reaches every step: the embedded trainer saves after its
+#      step if that fits in KillWait/GraceTime (exit 99; the launcher does not requeue, Slurm
+#      decides); a NeMo-RL run does not save (the Ray steps die of the same SIGTERM under its
+#      driver), and a job that Slurm requeues resumes from the last periodic checkpoint. Before Ray
+#      starts, one log line says what a preemption costs this job, from the site's PreemptMode,
+#      PreemptParameters and the partition's GraceTime (docs/slurm.md, "Preemption").
 # Logs: $BASE_LOG_DIR/<job name>-<job id>/ (launcher.log, ray-head.log, ray-worker-<node>.log,
 # driver.log, watch.log, preflight.log, ray_nodes.json, status.json), appended across requeues.
 set -euo pipefail
@@ -613,6 +615,53 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
     --address=$RAY_ADDRESS_HEAD --expected=$NNODES --interval=$WATCH_INTERVAL --failures=$RAY_WATCH_FAILURES" &
   STEP_PIDS[watch]=$!
 }
+
+# ------------------------------------------------------------------ what a preemption costs ----
+# One line from the site's settings, so that a lost stretch of training is no surprise. A
+# partition's PreemptMode beats the cluster's; a QOS's own (PreemptType=preempt/qos) is not read.
+# scontrol saying nothing is not an error: the line says so.
+preemption_cost() {
+  local conf part mode ptype params grace signal cost
+  conf=$(scontrol show config 2>/dev/null || true)
+  mode=$(sed -n 's/^PreemptMode *= *//p' <<<"$conf" | head -n1)
+  ptype=$(sed -n 's/^PreemptType *= *//p' <<<"$conf" | head -n1)
+  params=$(sed -n 's/^PreemptParameters *= *//p' <<<"$conf" | head -n1)
+  if [[ -n "${SLURM_JOB_PARTITION:-}" ]]; then
+    part=$(scontrol show partition -o "$SLURM_JOB_PARTITION" 2>/dev/null | tr ' ' '\n' || true)
+    grace=$(sed -n 's/^GraceTime=//p' <<<"$part" | head -n1)
+    mode=$(sed -n 's/^PreemptMode=//p' <<<"$part" | head -n1 | grep . || echo "$mode")
+  fi
+  if [[ -z "$mode" ]]; then
+    echo "preemption: unknown (scontrol show config gave no PreemptMode)"; return
+  fi
+  local head="PreemptMode=$mode, PreemptType=${ptype:-?}, PreemptParameters=${params:-?}, GraceTime=${grace:-?}s"
+  if [[ "${mode^^}" == *OFF* || "$ptype" == preempt/none ]]; then
+    echo "preemption: $head: no preemption on this cluster"; return
+  fi
+  if [[ "${mode^^}" == *SUSPEND* ]]; then
+    echo "preemption: $head: a preempted job is suspended in memory and resumed later; no signal, no save"; return
+  fi
+  # the signal the job's steps get when preempted: the batch signal (this script's --signal=B:USR1)
+  # with send_user_signal, else SIGTERM to every step at once
+  signal=TERM; [[ "$params" == *send_user_signal* ]] && signal=USR1
+  if [[ "$signal" == USR1 ]] && (( DRIVER_HANDLES_PREEMPT )); then
+    cost="SIGUSR1 to the batch shell: the driver saves at the end of its current step if that step and the save end within GraceTime=${grace:-?}s (exit 99, on which the launcher runs scontrol requeue), else it is killed and loses the steps since its last checkpoint"
+  elif (( IS_NEMO_RL )); then
+    cost="SIGTERM to every step at once: Ray stops under the NeMo-RL driver, which does not save; the run loses the steps since its last checkpoint (checkpointing.save_period)"
+  elif (( IS_TRAIN )); then
+    cost="SIGTERM: the trainer saves after its current step if that ends within GraceTime=${grace:-?}s (exit 99), else it loses the steps since its last checkpoint"
+  else
+    cost="SIG$signal to the driver, which this launcher does not save for"
+  fi
+  if [[ "${mode^^}" == *REQUEUE* ]]; then
+    echo "preemption: $head: $cost; Slurm requeues the job and it resumes from its latest checkpoint"
+  elif [[ "${mode^^}" == *CANCEL* ]]; then
+    echo "preemption: $head: $cost; Slurm cancels the job rather than requeue it"
+  else
+    echo "preemption: $head: $cost"
+  fi
+}
+log "$(preemption_cost)"
 
 if (( START_RAY )); then
   start_ray_cluster

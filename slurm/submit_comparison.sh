@@ -15,7 +15,9 @@
 #                          (a name containing "sppo"), else `-m nemo_granular.run_grpo`;
 #                          or train | grpo | sppo for every config
 #   --sbatch "ARGS"        sbatch arguments for EVERY job (account, partition, qos)
-#   --train-sbatch "ARGS"  sbatch arguments for the training jobs only (--gres, --time, ...)
+#   --train-sbatch "ARGS"  sbatch arguments for the training jobs only (--gres, --time, ...); a
+#                          30B-A3B config's job (its file name has 30b_a3b) gets --signal=B:USR1@1800
+#                          before them (launch.sh's default lead is 300 s; docs/slurm.md)
 #   --report-sbatch "ARGS" sbatch arguments for the report job only
 #                          (default "--time=00:30:00 --cpus-per-task=2")
 #   --eval-suite SUITE     after each training job (afterok), an eval job on one whole node
@@ -319,9 +321,15 @@ for i in "${!CONFIGS[@]}"; do
   run_dirs+=("$rd")
   (( DRY )) || mkdir -p "$rd"   # exists even if the job dies before its driver writes anything
   run_args "$i"
+  # the USR1 lead before the time limit must hold the current step and the save: launch.sh's 300 s
+  # cannot for a 30B-A3B run (a step of 10-15 min, then a save), so 30 min there. Before the user's
+  # sbatch arguments: a --signal of theirs wins (sbatch: the last one)
+  lead=()
+  base=$(basename "${CONFIGS[$i]}")
+  [[ "${base,,}" == *30b_a3b* ]] && lead=(--signal=B:USR1@1800)
   jid=$(WORKDIR=$WORKDIR PREFLIGHT=$PREFLIGHT BASE_LOG_DIR=${BASE_LOG_DIR:-$OUT/slurm-logs} run sbatch --parsable \
-        --nodes="$NODES" --job-name="cmp-$name" --output="$OUT/slurm-%x-%j.out" "${SBATCH_ALL[@]}" "${SBATCH_TRAIN[@]}" \
-        "$LAUNCH" "${RUN_CMD[@]}")
+        --nodes="$NODES" --job-name="cmp-$name" --output="$OUT/slurm-%x-%j.out" "${lead[@]}" "${SBATCH_ALL[@]}" \
+        "${SBATCH_TRAIN[@]}" "$LAUNCH" "${RUN_CMD[@]}")
   jid=${jid%%;*}
   jobs+=("$jid")
   echo "submitted $name (${drivers[$i]}): job $jid -> $rd"

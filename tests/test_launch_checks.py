@@ -629,3 +629,94 @@ def test_a_lost_node_requeues_the_job_within_max_restarts(tmp_path):
     assert errors and errors[-1].endswith("ERROR: Ray node lost: n2 (10.0.0.2) — 1 of 2 nodes alive (Ray watchdog "
                                           f"exit 4; see {tmp_path}/b/logs/job-7/watch.log); MAX_RESTARTS=3 reached, "
                                           "not requeueing"), errors
+
+
+# ---------------------------------------------------------------- 11. preemption, honestly ---------
+
+def _site(mode: str, params: str = "(null)", grace: int = 120, part_mode: str | None = None) -> str:
+    """The fake scontrol's answers to ``show config`` (the preemption lines) and ``show partition -o gpu``."""
+    return (f'[[ "$1 $2" == "show config" ]] && printf "%s\\n" "Configuration data as of 2026-11-29T12:00:00" '
+            f'"PreemptMode             = {mode}" "PreemptType             = preempt/partition_prio" '
+            f'"PreemptParameters       = {params}" && exit 0\n'
+            f'[[ "$1 $2 $3 $4" == "show partition -o gpu" ]] && echo "PartitionName=gpu AllowGroups=ALL '
+            f'Default=YES GraceTime={grace} PreemptMode={part_mode or mode} State=UP" && exit 0\n')
+
+
+def _preemption_line(r: subprocess.CompletedProcess, logs: Path) -> str:
+    [line] = [x for x in (logs / "launcher.log").read_text().splitlines() if "] preemption: " in x]
+    assert line in r.stdout
+    return line.split("] ", 1)[1]
+
+
+def test_launch_states_in_one_line_what_a_preemption_costs_this_job(tmp_path):
+    """Issue 33.11: before Ray starts the launcher reads the site's preemption settings
+    (``scontrol show config``: PreemptMode, PreemptType, PreemptParameters; the job's partition:
+    its GraceTime and own PreemptMode, which wins) and logs one line saying what a preemption does
+    to this job: a NeMo-RL run under plain SIGTERM saves nothing; with send_user_signal it gets
+    the launcher's USR1 path. A cluster without preemption says so; scontrol saying nothing does
+    not fail the job."""
+    cases = {
+        "requeue": (_site("REQUEUE"), NRL_DRIVER,
+                    "preemption: PreemptMode=REQUEUE, PreemptType=preempt/partition_prio, PreemptParameters=(null), "
+                    "GraceTime=120s: SIGTERM to every step at once: Ray stops under the NeMo-RL driver, which does "
+                    "not save; the run loses the steps since its last checkpoint (checkpointing.save_period); "
+                    "Slurm requeues the job and it resumes from its latest checkpoint"),
+        "cancel-usr1": (_site("OFF", "send_user_signal", 600, part_mode="CANCEL"), NRL_DRIVER,
+                        "preemption: PreemptMode=CANCEL, PreemptType=preempt/partition_prio, "
+                        "PreemptParameters=send_user_signal, GraceTime=600s: SIGUSR1 to the batch shell: the "
+                        "driver saves at the end of its current step if that step and the save end within "
+                        "GraceTime=600s (exit 99, on which the launcher runs scontrol requeue), else it is killed "
+                        "and loses the steps since its last checkpoint; Slurm cancels the job rather than "
+                        "requeue it"),
+        "off": (_site("OFF"), NRL_DRIVER,
+                "preemption: PreemptMode=OFF, PreemptType=preempt/partition_prio, PreemptParameters=(null), "
+                "GraceTime=120s: no preemption on this cluster"),
+        "silent": ("", ("true",), "preemption: unknown (scontrol show config gave no PreemptMode)"),
+    }
+    for name, (scontrol, cmd, want) in cases.items():
+        d = tmp_path / name
+        r, calls = _launch(d, cmd, {"scontrol": scontrol}, SLURM_JOB_PARTITION="gpu")
+        assert r.returncode == 0, (name, r.stdout + r.stderr)
+        assert _preemption_line(r, d / "logs" / "job-7") == want, name
+        if scontrol:
+            asked = [c for c in calls if c[:3] in (["scontrol", "show", "config"],
+                                                   ["scontrol", "show", "partition"])]
+            assert asked == [["scontrol", "show", "config"], ["scontrol", "show", "partition", "-o", "gpu"]], calls
+
+
+def test_docs_say_what_the_preemption_line_reports():
+    section = DOCS[DOCS.index("## Preemption, time limit and requeue"):DOCS.index("## One launch story")]
+    assert "preemption: PreemptMode=" in section and "GraceTime" in section and "send_user_signal" in section
+
+
+def _trainings(calls: list[list[str]]) -> dict[str, list[str]]:
+    """The training jobs' sbatch argv by job name (those that run slurm/launch.sh)."""
+    return {next(a for a in c if a.startswith("--job-name=")): c for c in calls
+            if c[0] == "sbatch" and str(SLURM / "launch.sh") in c}
+
+
+def test_a_30b_a3b_training_job_gets_a_30_minute_usr1_lead_before_the_users_sbatch_args(tmp_path):
+    """Issue 33.11: launch.sh's --signal=B:USR1@300 gives the driver 300 s to end its step and save;
+    a 30B-A3B step takes 10-15 min, so that USR1 came too late and the time limit cut the run
+    without a save. submit_comparison.sh now asks for --signal=B:USR1@1800 for a 30B-A3B config's
+    training job, before --sbatch / --train-sbatch (the user's own --signal wins: sbatch takes the
+    last); other configs keep launch.sh's 300 s."""
+    r, calls = _submit(tmp_path / "a", ["--no-preflight", *MEGATRON_30B])
+    assert r.returncode == 0, r.stderr
+    jobs = _trainings(calls)
+    assert len(jobs) == 2, calls
+    for argv in jobs.values():
+        assert [a for a in argv if a.startswith("--signal")] == ["--signal=B:USR1@1800"], argv
+    r, calls = _submit(tmp_path / "b", ["--no-preflight", "--train-sbatch", "--time=4:00:00 --signal=B:USR1@900",
+                                        *MEGATRON_30B])
+    assert r.returncode == 0, r.stderr
+    for argv in _trainings(calls).values():
+        assert argv.index("--signal=B:USR1@1800") < argv.index("--signal=B:USR1@900"), argv
+    r, calls = _submit(tmp_path / "c", ["--no-preflight", *LOCAL])
+    assert r.returncode == 0, r.stderr
+    jobs = _trainings(calls)
+    assert len(jobs) == 2 and not [a for c in jobs.values() for a in c if a.startswith("--signal")], jobs
+
+
+def test_docs_say_why_the_30b_a3b_lead_is_30_minutes():
+    assert "--signal=B:USR1@1800" in DOCS and "30b_a3b" in DOCS

@@ -29,11 +29,27 @@ class State:          # the fields of NeMo-RL's GRPOSaveState the exit code read
 
 @pytest.fixture
 def algo(nemo_rl_src):
-    from nemo_rl.utils.timer import TimeoutChecker
+    from nemo_rl.utils.timer import TimeoutChecker, Timer
 
     module = types.ModuleType("algo")
-    module.TimeoutChecker = TimeoutChecker
+    module.TimeoutChecker, module.Timer = TimeoutChecker, Timer
     return module
+
+
+class Clock:
+    """``time.time`` and ``time.perf_counter`` (NeMo-RL's checker and Timer read them) that move only
+    when the test says."""
+
+    def __init__(self, monkeypatch):
+        self.now = 1_000_000.0
+        monkeypatch.setattr(time, "time", self)
+        monkeypatch.setattr(time, "perf_counter", self)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 @pytest.fixture(autouse=True)
@@ -147,34 +163,97 @@ def test_sigterm_stops_at_the_next_step_boundary_like_sigusr1(algo, capsys):
 
 
 @pytest.mark.nemo_rl
-@pytest.mark.parametrize("must_save_by, left, reserve, expected", [
-    ("00:03:45:00", 3600.0, 900.0, 2700.0),     # the job ends first: its end minus the reserve
-    ("00:00:30:00", 7200.0, 900.0, 1800.0),     # NeMo-RL's own limit first: unchanged
-    (None, 1000.0, 900.0, 100.0),               # no NeMo-RL limit: the job's end still counts
-    ("00:03:45:00", 600.0, 900.0, 0.0),         # less left than the reserve: save at the first step
+@pytest.mark.parametrize("must_save_by, left, reserve, at_once", [
+    ("00:03:45:00", 3600.0, 900.0, False),     # the job ends first, but more than the reserve is left
+    ("00:00:30:00", 7200.0, 900.0, False),     # NeMo-RL's own limit first: unchanged
+    (None, 800.0, 900.0, True),                # no NeMo-RL limit: the job's end still counts
+    ("00:03:45:00", 600.0, 900.0, True),       # less left than the reserve: save at the first step
 ])
 def test_the_budget_counts_from_the_driver_start_and_ends_before_the_job(algo, monkeypatch, must_save_by, left,
-                                                                          reserve, expected):
-    """The checker NeMo-RL builds after its setup fires at NeMo-RL's ``checkpoint_must_save_by``
-    or at the Slurm job's end (recorded when the driver started) minus NG_SAVE_RESERVE_SECONDS,
-    whichever comes first. Setup time spent before the checker is built counts against the job."""
+                                                                          reserve, at_once):
+    """The checker NeMo-RL builds after its setup keeps NeMo-RL's ``checkpoint_must_save_by``, and
+    also fires when less of the Slurm job (its end recorded when the driver started) is left than a
+    step and a save: before any step or save is measured, NG_SAVE_RESERVE_SECONDS."""
     monkeypatch.setenv("NG_JOB_END_TIME", str(int(time.time() + left)))
     monkeypatch.setenv("NG_SAVE_RESERVE_SECONDS", str(reserve))
     install_stop_signal()
     deadline = time_limit._JOB["deadline"]
     assert abs(deadline - (time.time() + left)) <= 2
-    with StopWatch(algo):
+    with StopWatch(algo) as watch:
         timeout = algo.TimeoutChecker(timeout=must_save_by, fit_last_save_time=True)
-    # independent: seconds from the checker's start to min(NeMo-RL's limit, job end - reserve)
-    own = float("inf") if must_save_by is None else sum(
-        int(x) * m for x, m in zip(must_save_by.split(":"), (86400, 3600, 60, 1)))
-    want = max(min(own, deadline - reserve - timeout.start_time), 0.0)
-    assert timeout.last_save_time == pytest.approx(want, abs=1e-6)
-    assert abs(timeout.last_save_time - expected) <= 3
-    if expected == 0.0:
+        own = float("inf") if must_save_by is None else sum(
+            int(x) * m for x, m in zip(must_save_by.split(":"), (86400, 3600, 60, 1)))
+        assert timeout.last_save_time == own
         timeout.start_iterations()
-        timeout.mark_iteration()
-        assert timeout.check_save() is True
+        assert timeout.check_save() is at_once
+    assert watch.fired == ("job end" if at_once else None)
+
+
+def test_must_stop_now_takes_the_longest_recent_step_and_the_measured_save():
+    """Hand-computed: stop when seconds_left < max(last 5 steps) + (last save + 120 s to shut down,
+    or the reserve while no save was measured)."""
+    must = time_limit.must_stop_now
+    assert time_limit.RECENT_STEPS == 5 and time_limit.SHUTDOWN_SECONDS == 120
+    # no save measured: the reserve (900) stands for the save and the shutdown
+    assert must(1000, [100, 200, 150], None, 900) is True          # 200 + 900 = 1100
+    assert must(1200, [100, 200, 150], None, 900) is False
+    assert must(800, [], None, 900) is True                        # nothing measured: 0 + 900
+    # the longest step, not the mean: mean 180 + 320 = 500 < 800 would go on; max 500 + 320 = 820
+    assert must(800, [100, 100, 100, 100, 500], 200, 900) is True
+    assert must(830, [100, 100, 100, 100, 500], 200, 900) is False
+    # only the last 5 steps: the slow first one (e.g. compilation) no longer counts
+    assert must(500, [1000, 10, 10, 10, 10], 300, 900) is True     # 1000 + 420
+    assert must(500, [1000, 10, 10, 10, 10, 10], 300, 900) is False   # 10 + 420 = 430
+    # a measured save replaces the reserve, both ways: a fast one (100 + 60 + 120 = 280) ...
+    assert must(600, [100], 60, 900) is False                      # the reserve would stop: 1000
+    # ... and a slow one (100 + 1300 + 120 = 1520)
+    assert must(1500, [100], 1300, 900) is True                    # the reserve would go on: 1000
+
+
+@pytest.mark.nemo_rl
+def test_the_job_end_fires_at_the_longest_recent_step_plus_the_last_save(algo, monkeypatch, capsys):
+    """NeMo-RL's loop as it drives the checker (per step ``mark_iteration``, ``check_save``, then
+    a save inside ``timer.time("checkpointing")``) on a clock the test moves. The job's end is
+    recorded when the driver starts (1000 s of setup pass before NeMo-RL builds its checker), the
+    save is measured by NeMo-RL's Timer and left out of the step it falls in, and a slow step (a
+    validation) is not averaged away: NeMo-RL's mean with the 900 s reserve would go on at step 6."""
+    clock = Clock(monkeypatch)
+    monkeypatch.setenv("NG_JOB_END_TIME", str(int(clock.now + 4000)))
+    monkeypatch.setenv("NG_SAVE_RESERVE_SECONDS", "900")
+    install_stop_signal()
+    clock.advance(1000)                                           # setup: 3000 s of the job are left
+    state = State()
+    with StopWatch(algo) as watch:
+        timeout = algo.TimeoutChecker(timeout=None, fit_last_save_time=True)
+        timer = algo.Timer()
+        timeout.start_iterations()
+        # (step seconds, save after it) -> left at its check, the rule's need, stop?
+        plan = [(100, 200),   # left 2900; 100 + reserve 900 = 1000: go on; save 200 s
+                (100, None),  # left 2600 (300 s since the last mark, 200 of them the save); 100 + 200 + 120
+                (100, None),  # left 2500
+                (1000, None),  # left 1500; a validation step: 1000 + 320 = 1320: go on
+                (100, None),  # left 1400; 1320: go on
+                (100, None),  # left 1300; the last 5 steps still hold the 1000: 1320 > 1300: stop
+                ]
+        fired_at = None
+        for step, (seconds, save) in enumerate(plan, start=1):
+            clock.advance(seconds)
+            timeout.mark_iteration()
+            if timeout.check_save():
+                fired_at = step
+                state.current_step = state.total_steps = step
+                break
+            if save is not None:
+                with timer.time("checkpointing"):
+                    clock.advance(save)
+        assert fired_at == 6 and watch.fired == "job end"
+        assert watch.last_save_seconds == 200
+        assert timeout.step_seconds == [100, 100, 100, 1000, 100, 100]
+    assert watch.exit_code(state, {"max_num_steps": 10}, {"enabled": True}) == PREEMPTED_EXIT_CODE
+    err = capsys.readouterr().err
+    assert ("time limit: 1300 s left in the Slurm job, less than the longest of the last 5 steps (1000 s) plus the "
+            "last save (200 s) and 120 s to shut down: NeMo-RL saves now and stops") in err, err
+    assert "stopped at the Slurm job's time limit after step 6 of 10: checkpoint saved; exit 99" in err, err
 
 
 def test_job_seconds_left_reads_the_launcher_then_slurm(monkeypatch):

@@ -25,9 +25,12 @@ The job's time budget: NeMo-RL's ``TimeoutChecker`` counts ``checkpoint_must_sav
 construction inside the training loop, i.e. after setup (Ray, Megatron init, vLLM, checkpoint
 conversion), which on a cluster can take a large share of the job. :func:`install_stop_signal`
 (first thing in the driver) also records how much time the Slurm job has left
-(:func:`job_seconds_left`); the checker then fires at NeMo-RL's own limit or when the job's end
-minus ``NG_SAVE_RESERVE_SECONDS`` (default 900: the last step, the save, the shutdown) comes,
-whichever is first.
+(:func:`job_seconds_left`); the checker then fires at NeMo-RL's own limit, or at the first step
+boundary where less of the job is left than one more step and a save (:func:`must_stop_now`): the
+longest of the last :data:`RECENT_STEPS` steps (not their mean: a slow step, e.g. one with a
+validation, must not be averaged away) plus the last checkpoint save as NeMo-RL's own ``Timer``
+measured it (its ``"checkpointing"`` section) and :data:`SHUTDOWN_SECONDS`, or, until a save has
+been measured, ``NG_SAVE_RESERVE_SECONDS`` (default 900: the save and the shutdown).
 """
 
 from __future__ import annotations
@@ -44,11 +47,15 @@ from types import ModuleType
 from typing import Any
 
 __all__ = ["PREEMPTED_EXIT_CODE", "StopWatch", "install_stop_signal", "stop_requested", "job_seconds_left",
-           "parse_slurm_duration"]
+           "parse_slurm_duration", "must_stop_now"]
 
 PREEMPTED_EXIT_CODE = 99   # slurm/launch.sh's PREEMPT_EXIT_CODE, the embedded trainer's too
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 DEFAULT_SAVE_RESERVE_SECONDS = 900.0
+RECENT_STEPS = 5          # the steps whose longest sizes the next one
+# after a measured save: the driver's exit and the launcher's requeue (Ray steps stopped, the job's
+# containers removed, scontrol requeue), which must also end before the time limit
+SHUTDOWN_SECONDS = 120.0
 _STOP: dict[str, str | None] = {"signal": None}
 _JOB: dict[str, float | None] = {"deadline": None}   # wall-clock time the Slurm job ends, when known
 
@@ -84,6 +91,16 @@ def job_seconds_left(environ=os.environ) -> float | None:
 def save_reserve_seconds(environ=os.environ) -> float:
     value = environ.get("NG_SAVE_RESERVE_SECONDS", "").strip()
     return float(value) if value else DEFAULT_SAVE_RESERVE_SECONDS
+
+
+def must_stop_now(seconds_left: float, recent_step_seconds, last_save_seconds: float | None,
+                  reserve: float) -> bool:
+    """Whether the run must save and stop at this step boundary: less of the job is left than the
+    longest of the last :data:`RECENT_STEPS` steps plus the last save and :data:`SHUTDOWN_SECONDS`
+    (``reserve``, NG_SAVE_RESERVE_SECONDS, while no save has been measured)."""
+    step = max(list(recent_step_seconds)[-RECENT_STEPS:], default=0.0)
+    after = reserve if last_save_seconds is None else last_save_seconds + SHUTDOWN_SECONDS
+    return seconds_left < step + after
 
 
 def _on_stop_signal(signum, _frame) -> None:
@@ -130,8 +147,15 @@ class StopWatch:
 
     def __init__(self, module: ModuleType):
         self.module = module
-        self.fired: str | None = None      # "time limit" or the stop signal's name
+        self.fired: str | None = None      # "time limit", "job end" or the stop signal's name
+        self.last_save_seconds: float | None = None   # NeMo-RL's last "checkpointing" section
+        self._saves_in_step = 0.0          # seconds saved since the last step boundary
         self._original = self._patched = None
+        self._timer_original = self._timer_patched = None
+
+    def _saved(self, seconds: float) -> None:
+        self.last_save_seconds = seconds
+        self._saves_in_step += seconds
 
     def start(self) -> StopWatch:
         base = getattr(self.module, "TimeoutChecker", None)
@@ -142,42 +166,87 @@ class StopWatch:
 
         class RecordingTimeoutChecker(base):
             """NeMo-RL's TimeoutChecker; also fires once at the step boundary after a stop signal,
-            and no later than the Slurm job's end minus the save reserve."""
+            and when less of the Slurm job is left than a step and a save (:func:`must_stop_now`)."""
 
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
+                self.step_seconds: list[float] = []   # each step, the saves in it left out
+                self.step_started: float | None = None
                 if _JOB["deadline"] is not None:
                     reserve = save_reserve_seconds()
                     budget = _JOB["deadline"] - reserve - self.start_time
                     if budget < self.last_save_time:
                         print(f"time limit: the Slurm job ends in {_JOB['deadline'] - self.start_time:.0f} s; NeMo-RL "
                               f"will save and stop within {max(budget, 0):.0f} s (job end minus "
-                              f"NG_SAVE_RESERVE_SECONDS={reserve:.0f}), before checkpointing.checkpoint_must_save_by",
-                              file=sys.stderr, flush=True)
-                        self.last_save_time = max(budget, 0.0)
+                              f"NG_SAVE_RESERVE_SECONDS={reserve:.0f}) less its longest recent step, before "
+                              f"checkpointing.checkpoint_must_save_by; once a save has been timed, that save plus "
+                              f"{SHUTDOWN_SECONDS:.0f} s stands for the reserve", file=sys.stderr, flush=True)
+
+            def start_iterations(self) -> None:
+                super().start_iterations()
+                self.step_started = time.time()
+
+            def mark_iteration(self) -> None:
+                # the time between two marks holds the save of the step before, if it saved: that
+                # save is counted once, as the save, not again as a step
+                super().mark_iteration()
+                now = time.time()
+                if self.step_started is not None:
+                    self.step_seconds.append(max(now - self.step_started - watch._saves_in_step, 0.0))
+                self.step_started, watch._saves_in_step = now, 0.0
 
             def check_save(self) -> bool:
                 if stop_requested() and not self.last_saved:
                     self.last_saved = True
                     watch.fired = stop_requested()
                     return True
-                fired = super().check_save()
-                if fired:
+                if super().check_save():
                     watch.fired = "time limit"
-                return fired
+                    return True
+                if self.last_saved or _JOB["deadline"] is None:
+                    return False
+                left, reserve = _JOB["deadline"] - time.time(), save_reserve_seconds()
+                if not must_stop_now(left, self.step_seconds, watch.last_save_seconds, reserve):
+                    return False
+                self.last_saved = True
+                watch.fired = "job end"
+                step = max(self.step_seconds[-RECENT_STEPS:], default=0.0)
+                after = (f"NG_SAVE_RESERVE_SECONDS={reserve:.0f}" if watch.last_save_seconds is None else
+                         f"the last save ({watch.last_save_seconds:.0f} s) and {SHUTDOWN_SECONDS:.0f} s to shut down")
+                print(f"time limit: {max(left, 0):.0f} s left in the Slurm job, less than the longest of the last "
+                      f"{RECENT_STEPS} steps ({step:.0f} s) plus {after}: NeMo-RL saves now and stops",
+                      file=sys.stderr, flush=True)
+                return True
 
         self._original = base
         self._patched = RecordingTimeoutChecker
         self.module.TimeoutChecker = RecordingTimeoutChecker
+        timer = getattr(self.module, "Timer", None)
+        if timer is not None:    # without it no save is measured, and the reserve stays
+
+            class SaveTimingTimer(timer):
+                """NeMo-RL's Timer; also hands the watch each checkpoint save's duration (the loops
+                save inside ``timer.time("checkpointing")``)."""
+
+                def stop(self, label, *args, **kwargs):
+                    elapsed = super().stop(label, *args, **kwargs)
+                    if label == "checkpointing":
+                        watch._saved(elapsed)
+                    return elapsed
+
+            self._timer_original, self._timer_patched = timer, SaveTimingTimer
+            self.module.Timer = SaveTimingTimer
         return self
 
     def stop(self) -> None:
-        """Give NeMo-RL its class back, and from now on ignore the stop signals: the loop is over,
+        """Give NeMo-RL its classes back, and from now on ignore the stop signals: the loop is over,
         and a repeat of the launcher's signal must not kill the driver while it shuts down (at
         interpreter exit Python resets a Python-level handler to the default action, which for
         SIGUSR1 and SIGTERM is to terminate; an ignored signal stays ignored)."""
         if getattr(self.module, "TimeoutChecker", None) is self._patched:
             self.module.TimeoutChecker = self._original
+        if self._timer_patched is not None and getattr(self.module, "Timer", None) is self._timer_patched:
+            self.module.Timer = self._timer_original
         if threading.current_thread() is threading.main_thread():
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
@@ -210,13 +279,14 @@ class StopWatch:
                        and int(_get(state, "current_step")) >= steps_per_epoch)
         if checkpointing and (done >= max_num_steps or epochs_done):
             return 0
-        why = ("NeMo-RL's time limit (checkpointing.checkpoint_must_save_by)" if self.fired == "time limit"
-               else self.fired)
+        why = {"time limit": "NeMo-RL's time limit (checkpointing.checkpoint_must_save_by)",
+               "job end": "the Slurm job's time limit"}.get(self.fired, self.fired)
         if not checkpointing:
             print(f"stopped by {why} with checkpointing.enabled: false: the run is incomplete and cannot resume",
                   file=sys.stderr, flush=True)
             return 1
-        print(f"stopped {'at' if self.fired == 'time limit' else 'by'} {why} after step {done} of {max_num_steps}: "
+        at = "at" if self.fired in ("time limit", "job end") else "by"
+        print(f"stopped {at} {why} after step {done} of {max_num_steps}: "
               f"checkpoint saved; exit {PREEMPTED_EXIT_CODE} so that slurm/launch.sh requeues the job and NeMo-RL "
               f"resumes from it", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE

@@ -20,8 +20,9 @@ inside a job step, what ``slurm/launch.sh`` writes into ``node_env.sh`` (``NG_CO
   configs' relative ``results/...`` under ``WORKDIR=/opt/nemo-rl``): checkpoints and logs vanish
   with the container, and the data is not there.
 * Time: NeMo-RL stops at ``checkpointing.checkpoint_must_save_by`` counted from after its setup;
-  ``nemo_granular/nemo_rl/time_limit.py`` also stops it ``NG_SAVE_RESERVE_SECONDS`` before the
-  job's end. A limit later than that, or a job shorter than the reserve, is reported.
+  ``nemo_granular/nemo_rl/time_limit.py`` also stops it a step and a save before the job's end
+  (``NG_SAVE_RESERVE_SECONDS`` for the save until one is measured). A limit later than the job's
+  end minus the reserve, or a job shorter than the reserve, is reported.
 """
 
 from __future__ import annotations
@@ -190,7 +191,8 @@ def _time_findings(cfg: Mapping, environ: Mapping[str, str]) -> list[Finding]:
     if seconds > limit - reserve:
         return [warning(SOURCE, f"checkpointing.checkpoint_must_save_by={must} ({seconds} s, counted from after "
                                 f"NeMo-RL's setup) is later than {what} ({limit:.0f} s) minus NG_SAVE_RESERVE_SECONDS="
-                                f"{reserve:.0f}: the driver stops NeMo-RL at the job's end minus the reserve instead")]
+                                f"{reserve:.0f}: the driver stops NeMo-RL before the job's end instead, a step and a "
+                                f"save ahead (the reserve until a save is measured)")]
     return []
 
 
