@@ -1245,6 +1245,7 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
         return [sys.executable, str(LOOP_DRIVER), "-m", module, "--config", str(cfg), *extra,
                 f"checkpointing.checkpoint_dir={run}/checkpoints", f"logger.log_dir={run}/logs"]
 
+    submitted = time.time()
     usr1 = _submit(cluster, tmp_path / "w-usr1", "ng-usr1",
                    cmd("nemo_granular.run_grpo", cfgs["grpo"], usr1_run, "grpo.max_num_steps=6",
                        "checkpointing.save_period=2"), nodes=1, sbatch=("--time=30",),
@@ -1296,9 +1297,18 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
             end = re.findall(r"^export NG_JOB_END_TIME=(\d+)$", (logs / "driver.sh").read_text(), re.M)
             start = int(time.mktime(time.strptime(cluster.job_fields(job)["StartTime"], "%Y-%m-%dT%H:%M:%S")))
             assert len(end) == 1 and abs(int(end[0]) - (start + 1800)) <= 2, (end, start)
-            budget = [float(x) for x in re.findall(r"NeMo-RL will save and stop within (\d+) s \(job end minus "
-                                                   r"NG_SAVE_RESERVE_SECONDS=600\)", driver)]
-            assert len(budget) == 2 and all(1800 - 600 - 120 < b <= 1800 - 600 for b in budget), (budget, info)
+            # each attempt's budget, from the wall-clock window in which its checker was made (the
+            # harness's record) and its job's end: the last attempt's from Slurm's StartTime above,
+            # the first's started between the submission and its checker
+            lines = [(int(x), int(b)) for x, b in re.findall(
+                r"the Slurm job ends in (\d+) s; NeMo-RL will save and stop within (\d+) s \(job end minus "
+                r"NG_SAVE_RESERVE_SECONDS=600\)", driver)]
+            made = {r["attempt"]: r for r in map(json.loads, (run / "checkers.jsonl").read_text().splitlines())}
+            assert len(lines) == 2 and sorted(made) == [0, 1], (lines, made, info)
+            assert all(abs(x - 600 - b) <= 1 for x, b in lines), lines
+            (x0, _), (x1, _) = lines
+            assert 1800 - (made[0]["before"] - submitted) - 1 <= x0 <= 1800 + 1, (x0, made[0], submitted)
+            assert int(end[0]) - made[1]["before"] - 1 <= x1 <= int(end[0]) - made[1]["after"] + 1, (x1, made[1], end)
             assert "driver exited with code 99 after SIGUSR1" in launcher, info
             assert f"stopped by SIGUSR1 after step {max(first)} of 6" in driver, info
     assert sorted(p.name for p in (homes["usr1"] / ".ray").iterdir()) == ["auth_token"]

@@ -112,7 +112,11 @@ def _stand_in_loop(algo, section: str, real_train):
         step_s = float(os.environ.get("NG_FAKE_STEP_SECONDS", "0.5"))
         save_s = float(os.environ.get("NG_FAKE_SAVE_SECONDS", "0")) if _attempt() == 0 else 0.0
         algo_cfg = getattr(cfg, section)
+        # the wall-clock window in which the checker (and its time budget) was made, for the tests
+        made_after = time.time()
         timeout = algo.TimeoutChecker(timeout=cfg.checkpointing["checkpoint_must_save_by"], fit_last_save_time=True)
+        with open(run / "checkers.jsonl", "a") as f:
+            f.write(json.dumps({"attempt": _attempt(), "after": made_after, "before": time.time()}) + "\n")
         timeout.start_iterations()
         current_step, total_steps, current_epoch = get("current_step"), get("total_steps"), get("current_epoch")
         max_steps, max_epochs = algo_cfg.max_num_steps, algo_cfg.max_num_epochs
