@@ -206,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
 
     install_stop_signal()   # first: SIGUSR1 (slurm/launch.sh's "save and stop") must never kill the driver
     args, overrides = parse_args(argv)
+    from .nemo_rl.configs import ConfigFileError, check_config_files
+
+    try:    # before NeMo-RL's algorithms are imported: a wrong path is answered at once
+        check_config_files(args.config)
+    except ConfigFileError as err:
+        print(f"nemo_granular.run_grpo: {err}", file=sys.stderr)
+        return 2
     missing = _missing_nemo_rl()
     if missing is not None:
         print(f"nemo_granular.run_grpo: missing package '{missing}': "

@@ -149,6 +149,9 @@ def _check_async(config, policy_generation=None) -> None:
 
 def _startup(argv: list[str] | None):
     args, overrides = parse_args(argv)
+    from .nemo_rl.configs import check_config_files
+
+    check_config_files(args.config)   # before NeMo-RL's algorithms are imported: a wrong path is answered at once
     nr = _import_nemo_rl()
     config, opts = prepare_config(nr, args.config, overrides)
     if async_ppo_enabled(config):

@@ -161,14 +161,16 @@ for cfg in sys.argv[2:]:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         rc = run.main(["--config", cfg])
-    out.append([rc, err.getvalue()])
+    out.append([rc, err.getvalue(), sorted(m for m in ("nemo_rl.algorithms.grpo", "nemo_rl.algorithms.ppo")
+                                           if m in sys.modules)])
 print("RESULT " + json.dumps(out))
 """
 
 
 def test_missing_config_file_is_one_line_in_both_launchers(nemo_rl_src, tmp_path):
     """Issue 15.4: the same one-line answer from run_grpo and run_sppo, naming the file, for a
-    missing config and for a missing NeMo-RL parent (run_grpo printed a traceback)."""
+    missing config and for a missing NeMo-RL parent (run_grpo printed a traceback); given before
+    NeMo-RL's algorithm modules are imported (tens of seconds on a CPU)."""
     orphan = tmp_path / "orphan.yaml"
     orphan.write_text("defaults: nemo_rl/upstream/no_such_base.yaml\n")
     cases = ((tmp_path / "absent.yaml", "absent.yaml: config file not found"),
@@ -179,9 +181,10 @@ def test_missing_config_file_is_one_line_in_both_launchers(nemo_rl_src, tmp_path
                               capture_output=True, text=True, timeout=600)
         result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and result, proc.stderr[-3000:]
-        for (rc, err), (_, expect) in zip(json.loads(result[0][7:]), cases):
+        for (rc, err, imported), (_, expect) in zip(json.loads(result[0][7:]), cases):
             lines = [ln for ln in err.splitlines() if ln.strip() and not _foreign(ln)]
             assert rc == 2 and len(lines) == 1, (launcher, err)
+            assert imported == [], (launcher, imported)
             assert lines[0].startswith(prefix) and expect in lines[0], lines[0]
 
 

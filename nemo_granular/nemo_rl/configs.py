@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigFileError", "UPSTREAM_DIR", "nemo_rl_configs_dir", "stage_config", "load_config"]
+__all__ = ["ConfigFileError", "UPSTREAM_DIR", "nemo_rl_configs_dir", "stage_config", "load_config", "check_config_files"]
 
 UPSTREAM_DIR = "upstream"
 HOW_TO = ("set NEMO_RL_SRC to your NeMo-RL checkout (its examples/configs are used), or run where "
@@ -151,6 +151,20 @@ def load_config(path: str | os.PathLike, nemo_configs: Path | None = None):
     with tempfile.TemporaryDirectory(prefix="nemo_granular_cfg_") as workdir:
         staged = stage_config(path, workdir, nemo_configs)
         return nemo_rl_load_config(str(staged))
+
+
+def check_config_files(path: str | os.PathLike) -> None:
+    """Raise :class:`ConfigFileError` when the config file or one of its ``defaults:`` parents is missing.
+
+    The launchers call it before they import NeMo-RL's algorithms (tens of seconds on a CPU): a wrong
+    path is answered in a few seconds. Silent when NeMo-RL itself cannot be imported: the launcher
+    then names what is missing."""
+    if importlib.util.find_spec("nemo_rl") is None:
+        return
+    try:
+        load_config(path)
+    except ImportError:
+        return
 
 
 def load_resolved(path: str | os.PathLike, overrides: list[str] | None = None, notes: list[str] | None = None) -> dict:
