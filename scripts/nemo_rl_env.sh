@@ -36,8 +36,9 @@ if [ ! -f "$_stamp" ] || [ "$_ng_root/pyproject.toml" -nt "$_stamp" ]; then
   echo "nemo_rl_env: installing the nemo-rl-test extra into $_ng_root/.venv (first use: a few minutes) ..." >&2
   _torch=$("$_ng_root/.venv/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
   echo "torch==$_torch" > "$_ng_root/.venv/torch-constraint.txt"
-  "$_ng_root/.venv/bin/pip" install --quiet --disable-pip-version-check -c "$_ng_root/.venv/torch-constraint.txt" \
-    -e "${_ng_root}[nemo-rl-test]" 2>&1 | grep -v "^WARNING: Location" || true
+  "$_ng_root/.venv/bin/pip" install --quiet --disable-pip-version-check --no-compile \
+    -c "$_ng_root/.venv/torch-constraint.txt" -e "${_ng_root}[nemo-rl-test]" 2>&1 | grep -v "^WARNING: Location" || true
+  bash "$_ng_root/scripts/compile_venv.sh"
   "$_ng_root/.venv/bin/python" -W ignore -c "import torch, ray, hydra, transformers, megatron.core" 2>/dev/null \
     || { echo "nemo_rl_env: installing the nemo-rl-test extra failed" >&2; return 1 2>/dev/null || exit 1; }
   touch "$_stamp"

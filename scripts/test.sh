@@ -83,8 +83,9 @@ pinned_transformers() {   # main's DTensor-v2 worker venv pins Automodel's trans
   dir=$PWD/.venv/pinned-transformers-$pin
   if [ ! -f "$dir/.installed" ]; then
     rm -rf "$dir.partial"
-    .venv/bin/pip install --quiet --disable-pip-version-check --no-deps --target "$dir.partial" "transformers==$pin" \
-      || return 1
+    .venv/bin/pip install --quiet --disable-pip-version-check --no-compile --no-deps --target "$dir.partial" \
+      "transformers==$pin" || return 1
+    .venv/bin/python -m compileall -q -j 0 "$dir.partial" >/dev/null 2>&1 || true   # scripts/compile_venv.sh's why
     rm -rf "$dir" && mv "$dir.partial" "$dir" && touch "$dir/.installed"
   fi
   export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" NEMO_GRANULAR_EXPECT_TRANSFORMERS=$pin
@@ -97,9 +98,9 @@ if why=$(present v0.7.0); then HAVE_V070=1; PLAN+=("world v0.7.0: will run"); el
 printf '%s\n' "world standalone: will run" "${PLAN[@]}" "world slurm: will run"
 
 # The Slurm worlds keep about one core of two busy (daemons, requeues, Ray start-up waits): they run in a
-# second lane beside the CPU-bound main world, their output printed when the lane is done. Every set-up
-# that installs into .venv (main_world's first use) runs before the lanes: an install under a running
-# world broke it (transformers changed under its imports).
+# second lane beside the standalone and main worlds (the standalone one alone keeps 1.6 cores busy), their
+# output printed when the lane is done. Every set-up that installs into .venv (main_world's first use) runs
+# before the lanes: an install under a running world broke it (transformers changed under its imports).
 lane() {  # lane WORLD-CALL...: the Slurm lane's worlds, one after the other; their lines in $LOGS/lane.results
   local -a RESULTS=(); FAILED=0
   "$@"
@@ -113,17 +114,17 @@ slurm_lane() {   # and Automodel's pinned transformers (a few tests), which woul
   if (( HAVE_V070 )); then world v0.7.0-slurm v070_world "v070 and nemo_rl and slurm" "$@"; fi
 }
 
-world standalone no_nemo_rl "not nemo_rl and not slurm" "${XDIST[@]}" "$@"
 if (( HAVE_MAIN )); then
   ( main_world ) >/dev/null || true   # its one-time set-up (the nemo-rl-test extra), before the lanes
-  echo "=== the Slurm worlds and the pinned-transformers one run beside the main world; their output follows when they are done"
-  lane slurm_lane "$@" >"$LOGS/lane.log" 2>&1 &
-  LANE=$!
+fi
+echo "=== the Slurm worlds and the pinned-transformers one run beside the standalone and main worlds; their output follows when they are done"
+lane slurm_lane "$@" >"$LOGS/lane.log" 2>&1 &
+LANE=$!
+world standalone no_nemo_rl "not nemo_rl and not slurm" "${XDIST[@]}" "$@"
+if (( HAVE_MAIN )); then
   world main main_world "nemo_rl and not slurm" "${XDIST[@]}" "$@"
 else
   RESULTS+=("world main: did NOT run: $(present main || true)")
-  lane slurm_lane "$@" >"$LOGS/lane.log" 2>&1 &
-  LANE=$!
 fi
 if (( HAVE_V070 )); then
   world v0.7.0 v070_world "v070 and nemo_rl and not slurm" "${XDIST[@]}" "$@"

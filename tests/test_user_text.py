@@ -114,7 +114,8 @@ def test_setup_venv_says_what_it_is_doing_before_the_slow_install(tmp_path):
     """scripts/setup_venv.sh printed nothing for a minute: a progress line comes before each install
     (here the script runs on a copy, with a pip that records when it is called)."""
     (tmp_path / "scripts").mkdir()
-    shutil.copy(ROOT / "scripts" / "setup_venv.sh", tmp_path / "scripts")
+    for script in ("setup_venv.sh", "compile_venv.sh"):
+        shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts")
     (tmp_path / "pyproject.toml").write_text("[project]\nname = 'x'\n")
     bin_dir = tmp_path / ".venv" / "bin"
     bin_dir.mkdir(parents=True)
