@@ -8,9 +8,9 @@
 #   standalone  always: the tests not marked nemo_rl or slurm, with no NeMo-RL importable
 #   main        NeMo-RL main 7ea279ab (NEMO_RL_SRC, or the source cache): the nemo_rl tests, then the
 #               transformers_pin ones again on Automodel's pinned transformers
-#   slurm       the local Slurm cluster (root; Debian's slurm packages): the slurm tests, with main's NeMo-RL
-#               when present (else those not marked nemo_rl)
-#               (with v0.7.0's one job after them: both in a second lane, beside the main world)
+#   slurm       the local Slurm cluster (root; Debian's slurm packages): the slurm tests not marked nemo_rl
+#               (in a second lane, beside the standalone world); slurm-nemo-rl: those marked nemo_rl, with
+#               main's NeMo-RL (then v0.7.0's one job: in the second lane, beside the main world)
 #   v0.7.0      NeMo-RL v0.7.0 (NEMO_RL_V070_SRC, or the source cache): the tests marked v070 and nemo_rl
 # Fill the source cache first (bash scripts/sources.sh, or --from DIR offline); a world whose sources are
 # absent does not run and says why. Under CI=true a skipped test fails its world.
@@ -96,31 +96,52 @@ FAILED=0 USER_OPTS=$#   # options given (e.g. -k EXPR) go to every world
 if why=$(present main); then HAVE_MAIN=1; PLAN+=("world main: will run"); else HAVE_MAIN=0; PLAN+=("world main: will NOT run: $why"); fi
 if why=$(present v0.7.0); then HAVE_V070=1; PLAN+=("world v0.7.0: will run"); else HAVE_V070=0; PLAN+=("world v0.7.0: will NOT run: $why"); fi
 printf '%s\n' "world standalone: will run" "${PLAN[@]}" "world slurm: will run"
+(( HAVE_MAIN )) && echo "world slurm-nemo-rl: will run"
 
 # The Slurm worlds keep about one core of two busy (daemons, requeues, Ray start-up waits): they run in a
-# second lane beside the standalone and main worlds (the standalone one alone keeps 1.6 cores busy), their
-# output printed when the lane is done. Every set-up that installs into .venv (main_world's first use) runs
-# before the lanes: an install under a running world broke it (transformers changed under its imports).
-lane() {  # lane WORLD-CALL...: the Slurm lane's worlds, one after the other; their lines in $LOGS/lane.results
-  local -a RESULTS=(); FAILED=0
+# second lane, their output printed when the lane is done. The Slurm tests that need no NeMo-RL run beside
+# the standalone world (which alone keeps 1.6 cores busy); the rest, after main's set-up, beside the main
+# world. Every set-up that installs into .venv (main_world's first use) waits for the lane before it and
+# runs before the lane after it: an install under a running world broke it (transformers changed under
+# its imports), and the standalone world keeps the newest transformers the package allows.
+lane() {  # lane NAME WORLD-CALL...: worlds one after the other, beside lane 1; their lines in $LOGS/NAME.results
+  local -a RESULTS=(); FAILED=0; local name=$1; shift
   "$@"
-  printf '%s\n' "${RESULTS[@]}" >"$LOGS/lane.results"; echo "$FAILED" >"$LOGS/lane.failed"
+  printf '%s\n' "${RESULTS[@]}" >"$LOGS/$name.results"; echo "$FAILED" >"$LOGS/$name.failed"
 }
-slurm_lane() {   # and Automodel's pinned transformers (a few tests), which would otherwise wait for main
+start_lane() {  # start_lane NAME WORLD-CALL...: in the background (LANE_PID)
+  lane "$@" >"$LOGS/$1.log" 2>&1 &
+  LANE_PID=$!
+}
+join_lane() {   # join_lane NAME: wait for it, print its output, keep its world lines
+  wait "$LANE_PID" || true
+  echo "=== $1 (run beside the others)"
+  cat "$LOGS/$1.log"
+  if [ -f "$LOGS/$1.results" ]; then
+    mapfile -t lane_results <"$LOGS/$1.results"; RESULTS+=("${lane_results[@]}")
+    (( $(cat "$LOGS/$1.failed") == 0 )) || FAILED=1
+  else
+    RESULTS+=("world ${1%% *}: FAILED: its lane ended without results (see above)"); FAILED=1
+  fi
+}
+slurm_with_nemo_rl() {   # and Automodel's pinned transformers (a few tests), which would otherwise wait for main
   if (( HAVE_MAIN )); then
-    world slurm main_world "slurm" "$@"
+    world slurm-nemo-rl main_world "slurm and nemo_rl" "$@"
     world main-transformers-pin pinned_transformers "transformers_pin" "${XDIST[@]}" "$@"
-  else world slurm no_nemo_rl "slurm and not nemo_rl" "$@"; fi
+  fi
   if (( HAVE_V070 )); then world v0.7.0-slurm v070_world "v070 and nemo_rl and slurm" "$@"; fi
 }
 
-if (( HAVE_MAIN )); then
-  ( main_world ) >/dev/null || true   # its one-time set-up (the nemo-rl-test extra), before the lanes
-fi
-echo "=== the Slurm worlds and the pinned-transformers one run beside the standalone and main worlds; their output follows when they are done"
-lane slurm_lane "$@" >"$LOGS/lane.log" 2>&1 &
-LANE=$!
+echo "=== the Slurm tests that need no NeMo-RL run beside the standalone world; their output follows when they are done"
+start_lane "slurm" world slurm no_nemo_rl "slurm and not nemo_rl" "$@"
 world standalone no_nemo_rl "not nemo_rl and not slurm" "${XDIST[@]}" "$@"
+join_lane "slurm"
+# the NeMo-RL worlds' one-time set-up (the nemo-rl-test extra), between the lanes
+if (( HAVE_MAIN )); then ( main_world ) >/dev/null || true; elif (( HAVE_V070 )); then ( v070_world ) >/dev/null || true; fi
+if (( HAVE_MAIN || HAVE_V070 )); then
+  echo "=== the NeMo-RL Slurm worlds and the pinned-transformers one run beside the main world; their output follows when they are done"
+  start_lane "slurm-nemo-rl" slurm_with_nemo_rl "$@"
+fi
 if (( HAVE_MAIN )); then
   world main main_world "nemo_rl and not slurm" "${XDIST[@]}" "$@"
 else
@@ -131,17 +152,9 @@ if (( HAVE_V070 )); then
 else
   RESULTS+=("world v0.7.0: did NOT run: $(present v0.7.0 || true)")
 fi
-wait "$LANE" || true
-echo "=== the Slurm worlds (run beside the others)"
-cat "$LOGS/lane.log"
-if [ -f "$LOGS/lane.results" ]; then
-  mapfile -t lane_results <"$LOGS/lane.results"; RESULTS+=("${lane_results[@]}")
-  (( $(cat "$LOGS/lane.failed") == 0 )) || FAILED=1
-else
-  RESULTS+=("world slurm: FAILED: its lane ended without results (see above)"); FAILED=1
-fi
+if (( HAVE_MAIN || HAVE_V070 )); then join_lane "slurm-nemo-rl"; fi
 echo "=== the worlds"
-for name in standalone main main-transformers-pin slurm v0.7.0 v0.7.0-slurm; do   # in this order, whichever lane
+for name in standalone main main-transformers-pin slurm slurm-nemo-rl v0.7.0 v0.7.0-slurm; do   # in this order, whichever lane
   for line in "${RESULTS[@]}"; do [[ "$line" == "world $name:"* ]] && echo "$line"; done
 done
 rm -rf "$LOGS"
