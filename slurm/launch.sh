@@ -563,10 +563,17 @@ if (( IS_NEMO_RL )); then
   fi
 fi
 
+# ray.sub (7ea279abf) clears ^(PMI|PMIX|MPI|OMPI|SLURM)_ before `ray start` and before its driver: every
+# Ray actor is a child of its node's raylet (NeMo-RL v0.7.0's init_ray adds the driver's whole
+# environment), where MPI/PMIx (TRT-LLM's MPI_Init) and anything that takes its rank from them
+# (Megatron falls back to SLURM_PROCID) would read the srun task of the step that started Ray
+# shellcheck disable=SC2016  # expanded in the step, not here
+CLEAR_STEP_VARS='for ng_v in $(compgen -e); do if [[ $ng_v =~ ^(PMI|PMIX|MPI|OMPI|SLURM)_ ]]; then unset "$ng_v"; fi; done; unset ng_v'
+
 start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
   # ------------------------------------------------------------------ 1. Ray head -----------------
   srun "${SRUN_COMMON[@]}" "${HEAD_CONTAINER[@]}" --nodes=1 --ntasks=1 -w "$HEAD" --output="$LOG_DIR/ray-head.log" --open-mode=append \
-    bash -c "source '$NODE_ENV' && exec ray start --head --node-ip-address=$HEAD_IP --port=$RAY_PORT \
+    bash -c "source '$NODE_ENV' && $CLEAR_STEP_VARS && exec ray start --head --node-ip-address=$HEAD_IP --port=$RAY_PORT \
       --ray-client-server-port=$RAY_CLIENT_SERVER_PORT --include-dashboard=false --temp-dir=${RAY_TMP}_head $RAY_COMMON" &
   STEP_PIDS[ray-head]=$!
   log "starting the Ray head on $HEAD (srun pid ${STEP_PIDS[ray-head]})"
@@ -586,7 +593,7 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
     # ends its step (and so the job) within seconds
     srun "${SRUN_COMMON[@]}" "${WORKER_CONTAINER[@]}" --nodes=$((NNODES - 1)) --ntasks=$((NNODES - 1)) -w "$wlist" \
       --output="$LOG_DIR/ray-worker-%N.log" --open-mode=append \
-      bash -c "source '$NODE_ENV' && for i in 1 2 3 4 5; do
+      bash -c "source '$NODE_ENV' && $CLEAR_STEP_VARS && for i in 1 2 3 4 5; do
           ray start --address=$RAY_ADDRESS_HEAD --temp-dir=${RAY_TMP}_\$(hostname) $RAY_COMMON && exit 0
           echo \"ray start failed (try \$i of 5), retrying\"; sleep 3
         done; echo \"ERROR: ray start --address=$RAY_ADDRESS_HEAD failed 5 times on \$(hostname)\"; exit 1" &
@@ -690,8 +697,7 @@ if [[ "$job_end" =~ ^[0-9]{4}- && "$job_limit" != UNLIMITED ]]; then JOB_END_TIM
   # step stays a Slurm step; the time budget's SLURM_JOB_END_TIME stays as NG_JOB_END_TIME
   # shellcheck disable=SC2016  # expanded in the step, not here
   echo '[[ -n "${NG_JOB_END_TIME:-}" || -z "${SLURM_JOB_END_TIME:-}" ]] || export NG_JOB_END_TIME=$SLURM_JOB_END_TIME'
-  # shellcheck disable=SC2016
-  echo 'for ng_v in $(compgen -e); do if [[ $ng_v =~ ^(PMI|PMIX|MPI|OMPI|SLURM)_ ]]; then unset "$ng_v"; fi; done; unset ng_v'
+  echo "$CLEAR_STEP_VARS"
   if (( DRIVER_HANDLES_PREEMPT )) && [[ "$PREEMPT_SIGNAL" == USR[12] ]]; then
     # ignored (inherited through exec by uv run and python) until the driver installs its own
     # handlers: one that comes earlier must not kill it; the launcher repeats the signal. TERM

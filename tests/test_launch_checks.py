@@ -565,6 +565,40 @@ def test_driver_runs_without_the_steps_slurm_and_pmi_variables(tmp_path):
     assert env["SLURMD_NODENAME"] == "n1"
 
 
+def test_ray_head_and_workers_start_without_the_steps_slurm_and_pmi_variables(tmp_path):
+    """Issue 33.9: every Ray actor is a child of its node's raylet and inherits the environment of the
+    step that ran ``ray start``: srun's task variables (SLURM_PROCID, PMI_RANK, ...) and the batch
+    shell's SLURM_*. ray.sub (7ea279abf) clears ^(PMI|PMIX|MPI|OMPI|SLURM)_ before ``ray start`` on the
+    head and on every worker, as for its driver; launch.sh now does too. A two-node job whose head and
+    worker steps run here (srun: the step's ``bash -c SCRIPT`` with a task's variables added; ray:
+    records its environment, then runs as the real one does)."""
+    envs = tmp_path / "envs"
+    envs.mkdir()
+    fake = tmp_path / "fake-ray"
+    fake.mkdir()
+    (fake / "ray").write_text(f'#!/usr/bin/env bash\nenv >"{envs}/$([[ " $* " == *" --head "* ]] && echo head || '
+                              f'echo worker).env"\nexec sleep 60 </dev/null >/dev/null 2>&1\n')   # (not holding our pipes)
+    (fake / "ray").chmod(0o755)
+    srun = ('case "$*" in *"ray start"*) export SLURM_PROCID=1 SLURM_STEP_ID=2 PMI_RANK=1 PMIX_RANK=1 '
+            'OMPI_COMM_WORLD_RANK=1; shift $(($# - 3)); exec "$@" ;; *"ray_cluster.py\' watch"*) exec sleep 60 ;; '
+            'esac; exit 0')
+    hosts = '[[ "$1 $2" == "show hostnames" ]] && { echo n1; echo n2; exit 0; }\n'
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen(8)
+        r, calls = _launch(tmp_path / "job", ("true",), {"srun": srun, "scontrol": hosts}, START_RAY="1",
+                           HEAD_IP="127.0.0.1", RAY_PORT=str(gcs.getsockname()[1]), SLURM_JOB_NODELIST="n1,n2",
+                           SLURM_JOB_NUM_NODES="2", SLURM_NTASKS="2", SLURMD_NODENAME="n1", MAX_RESTARTS="5",
+                           PATH=f"{fake}:{tmp_path / 'job' / 'bin'}:{os.environ['PATH']}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for step in ("head", "worker"):
+        assert (envs / f"{step}.env").is_file(), (step, _srun_scripts(calls))
+        env = dict(line.split("=", 1) for line in (envs / f"{step}.env").read_text().splitlines() if "=" in line)
+        leaked = sorted(k for k in env if re.match(r"(PMI|PMIX|MPI|OMPI|SLURM)_", k))
+        assert leaked == [], (step, leaked)
+        assert env["SLURMD_NODENAME"] == "n1"      # not SLURM_: kept, as by ray.sub
+
+
 # ---------------------------------------------------------------- 10. the watchdog -----------------
 
 def _ray_cluster():
