@@ -126,6 +126,30 @@ def test_to_nemo_batch_layout():
     assert b["prompt_ids"].tolist() == [[5, 6, 0], [7, 8, 9]] and b["input_lengths"].tolist() == [4, 6]
 
 
+def test_old_policy_pass_puts_token_js_logprob_and_entropy_in_column_j():
+    """π_old's logprob of token j and the entropy of the distribution it was drawn from sit in column j
+    (NeMo-RL's layout; column 0 holds 0), against a float64 recomputation. The stand-in model is a bigram
+    table: its logits at position j depend on token j only, so a value one column off cannot match."""
+    from types import SimpleNamespace
+
+    from nemo_granular.embedded.rollout import old_policy_pass
+
+    g = torch.Generator().manual_seed(0)
+    V, temperature = 11, 0.7
+    table = 2 * torch.randn(V, V, generator=g)
+    ids = torch.randint(0, V, (3, 8), generator=g)
+    batch = {"input_ids": ids, "input_lengths": torch.tensor([8, 5, 7])}
+    old_policy_pass(lambda input_ids, attention_mask: SimpleNamespace(logits=table[input_ids]), batch, temperature,
+                    chunk_size=4)
+    logp = torch.log_softmax(table.double()[ids[:, :-1]] / temperature, -1)  # position j scores token j + 1
+    expect = {"prev_logprobs": logp.gather(-1, ids[:, 1:, None]).squeeze(-1),
+              "prev_entropy": -(logp.exp() * logp).sum(-1)}
+    for key, ref in expect.items():
+        got = batch[key]
+        assert got.shape == ids.shape and bool((got[:, 0] == 0).all()), key
+        torch.testing.assert_close(got[:, 1:].double(), ref, rtol=0, atol=1e-5, msg=key)
+
+
 # ---------------------------------------------------------------- the contract, on every call
 @pytest.mark.parametrize("algorithm", ["sspo", "espo", "sppo"])
 def test_trainer_calls_plugin_with_nemo_rl_contract(tmp_path, algorithm):

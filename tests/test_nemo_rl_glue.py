@@ -60,6 +60,25 @@ def test_megatron_unpacked_and_dtensor_packed_entropy_match_dense():
     assert bf.dtype == torch.float32 and (bf - expect).abs().max() < 0.05
 
 
+def test_megatron_packed_entropy_matches_dense():
+    """Megatron's packed layout at CP 1: each sequence at the start of its ``cu_seqlens_padded`` slot (slots
+    padded to a multiple of 4, the padding holding other logits), laid out here by hand, unpacked into
+    NeMo-RL's token columns: the float64 entropy of the dense logits (one position late, 0 past each length)."""
+    g = torch.Generator().manual_seed(1)
+    B, S, V = 4, 9, 13
+    lengths = torch.tensor([9, 3, 6, 1])
+    logits = torch.randn(B, S, V, generator=g)
+    slots = [-(-n // 4) * 4 for n in lengths.tolist()]  # 12, 4, 8, 4: every slot but the 6's has padding
+    starts = [sum(slots[:i]) for i in range(B + 1)]
+    packed = 3 * torch.randn(1, starts[-1], V, generator=g)
+    for i, n in enumerate(lengths.tolist()):
+        packed[0, starts[i]:starts[i] + n] = logits[i, :n]
+    got = workers.megatron_entropy(packed, input_lengths=lengths, seq_len=S, cu_seqlens_padded=torch.tensor(starts),
+                                   chunk_size=5)
+    assert got.dtype == torch.float32 and got.shape == (B, S)
+    torch.testing.assert_close(got, _columns(_entropy_ref(logits), lengths, S).float(), rtol=1e-5, atol=1e-5)
+
+
 def test_stack_microbatch_entropy_pads_and_drops_dummy_batches():
     a, b, dummy = torch.ones(2, 5), 2 * torch.ones(1, 7), 9 * torch.ones(2, 7)
     out = workers.stack_microbatch_entropy([a, b, dummy], rows=3, seq_len=7)
