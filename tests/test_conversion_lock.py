@@ -170,7 +170,9 @@ def test_a_conversion_killed_half_way_is_moved_aside_and_converted_again(tmp_pat
     assert calls == [False]
     (aside,) = path.parent.glob("Qwen3-30B-A3B-Base.partial-*")
     assert (aside / "iter_0000000" / "__0_0.distcp").read_bytes() == b"half"
-    assert len(lines) == 1 and "moved to" in lines[0] and str(aside) in lines[0]
+    moved = [line for line in lines if "moved to" in line]
+    assert len(moved) == 1 and str(aside) in moved[0]
+    assert [line for line in lines if line not in moved][0].startswith("conversion lock: ")   # which lock, and why
     fn({}, "Qwen/Qwen3-30B-A3B-Base", str(path), True)    # the next job: converted, skips
     assert calls == [False, True]
 
