@@ -418,7 +418,7 @@ class ConversionLock:
         if kind is None:
             kind, why = lock_kind_for(path, _read_proc_mounts() if mounts_text is None else mounts_text)
         else:
-            why = f"has the {kind} lock asked for by the caller"
+            why = f"is to use the {kind} lock (asked for by the caller)"
         self._lock: _FlockLock | DirectoryLock
         if kind == FLOCK:
             self._lock = _FlockLock(path)
