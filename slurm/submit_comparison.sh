@@ -213,13 +213,6 @@ container_prelude() {
   # shellcheck disable=SC2016  # expanded in the container
   printf 'unset UV_CACHE_DIR && export PYTHONPATH=%q${PYTHONPATH:+:$PYTHONPATH} NG_CONTAINER=%q NG_MOUNTS=%q NG_VENV=%q && ' \
     "$NG_ROOT" "$CONTAINER" "${MOUNTS:-}" "${VENV:-}"
-  # under pyxis HOME is an empty read-only directory: the compile caches (vLLM's for run_eval, Triton's,
-  # torch-inductor's) and, where HOME cannot be written, XDG_CACHE_HOME, job-scoped in the container's
-  # /tmp, as launch.sh gives its steps; a value that reached the container (yours) is kept
-  # shellcheck disable=SC2016  # expanded in the container
-  printf '%s' 'ng_c=/tmp/nemo-granular-${SLURM_JOB_ID:-$$} && export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ng_c/triton} ' \
-    'VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$ng_c/vllm} TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ng_c/torchinductor} && ' \
-    '{ [[ -d "${HOME:-}" && -w "${HOME:-}" ]] || export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$ng_c/cache}; } && '
 }
 
 # The checks before anything is submitted, all at once (each is mostly NeMo-RL's import, tens of
