@@ -469,6 +469,15 @@ RAY_COMMON="--block --disable-usage-stats --num-cpus=$CPUS_PER_NODE --num-gpus=$
 last_error() {  # last_error LOG...: the last "ERROR: " line of the logs, without the prefix
   sed -n 's/^ERROR: //p' "$@" 2>/dev/null | tail -n1
 }
+ray_exit_why() {  # ray_exit_why LOG...: what `ray start --block` reported when a Ray process of its died
+  # ("raylet [exit code=1]"), with the last error line of that process's log tail, which Ray prints
+  local plain procs last
+  plain=$(sed 's/\x1b\[[0-9;]*m//g' "$@" 2>/dev/null | sed -n '/Some Ray subprocesses exited unexpectedly/,$p')
+  [[ -n "$plain" ]] || return 0
+  procs=$(grep -o '[A-Za-z_]* \[exit code=[^]]*\]' <<<"$plain" | sort -u | paste -sd, -)
+  last=$(grep -oE '\[[0-9-]+ [0-9:,]+ [EFC] [0-9]+ [0-9]+\].*' <<<"$plain" | tail -n1 | cut -c1-300)
+  echo "Ray reports ${procs:-a process} exited${last:+; the last error in its log: $last}"
+}
 
 preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a line: the preflight's
   # `preflight: error: ...` lines (exit 1), else its one-line reason (exit 2: `nemo-granular
@@ -495,6 +504,7 @@ check_steps() {
         *) logs=("$LOG_DIR/$name.log") ;;
       esac
       why=$(last_error "${logs[@]}")
+      [[ -n "$why" || "$name" == watch ]] || why=$(ray_exit_why "${logs[@]}")
       if [[ "$name" == watch ]]; then
         if (( rc == 4 )); then
           # a lost node (not the run's fault): requeued within MAX_RESTARTS. Slurm requeues a

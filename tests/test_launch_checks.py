@@ -665,6 +665,48 @@ def test_a_lost_node_requeues_the_job_within_max_restarts(tmp_path):
                                           "not requeueing"), errors
 
 
+# Ray's own report when a process of `ray start --block` dies: printed by Ray's code, into the step's log
+RAY_REPORT = r"""
+import os, subprocess, sys, tempfile
+from ray.autoscaler._private.cli_logger import cli_logger
+from ray.scripts import scripts
+logs = tempfile.mkdtemp()
+with open(os.path.join(logs, "raylet.out"), "w") as f:
+    f.write("[2026-11-29 18:06:55,101 I 11 11] (raylet) main.cc:12: Setting node ID\n"
+            "[2026-11-29 18:07:48,708 E 11 11] (raylet) node_manager.cc:34: marked dead by the GCS\n"
+            "[2026-11-29 18:07:48,709 I 11 11] (raylet) main.cc:56: shutting down\n")
+raylet = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+raylet.wait()
+cli_logger.error("Some Ray subprocesses exited unexpectedly:")   # scripts.py's words before the details
+scripts._log_unexpected_subprocess_exit_details([("raylet", raylet)], logs, None)
+"""
+RAY_DIES_SRUN = ('out=""; for a; do [[ "$a" == --output=* ]] && out=${a#--output=}; done\n'
+                 'case "$*" in *"ray start"*) sleep 2; ' + f'{sys.executable} "$(dirname "$0")/ray_report.py"'
+                 ' >>"$out" 2>&1; exit 1 ;;\n'
+                 '  *"ray_cluster.py\' watch"*|*driver.sh) exec sleep 60 ;; esac; exit 0')
+
+
+def test_a_dead_ray_head_fails_the_job_with_rays_own_reason(tmp_path):
+    """A Ray head whose raylet died (`ray start --block` exits 1) failed the job with "a node or its Ray
+    process died; see ray-head.log", and what Ray printed there was all there was to go on (a CI run's
+    head died under load and the reason was lost with the log). Now the job's error names the Ray
+    process and its exit code and the last error line of its log, from the report Ray's own code prints."""
+    (tmp_path / "bin").mkdir(parents=True)
+    (tmp_path / "bin" / "ray_report.py").write_text(RAY_REPORT)
+    with socket.socket() as gcs:
+        gcs.bind(("127.0.0.1", 0))
+        gcs.listen(8)
+        r, calls = _launch(tmp_path, ("true",), {"srun": RAY_DIES_SRUN}, START_RAY="1", HEAD_IP="127.0.0.1",
+                           RAY_PORT=str(gcs.getsockname()[1]), DRIVER_STOP_GRACE="2", MAX_RESTARTS="0")
+    assert r.returncode == 1, r.stdout + r.stderr
+    status = json.loads((tmp_path / "logs" / "job-7" / "status.json").read_text())
+    assert status["reason"] == (
+        "the ray-head step exited (code 1): Ray reports raylet [exit code=1] exited; the last error in its log: "
+        "[2026-11-29 18:07:48,708 E 11 11] (raylet) node_manager.cc:34: marked dead by the GCS; see "
+        f"{tmp_path}/logs/job-7/ray-head.log"), status
+    assert status["reason"] in r.stdout, r.stdout
+
+
 # ---------------------------------------------------------------- 11. preemption, honestly ---------
 
 def _site(mode: str, params: str = "(null)", grace: int = 120, part_mode: str | None = None) -> str:
