@@ -214,6 +214,17 @@ container_prelude() {
   printf 'unset UV_CACHE_DIR && export PYTHONPATH=%q${PYTHONPATH:+:$PYTHONPATH} NG_CONTAINER=%q NG_MOUNTS=%q NG_VENV=%q && ' \
     "$NG_ROOT" "$CONTAINER" "${MOUNTS:-}" "${VENV:-}"
 }
+container_caches() {
+  # under pyxis HOME is an empty read-only directory: the eval and report jobs' compile caches (vLLM's
+  # for run_eval, Triton's, torch-inductor's) and, where HOME cannot be written, XDG_CACHE_HOME,
+  # job-scoped in the container's /tmp, as launch.sh gives its steps; a value that reached the container
+  # (yours) is kept. Not in the submission's check step: it compiles nothing, and a `uv run` there
+  # (NEMO_RL_PYTHON) must fail with uv's own reason, not find a fresh cache and fail later
+  # shellcheck disable=SC2016  # expanded in the container
+  printf '%s' 'ng_c=/tmp/nemo-granular-${SLURM_JOB_ID:-$$} && export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ng_c/triton} ' \
+    'VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$ng_c/vllm} TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ng_c/torchinductor} && ' \
+    '{ [[ -d "${HOME:-}" && -w "${HOME:-}" ]] || export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$ng_c/cache}; } && '
+}
 
 # The checks before anything is submitted, all at once (each is mostly NeMo-RL's import, tens of
 # seconds): the staged benchmarks (key "staging") and the preflight of every NeMo-RL config (key: its
@@ -349,7 +360,7 @@ wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, ven
     shift
     cmd="python -m nemo_granular $(printf '%q ' "$@")"
     [[ -n "${CHECK:-}" ]] && cmd="$CHECK && $cmd"
-    prefix="$(container_prelude)$prefix"
+    prefix="$(container_prelude)$(container_caches)$prefix"
     env_arg=$(container_env)
     echo "srun --container-image=${CONTAINER} ${mounts:+--container-mounts=$mounts} --container-workdir=$WORKDIR --no-container-mount-home${env_arg:+ --container-env=$env_arg} bash -c $(printf '%q' "$prefix$cmd")"
   else

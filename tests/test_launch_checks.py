@@ -449,6 +449,44 @@ MOUNTS_OK = f"/tmp:/tmp,{ROOT}:{ROOT}"   # pytest's tmp_path is under /tmp
 RUN_CLEANUP = 'case "$*" in *"enroot remove"*) shift $(($# - 3)); exec "$@" ;; esac; exit 0'
 
 
+def test_eval_and_report_jobs_in_a_container_get_writable_compile_caches(tmp_path):
+    """Issue 33.9b for submit_comparison.sh's own jobs: the eval job runs NeMo-RL's run_eval (vLLM's
+    cache: ~/.cache/vllm) and the report job Python, in the image, under a HOME pyxis leaves empty and
+    read-only. Their --wrap scripts, run here (srun: the container step's ``bash -c SCRIPT``; python:
+    prints the variables), get launch.sh's job-scoped caches; a value of the user's is kept."""
+    checkout, py = _fake_nemo_rl(tmp_path)
+    mounts = f"/tmp:/tmp,{ROOT}:{ROOT}"
+    r, calls = _submit(tmp_path, ["--no-preflight", "--nodes", "1", "--eval-suite", "espo", "--nemo-rl", str(checkout),
+                                  *LOCAL], NEMO_RL_PYTHON=str(py), CONTAINER="img.sqsh", MOUNTS=mounts,
+                       **{k: None for k in CACHES})
+    assert r.returncode == 0, r.stderr
+    report = [c for c in calls if c[0] == "sbatch" and any(a.startswith("--job-name=cmp-report") for a in c)]
+    wraps = [a.split("=", 1)[1] for c in [*_evals(calls), *report] for a in c if a.startswith("--wrap=")]
+    assert len(wraps) == 3, calls
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "srun").write_text('#!/usr/bin/env bash\nshift $(($# - 3)); exec "$@"\n')    # bash -c SCRIPT
+    (run / "python").write_text("#!/usr/bin/env bash\n" + "".join(f'echo "{k}=${{{k}:-}}"\n' for k in CACHES))
+    for f in ("srun", "python"):
+        (run / f).chmod(0o755)
+
+    def step_env(wrap: str, **env) -> dict:
+        out = subprocess.run(["sh", "-c", wrap], capture_output=True, text=True, timeout=30, cwd=tmp_path,
+                             env={**_env(tmp_path, **{k: None for k in CACHES}), "PATH": f"{run}:{os.environ['PATH']}",
+                                  "SLURM_JOB_ID": "7", "HOME": str(tmp_path / "no-home"), **env})
+        assert out.returncode == 0, out.stderr
+        return dict(line.split("=", 1) for line in out.stdout.splitlines() if line.split("=", 1)[0] in CACHES)
+
+    for wrap in wraps:
+        assert "--container-image=img.sqsh" in wrap, wrap
+        assert step_env(wrap) == {k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}, wrap
+        home = tmp_path / "home"
+        home.mkdir(exist_ok=True)
+        assert step_env(wrap, HOME=str(home))["XDG_CACHE_HOME"] == ""     # a writable HOME keeps its cache
+        mine = step_env(wrap, TRITON_CACHE_DIR="/lustre/triton", XDG_CACHE_HOME="/lustre/cache")
+        assert (mine["TRITON_CACHE_DIR"], mine["XDG_CACHE_HOME"]) == ("/lustre/triton", "/lustre/cache"), mine
+
+
 def _fake_enroot(d: Path, listed: list[str]) -> Path:
     """An ``enroot`` whose ``list`` prints ``listed`` (pyxis' names) and which records each ``remove``."""
     log = d / "enroot.calls"
