@@ -202,7 +202,7 @@ def _missing_nemo_rl() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body needs NeMo-RL and GPUs
-    from .nemo_rl.time_limit import StopWatch, install_stop_signal
+    from .nemo_rl.time_limit import StopWatch, check_save_every, install_stop_signal
 
     install_stop_signal()   # first: SIGUSR1 (slurm/launch.sh's "save and stop") must never kill the driver
     args, overrides = parse_args(argv)
@@ -240,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
     try:
         config = load_resolved(args.config, overrides)
         opts = check_config(config)
+        check_save_every(bool(_get(config, ("checkpointing", "enabled"))))
         master_config = MasterConfig(**config)
     except (ValueError, FileNotFoundError) as err:   # ConfigFileError is a FileNotFoundError
         if isinstance(err, ValidationError):
@@ -279,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
         master_config, tokenizer, dataset, val_dataset, policy_factory=factory)
 
     logger = EstimatorMetricsLogger(logger)
-    watch = StopWatch(compat.module("grpo")).start()   # NeMo-RL's time limit, SIGUSR1
+    # NeMo-RL's time limit, SIGUSR1, NG_SAVE_EVERY_MINUTES (through the checkpointing dict the loop reads)
+    watch = StopWatch(compat.module("grpo"), master_config.checkpointing).start()
     async_on = bool(compat.conf(master_config, "grpo.async_grpo.enabled", False))
     try:
         if async_on:

@@ -154,6 +154,9 @@ def _startup(argv: list[str] | None):
     check_config_files(args.config)   # before NeMo-RL's algorithms are imported: a wrong path is answered at once
     nr = _import_nemo_rl()
     config, opts = prepare_config(nr, args.config, overrides)
+    from .nemo_rl.time_limit import check_save_every
+
+    check_save_every(bool(nr.compat.conf(config, "checkpointing.enabled", False)))
     if async_ppo_enabled(config):
         _check_async(config)
     if opts.check_tokenizers:
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 start_step=int(ppo_state["total_steps"]), diagnostics_prefix=opts.diagnostics_prefix)
         train = nr.compat.get("async_ppo_train") if async_on else nr.ppo.ppo_train
         print(f"🚀 Running SPPO ({'async' if async_on else 'sync'} PPO loop)", flush=True)
-        with nr.compat.checkpoint_flush(checkpointer), StopWatch(nr.ppo) as watch:   # NeMo-RL's time limit, SIGUSR1
+        with nr.compat.checkpoint_flush(checkpointer), StopWatch(nr.ppo, master_config.checkpointing) as watch:
+            # NeMo-RL's time limit, SIGUSR1, NG_SAVE_EVERY_MINUTES (through the checkpointing dict the loop reads)
             train(policy, policy_generation, value_model, dataloader, val_dataloader, tokenizer, loss_fn,
                   value_loss_fn, task_to_env, val_task_to_env, logger, checkpointer, ppo_state, master_config)
     # 99 when NeMo-RL stopped at its time limit (or after SIGUSR1) before the end: slurm/launch.sh requeues

@@ -229,3 +229,36 @@ def test_sync_runs_log_espo_verification_failed_frac(nemo_rl_src, tmp_path):
     train = [m for p, _, m in seen if p == "train"]
     assert train[0] == {"reward": 0.5}
     assert train[1]["loss"] == 0.1 and train[1]["verification_failed_frac"] == pytest.approx(0.5)
+
+
+SAVE_EVERY = r"""
+import contextlib, importlib, io, json, os, sys
+run = importlib.import_module(sys.argv[1])
+out = []
+for value in ("ten", "30"):
+    os.environ["NG_SAVE_EVERY_MINUTES"] = value
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = run.main(["--config", sys.argv[2]])
+    out.append([rc, err.getvalue()])
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_save_every_minutes_is_checked_at_start_in_both_launchers(fixtures):
+    """NG_SAVE_EVERY_MINUTES (periodic checkpoints by wall time, docs/slurm.md): a value that is not
+    a positive number of minutes, and the variable with checkpointing.enabled: false (the fixtures'
+    configs), are one line and exit 2 from run_grpo and run_sppo, before Ray or setup()."""
+    for launcher, cfg, prefix in (("run_grpo", fixtures["sspo"], "nemo_granular.run_grpo: "),
+                                  ("run_sppo", fixtures["sppo"], "nemo_granular.run_sppo: error: ")):
+        proc = subprocess.run([sys.executable, "-c", SAVE_EVERY, f"nemo_granular.{launcher}", cfg],
+                              capture_output=True, text=True, timeout=600, cwd=fixtures["dir"])
+        result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        assert proc.returncode == 0 and result, (proc.stdout[-2000:], proc.stderr[-3000:])
+        expect = ("NG_SAVE_EVERY_MINUTES='ten': must be a positive number of minutes",
+                  "NG_SAVE_EVERY_MINUTES=30 asks for periodic checkpoints, but checkpointing.enabled is false")
+        for (rc, err), text in zip(json.loads(result[0][7:]), expect):
+            lines = [ln for ln in err.splitlines() if ln.strip() and not _foreign(ln)]
+            assert rc == 2 and len(lines) == 1, (launcher, err)
+            assert lines[0].startswith(prefix) and text in lines[0], lines[0]
+        assert "Started a local Ray instance" not in proc.stdout + proc.stderr

@@ -57,7 +57,7 @@ def usr1(monkeypatch):
     """SIGUSR1 / SIGTERM through ``install_stop_signal``; the handlers, the module state and the
     job's end restored after (no Slurm job: the budget is NeMo-RL's alone unless a test sets one)."""
     old = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    for var in ("NG_JOB_END_TIME", "SLURM_JOB_END_TIME", "SLURM_JOB_ID", "NG_SAVE_RESERVE_SECONDS"):
+    for var in ("NG_JOB_END_TIME", "SLURM_JOB_END_TIME", "SLURM_JOB_ID", "NG_SAVE_RESERVE_SECONDS", "NG_SAVE_EVERY_MINUTES"):
         monkeypatch.delenv(var, raising=False)
     time_limit._STOP["signal"] = None
     time_limit._JOB["deadline"] = None
@@ -265,3 +265,114 @@ def test_job_seconds_left_reads_the_launcher_then_slurm(monkeypatch):
         assert time_limit.parse_slurm_duration(text) == seconds
     for text in ("UNLIMITED", "NOT_SET", "INVALID", ""):
         assert time_limit.parse_slurm_duration(text) is None
+
+
+# ---------------------------------------------------------------- periodic saves by wall time -----
+
+def test_save_every_minutes_is_a_positive_number_of_minutes_or_one_line():
+    assert time_limit.save_every_seconds({}) is None and time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": " "}) is None
+    assert time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": "30"}) == 1800.0
+    assert time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": "0.5"}) == 30.0
+    for bad in ("0", "-5", "ten", "inf", "nan"):
+        with pytest.raises(ValueError) as err:
+            time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": bad})
+        assert str(err.value) == (f"NG_SAVE_EVERY_MINUTES={bad!r}: must be a positive number of minutes (unset: no "
+                                  "periodic saves by wall time)"), err.value
+    time_limit.check_save_every(True, {"NG_SAVE_EVERY_MINUTES": "30"})
+    time_limit.check_save_every(False, {})
+    with pytest.raises(ValueError, match=r"^NG_SAVE_EVERY_MINUTES=30 asks for periodic checkpoints, but "
+                                         r"checkpointing.enabled is false$"):
+        time_limit.check_save_every(False, {"NG_SAVE_EVERY_MINUTES": "30"})
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.parametrize("order, period, saves, due", [
+    # grpo_train / ppo_train / async_ppo_train (7ea279ab) and v0.7.0's loops: mark, decide, check, save
+    ("mark_first", 5, [3, 5, 8, 10, 13], 3),
+    # async_grpo_train at 7ea279ab: decide, check, mark, save: the periodic save comes one step later
+    ("decide_first", 5, [4, 5, 9, 10], 3),
+    # ... and a save made due at the mark of a step that saves anyway is that save (with the user's period)
+    ("decide_first", 3, [3, 6, 9, 12], 4),
+])
+def test_periodic_saves_by_wall_time_go_through_the_loops_own_save_decision(algo, monkeypatch, capsys, order,
+                                                                             period, saves, due):
+    """NG_SAVE_EVERY_MINUTES=10 with steps of 4 min, saves of 1 min and ``save_period: 5``, driven
+    as NeMo-RL's loops drive the real TimeoutChecker and Timer: the step decision reads
+    ``checkpointing["save_period"]`` (``(step + 1) % save_period``), ``check_save`` follows it, a
+    save runs inside ``timer.time("checkpointing")``. A save is due 10 min after the last one ended
+    (or after the loop started); a step-period save restarts the clock; after every ``check_save``
+    (before the save, which records the config) ``save_period`` is the user's 5 again."""
+    clock = Clock(monkeypatch)
+    monkeypatch.setenv("NG_SAVE_EVERY_MINUTES", "10")
+    checkpointing = {"enabled": True, "save_period": period, "checkpoint_must_save_by": None}
+    saved, seen_period = [], []
+    with StopWatch(algo, checkpointing) as watch:
+        timeout = algo.TimeoutChecker(timeout=None, fit_last_save_time=True)
+        timer = algo.Timer()
+        timeout.start_iterations()
+        for step in range(1, 14):
+            clock.advance(240)
+            if order == "mark_first":
+                timeout.mark_iteration()
+            decided = step % checkpointing["save_period"] == 0
+            assert not timeout.check_save()
+            if order == "decide_first":
+                timeout.mark_iteration()
+            if decided:
+                with timer.time("checkpointing"):
+                    seen_period.append(checkpointing["save_period"])   # what init_tmp_checkpoint records
+                    clock.advance(60)
+                saved.append(step)
+    # with period 5 due at the boundaries of minutes 12, 34, 56 (steps 3, 8, 13); in decide_first order
+    # the third one's save would be step 14's, and leaving the loop gives save_period back
+    assert saved == saves and watch.periodic_saves == due, saved
+    assert set(seen_period) == {period} and checkpointing["save_period"] == period
+    err = capsys.readouterr().err
+    assert err.count("periodic checkpoint: ") == watch.periodic_saves, err
+    assert "periodic checkpoint: 12.0 min since the last one (NG_SAVE_EVERY_MINUTES=10): NeMo-RL saves at this step" \
+        in err, err
+
+
+@pytest.mark.nemo_rl
+def test_without_save_every_minutes_the_save_period_is_never_touched(algo, monkeypatch):
+    clock = Clock(monkeypatch)
+    monkeypatch.delenv("NG_SAVE_EVERY_MINUTES", raising=False)
+    checkpointing = {"enabled": True, "save_period": 5}
+    with StopWatch(algo, checkpointing) as watch:
+        timeout = algo.TimeoutChecker(timeout=None, fit_last_save_time=True)
+        timeout.start_iterations()
+        for _ in range(20):
+            clock.advance(3600)
+            timeout.mark_iteration()
+            assert checkpointing["save_period"] == 5
+            timeout.check_save()
+    assert watch.periodic_saves == 0
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.v070
+def test_every_loop_reads_save_period_before_check_save_and_saves_after_it(nemo_rl_src):
+    """What the periodic saves rely on, read from the NeMo-RL in this world (7ea279ab or v0.7.0): in
+    each training loop the step's save decision reads ``checkpointing["save_period"]`` before
+    ``timeout.check_save()`` (which gives the user's value back), the checkpoint (with the config
+    it records) is written after it, and the loop marks iterations (where a save is made due)."""
+    import inspect
+
+    from nemo_granular.nemo_rl import compat
+
+    loops = {"grpo": ("grpo_train", "async_grpo_train"), "ppo": ("ppo_train", "async_ppo_train")}
+    seen = []
+    for module_name, names in loops.items():
+        module = compat.module(module_name)
+        for name in names:
+            fn = getattr(module, name, None)
+            if fn is None:
+                continue
+            src = inspect.getsource(fn)
+            decision, check = src.find('checkpointing["save_period"]'), src.find("timeout.check_save()")
+            save = src.find("init_tmp_checkpoint(", check)
+            assert "timeout.mark_iteration()" in src, name
+            assert 0 <= decision < check < save, (name, decision, check, save)
+            assert src.count('checkpointing["save_period"]') == 1, name
+            seen.append(name)
+    assert {"grpo_train", "ppo_train"} <= set(seen), seen

@@ -31,6 +31,18 @@ longest of the last :data:`RECENT_STEPS` steps (not their mean: a slow step, e.g
 validation, must not be averaged away) plus the last checkpoint save as NeMo-RL's own ``Timer``
 measured it (its ``"checkpointing"`` section) and :data:`SHUTDOWN_SECONDS`, or, until a save has
 been measured, ``NG_SAVE_RESERVE_SECONDS`` (default 900: the save and the shutdown).
+
+Periodic saves by wall time: a preemption that gives no notice (SIGTERM to every step, a lost node)
+loses the work since the last checkpoint, and ``checkpointing.save_period`` counts steps, whose
+length a user learns only on the cluster. With ``NG_SAVE_EVERY_MINUTES=M`` (:func:`save_every_seconds`)
+the checker also makes the loop save at the first step boundary M minutes after the last save (or
+after the loop started). NeMo-RL's loops decide each step's save from
+``(step + 1) % master_config.checkpointing["save_period"]`` after ``timeout.mark_iteration()`` and
+before ``timeout.check_save()`` (``grpo.py:3504-3519``, ``ppo.py:1803-1814`` at 7ea279ab; the async
+GRPO loop decides before its mark, so there the save comes one step later): ``mark_iteration`` sets
+``save_period`` to 1 when a save is due; ``check_save`` and the start of a save (``Timer`` section
+``"checkpointing"``, which every loop's save runs in) put the user's value back, so the config a
+checkpoint records is the user's. The end of any save restarts the clock.
 """
 
 from __future__ import annotations
@@ -47,7 +59,7 @@ from types import ModuleType
 from typing import Any
 
 __all__ = ["PREEMPTED_EXIT_CODE", "StopWatch", "install_stop_signal", "stop_requested", "job_seconds_left",
-           "parse_slurm_duration", "must_stop_now"]
+           "parse_slurm_duration", "must_stop_now", "save_every_seconds", "check_save_every", "SAVE_EVERY_VAR"]
 
 PREEMPTED_EXIT_CODE = 99   # slurm/launch.sh's PREEMPT_EXIT_CODE, the embedded trainer's too
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
@@ -56,6 +68,7 @@ RECENT_STEPS = 5          # the steps whose longest sizes the next one
 # after a measured save: the driver's exit and the launcher's requeue (Ray steps stopped, the job's
 # containers removed, scontrol requeue), which must also end before the time limit
 SHUTDOWN_SECONDS = 120.0
+SAVE_EVERY_VAR = "NG_SAVE_EVERY_MINUTES"
 _STOP: dict[str, str | None] = {"signal": None}
 _JOB: dict[str, float | None] = {"deadline": None}   # wall-clock time the Slurm job ends, when known
 
@@ -86,6 +99,29 @@ def job_seconds_left(environ=os.environ) -> float | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return parse_slurm_duration(out.stdout) if out.returncode == 0 else None
+
+
+def save_every_seconds(environ=os.environ) -> float | None:
+    """``NG_SAVE_EVERY_MINUTES`` in seconds (unset or empty: None, no periodic saves by wall time);
+    one-line ``ValueError`` for a value that is not a positive number of minutes."""
+    value = environ.get(SAVE_EVERY_VAR, "").strip()
+    if not value:
+        return None
+    try:
+        minutes = float(value)
+    except ValueError:
+        minutes = float("nan")
+    if not minutes > 0 or minutes == float("inf"):
+        raise ValueError(f"{SAVE_EVERY_VAR}={value!r}: must be a positive number of minutes (unset: no periodic "
+                         "saves by wall time)")
+    return minutes * 60.0
+
+
+def check_save_every(checkpointing_enabled: bool, environ=os.environ) -> None:
+    """The driver's start-up check: ``NG_SAVE_EVERY_MINUTES`` valid, and only with checkpoints on."""
+    if save_every_seconds(environ) is not None and not checkpointing_enabled:
+        raise ValueError(f"{SAVE_EVERY_VAR}={environ[SAVE_EVERY_VAR].strip()} asks for periodic checkpoints, but "
+                         "checkpointing.enabled is false")
 
 
 def save_reserve_seconds(environ=os.environ) -> float:
@@ -145,8 +181,15 @@ class StopWatch:
     """``watch = StopWatch(nemo_rl.algorithms.grpo).start()``, ``grpo_train(...)``, ``watch.stop()``
     (or ``with StopWatch(...) as watch:``), then ``return watch.exit_code(...)``."""
 
-    def __init__(self, module: ModuleType):
+    def __init__(self, module: ModuleType, checkpointing: Any = None):
+        """``checkpointing``: the ``master_config.checkpointing`` dict the loop reads (periodic saves by
+        wall time need it; without it ``NG_SAVE_EVERY_MINUTES`` is ignored)."""
         self.module = module
+        self.checkpointing = checkpointing
+        self.save_every = save_every_seconds() if checkpointing is not None else None
+        self.last_save_end: float | None = None   # when the last save ended (the loop's start before one)
+        self.periodic_saves = 0
+        self._user_period: Any = None             # the user's save_period while ours (1) stands in
         self.fired: str | None = None      # "time limit", "job end" or the stop signal's name
         self.last_save_seconds: float | None = None   # NeMo-RL's last "checkpointing" section
         self._saves_in_step = 0.0          # seconds saved since the last step boundary
@@ -156,6 +199,27 @@ class StopWatch:
     def _saved(self, seconds: float) -> None:
         self.last_save_seconds = seconds
         self._saves_in_step += seconds
+        self.last_save_end = time.time()
+
+    def _due(self, now: float) -> None:
+        """At a step boundary: make this step's save decision save when the last one is older than
+        ``save_every`` (see the module docstring)."""
+        if self.save_every is None or self._user_period is not None:
+            return
+        since = now - (self.last_save_end if self.last_save_end is not None else now)
+        if since < self.save_every:
+            return
+        self._user_period = self.checkpointing["save_period"]
+        self.checkpointing["save_period"] = 1
+        self.periodic_saves += 1
+        self.last_save_end = now      # the save happens at this boundary (a loop without Timer, too)
+        print(f"periodic checkpoint: {since / 60:.1f} min since the last one ({SAVE_EVERY_VAR}="
+              f"{self.save_every / 60:g}): NeMo-RL saves at this step", file=sys.stderr, flush=True)
+
+    def _restore_period(self) -> None:
+        if self._user_period is not None:
+            self.checkpointing["save_period"] = self._user_period
+            self._user_period = None
 
     def start(self) -> StopWatch:
         base = getattr(self.module, "TimeoutChecker", None)
@@ -172,6 +236,8 @@ class StopWatch:
                 super().__init__(*args, **kwargs)
                 self.step_seconds: list[float] = []   # each step, the saves in it left out
                 self.step_started: float | None = None
+                if watch.last_save_end is None:
+                    watch.last_save_end = time.time()   # the periodic saves' clock starts with the loop
                 if _JOB["deadline"] is not None:
                     reserve = save_reserve_seconds()
                     budget = _JOB["deadline"] - reserve - self.start_time
@@ -194,8 +260,10 @@ class StopWatch:
                 if self.step_started is not None:
                     self.step_seconds.append(max(now - self.step_started - watch._saves_in_step, 0.0))
                 self.step_started, watch._saves_in_step = now, 0.0
+                watch._due(now)
 
             def check_save(self) -> bool:
+                watch._restore_period()   # the loop has read save_period for this step's decision
                 if stop_requested() and not self.last_saved:
                     self.last_saved = True
                     watch.fired = stop_requested()
@@ -228,6 +296,11 @@ class StopWatch:
                 """NeMo-RL's Timer; also hands the watch each checkpoint save's duration (the loops
                 save inside ``timer.time("checkpointing")``)."""
 
+                def start(self, label, *args, **kwargs):
+                    if label == "checkpointing":   # a save begins: it records the user's save_period
+                        watch._restore_period()
+                    return super().start(label, *args, **kwargs)
+
                 def stop(self, label, *args, **kwargs):
                     elapsed = super().stop(label, *args, **kwargs)
                     if label == "checkpointing":
@@ -243,6 +316,7 @@ class StopWatch:
         and a repeat of the launcher's signal must not kill the driver while it shuts down (at
         interpreter exit Python resets a Python-level handler to the default action, which for
         SIGUSR1 and SIGTERM is to terminate; an ignored signal stays ignored)."""
+        self._restore_period()
         if getattr(self.module, "TimeoutChecker", None) is self._patched:
             self.module.TimeoutChecker = self._original
         if self._timer_patched is not None and getattr(self.module, "Timer", None) is self._timer_patched:
