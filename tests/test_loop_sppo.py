@@ -150,3 +150,64 @@ def test_multi_gpu_critic_with_a_pad_token_id_is_refused():
     assert check_value_head_initialised(cfg(), plain)
     assert check_value_head_initialised(cfg(dtensor=False), padded)        # Megatron critic: another path
     assert check_value_head_initialised(cfg(), lambda n: (_ for _ in ()).throw(OSError("offline"))) is False
+
+
+# float64 recomputation of both SPPO losses from what the workers received (cpu_host.ppo_loss_check).
+# Measured on this run (CPU, main world): policy loss ≤ LOSS_ERR_POLICY, critic BCE ≤ LOSS_ERR_VALUE,
+# advantage ≤ ADV_ERR; each tolerance is a small multiple of that (docs/testing.md).
+POLICY_LOSS_TOL = 1e-5
+VALUE_LOSS_TOL = 1e-5
+ADVANTAGE_TOL = 1e-5
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.slow
+def test_sppo_policy_loss_and_advantage_recomputed(sppo):
+    """Every ``ClippedPGLossFn`` call of the policy workers against the float64 token-level clipped
+    objective of SPPO eq. 3 (ε 0.2 / 0.2, dual clip c, no KL, token mean over the global count), from
+    the log-probs, π_old log-probs, advantages and masks the worker received; and every row's
+    advantage, as ``Policy.train`` received it, against SPPO eq. 1, A = R − σ(v), from the critic
+    logit and the reward of the same batch. The algorithm acts on this run: the advantages are
+    non-zero and, in the second optimizer step of a rollout, the ratio is not 1."""
+    from cpu_host.ppo_loss_check import advantage_reference, policy_loss_reference, records
+
+    run = sppo.run
+    recs = records(run.dir, "policy")
+    calls = run.of("policy_train")
+    assert len(recs) >= 2 * len(calls) == 6, len(recs)          # at least one per worker and train call
+    errs, moved = [], 0
+    for rec in recs:
+        assert rec["config"]["reference_policy_kl_penalty"] == 0 and not rec["config"]["force_on_policy_ratio"]
+        assert "TOKEN_LEVEL" in rec["config"]["loss_type"], rec["config"]
+        ref = policy_loss_reference(rec)
+        errs.append(abs(rec["loss"] - ref["loss"]))
+        assert ref["tokens"] > 0 and ref["adv_nonzero"] == ref["tokens"], ref
+        assert abs(rec["metrics"]["probs_ratio_min"] - ref["ratio_min"]) <= POLICY_LOSS_TOL
+        assert abs(rec["metrics"]["probs_ratio_max"] - ref["ratio_max"]) <= POLICY_LOSS_TOL
+        moved += max(abs(ref["ratio_min"] - 1), abs(ref["ratio_max"] - 1)) > 1e-3
+    assert max(errs) <= POLICY_LOSS_TOL, (max(errs), errs)
+    assert moved > 0, "the ratio is 1 in every recorded call: only wiring would be proven"
+    adv = [pair for c in calls for pair in advantage_reference(c["critic_rows"])]
+    assert len(adv) == 3 * PROMPTS and all(c["critic_rows"]["advantage_constant_per_row"] for c in calls)
+    assert max(abs(a - e) for a, e in adv) <= ADVANTAGE_TOL, adv
+    assert all(abs(e) > 1e-3 for _, e in adv)
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.slow
+def test_sppo_critic_bce_recomputed(sppo):
+    """Every ``SequenceValueLoss`` call of the value workers against the float64 BCE of SPPO eq. 2:
+    σ of the critic output at the prompt's last token (the first response column of NeMo-RL's
+    right-shifted values) against the binary reward, summed over valid rows / global_valid_seqs."""
+    from cpu_host.ppo_loss_check import records, value_loss_reference
+
+    run = sppo.run
+    recs = records(run.dir, "value")
+    assert len(recs) >= 2 * len(run.of("value_train")) == 6, len(recs)
+    errs, rows = [], 0
+    for rec in recs:
+        ref = value_loss_reference(rec)
+        rows += ref["rows"]
+        errs.append(abs(rec["loss"] - ref["loss"]))
+    assert max(errs) <= VALUE_LOSS_TOL, (max(errs), errs)
+    assert rows == 3 * PROMPTS, rows                             # every sample's row, once per step
