@@ -153,11 +153,12 @@ def test_multi_gpu_critic_with_a_pad_token_id_is_refused():
 
 
 # float64 recomputation of both SPPO losses from what the workers received (cpu_host.ppo_loss_check).
-# Measured on this run (CPU, main world): policy loss ≤ LOSS_ERR_POLICY, critic BCE ≤ LOSS_ERR_VALUE,
-# advantage ≤ ADV_ERR; each tolerance is a small multiple of that (docs/testing.md).
-POLICY_LOSS_TOL = 1e-5
-VALUE_LOSS_TOL = 1e-5
-ADVANTAGE_TOL = 1e-5
+# Measured on this run (CPU, main world; 12 policy and 12 critic loss calls): policy loss 3.8e-8, its
+# ratio min / max metrics 5.5e-8, critic BCE 2.1e-8, advantage 4.7e-8 (float32 workers against
+# float64); each tolerance is about 4-5× that (docs/testing.md, "Measured in the loops").
+POLICY_LOSS_TOL = 2e-7
+VALUE_LOSS_TOL = 1e-7
+ADVANTAGE_TOL = 2e-7
 
 
 @pytest.mark.nemo_rl
@@ -167,8 +168,11 @@ def test_sppo_policy_loss_and_advantage_recomputed(sppo):
     objective of SPPO eq. 3 (ε 0.2 / 0.2, dual clip c, no KL, token mean over the global count), from
     the log-probs, π_old log-probs, advantages and masks the worker received; and every row's
     advantage, as ``Policy.train`` received it, against SPPO eq. 1, A = R − σ(v), from the critic
-    logit and the reward of the same batch. The algorithm acts on this run: the advantages are
-    non-zero and, in the second optimizer step of a rollout, the ratio is not 1."""
+    logit and the reward of the same batch. The algorithm acts on this run: every advantage is
+    non-zero (|A| ≥ 0.49: σ(v) ≈ 0.5 for a fresh head) and in the second optimizer step of each rollout
+    the ratio is not 1 (measured 0.9969–1.0032). The ratios stay inside [0.8, 1.2], so neither the
+    ε clip nor the dual clip engages here: those branches are covered by tests/test_loss_nemo.py,
+    not by this loop."""
     from cpu_host.ppo_loss_check import advantage_reference, policy_loss_reference, records
 
     run = sppo.run
@@ -184,9 +188,10 @@ def test_sppo_policy_loss_and_advantage_recomputed(sppo):
         assert ref["tokens"] > 0 and ref["adv_nonzero"] == ref["tokens"], ref
         assert abs(rec["metrics"]["probs_ratio_min"] - ref["ratio_min"]) <= POLICY_LOSS_TOL
         assert abs(rec["metrics"]["probs_ratio_max"] - ref["ratio_max"]) <= POLICY_LOSS_TOL
-        moved += max(abs(ref["ratio_min"] - 1), abs(ref["ratio_max"] - 1)) > 1e-3
+        moved += max(abs(ref["ratio_min"] - 1), abs(ref["ratio_max"] - 1)) > 1e-4
     assert max(errs) <= POLICY_LOSS_TOL, (max(errs), errs)
-    assert moved > 0, "the ratio is 1 in every recorded call: only wiring would be proven"
+    # 2 optimizer steps per rollout: the second is off-policy (measured: 6 of 12 calls, one per step and worker)
+    assert moved >= 3, "the ratio is 1 in (nearly) every recorded call: only wiring would be proven"
     adv = [pair for c in calls for pair in advantage_reference(c["critic_rows"])]
     assert len(adv) == 3 * PROMPTS and all(c["critic_rows"]["advantage_constant_per_row"] for c in calls)
     assert max(abs(a - e) for a, e in adv) <= ADVANTAGE_TOL, adv
