@@ -150,3 +150,69 @@ def test_multi_gpu_critic_with_a_pad_token_id_is_refused():
     assert check_value_head_initialised(cfg(), plain)
     assert check_value_head_initialised(cfg(dtensor=False), padded)        # Megatron critic: another path
     assert check_value_head_initialised(cfg(), lambda n: (_ for _ in ()).throw(OSError("offline"))) is False
+
+
+# float64 recomputation of both SPPO losses from what the workers received (cpu_host.ppo_loss_check).
+# Measured on this run (CPU, main world; 12 policy and 12 critic loss calls): policy loss 3.8e-8, its
+# ratio min / max metrics 5.5e-8, critic BCE 2.1e-8, advantage 4.7e-8 (float32 workers against
+# float64); each tolerance is about 4-5× that (docs/testing.md, "Measured in the loops").
+POLICY_LOSS_TOL = 2e-7
+VALUE_LOSS_TOL = 1e-7
+ADVANTAGE_TOL = 2e-7
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.slow
+def test_sppo_policy_loss_and_advantage_recomputed(sppo):
+    """Every ``ClippedPGLossFn`` call of the policy workers against the float64 token-level clipped
+    objective of SPPO eq. 3 (ε 0.2 / 0.2, dual clip c, no KL, token mean over the global count), from
+    the log-probs, π_old log-probs, advantages and masks the worker received; and every row's
+    advantage, as ``Policy.train`` received it, against SPPO eq. 1, A = R − σ(v), from the critic
+    logit and the reward of the same batch. The algorithm acts on this run: every advantage is
+    non-zero (|A| ≥ 0.49: σ(v) ≈ 0.5 for a fresh head) and in the second optimizer step of each rollout
+    the ratio is not 1 (measured 0.9969–1.0032). The ratios stay inside [0.8, 1.2], so neither the
+    ε clip nor the dual clip engages here: those branches are covered by tests/test_loss_nemo.py,
+    not by this loop."""
+    from cpu_host.ppo_loss_check import advantage_reference, policy_loss_reference, records
+
+    run = sppo.run
+    recs = records(run.dir, "policy")
+    calls = run.of("policy_train")
+    assert len(recs) >= 2 * len(calls) == 6, len(recs)          # at least one per worker and train call
+    errs, moved = [], 0
+    for rec in recs:
+        assert rec["config"]["reference_policy_kl_penalty"] == 0 and not rec["config"]["force_on_policy_ratio"]
+        assert "TOKEN_LEVEL" in rec["config"]["loss_type"], rec["config"]
+        ref = policy_loss_reference(rec)
+        errs.append(abs(rec["loss"] - ref["loss"]))
+        assert ref["tokens"] > 0 and ref["adv_nonzero"] == ref["tokens"], ref
+        assert abs(rec["metrics"]["probs_ratio_min"] - ref["ratio_min"]) <= POLICY_LOSS_TOL
+        assert abs(rec["metrics"]["probs_ratio_max"] - ref["ratio_max"]) <= POLICY_LOSS_TOL
+        moved += max(abs(ref["ratio_min"] - 1), abs(ref["ratio_max"] - 1)) > 1e-4
+    assert max(errs) <= POLICY_LOSS_TOL, (max(errs), errs)
+    # 2 optimizer steps per rollout: the second is off-policy (measured: 6 of 12 calls, one per step and worker)
+    assert moved >= 3, "the ratio is 1 in (nearly) every recorded call: only wiring would be proven"
+    adv = [pair for c in calls for pair in advantage_reference(c["critic_rows"])]
+    assert len(adv) == 3 * PROMPTS and all(c["critic_rows"]["advantage_constant_per_row"] for c in calls)
+    assert max(abs(a - e) for a, e in adv) <= ADVANTAGE_TOL, adv
+    assert all(abs(e) > 1e-3 for _, e in adv)
+
+
+@pytest.mark.nemo_rl
+@pytest.mark.slow
+def test_sppo_critic_bce_recomputed(sppo):
+    """Every ``SequenceValueLoss`` call of the value workers against the float64 BCE of SPPO eq. 2:
+    σ of the critic output at the prompt's last token (the first response column of NeMo-RL's
+    right-shifted values) against the binary reward, summed over valid rows / global_valid_seqs."""
+    from cpu_host.ppo_loss_check import records, value_loss_reference
+
+    run = sppo.run
+    recs = records(run.dir, "value")
+    assert len(recs) >= 2 * len(run.of("value_train")) == 6, len(recs)
+    errs, rows = [], 0
+    for rec in recs:
+        ref = value_loss_reference(rec)
+        rows += ref["rows"]
+        errs.append(abs(rec["loss"] - ref["loss"]))
+    assert max(errs) <= VALUE_LOSS_TOL, (max(errs), errs)
+    assert rows == 3 * PROMPTS, rows                             # every sample's row, once per step

@@ -14,7 +14,10 @@ This harness's own (docs/nemo-rl.md §7):
 
 And one recorder (no stand-in): every ``GranularPolicyLoss`` call inside a worker writes what
 reached the loss and what the loss returned (:func:`_record_policy_loss`), for the test's float64
-recomputation (``tests/harness/cpu_host/loss_check.py``).
+recomputation (``tests/harness/cpu_host/loss_check.py``); in an SPPO run (opt-in,
+:data:`PPO_LOSSES_ENV`) also every ``SequenceValueLoss`` call of a value worker and every NeMo-RL
+``ClippedPGLossFn`` call of a policy worker (:func:`_record_value_loss`, :func:`_record_clipped_pg_loss`;
+recomputed by ``tests/harness/cpu_host/ppo_loss_check.py``).
 
 Nothing here imports torch, Ray or NeMo-RL (an eager ``sitecustomize`` that imported NeMo-RL made
 Ray's node start time out): each patch runs right after its module is first imported.
@@ -169,6 +172,92 @@ def _record_policy_loss(losses) -> None:
     cls.__call__ = __call__
 
 
+# Opt-in (set by ``cpu_host.launch sppo`` in the driver; NeMo-RL's worker groups copy the driver's
+# environment into every worker): the PPO loop's two losses are recorded too.
+PPO_LOSSES_ENV = "NEMO_GRANULAR_CPU_HOST_PPO_LOSSES"
+
+
+def _save_ppo_loss_record(kind: str, counter: list, record: dict) -> None:
+    """``record`` → ``$NEMO_GRANULAR_CPU_HOST_FACTS.ppo_loss/<kind>_<pid>_<n>.pt`` (a folder of its
+    own: the GRPO loops' ``.loss`` records and their collection per ``Policy.train`` call are untouched)."""
+    import os
+
+    import torch
+
+    dist = torch.distributed
+    record["rank"] = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    record["call"], record["pid"] = counter[0], os.getpid()
+    out = f"{os.environ['NEMO_GRANULAR_CPU_HOST_FACTS']}.ppo_loss"
+    os.makedirs(out, exist_ok=True)
+    name = f"{kind}_{os.getpid()}_{counter[0]:05d}"
+    torch.save(record, os.path.join(out, name + ".tmp"))
+    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name + ".pt"))
+    counter[0] += 1
+
+
+def _ppo_losses_on() -> bool:
+    import os
+
+    return bool(os.environ.get("NEMO_GRANULAR_CPU_HOST_FACTS") and os.environ.get(PPO_LOSSES_ENV))
+
+
+def _record_value_loss(losses) -> None:
+    """Each ``SequenceValueLoss.__call__`` in this process (a value worker) also saves the critic
+    output that reached it (``logits``: NeMo-RL's right-shifted values), the batch's ``token_mask``,
+    ``sample_mask`` and ``rewards``, the global counts, and the loss and metrics it returned. Only the
+    forward is recorded (no extra autograd pass)."""
+    if not _ppo_losses_on():
+        return
+    cls = losses.SequenceValueLoss
+    real = cls.__call__
+    keys = ("token_mask", "sample_mask", "rewards", "input_lengths")
+    counter = [0]
+
+    def __call__(self, logits, data, global_valid_seqs, global_valid_toks, **kwargs):
+        loss, metrics = real(self, logits, data, global_valid_seqs, global_valid_toks, **kwargs)
+        _save_ppo_loss_record("value", counter, {
+            "logits": logits.detach().cpu().clone(),
+            "data": {k: data[k].detach().cpu().clone() for k in keys if k in data and hasattr(data[k], "detach")},
+            "global_valid_seqs": float(global_valid_seqs), "global_valid_toks": float(global_valid_toks),
+            "loss": float(loss.detach()), "metrics": dict(metrics)})
+        return loss, metrics
+
+    cls.__call__ = __call__
+
+
+def _record_losses(losses) -> None:
+    _record_policy_loss(losses)
+    _record_value_loss(losses)
+
+
+def _record_clipped_pg_loss(loss_functions) -> None:
+    """Each call of NeMo-RL's own ``ClippedPGLossFn`` (SPPO's policy loss) in this process saves the
+    next-token log-probs and the microbatch tensors it read, the global counts, its configuration,
+    and the loss and metrics it returned (forward only)."""
+    if not _ppo_losses_on():
+        return
+    cls = loss_functions.ClippedPGLossFn
+    real = cls.__call__
+    keys = ("token_mask", "sample_mask", "advantages", "prev_logprobs", "generation_logprobs", "rewards")
+    counter = [0]
+
+    def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, *args, **kwargs):
+        loss, metrics = real(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, *args, **kwargs)
+        _save_ppo_loss_record("policy", counter, {
+            "next_token_logprobs": next_token_logprobs.detach().cpu().clone(),
+            "data": {k: data[k].detach().cpu().clone() for k in keys if k in data and hasattr(data[k], "detach")},
+            "global_valid_seqs": float(global_valid_seqs), "global_valid_toks": float(global_valid_toks),
+            "loss": float(loss.detach()), "metrics": dict(metrics),
+            "config": {k: getattr(self, k, None) for k in (
+                "ratio_clip_min", "ratio_clip_max", "ratio_clip_c", "reference_policy_kl_penalty",
+                "disable_ppo_ratio", "force_on_policy_ratio", "use_importance_sampling_correction",
+                "sequence_level_importance_ratios", "use_cispo", "positive_example_nll_weight",
+                "truncated_importance_sampling_ratio")} | {"loss_type": str(getattr(self, "loss_type", ""))}})
+        return loss, metrics
+
+    cls.__call__ = __call__
+
+
 def _varlen_attention(_module) -> None:
     """Sequence packing makes the DTensor-v2 worker load its model with ``flash_attention_2``
     (flash-attn, CUDA only): transformers' entry for it becomes plain attention inside each packed
@@ -178,7 +267,8 @@ def _varlen_attention(_module) -> None:
     hf_varlen_attention.install()
 
 
-AFTER_IMPORT = {"nemo_granular.losses": _record_policy_loss,
+AFTER_IMPORT = {"nemo_granular.losses": _record_losses,
+                "nemo_rl.algorithms.loss.loss_functions": _record_clipped_pg_loss,
                 "nemo_rl.models.automodel.setup": _varlen_attention,
                 "ray._private.function_manager": _patch_ray_actor_methods,
                 "nemo_rl.distributed.ray_actor_environment_registry": _patch_registry,

@@ -166,6 +166,19 @@ def install_train_recorder() -> None:
             fact["prev_logprobs_vs_hf"] = _logprobs_vs_hf(BUILT["generation"], data, mask)
         if "advantages" in data:
             fact["advantages_nonzero"] = int((data["advantages"][mask] != 0).sum())
+        if "values" in data and "rewards" in data and mask is not None:
+            # PPO: per row, what the estimator read (the critic logit at the first response column, the
+            # reward) and the advantage it wrote there, for the test's own A = R − σ(v)
+            has = mask.any(-1)
+            first = torch.argmax(mask.to(torch.int8), dim=-1)
+            at = lambda x: x.double().reshape(x.shape[0], -1).gather(1, first[:, None]).squeeze(1)
+            fact["critic_rows"] = {"has_response": has.tolist(), "sample_mask": data["sample_mask"].tolist(),
+                                   "rewards": data["rewards"].double().reshape(-1).tolist(),
+                                   "value_logit": at(data["values"]).tolist(),
+                                   "advantage": at(data["advantages"]).tolist(),
+                                   "advantage_constant_per_row": bool(all(
+                                       (data["advantages"][b][mask[b]] == data["advantages"][b][first[b]]).all()
+                                       for b in range(mask.shape[0])))}
         _collect_loss_records(-1)             # anything written outside a train call is not this call's
         out = real_train(self, data, loss_fn, *args, **kwargs)
         fact["loss"] = float(torch.as_tensor(out["loss"]).float().mean())
@@ -232,6 +245,9 @@ def main(argv: list[str]) -> int:
 
         from nemo_granular import run_grpo as launcher
     elif which == "sppo":
+        from cpu_host.hooks import PPO_LOSSES_ENV
+
+        os.environ[PPO_LOSSES_ENV] = "1"     # the workers (which copy this environment) record both PPO losses
         import nemo_rl.algorithms.ppo as algo
 
         from nemo_granular import run_sppo as launcher
