@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, update_section  # noqa: E402
-
-from nemo_granular.sppo.critic import (  # noqa: E402
+from _report import machine, update_section
+from nemo_granular.sppo.critic import (
     build_value_query_batch,
     build_value_train_batch,
     prompt_value_columns,

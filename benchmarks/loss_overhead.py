@@ -35,12 +35,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, update_section  # noqa: E402
-
-from nemo_granular.config import PRESETS  # noqa: E402
-from nemo_granular.core.entropy import logprobs_and_entropy_from_logits, logprobs_from_logits  # noqa: E402
-from nemo_granular.core.groups import group_ids_for  # noqa: E402
-from nemo_granular.losses import GranularPolicyLoss  # noqa: E402
+from _report import machine, update_section
+from nemo_granular.config import PRESETS
+from nemo_granular.core.entropy import logprobs_and_entropy_from_logits, logprobs_from_logits
+from nemo_granular.core.groups import group_ids_for
+from nemo_granular.losses import GranularPolicyLoss
 
 VOCAB = 32768
 DELIMITER_EVERY = 50  # token ids divisible by 50 are "delimiters": segments of ~50 tokens

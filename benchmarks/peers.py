@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import importlib.util
 import os
 import random
 import statistics
@@ -47,8 +46,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, update_section  # noqa: E402
-from loss_overhead import VOCAB, make_batch, make_loss, memory_bytes  # noqa: E402
-
+from loss_overhead import make_batch, make_loss, memory_bytes  # noqa: E402
 from nemo_granular.config import PRESETS  # noqa: E402
 from nemo_granular.core.entropy import logprobs_and_entropy_from_logits, logprobs_from_logits  # noqa: E402
 from nemo_granular.core.groups import group_ids_for  # noqa: E402

@@ -15,7 +15,7 @@ from nemo_granular.cli import main as top_main
 
 pytest.importorskip("transformers")
 
-from export_cpu.tiny_hf import PROMPTS, make_tokenizer, tiny_config  # noqa: E402  (after importorskip)
+from export_cpu.tiny_hf import PROMPTS, make_tokenizer, tiny_config  # after importorskip
 
 
 # --------------------------------------------------------------------------------------- fixtures

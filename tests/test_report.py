@@ -13,8 +13,16 @@ import pytest
 import yaml
 
 from nemo_granular.report import load_run, report_from_runs
-from nemo_granular.report.stats import (FAILS, HOLDS, INCONCLUSIVE, fmt, moving_average, seed_band, verdict_below,
-                                        verdict_greater)
+from nemo_granular.report.stats import (
+    FAILS,
+    HOLDS,
+    INCONCLUSIVE,
+    fmt,
+    moving_average,
+    seed_band,
+    verdict_below,
+    verdict_greater,
+)
 
 STEPS, VAL_PERIOD, PROMPTS, GENS = 20, 5, 4, 8
 

@@ -109,7 +109,7 @@ def runtime_checks(cmds, suite: str, data_dir: Path | None) -> None:
 
 def main(argv: list[str]) -> int:
     from ..rundir import detect
-    from . import nemo_rl   # .embedded (torch) only for an embedded run: bad input answers without it
+    from . import nemo_rl  # .embedded (torch) only for an embedded run: bad input answers without it
 
     args = parse_args(argv)
     protocols = protocols_for(args.suite)
