@@ -30,6 +30,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -167,8 +168,8 @@ def bench_entropy(vocabs, positions, repeats, device, warmup=1):
         t_lp, t_both = [], []
         with torch.no_grad():
             for k in range(warmup + repeats):
-                for out, call in ((t_lp, lambda: logprobs_from_logits(z, tgt)),
-                                  (t_both, lambda: logprobs_and_entropy_from_logits(z, tgt))):
+                for out, call in ((t_lp, partial(logprobs_from_logits, z, tgt)),
+                                  (t_both, partial(logprobs_and_entropy_from_logits, z, tgt))):
                     _sync(device)
                     t0 = time.perf_counter()
                     call()

@@ -201,7 +201,7 @@ def table(summary) -> str:
     lines = ["| groups | level | σ | L (mean) | mean abs δ | mean weight | ESS | ‖g‖/‖g_none‖ | cos(g, g*) | "
              "ICE-POP masked |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (gran, level, sigma, L), s in summary.items():
-        def f(m, d=3):
+        def f(m, d=3, s=s):
             mu, sd = s[m]
             return f"{mu:.{d}f} ± {sd:.{d}f}"
         lines.append(f"| {gran} | {level} | {sigma} | {L} ({s['response_length'][0]:.0f}) | "

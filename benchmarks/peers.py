@@ -39,6 +39,7 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -195,7 +196,7 @@ def bench_losses(nemo, B, seq_lens, threads, repeats, warmup=2):
                         times[name].append((time.perf_counter() - t0) * 1e3)
             med = {k: statistics.median(v) for k, v in times.items()}
             for name, (fn, d, peer) in cont.items():
-                peak = peak_extra_bytes(lambda: fwd_bwd(fn, logp, d, gvs, gvt))
+                peak = peak_extra_bytes(partial(fwd_bwd, fn, logp, d, gvs, gvt))
                 saved = memory_bytes(fn, logp, d, gvs, gvt, torch.device("cpu"))
                 x_peer = (statistics.median(a / b for a, b in zip(times[name], times[peer]))
                           if peer in times else None)
@@ -276,7 +277,7 @@ def bench_entropy(nemo, peers, vocabs, positions, chunk, threads, repeats, warmu
                 H_ref = _reference_entropy(z[ref_rows])
                 base_t = times["log_softmax+gather (baseline)"]
                 for name, fn in cont.items():
-                    peak = peak_extra_bytes(lambda: fn(z, tgt))
+                    peak = peak_extra_bytes(partial(fn, z, tgt))
                     _, H = fn(z[ref_rows], tgt[ref_rows])
                     err = None if H is None else float((H.double() - H_ref).abs().max())
                     t = statistics.median(times[name])

@@ -80,7 +80,7 @@ def read_dcp(path: Path, *, safetensors: bool = False) -> dict[str, torch.Tensor
         what = str(path / ".metadata")
     try:
         meta = reader.read_metadata()
-    except Exception as err:  # unpickling a truncated/corrupt .metadata raises many types
+    except Exception as err:  # noqa: BLE001 - unpickling a truncated/corrupt .metadata raises many types
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise ValueError(f"corrupt DCP metadata {what}: {type(err).__name__}" + (f": {first}" if first else "")) from None
     if not safetensors:
@@ -110,7 +110,7 @@ def read_dcp(path: Path, *, safetensors: bool = False) -> dict[str, torch.Tensor
         with warnings.catch_warnings():  # single-process load is the intent; silence DCP's notice
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(sd, storage_reader=reader, no_dist=True)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - any load failure: re-raised as ValueError with its first line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"cannot load DCP checkpoint {path}: {first}") from None
     return sd
