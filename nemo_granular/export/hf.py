@@ -143,7 +143,8 @@ def _revert(model, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _drop_tied(model, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tied = {}
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+    if (getattr(model.config, "tie_word_embeddings", False)
+            or getattr(model.config.get_text_config(), "tie_word_embeddings", False)):
         try:
             tied = model.get_expanded_tied_weights_keys()
         except AttributeError:
