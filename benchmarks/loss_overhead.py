@@ -190,9 +190,12 @@ def to_markdown(args, device, loss_rows, ent_rows) -> str:
     lines = ["## Loss overhead (`benchmarks/loss_overhead.py`" + (" --quick" if args.quick else "") + ")", "",
              f"Machine: {machine()}; device: {device}.", "",
              f"Forward+backward of `GranularPolicyLoss` per preset given logprobs and entropy, B={args.B} rows, "
-             f"median of {args.repeats} repeats interleaved over the presets in a shuffled order each round; ×grpo = ratio to the `grpo` preset measured in the same run. "
-             f"Memory: {mem_kind}. Synthetic vocabulary {VOCAB} with every {DELIMITER_EVERY}th id a delimiter.", "",
-             "| preset | S | tokens | ms | ×grpo | µs/token | mem MB | mem ×grpo |", "|---|---|---|---|---|---|---|---|"]
+             f"median of {args.repeats} repeats interleaved over the presets in a shuffled order each round; "
+             "×grpo = ratio to the `grpo` preset measured in the same run. "
+             f"Memory: {mem_kind}. Synthetic vocabulary {VOCAB} with every {DELIMITER_EVERY}th id a delimiter.",
+             "",
+             "| preset | S | tokens | ms | ×grpo | µs/token | mem MB | mem ×grpo |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in loss_rows:
         lines.append(f"| {r['preset']} | {r['S']} | {r['tokens']} | {r['ms']:.2f} | {r['x_time']:.2f} | "
                      f"{r['us_per_tok']:.3f} | {r['mem_mb']:.2f} | {r['x_mem']:.2f} |")

@@ -319,7 +319,8 @@ def to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows) -> str:
                 w = worst(names, nt)
                 if w:
                     tgt.append(f"| {label}, {nt} thread{'s' if nt > 1 else ''}, S={largest} | ≤ {limit}× | "
-                               f"{w['x_peer']:.2f}× ({w['name']}) | {'met' if w['x_peer'] <= limit else '**not met**'} |")
+                               f"{w['x_peer']:.2f}× ({w['name']}) | "
+                               f"{'met' if w['x_peer'] <= limit else '**not met**'} |")
     ents = [r for r in ent_rows if r["name"] == "ours: logprob+entropy"]
     for r in ents:
         chunk_mb = args.chunk * r["V"] * 4 / 2**20
@@ -354,7 +355,8 @@ def to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows) -> str:
           f"{args.entropy_repeats} rounds; × = median over rounds of time ÷ the baseline's time in the same round)", ""]
     for k, v in peer_why.items():
         L.append(f"*{k} skipped*: {v}.")
-    L += ["", "| threads | V | positions | helper | ms | × log_softmax+gather | peak MB | max abs err of H vs float64 |",
+    L += ["",
+          "| threads | V | positions | helper | ms | × log_softmax+gather | peak MB | max abs err of H vs float64 |",
           "|---|---|---|---|---|---|---|---|"]
     for r in ent_rows:
         L.append(f"| {r['threads']} | {r['V']} | {r['N']} | {r['name']} | {r['ms']:.2f} | {r['x_base']:.2f} | "
