@@ -149,8 +149,8 @@ def _convert(AutoBridge: Any, temporary_distributed_context: Any, model_name: st
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(0)
-        except Exception:  # noqa: BLE001 - CPU-only hosts: nothing is initialised randomly (weights come from the checkpoint)
-            pass
+        except Exception:  # noqa: BLE001 - CPU-only hosts: nothing is initialised randomly
+            pass  # (the weights come from the checkpoint)
         # alltoall's constructor needs a CUDA stream; no forward runs here, so allgather is equivalent
         megatron_model = bridge.load_megatron_model(str(iter_dir),
                                                     mp_overrides={"moe_token_dispatcher_type": "allgather"})
