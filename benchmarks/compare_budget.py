@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, update_section  # noqa: E402
+from _report import machine, update_section
 
 ALGS = "grpo,gspo,sspo,espo,sppo"
 

@@ -29,9 +29,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, update_section  # noqa: E402
-
-from nemo_granular.sppo.critic import (  # noqa: E402
+from _report import machine, update_section
+from nemo_granular.sppo.critic import (
     build_value_query_batch,
     build_value_train_batch,
     prompt_value_columns,
@@ -113,13 +112,13 @@ def measure(model, data, reps):
     t = build_value_train_batch(data, cols, PAD)
     ids, lens = data["input_ids"], data["input_lengths"]
 
-    def fwd(i, l):
+    def fwd(i, n):
         with torch.no_grad():
-            model(input_ids=i, attention_mask=_attn(i, l))
+            model(input_ids=i, attention_mask=_attn(i, n))
 
-    def step(i, l):
+    def step(i, n):
         model.zero_grad(set_to_none=True)
-        model(input_ids=i, attention_mask=_attn(i, l)).logits.sum().backward()
+        model(input_ids=i, attention_mask=_attn(i, n)).logits.sum().backward()
 
     c = model.config
     af = lambda L: analytic_flops(L, c.hidden_size, c.num_hidden_layers, c.intermediate_size,  # noqa: E731

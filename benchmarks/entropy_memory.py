@@ -30,11 +30,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, update_section  # noqa: E402
-from peers import load_nemo_rl, peak_extra_bytes  # noqa: E402
-
-from nemo_granular.distributed.vocab_parallel import (MAX_BLOCK_ELEMENTS, chunk_rows,  # noqa: E402
-                                                      vocab_parallel_entropy, vocab_parallel_logprob_and_entropy)
+from _report import machine, update_section
+from nemo_granular.distributed.vocab_parallel import (
+    MAX_BLOCK_ELEMENTS,
+    chunk_rows,
+    vocab_parallel_entropy,
+    vocab_parallel_logprob_and_entropy,
+)
+from peers import load_nemo_rl, peak_extra_bytes
 
 VOCAB = 151_936
 

@@ -30,17 +30,17 @@ import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, update_section  # noqa: E402
-
-from nemo_granular.config import PRESETS  # noqa: E402
-from nemo_granular.core.entropy import logprobs_and_entropy_from_logits, logprobs_from_logits  # noqa: E402
-from nemo_granular.core.groups import group_ids_for  # noqa: E402
-from nemo_granular.losses import GranularPolicyLoss  # noqa: E402
+from _report import machine, update_section
+from nemo_granular.config import PRESETS
+from nemo_granular.core.entropy import logprobs_and_entropy_from_logits, logprobs_from_logits
+from nemo_granular.core.groups import group_ids_for
+from nemo_granular.losses import GranularPolicyLoss
 
 VOCAB = 32768
 DELIMITER_EVERY = 50  # token ids divisible by 50 are "delimiters": segments of ~50 tokens
@@ -168,8 +168,8 @@ def bench_entropy(vocabs, positions, repeats, device, warmup=1):
         t_lp, t_both = [], []
         with torch.no_grad():
             for k in range(warmup + repeats):
-                for out, call in ((t_lp, lambda: logprobs_from_logits(z, tgt)),
-                                  (t_both, lambda: logprobs_and_entropy_from_logits(z, tgt))):
+                for out, call in ((t_lp, partial(logprobs_from_logits, z, tgt)),
+                                  (t_both, partial(logprobs_and_entropy_from_logits, z, tgt))):
                     _sync(device)
                     t0 = time.perf_counter()
                     call()
@@ -190,9 +190,12 @@ def to_markdown(args, device, loss_rows, ent_rows) -> str:
     lines = ["## Loss overhead (`benchmarks/loss_overhead.py`" + (" --quick" if args.quick else "") + ")", "",
              f"Machine: {machine()}; device: {device}.", "",
              f"Forward+backward of `GranularPolicyLoss` per preset given logprobs and entropy, B={args.B} rows, "
-             f"median of {args.repeats} repeats interleaved over the presets in a shuffled order each round; ×grpo = ratio to the `grpo` preset measured in the same run. "
-             f"Memory: {mem_kind}. Synthetic vocabulary {VOCAB} with every {DELIMITER_EVERY}th id a delimiter.", "",
-             "| preset | S | tokens | ms | ×grpo | µs/token | mem MB | mem ×grpo |", "|---|---|---|---|---|---|---|---|"]
+             f"median of {args.repeats} repeats interleaved over the presets in a shuffled order each round; "
+             "×grpo = ratio to the `grpo` preset measured in the same run. "
+             f"Memory: {mem_kind}. Synthetic vocabulary {VOCAB} with every {DELIMITER_EVERY}th id a delimiter.",
+             "",
+             "| preset | S | tokens | ms | ×grpo | µs/token | mem MB | mem ×grpo |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in loss_rows:
         lines.append(f"| {r['preset']} | {r['S']} | {r['tokens']} | {r['ms']:.2f} | {r['x_time']:.2f} | "
                      f"{r['us_per_tok']:.3f} | {r['mem_mb']:.2f} | {r['x_mem']:.2f} |")

@@ -41,12 +41,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import machine, update_section  # noqa: E402
-from loss_overhead import make_batch, make_loss, memory_bytes  # noqa: E402
-from peers import load_nemo_rl  # noqa: E402
-
-from nemo_granular.core.groups import group_ids_for  # noqa: E402
-from nemo_granular.losses import GranularPolicyLoss  # noqa: E402
+from _report import machine, update_section
+from loss_overhead import make_batch, make_loss, memory_bytes
+from nemo_granular.core.groups import group_ids_for
+from nemo_granular.losses import GranularPolicyLoss
+from peers import load_nemo_rl
 
 OURS = ("grpo", "gspo", "gspo_token", "sspo+ids", "sspo_no_ec+ids", "espo+ids")
 LEVELS = ("full", "minimal")

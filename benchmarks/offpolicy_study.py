@@ -18,8 +18,8 @@ reward: the share of the response's tokens in a fixed half of the vocabulary, GR
   from a 2× larger batch sampled from π_old itself (σ = 0) with the same loss;
 * ``masked``: share of tokens that ICE-POP at NeMo-RL's reference bounds [0.5, 2] zeroes.
 
-    python benchmarks/offpolicy_study.py                  # 3 seeds, σ ∈ {0.02, 0.05, 0.1}, L ∈ {32, 128, 512}, B = 16
-    python benchmarks/offpolicy_study.py --quick          # 2 seeds, σ = 0.05, L ∈ {32, 128} → runs/offpolicy_study_quick/
+    python benchmarks/offpolicy_study.py          # 3 seeds, σ ∈ {0.02, 0.05, 0.1}, L ∈ {32, 128, 512}, B = 16
+    python benchmarks/offpolicy_study.py --quick  # 2 seeds, σ = 0.05, L ∈ {32, 128} → runs/offpolicy_study_quick/
 
 Writes docs/algorithms/offpolicy/{results.json, *.png} and the table of docs/algorithms/offpolicy.md
 (between its ``offpolicy-study`` markers). One thread.
@@ -50,7 +50,8 @@ from nemo_granular.losses import GranularPolicyLoss  # noqa: E402
 LEVELS = ("none", "token", "group_sum", "group_mean")
 PRESETS = {"sequence": "gspo", "segment": "sspo", "entropy_group": "espo"}
 TEMPERATURE = 1.0
-EMBED_SCALE = 5.0  # a random init is near uniform (H ≈ log|V|): scaled tied embeddings give H ≈ 0.8 nats, q10–q90 0.4–1.3
+# a random init is near uniform (H ≈ log|V|): scaled tied embeddings give H ≈ 0.8 nats, q10–q90 0.4–1.3
+EMBED_SCALE = 5.0
 PROMPT = "Q:3+4+5+6=?\nA:"
 
 
@@ -201,7 +202,7 @@ def table(summary) -> str:
     lines = ["| groups | level | σ | L (mean) | mean abs δ | mean weight | ESS | ‖g‖/‖g_none‖ | cos(g, g*) | "
              "ICE-POP masked |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (gran, level, sigma, L), s in summary.items():
-        def f(m, d=3):
+        def f(m, d=3, s=s):
             mu, sd = s[m]
             return f"{mu:.{d}f} ± {sd:.{d}f}"
         lines.append(f"| {gran} | {level} | {sigma} | {L} ({s['response_length'][0]:.0f}) | "
@@ -275,7 +276,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--out", default=None, help="results.json and plots (default: docs/algorithms/offpolicy; "
                     "--quick: runs/offpolicy_study_quick/, and the doc is left alone)")
-    ap.add_argument("--doc", default=None, help="the page whose table is rewritten (default: docs/algorithms/offpolicy.md)")
+    ap.add_argument("--doc", default=None,
+                    help="the page whose table is rewritten (default: docs/algorithms/offpolicy.md)")
     ap.add_argument("--from-json", default=None, help="re-render the table and plots from a results.json")
     a = ap.parse_args(argv)
     sigmas = [0.05] if a.quick else [0.02, 0.05, 0.1]

@@ -34,12 +34,12 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
-import importlib.util
 import os
 import random
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,8 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, update_section  # noqa: E402
-from loss_overhead import VOCAB, make_batch, make_loss, memory_bytes  # noqa: E402
-
+from loss_overhead import make_batch, make_loss, memory_bytes  # noqa: E402
 from nemo_granular.config import PRESETS  # noqa: E402
 from nemo_granular.core.entropy import logprobs_and_entropy_from_logits, logprobs_from_logits  # noqa: E402
 from nemo_granular.core.groups import group_ids_for  # noqa: E402
@@ -197,7 +196,7 @@ def bench_losses(nemo, B, seq_lens, threads, repeats, warmup=2):
                         times[name].append((time.perf_counter() - t0) * 1e3)
             med = {k: statistics.median(v) for k, v in times.items()}
             for name, (fn, d, peer) in cont.items():
-                peak = peak_extra_bytes(lambda: fwd_bwd(fn, logp, d, gvs, gvt))
+                peak = peak_extra_bytes(partial(fwd_bwd, fn, logp, d, gvs, gvt))
                 saved = memory_bytes(fn, logp, d, gvs, gvt, torch.device("cpu"))
                 x_peer = (statistics.median(a / b for a, b in zip(times[name], times[peer]))
                           if peer in times else None)
@@ -278,7 +277,7 @@ def bench_entropy(nemo, peers, vocabs, positions, chunk, threads, repeats, warmu
                 H_ref = _reference_entropy(z[ref_rows])
                 base_t = times["log_softmax+gather (baseline)"]
                 for name, fn in cont.items():
-                    peak = peak_extra_bytes(lambda: fn(z, tgt))
+                    peak = peak_extra_bytes(partial(fn, z, tgt))
                     _, H = fn(z[ref_rows], tgt[ref_rows])
                     err = None if H is None else float((H.double() - H_ref).abs().max())
                     t = statistics.median(times[name])
@@ -320,7 +319,8 @@ def to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows) -> str:
                 w = worst(names, nt)
                 if w:
                     tgt.append(f"| {label}, {nt} thread{'s' if nt > 1 else ''}, S={largest} | ≤ {limit}× | "
-                               f"{w['x_peer']:.2f}× ({w['name']}) | {'met' if w['x_peer'] <= limit else '**not met**'} |")
+                               f"{w['x_peer']:.2f}× ({w['name']}) | "
+                               f"{'met' if w['x_peer'] <= limit else '**not met**'} |")
     ents = [r for r in ent_rows if r["name"] == "ours: logprob+entropy"]
     for r in ents:
         chunk_mb = args.chunk * r["V"] * 4 / 2**20
@@ -355,7 +355,8 @@ def to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows) -> str:
           f"{args.entropy_repeats} rounds; × = median over rounds of time ÷ the baseline's time in the same round)", ""]
     for k, v in peer_why.items():
         L.append(f"*{k} skipped*: {v}.")
-    L += ["", "| threads | V | positions | helper | ms | × log_softmax+gather | peak MB | max abs err of H vs float64 |",
+    L += ["",
+          "| threads | V | positions | helper | ms | × log_softmax+gather | peak MB | max abs err of H vs float64 |",
           "|---|---|---|---|---|---|---|---|"]
     for r in ent_rows:
         L.append(f"| {r['threads']} | {r['V']} | {r['N']} | {r['name']} | {r['ms']:.2f} | {r['x_base']:.2f} | "

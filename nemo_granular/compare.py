@@ -249,8 +249,8 @@ def _finished(run: Path, steps: int) -> bool:
 def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> None:
     """``nemo-granular eval-checkpoints`` on one finished run (output in ``<run>/evals.log``); skipped
     when ``evals.json`` already holds every suite with the run's newest checkpoint (``--resume``)."""
-    from .evals.suite import protocols_for
     from .embedded.checkpoint import STEP_RE, step_dirs
+    from .evals.suite import protocols_for
 
     done = run / "evals.json"
     newest = step_dirs(run / "checkpoints")

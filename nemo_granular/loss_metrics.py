@@ -13,8 +13,7 @@ from __future__ import annotations
 import torch
 
 from .core.fused import masked_extrema, prob_error_sums
-from .core.objective import (LOG_RATIO_BOUND, GroupedClip, aggregation_group_weights,
-                             aggregation_weights, plus_count_eps)
+from .core.objective import LOG_RATIO_BOUND, GroupedClip, aggregation_group_weights, aggregation_weights, plus_count_eps
 from .core.offpolicy import mismatch_sums
 
 __all__ = ["MINIMAL_SKIPS", "MISMATCH_METRICS", "metric_kinds", "policy_metrics", "mismatch_metrics"]

@@ -24,14 +24,36 @@ import torch
 from .config import PolicyLossConfig, parse_policy_loss_config
 from .core.advantages import first_response_index, sppo_critic_bce
 from .core.aggregation import safe_divide
-from .core.clipping import (ESPO_AUTO_TARGET_EPS, calibrate_espo_alpha, espo_entropy_clip_bounds,
-                            sspo_entropy_clip_bounds)
-from .core.fused import (FEW_GROUPS_MAX, FewGroupIndex, LinearizedLoss, RowIndex, compute_dtype, finite_valid,
-                         indicator, masked_values, substitute_nonfinite)
+from .core.clipping import (
+    ESPO_AUTO_TARGET_EPS,
+    calibrate_espo_alpha,
+    espo_entropy_clip_bounds,
+    sspo_entropy_clip_bounds,
+)
+from .core.fused import (
+    FEW_GROUPS_MAX,
+    FewGroupIndex,
+    LinearizedLoss,
+    RowIndex,
+    compute_dtype,
+    finite_valid,
+    indicator,
+    masked_values,
+    substitute_nonfinite,
+)
 from .core.groups import build_delimiter_table, group_ids_for
-from .core.objective import (COUNT_EPS, LOG_RATIO_BOUND, aggregation_weights, count_eps_dtype, group_ratios,
-                             GroupedClip, grouped_clipped_objective, objective_logp_grad, plus_count_eps,
-                             surrogate_terms)
+from .core.objective import (
+    COUNT_EPS,
+    LOG_RATIO_BOUND,
+    GroupedClip,
+    aggregation_weights,
+    count_eps_dtype,
+    group_ratios,
+    grouped_clipped_objective,
+    objective_logp_grad,
+    plus_count_eps,
+    surrogate_terms,
+)
 from .core.offpolicy import generation_weights, kl_penalty_per_token
 from .core.ratios import GroupIndex
 from .loss_metrics import metric_kinds, mismatch_metrics, policy_metrics

@@ -94,7 +94,8 @@ def check_async_grpo(config: Mapping[str, Any]) -> None:
         return
     for path in ASYNC_GRPO_UNSUPPORTED:
         if bool(_get(config, path)):
-            raise ValueError(f"{'.'.join(path)}: true is not supported with async GRPO (grpo.async_grpo.enabled: true), "
+            raise ValueError(f"{'.'.join(path)}: true is not supported with async GRPO "
+                             "(grpo.async_grpo.enabled: true), "
                              f"as in NeMo-RL's examples/run_grpo.py")
 
 

@@ -121,7 +121,8 @@ def _check_async(config, policy_generation=None) -> None:
     gen = config.policy["generation"] or {}
     vllm = gen.get("vllm_cfg") or {}
     if gen.get("backend") != "vllm" or not vllm.get("async_engine"):
-        raise ValueError("async PPO needs policy.generation.backend=vllm and policy.generation.vllm_cfg.async_engine=true")
+        raise ValueError("async PPO needs policy.generation.backend=vllm "
+                         "and policy.generation.vllm_cfg.async_engine=true")
     if not config.loss_fn.use_importance_sampling_correction:
         raise ValueError("async PPO needs loss_fn.use_importance_sampling_correction=true")
     if config.loss_fn.force_on_policy_ratio:

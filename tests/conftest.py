@@ -89,8 +89,8 @@ def megatron_workers(nemo_rl_src):
     Megatron-Bridge imports at module level."""
     if not os.environ.get("MEGATRON_LM_SRC") or not os.environ.get("MEGATRON_BRIDGE_SRC"):
         pytest.skip("needs MEGATRON_LM_SRC and MEGATRON_BRIDGE_SRC (NeMo-RL's pinned sources)")
-    import megatron.core.models.gpt  # noqa: F401
-    import megatron.core.parallel_state  # noqa: F401
+    import megatron.core.models.gpt
+    import megatron.core.parallel_state
     import megatron.core.tensor_parallel  # noqa: F401
 
     stub = str(SHIMS / "te_stub")

@@ -137,8 +137,8 @@ def _inprocess(monkeypatch):
     import contextlib
     import io
 
-    from nemo_granular.cli import main
     from nemo_granular import compare as C
+    from nemo_granular.cli import main
 
     def train(config, args, log, label, append=False):
         buf = io.StringIO()  # the child's stdout and stderr, as the real _train merges them into train.log

@@ -123,8 +123,7 @@ def test_docs_key_tables_are_rendered_from_the_code_tables():
     import re
     from pathlib import Path
 
-    from nemo_granular.config import (NEMO_RL_ESTIMATOR_KEYS, NEMO_RL_LOSS_KEYS, NEMO_RL_NEXT_LOSS_KEYS,
-                                      render_key_table)
+    from nemo_granular.config import NEMO_RL_ESTIMATOR_KEYS, NEMO_RL_LOSS_KEYS, NEMO_RL_NEXT_LOSS_KEYS, render_key_table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "nemo-rl.md").read_text()
     for tag, table in (("nemo-rl-loss-keys", render_key_table(NEMO_RL_LOSS_KEYS)),

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_granular import GranularPolicyLoss, SequenceValueLoss
 from contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
+from nemo_granular import GranularPolicyLoss, SequenceValueLoss
 from test_nemo_rl_loss_equivalence import _driver_batch, _microbatches, _per_sequence, _whole
 
 

@@ -48,7 +48,6 @@ def test_aggregation_matches_reference(kind, seed):
 
 def test_group_mean_weights_groups_equally():
     """20/80 split of 10 tokens: each high-entropy token weighs 4× a low one (ESPO §3.2)."""
-    mask = torch.ones(1, 10, dtype=torch.bool)
     ids = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
     vals = torch.zeros(1, 10, requires_grad=True)
     AG.seq_mean_group_mean(vals, ids, 2, torch.ones(1), 1.0).backward()

@@ -56,13 +56,13 @@ def test_group_sums_and_counts(kind):
         assert 4 * index.runs()[0].numel() > index.flat.numel()   # the scatter fallback
     chans = [torch.randn(ids.shape, generator=g, dtype=F64) for _ in range(3)]
     table = index.sums(chans)
-    O = _onehot(ids, valid, G)
-    want = torch.stack([torch.einsum("bgt,bt->bg", O, c) for c in chans], -1)
+    onehot = _onehot(ids, valid, G)
+    want = torch.stack([torch.einsum("bgt,bt->bg", onehot, c) for c in chans], -1)
     assert table.shape == (ids.shape[0], G + 1, 3)
     torch.testing.assert_close(table[:, 1:], want, rtol=1e-14, atol=1e-14)
     # the dummy slot holds every other token: the table's total is the channels' total
     torch.testing.assert_close(table.sum((0, 1)), torch.stack([c.sum() for c in chans]), rtol=1e-13, atol=1e-13)
-    torch.testing.assert_close(index.counts(F64), O.sum(-1), rtol=0, atol=0)
+    torch.testing.assert_close(index.counts(F64), onehot.sum(-1), rtol=0, atol=0)
     # a non-finite value outside every group still shows in the table
     chans[0][1, 0] = float("inf")
     assert not torch.isfinite(index.sums(chans).sum())
@@ -71,29 +71,29 @@ def test_group_sums_and_counts(kind):
 def _naive(logp, logq, adv, valid, ent, ids, G, form, bounds, aggregation, sm, inv_gvt, inv_gvs):
     """Σ W·c with autograd, everything per token (math.md §2–§5): r_t = exp(L_g(t)) (shared) or
     sg[s_g]·exp(logp_t − sg[logp_t]) (token_decomposed); c = min(r·A, clip(r, lo, hi)·A)."""
-    O = _onehot(ids, valid, G)
+    onehot = _onehot(ids, valid, G)
     lp = logp.clone().requires_grad_(True)
-    n = O.sum(-1)
-    L = torch.einsum("bgt,bt->bg", O, (lp - logq) * valid) / (n + COUNT_EPS)
+    n = onehot.sum(-1)
+    L = torch.einsum("bgt,bt->bg", onehot, (lp - logq) * valid) / (n + COUNT_EPS)
     s = torch.exp(L.clamp(max=20.0))
-    s_tok = torch.einsum("bgt,bg->bt", O, s)
+    s_tok = torch.einsum("bgt,bg->bt", onehot, s)
     r = s_tok if form == "shared" else s_tok.detach() * torch.exp(lp - lp.detach())
     if callable(bounds):
-        h = torch.einsum("bgt,bt->bg", O, ent) / n.clamp(min=1)
+        h = torch.einsum("bgt,bt->bg", onehot, ent) / n.clamp(min=1)
         lo_g, hi_g = bounds(h)
-        lo, hi = torch.einsum("bgt,bg->bt", O, lo_g), torch.einsum("bgt,bg->bt", O, hi_g)
+        lo, hi = torch.einsum("bgt,bg->bt", onehot, lo_g), torch.einsum("bgt,bg->bt", onehot, hi_g)
     else:
         lo, hi = (torch.full_like(lp, v) for v in bounds)
     c = torch.minimum(r * adv, torch.clamp(r, lo, hi) * adv)
     n_groups = (n > 0).to(F64).sum(-1)
     omega = aggregation_group_weights(aggregation, sm, inv_gvt, inv_gvs, n.sum(-1), n, n_groups)
-    W = valid * (torch.einsum("bgt,bg->bt", O, omega) if omega.shape[-1] > 1 else omega)
+    W = valid * (torch.einsum("bgt,bg->bt", onehot, omega) if omega.shape[-1] > 1 else omega)
     obj = (W * c).sum()
     (grad,) = torch.autograd.grad(obj, lp)
     rd = r.detach()
     low = ((adv < 0) & (rd < lo)).to(F64) * valid
     high = ((adv > 0) & (rd > hi)).to(F64) * valid
-    return obj.detach(), grad, torch.einsum("bgt,bt->bg", O, low), torch.einsum("bgt,bt->bg", O, high)
+    return obj.detach(), grad, torch.einsum("bgt,bt->bg", onehot, low), torch.einsum("bgt,bt->bg", onehot, high)
 
 
 @pytest.mark.parametrize("kind", ["segments", "interleaved", "few"])

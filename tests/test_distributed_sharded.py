@@ -47,8 +47,11 @@ def _groups(world, sizes_tp):
 
 # ----------------------------------------------------------------------------- rank tasks
 def task_vocab_parallel(rank, world, tp, chunk_size):
-    from nemo_granular.distributed import vocab_parallel_entropy, vocab_parallel_logprob, \
-        vocab_parallel_logprob_and_entropy
+    from nemo_granular.distributed import (
+        vocab_parallel_entropy,
+        vocab_parallel_logprob,
+        vocab_parallel_logprob_and_entropy,
+    )
 
     tp_group, _, tp_rank, _ = _groups(world, tp)
     gen = torch.Generator().manual_seed(7)
@@ -91,8 +94,13 @@ def _packed_problem(gen, B, S, V, lengths):
 
 def task_cp_tp(rank, world, packed):
     """CP=2 zig-zag × TP=2, packing on/off: the Megatron get_logprobs/LOGIT-loss data path."""
-    from nemo_granular.distributed import gather_sequence, pack_sequences, unpack_sequences, \
-        vocab_parallel_logprob_and_entropy, zigzag_shard
+    from nemo_granular.distributed import (
+        gather_sequence,
+        pack_sequences,
+        unpack_sequences,
+        vocab_parallel_logprob_and_entropy,
+        zigzag_shard,
+    )
 
     tp_group, cp_group, tp_rank, cp_rank = _groups(world, 2)
     cp = 2

@@ -14,8 +14,13 @@ import torch
 import reference as R
 from nemo_granular.config import parse_policy_loss_config
 from nemo_granular.losses import GranularPolicyLoss
-from nemo_granular.nemo_rl.run_state import (STATE_FILE, checkpoint_dir_of, espo_alpha_for_step, load_run_state,
-                                             save_run_state)
+from nemo_granular.nemo_rl.run_state import (
+    STATE_FILE,
+    checkpoint_dir_of,
+    espo_alpha_for_step,
+    load_run_state,
+    save_run_state,
+)
 
 V = 16
 

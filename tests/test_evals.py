@@ -353,9 +353,8 @@ def _keys(d, prefix=""):
 
 @pytest.fixture(scope="module")
 def nemo_eval(nemo_rl_src):
-    from omegaconf import OmegaConf
-
     from nemo_rl.utils.config import load_config
+    from omegaconf import OmegaConf
 
     return SimpleNamespace(load=load_config, OmegaConf=OmegaConf, src=nemo_rl_src)
 

@@ -22,9 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from export_cpu.tiny_hf import YARN_OVERRIDES
 from nemo_granular.cli import main as top_main
-
-from export_cpu.tiny_hf import YARN_OVERRIDES  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.nemo_rl]
 
@@ -89,8 +88,8 @@ def _expert_ranges_per_file(iter_dir: Path) -> dict[str, set[int]]:
 def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_granular.export.source import read_yaml
     from export_cpu.tiny_hf import assert_same_weights, max_logit_diff
+    from nemo_granular.export.source import read_yaml
 
     hf, tp, pp, ep, precision, dtype = CASES[case]
     ckpt_dir = megatron_checkpoints / case
@@ -147,8 +146,8 @@ def test_megatron_export_applies_training_hf_config_overrides(megatron_checkpoin
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from nemo_granular.export.source import read_yaml
     from export_cpu.tiny_hf import assert_same_weights, max_logit_diff
+    from nemo_granular.export.source import read_yaml
 
     step = megatron_checkpoints / "dense_yarn" / f"step_{STEP}"
     assert read_yaml(step / "config.yaml")["policy"]["hf_config_overrides"] == YARN_OVERRIDES
@@ -204,12 +203,12 @@ def test_eval_job_exports_with_nemo_rl_megatron_worker_venv(megatron_checkpoints
     import subprocess
     import sysconfig
 
-    from conftest import HOST_PATHS, env_without_nemo_rl
-    from export_cpu.tiny_hf import assert_same_weights
-    from test_evals import SHIM, _data_dir, _expected, _make_venv
     from transformers import AutoModelForCausalLM
 
+    from conftest import HOST_PATHS, env_without_nemo_rl
+    from export_cpu.tiny_hf import assert_same_weights
     from nemo_granular.evals.export_python import STOCK_MEGATRON_WORKER
+    from test_evals import SHIM, _data_dir, _expected, _make_venv
 
     run = tmp_path / "espo_seed0"
     shutil.copytree(megatron_checkpoints / "dense_tp2" / f"step_{STEP}", run / "checkpoints" / f"step_{STEP}")

@@ -121,7 +121,6 @@ def _flat_keys(d: Any, prefix: str = "") -> set[str]:
 def host(nemo_rl_src):
     import nemo_rl.algorithms.grpo as grpo
     import nemo_rl.algorithms.ppo as ppo
-
     import yaml
 
     configs = nemo_rl_src / "examples" / "configs"

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import math
 import pickle
-from functools import partial
 from types import SimpleNamespace
 
 import pytest

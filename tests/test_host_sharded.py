@@ -47,8 +47,8 @@ def _import_megatron():
     for p in stub:
         sys.path.remove(p)
     try:
-        import megatron.core.models.gpt  # noqa: F401
-        import megatron.core.parallel_state  # noqa: F401
+        import megatron.core.models.gpt
+        import megatron.core.parallel_state
         import megatron.core.tensor_parallel  # noqa: F401
     finally:
         sys.path.extend(stub)

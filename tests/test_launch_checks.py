@@ -652,8 +652,8 @@ def test_watchdog_tolerates_transient_probe_errors_and_fails_after_k_in_a_row(mo
     assert out.count("ERROR") == 1 and "probe 2 of 3 failed in a row" in out, out
     rc, calls, out = _watch(monkeypatch, capsys, [both, err, err, err, both])
     assert (rc, calls) == (5, 4), out
-    assert out.strip().splitlines()[-1] == (f"ERROR: lost contact with the Ray head at 10.0.0.1:1200: 3 probes in a "
-                                            f"row failed, the last: TimeoutError: GetAllNodeInfo timed out"), out
+    assert out.strip().splitlines()[-1] == ("ERROR: lost contact with the Ray head at 10.0.0.1:1200: 3 probes in a "
+                                            "row failed, the last: TimeoutError: GetAllNodeInfo timed out"), out
     rc, calls, out = _watch(monkeypatch, capsys, [both, err, both], "--failures=1")
     assert (rc, calls) == (5, 2), out
 

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-
 pytestmark = [pytest.mark.slow, pytest.mark.nemo_rl, pytest.mark.v070]  # the Megatron / Automodel imports (shared with the other host tests)
 
 

@@ -12,7 +12,6 @@ must equal an unpacked transformers forward of the same weights, row by row (flo
 from __future__ import annotations
 
 import pickle
-from types import SimpleNamespace
 
 import pytest
 import torch

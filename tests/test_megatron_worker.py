@@ -108,11 +108,11 @@ def _max(a, b, mask=None) -> float:
 
 
 def _run_layout(name: str, tiny) -> dict:
+    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
+
     from megatron_cpu import cases, reference, world
     from megatron_cpu.models import DELIMITER, VOCAB
     from megatron_cpu.routes import rollout_routes
-    from nemo_rl.distributed.batched_data_dict import BatchedDataDict
-
     from nemo_granular.losses import GranularPolicyLoss
     from nemo_granular.nemo_rl.run_state import espo_alpha_for_step
 

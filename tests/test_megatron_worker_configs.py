@@ -54,9 +54,9 @@ def _batch(g):
 
 
 def test_every_shipped_megatron_config_constructs_the_worker(nemo_rl_src, megatron_workers, tmp_path):
-    from megatron_cpu import cases, models, reference, world
     from nemo_rl.distributed.batched_data_dict import BatchedDataDict
 
+    from megatron_cpu import cases, models, reference, world
     from nemo_granular.nemo_rl.configs import load_resolved
 
     names = _megatron_configs()

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 import typing_extensions
-from conftest import env_without_nemo_rl
 
+from conftest import env_without_nemo_rl
 from nemo_granular.nemo_rl import compat
 
 pytestmark = pytest.mark.v070

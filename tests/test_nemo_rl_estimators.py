@@ -22,7 +22,6 @@ from nemo_granular.advantages import ESPOEstimator
 from nemo_granular.nemo_rl import environments as envs
 from nemo_granular.nemo_rl import estimators as est
 
-
 FAKE_GRPO = '''
 from pydantic import BaseModel
 

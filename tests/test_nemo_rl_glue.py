@@ -21,12 +21,11 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import env_without_nemo_rl
+from nemo_granular import run_grpo
 from nemo_granular.config import parse_advantage_config, parse_policy_loss_config
 from nemo_granular.distributed import pack_sequences
 from nemo_granular.losses import GranularPolicyLoss
 from nemo_granular.nemo_rl import fallback, policy, workers
-from nemo_granular import run_grpo
-
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,7 +21,6 @@ import torch
 from nemo_granular.losses import GranularPolicyLoss
 from nemo_granular.nemo_rl.policy import add_granular_keys
 
-
 EXTREMA = {"probs_ratio_min": min, "probs_ratio_clamped_min": min, "probs_ratio_max": max,
            "probs_ratio_clamped_max": max}
 DELIM = 3  # token id whose text contains "\n\n" in this toy vocabulary

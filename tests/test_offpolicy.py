@@ -140,7 +140,7 @@ NEMO_TRUNC = {k: OPTIONS[k] for k in ("is_plain", "tis", "tis_min", "icepop", "s
 @pytest.mark.parametrize("dtype", [torch.float64], ids=["f64"])
 @pytest.mark.parametrize("level", ["token", "group_sum", "group_mean"])
 @pytest.mark.parametrize("option", sorted(NEMO_TRUNC))
-def test_token_groups_equal_real_nemo_rl_at_every_level(nemo_pg, option, level, dtype):
+def test_token_groups_equal_real_nemo_rl_at_every_level(nemo_pg, option, level, dtype):  # noqa: F811 - fixture
     """At token granularity every level is NeMo-RL's token-level weight, seq-mask-tis masks whole rows."""
     opts = NEMO_TRUNC[option]
     for seed in (0, 1):
@@ -151,7 +151,7 @@ def test_token_groups_equal_real_nemo_rl_at_every_level(nemo_pg, option, level, 
 @pytest.mark.nemo_rl
 @pytest.mark.parametrize("dtype", [torch.float64], ids=["f64"])
 @pytest.mark.parametrize("option", sorted(k for k in NEMO_TRUNC if k != "seq_mask_tis"))
-def test_sequence_group_sum_equals_real_nemo_rl_gspo_mode(nemo_pg, option, dtype):
+def test_sequence_group_sum_equals_real_nemo_rl_gspo_mode(nemo_pg, option, dtype):  # noqa: F811 - fixture
     """`algorithm: gspo` with `is_level: group_sum` (no NeMo-RL GSPO key) is NeMo-RL's GSPO-mode correction."""
     opts = {"ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4, **NEMO_TRUNC[option]}
     for seed in (0, 1):
@@ -164,7 +164,7 @@ def test_sequence_group_sum_equals_real_nemo_rl_gspo_mode(nemo_pg, option, dtype
 @pytest.mark.parametrize("level", ["token", "group_sum", "group_mean"])
 @pytest.mark.parametrize("option", sorted(NEMO_TRUNC))
 @pytest.mark.parametrize("B,S", [(1, 2), (2, 3), (3, 5)])
-def test_token_groups_equal_real_nemo_rl_on_tiny_batches(nemo_pg, option, level, B, S):
+def test_token_groups_equal_real_nemo_rl_on_tiny_batches(nemo_pg, option, level, B, S):  # noqa: F811 - fixture
     """Batches of a few tokens, float64, every metric NeMo-RL returns: the + 1e-8 of NeMo-RL's
     masked_mean in every mean of the correction (seq-mask-tis' geometric mean over n + 1e-8 tokens)."""
     from test_nemo_rl_dropin import _tiny_batch

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import env_without_nemo_rl
 
 pytestmark = pytest.mark.v070

@@ -187,8 +187,8 @@ ESPO_CONFIGS = ("espo_qwen3_30b_a3b_megatron.yaml",)   # α by the rule: espo.al
 @pytest.fixture(scope="module")
 def load(nemo_rl_src, tmp_path_factory):
     """name -> the merged, resolved config dict, as NeMo-RL's load_config builds it."""
-    from omegaconf import OmegaConf
     from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
+    from omegaconf import OmegaConf
 
     register_omegaconf_resolvers()
     try:   # the launchers' loader: NeMo-RL's load_config with nemo_rl/upstream/ -> $NEMO_RL_SRC

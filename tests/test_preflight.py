@@ -200,8 +200,8 @@ def test_critic_memory_for_sppo(nemo_rl_src, tmp_path):
 
 @pytest.mark.nemo_rl
 def test_recipe_diff_lists_overrides_against_the_nemo_rl_parent(nemo_rl_src):
-    from nemo_granular.preflight.recipe import recipe_diff, reference_recipe
     from nemo_granular.nemo_rl.configs import load_resolved
+    from nemo_granular.preflight.recipe import recipe_diff, reference_recipe
 
     assert reference_recipe(MATH_1_5B).name == "grpo_math_1B_megatron.yaml"
     assert reference_recipe(CFG / "sppo_r1_distill_qwen_7b_small_critic.yaml").name == "ppo_math_1B.yaml"

@@ -13,8 +13,16 @@ import pytest
 import yaml
 
 from nemo_granular.report import load_run, report_from_runs
-from nemo_granular.report.stats import (FAILS, HOLDS, INCONCLUSIVE, fmt, moving_average, seed_band, verdict_below,
-                                        verdict_greater)
+from nemo_granular.report.stats import (
+    FAILS,
+    HOLDS,
+    INCONCLUSIVE,
+    fmt,
+    moving_average,
+    seed_band,
+    verdict_below,
+    verdict_greater,
+)
 
 STEPS, VAL_PERIOD, PROMPTS, GENS = 20, 5, 4, 8
 
@@ -561,7 +569,7 @@ def test_clip_curves_are_straight_between_steps(tmp_path, saved_figures):
     for name in ("clip_frac_low_vs_step.png", "clip_frac_high_vs_step.png"):
         panel = saved_figures[name]
         # a vertex between two steps is what a symlog axis bends into an arc: every vertex is a step
-        for label, _, xs, ys in panel["lines"]:
+        for label, _, xs, _ys in panel["lines"]:
             assert set(xs.tolist()) <= steps, (name, label, xs[:5])
         for xs in panel["band_x"]:
             assert set(np.round(xs, 9).tolist()) <= steps, (name, xs[:5])
@@ -580,7 +588,7 @@ def test_an_algorithm_keeps_its_colour_whichever_others_are_in_the_report(tmp_pa
         saved_figures.clear()
         report_from_runs(runs, tmp_path / f"rep{i}")
         by_label = {}
-        for name, panel in saved_figures.items():
+        for panel in saved_figures.values():
             for label, colour, _, _ in panel["lines"]:
                 by_label.setdefault(label.split(" ")[0], set()).add(colour)
         assert all(len(c) == 1 for c in by_label.values()), by_label  # one colour in every plot

@@ -492,7 +492,7 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     # the job's NEMO_RL_VENV_DIR, the workdir; nothing of the host outside MOUNTS, no $HOME
     rows = [line.split() for line in facts.read_text().splitlines()]
     assert {r[0] for r in rows} == {"ngt1", "ngt2"} and len(rows) >= 8, rows
-    for host, soft, hard, uv, *inside in rows:
+    for _host, soft, hard, uv, *inside in rows:
         assert int(soft) == (65535 if hard == "unlimited" or int(hard) >= 65535 else int(hard)) > 1024, rows
         assert uv == "unset", rows
         assert inside == ["/opt/nemo_rl_venv/bin/python", "/opt/nemo_rl_venv", str(shared / "venvs"), str(shared),

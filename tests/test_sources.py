@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import env_without_nemo_rl
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,5 @@
-"""Advantages (docs/algorithms/math.md §6) and the SPPO critic loss (docs/algorithms/math.md §7) as pure tensor functions."""
+"""Advantages (docs/algorithms/math.md §6) and the SPPO critic loss (docs/algorithms/math.md §7) as pure tensor
+functions."""
 
 from __future__ import annotations
 

@@ -175,13 +175,13 @@ class LinearizedLoss(torch.autograd.Function):
     ``grad`` = d value / d logp are computed by the caller without autograd."""
 
     @staticmethod
-    def forward(ctx, logp, value, grad):  # noqa: D102
+    def forward(ctx, logp, value, grad):
         ctx.save_for_backward(grad)
         ctx.logp_dtype = logp.dtype
         return value.clone()
 
     @staticmethod
-    def backward(ctx, grad_out):  # noqa: D102
+    def backward(ctx, grad_out):
         (grad,) = ctx.saved_tensors
         return (grad * grad_out).to(ctx.logp_dtype), None, None
 

@@ -108,8 +108,10 @@ def num_groups(group_ids: torch.Tensor) -> torch.Tensor:
     return group_ids.max(dim=-1).values.clamp(min=-1) + 1
 
 
-def build_delimiter_table(tokenizer, delimiters: Iterable[str] = ("\n\n",), vocab_size: int | None = None) -> torch.Tensor:
-    """Per-vocabulary lookup ``table[v] = any(d in text(v) for d in delimiters)`` (docs/algorithms/math.md §1 Decision).
+def build_delimiter_table(tokenizer, delimiters: Iterable[str] = ("\n\n",),
+                          vocab_size: int | None = None) -> torch.Tensor:
+    """Per-vocabulary lookup ``table[v] = any(d in text(v) for d in delimiters)``
+    (docs/algorithms/math.md §1 Decision).
 
     Built once per tokenizer (one decode per vocabulary entry, at set-up time), so the hot
     path needs only a gather. ``vocab_size`` may exceed the tokenizer's (padded embedding

@@ -244,8 +244,8 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
                                       n_groups_row, count_dtype)
     objective = (omega * (torch.minimum(s, rc) * sum_pos + torch.maximum(s, rc) * sum_neg)).sum()
     if form == "token_decomposed" and row_adv is not None:
-        grad = index.gather(omega * s * (keep_pos * indicator(torch.gt, a, 0, a) + keep_neg * indicator(torch.lt, a, 0, a))
-                            * a)
+        grad = index.gather(omega * s * (keep_pos * indicator(torch.gt, a, 0, a)
+                                         + keep_neg * indicator(torch.lt, a, 0, a)) * a)
     elif form == "token_decomposed":
         ws = omega * s
         grad = index.gather(ws * keep_pos).mul_(adv_pos).add_(index.gather(ws * keep_neg).mul_(adv_neg))

@@ -15,7 +15,8 @@ import torch
 from .objective import LOG_RATIO_BOUND, plus_count_eps
 
 __all__ = ["IS_LEVELS", "TRUNCATIONS", "GenerationWeights", "importance_weights", "truncate_importance_weights",
-           "generation_weights", "mismatch_sums", "mismatch_extrema", "batch_mismatch_extrema", "high_entropy_tokens", "kl_penalty_per_token"]
+           "generation_weights", "mismatch_sums", "mismatch_extrema", "batch_mismatch_extrema", "high_entropy_tokens",
+           "kl_penalty_per_token"]
 
 IS_LEVELS = ("token", "group_sum", "group_mean")
 TRUNCATIONS = ("tis", "icepop", "seq-mask-tis")

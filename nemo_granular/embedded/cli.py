@@ -9,7 +9,6 @@ from pathlib import Path
 from ..cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser, command_prefix
 from .config import load_train_config, packaged_configs
 
-
 # the line that tells how to continue a stopped run (``compare`` leaves it out of its echo: it has its own)
 RESUME_HINT = "resume with: "
 

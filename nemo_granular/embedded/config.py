@@ -12,7 +12,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from ..config import AdvantageConfig, PolicyLossConfig, format_validation_error
 
@@ -38,7 +47,8 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _check(self):
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})")
+            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by "
+                             f"model.num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model.num_heads must be divisible by model.num_kv_heads")
         if self.moe and not 1 <= self.experts_per_token <= self.num_experts:

@@ -30,8 +30,18 @@ from ..core.groups import group_ids_for
 from ..core.offpolicy import batch_mismatch_extrema
 from ..losses import GranularPolicyLoss, SequenceValueLoss
 from . import models as M
-from .checkpoint import (CheckpointError, CheckpointWriteError, NothingToResume, find_resumable, fsync_dir,
-                         is_write_failure, ordinary_file_modes, step_dirs, write_failure_reason, write_manifest)
+from .checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    NothingToResume,
+    find_resumable,
+    fsync_dir,
+    is_write_failure,
+    ordinary_file_modes,
+    step_dirs,
+    write_failure_reason,
+    write_manifest,
+)
 from .config import TrainConfig, dump_config
 from .mismatch import generation_seed, perturbed_copy
 from .rollout import generate, next_token_logprobs, old_policy_pass, to_nemo_batch

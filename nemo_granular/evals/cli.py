@@ -48,9 +48,11 @@ def build_parser():
                         "$NG_EXPORT_PYTHON, else this one if it has Megatron-Bridge, else NeMo-RL's Megatron "
                         "worker venv under $NEMO_RL_VENV_DIR; see docs/export.md)")
     g.add_argument("--launcher", default=None,
-                   help=f"how to start run_eval (default: {DEFAULT_LAUNCHER!r}; in a container job, NG_CONTAINER set by "
-                        f"slurm/launch.sh or submit_comparison.sh: {CONTAINER_LAUNCHER!r}, the image's python)")
-    g.add_argument("--config-dir", default=str(CONFIG_DIR), help="the benchmark configs (default: the packaged nemo_granular/configs/evals)")
+                   help=f"how to start run_eval (default: {DEFAULT_LAUNCHER!r}; in a container job, NG_CONTAINER "
+                        f"set by slurm/launch.sh or submit_comparison.sh: {CONTAINER_LAUNCHER!r}, the image's "
+                        "python)")
+    g.add_argument("--config-dir", default=str(CONFIG_DIR),
+                   help="the benchmark configs (default: the packaged nemo_granular/configs/evals)")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--num-nodes", type=int, default=1)
     g.add_argument("--tensor-parallel", type=int, default=None,
@@ -109,7 +111,7 @@ def runtime_checks(cmds, suite: str, data_dir: Path | None) -> None:
 
 def main(argv: list[str]) -> int:
     from ..rundir import detect
-    from . import nemo_rl   # .embedded (torch) only for an embedded run: bad input answers without it
+    from . import nemo_rl  # .embedded (torch) only for an embedded run: bad input answers without it
 
     args = parse_args(argv)
     protocols = protocols_for(args.suite)

@@ -20,7 +20,8 @@ __all__ = ["main", "export_checkpoint", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     from ..cli_common import ArgumentParser  # one-line usage errors, exit 2
 
-    p = ArgumentParser(prog="nemo-granular export", description="Export a checkpoint to a Hugging Face model directory, verified by round trip.")
+    p = ArgumentParser(prog="nemo-granular export",
+                       description="Export a checkpoint to a Hugging Face model directory, verified by round trip.")
     p.add_argument("src", help="run dir, step dir, or NeMo-RL step_N dir")
     p.add_argument("out", help="output directory (must not exist)")
     p.add_argument("--source", choices=("auto", "embedded", "dcp", "megatron"), default="auto")
@@ -149,7 +150,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if v is None:
         print("verification: not run")
     else:
-        print(f"verification: passed on {v['prompts']} prompts; max |Δ| vs rounded source {v['exact_max_abs_diff']:.2e}, "
+        print(f"verification: passed on {v['prompts']} prompts; "
+              f"max |Δ| vs rounded source {v['exact_max_abs_diff']:.2e}, "
               f"vs fp32 source {v['drift_max_abs_diff']:.2e} (tol {v['drift_tol']:.2e})")
     for note in rep["notes"]:
         print(f"note: {note}")

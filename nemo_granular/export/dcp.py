@@ -80,9 +80,10 @@ def read_dcp(path: Path, *, safetensors: bool = False) -> dict[str, torch.Tensor
         what = str(path / ".metadata")
     try:
         meta = reader.read_metadata()
-    except Exception as err:  # unpickling a truncated/corrupt .metadata raises many types
+    except Exception as err:  # noqa: BLE001 - unpickling a truncated/corrupt .metadata raises many types
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ValueError(f"corrupt DCP metadata {what}: {type(err).__name__}" + (f": {first}" if first else "")) from None
+        raise ValueError(f"corrupt DCP metadata {what}: {type(err).__name__}"
+                         + (f": {first}" if first else "")) from None
     if not safetensors:
         sizes: dict[str, int] = {}
         for info in (meta.storage_data or {}).values():
@@ -110,7 +111,7 @@ def read_dcp(path: Path, *, safetensors: bool = False) -> dict[str, torch.Tensor
         with warnings.catch_warnings():  # single-process load is the intent; silence DCP's notice
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(sd, storage_reader=reader, no_dist=True)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - any load failure: re-raised as ValueError with its first line
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ValueError(f"cannot load DCP checkpoint {path}: {first}") from None
     return sd
@@ -190,7 +191,8 @@ def _reference_builder(config, sd_disk: dict[str, torch.Tensor], critic: bool):
                 raise ValueError(f"source tensors unknown to the model: {unexpected[0]}")
             if getattr(model.config, "tie_word_embeddings", False):
                 model.tie_weights()
-            tied = set(model.get_expanded_tied_weights_keys()) if hasattr(model, "get_expanded_tied_weights_keys") else set()
+            tied = (set(model.get_expanded_tied_weights_keys())
+                    if hasattr(model, "get_expanded_tied_weights_keys") else set())
             if set(missing) - tied:
                 raise ValueError(f"source model lacks tensor {sorted(set(missing) - tied)[0]}")
             return model.float().eval()

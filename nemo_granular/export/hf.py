@@ -58,7 +58,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     check_safetensors_file(path)
     try:
         return load_file(str(path))
-    except Exception as err:  # safetensors raises its own error type
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error type
         raise ValueError(f"cannot read {path}: {_first_line(err)}") from None
 
 
@@ -90,7 +90,7 @@ def read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     if binary.exists():
         try:
             sd = torch.load(binary, map_location="cpu", weights_only=True)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - unpickling errors come in many types; re-raised as ValueError
             raise ValueError(f"cannot read {binary} with weights_only=True: {_first_line(err)}") from None
         if not isinstance(sd, dict):
             raise ValueError(f"{binary} does not hold a state dict")
@@ -143,7 +143,8 @@ def _revert(model, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _drop_tied(model, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tied = {}
-    if getattr(model.config, "tie_word_embeddings", False) or getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+    if (getattr(model.config, "tie_word_embeddings", False)
+            or getattr(model.config.get_text_config(), "tie_word_embeddings", False)):
         try:
             tied = model.get_expanded_tied_weights_keys()
         except AttributeError:
@@ -192,7 +193,7 @@ def to_disk_layout(sd: dict[str, torch.Tensor], config, *, critic: bool, origin:
         _check_shapes(sd, {k: v for k, v in mem.items() if k not in tied}, config, origin)
         try:
             out = _revert(model, dict(sd))
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any conversion failure: re-raised as ValueError
             raise ValueError(f"{origin}: cannot convert to the Hugging Face layout: {_first_line(err)}") from None
     _check_shapes(out, disk, config, origin)
     return out

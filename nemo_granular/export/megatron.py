@@ -67,7 +67,8 @@ def saved_parallelism(run_cfg: dict) -> dict[str, int]:
     out = {}
     for key, short in PARALLEL_KEYS.items():
         value = model.get(key)
-        out[short] = int(value) if isinstance(value, (int, float)) or (isinstance(value, str) and value.isdigit()) else 1
+        numeric = isinstance(value, (int, float)) or (isinstance(value, str) and value.isdigit())
+        out[short] = int(value) if numeric else 1
     return out
 
 
@@ -123,7 +124,8 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
     tok = step_dir / "policy" / "tokenizer"
     step = int(step_dir.name[5:]) if step_dir.name.startswith("step_") and step_dir.name[5:].isdigit() else None
     src = ExportSource(kind="megatron", what=what, path=step_dir, config=config, state_dict=sd, reference=reference,
-                       tokenizer_dir=tok if tok.is_dir() else (out if (out / "tokenizer_config.json").exists() else None),
+                       tokenizer_dir=tok if tok.is_dir() else (
+                           out if (out / "tokenizer_config.json").exists() else None),
                        generation_config_dir=out if (out / "generation_config.json").exists() else None,
                        train_config=train_cfg, algorithm=algorithm_of(train_cfg), step=step)
     layout = "×".join(f"{k}{v}" for k, v in saved_parallelism(run_cfg).items() if v > 1) or "no model parallelism"
@@ -147,8 +149,8 @@ def _convert(AutoBridge: Any, temporary_distributed_context: Any, model_name: st
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
             model_parallel_cuda_manual_seed(0)
-        except Exception:  # CPU-only hosts: nothing is initialised randomly (weights come from the checkpoint)
-            pass
+        except Exception:  # noqa: BLE001 - CPU-only hosts: nothing is initialised randomly
+            pass  # (the weights come from the checkpoint)
         # alltoall's constructor needs a CUDA stream; no forward runs here, so allgather is equivalent
         megatron_model = bridge.load_megatron_model(str(iter_dir),
                                                     mp_overrides={"moe_token_dispatcher_type": "allgather"})

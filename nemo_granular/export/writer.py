@@ -102,7 +102,8 @@ def write_safetensors(out_dir: Path, state_dict: Mapping[str, torch.Tensor], dty
         os.chmod(out_dir / fname, 0o666 & ~current_umask())  # safetensors creates 0600 files
         del shard
     if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items(), key=lambda kv: _natural_key(kv[0])))}
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted(weight_map.items(), key=lambda kv: _natural_key(kv[0])))}
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return {"files": names, "total_size": total, "num_tensors": len(weight_map)}
 

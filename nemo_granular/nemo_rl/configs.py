@@ -27,7 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigFileError", "UPSTREAM_DIR", "nemo_rl_configs_dir", "stage_config", "load_config", "check_config_files"]
+__all__ = ["ConfigFileError", "UPSTREAM_DIR", "nemo_rl_configs_dir", "stage_config", "load_config",
+           "check_config_files"]
 
 UPSTREAM_DIR = "upstream"
 HOW_TO = ("set NEMO_RL_SRC to your NeMo-RL checkout (its examples/configs are used), or run where "

@@ -154,7 +154,8 @@ def patch_estimator_factory(module: str | ModuleType, names_to_factory: Mapping[
     for our names and call the saved original for every other name (same arguments)."""
     mod = importlib.import_module(module) if isinstance(module, str) else module
     if not hasattr(mod, attr):
-        raise AttributeError(f"{mod.__name__}.{attr} does not exist (NeMo-RL version mismatch? written against 7ea279ab)")
+        raise AttributeError(f"{mod.__name__}.{attr} does not exist "
+                             "(NeMo-RL version mismatch? written against 7ea279ab)")
     original = getattr(mod, attr)
     table = dict(names_to_factory)
 

@@ -127,7 +127,8 @@ def register_worker_extensions() -> None:  # pragma: no cover - needs NeMo-RL
 
     from . import compat
 
-    ACTOR_ENVIRONMENT_REGISTRY, MCORE_EXECUTABLE = compat.get("ACTOR_ENVIRONMENT_REGISTRY"), compat.get("MCORE_EXECUTABLE")
+    ACTOR_ENVIRONMENT_REGISTRY = compat.get("ACTOR_ENVIRONMENT_REGISTRY")
+    MCORE_EXECUTABLE = compat.get("MCORE_EXECUTABLE")
     PY_EXECUTABLES = compat.get("PY_EXECUTABLES")
     venv_dir = os.path.normpath(os.environ.get("NEMO_RL_VENV_DIR", compat.get("DEFAULT_VENV_DIR")))
     fallback = {MEGATRON_EXTENSION_FQN: MCORE_EXECUTABLE, DTENSOR_V2_EXTENSION_FQN: PY_EXECUTABLES.AUTOMODEL}

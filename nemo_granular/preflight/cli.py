@@ -23,10 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog=PROG, description="Offline checks of a run_grpo/run_sppo config: NeMo-RL's own "
                                               "set-up and worker-init checks, nemo-granular's, and the plan.")
     p.add_argument("config", nargs="?", help="the YAML config run_grpo / run_sppo would get")
-    p.add_argument("overrides", nargs="*", help="NeMo-RL Hydra overrides, as the drivers take them (a.b=v, +a.b=v, ~a.b)")
+    p.add_argument("overrides", nargs="*",
+                   help="NeMo-RL Hydra overrides, as the drivers take them (a.b=v, +a.b=v, ~a.b)")
     p.add_argument("--config", dest="config_opt", metavar="CONFIG", help="same as the positional CONFIG")
     p.add_argument("--driver", default="auto", choices=("auto", "grpo", "sppo"),
-                   help="run_grpo or run_sppo (auto: a file name containing 'sppo' → run_sppo, as submit_comparison.sh)")
+                   help="run_grpo or run_sppo "
+                        "(auto: a file name containing 'sppo' → run_sppo, as submit_comparison.sh)")
     p.add_argument("--json", action="store_true", help="print the findings and the plan as one JSON object")
     p.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
     p.add_argument("--vocab-size", type=int, default=None,

@@ -48,7 +48,8 @@ def grpo_plugin_checks(cfg: Mapping) -> list[Finding]:
     name = dig(cfg, "grpo.adv_estimator.name", "grpo")
     if name == "sppo":
         out.append(error("nemo_granular/nemo_rl/estimators.py:install",
-                         "grpo.adv_estimator.name: sppo needs the PPO loop and a critic: use run_sppo with a PPO config"))
+                         "grpo.adv_estimator.name: sppo needs the PPO loop and a critic: "
+                         "use run_sppo with a PPO config"))
     elif name in OUR_ESTIMATORS:
         try:
             parse_advantage_config(dig(cfg, "grpo.adv_estimator", {}))

@@ -87,7 +87,8 @@ def _recipe_lines(plan: dict) -> list[str]:
     if "recipe" not in plan:
         return ["recipe    no NeMo-RL example at the end of the defaults: chain"]
     r = plan["recipe"]
-    lines = [f"recipe    departs from NeMo-RL's {r['reference']} in {len(r['changed'])} key(s), adds {len(r['added'])}:"]
+    lines = [f"recipe    departs from NeMo-RL's {r['reference']} in {len(r['changed'])} key(s), "
+             f"adds {len(r['added'])}:"]
     lines += [f"          {k}: {theirs!r} → {ours!r}" for k, theirs, ours in r["changed"]]
     lines += [f"          + {k}: {ours!r}" for k, ours in r["added"]]
     return lines

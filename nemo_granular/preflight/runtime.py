@@ -196,7 +196,8 @@ def _time_findings(cfg: Mapping, environ: Mapping[str, str]) -> list[Finding]:
     return []
 
 
-def runtime_findings(cfg: Mapping, environ: Mapping[str, str] = os.environ, venv_dir: str | None = None) -> list[Finding]:
+def runtime_findings(cfg: Mapping, environ: Mapping[str, str] = os.environ,
+                     venv_dir: str | None = None) -> list[Finding]:
     """The runtime checks for a config (see the module docstring). ``venv_dir``: where this
     preflight looks for worker venvs (``venvs.venv_dir()``), None to skip that check."""
     out: list[Finding] = []

@@ -68,10 +68,12 @@ def _fp8_generation_checks(src: str, master, policy: dict, gen: dict) -> list[Fi
     vllm = gen.get("vllm_cfg") or {}
     out = []
     if vllm.get("precision") == "fp8" and not master.loss_fn.use_importance_sampling_correction:
-        out.append(error(src, "policy.generation.vllm_cfg.precision=fp8 needs loss_fn.use_importance_sampling_correction: true"))
+        out.append(error(src, "policy.generation.vllm_cfg.precision=fp8 needs "
+                              "loss_fn.use_importance_sampling_correction: true"))
     if str(vllm.get("kv_cache_dtype", "auto")).startswith("fp8"):
         if vllm.get("precision") != "fp8":
-            out.append(error(src, f"vllm_cfg.kv_cache_dtype={vllm.get('kv_cache_dtype')!r} needs vllm_cfg.precision=fp8"))
+            out.append(error(src, f"vllm_cfg.kv_cache_dtype={vllm.get('kv_cache_dtype')!r} "
+                                  "needs vllm_cfg.precision=fp8"))
         if (policy.get("dtensor_cfg") or {}).get("enabled"):
             out.append(error(src, "an fp8 vLLM KV cache is not supported with the DTensor policy backend"))
         if compat.should_use_async_rollouts(master):
@@ -112,7 +114,8 @@ def grpo_setup_checks(master) -> list[Finding]:
     gen = policy.get("generation") or {}   # None is refused by NeMo-RL's MasterConfig already
     out: list[Finding] = []
     if gen.get("backend") == "dynamo" and g("async_grpo.in_flight_weight_updates", False):
-        out.append(error(src, "grpo.async_grpo.in_flight_weight_updates must be false with policy.generation.backend=dynamo"))
+        out.append(error(src, "grpo.async_grpo.in_flight_weight_updates must be false "
+                              "with policy.generation.backend=dynamo"))
     out += _nemo_rl_check(grpo, "_validate_multimodal_dedup_capability", master)
     nemo_gym: list[bool] = []
     out += _call("nemo_rl/environments/nemo_gym.py:should_use_nemo_gym",
@@ -176,7 +179,8 @@ def ppo_setup_checks(master) -> list[Finding]:
                               f"PPO; set it to null"))
     meg = policy.get("megatron_cfg") or {}
     ckpt = master.checkpointing
-    if (meg.get("enabled") and p("policy_training_start_step", 0) > 0 and ckpt.get("enabled") and ckpt.get("save_optimizer")
+    if (meg.get("enabled") and p("policy_training_start_step", 0) > 0
+            and ckpt.get("enabled") and ckpt.get("save_optimizer")
             and (meg.get("checkpoint") or {}).get("ckpt_assume_constant_structure")):
         out.append(error(src, "policy.megatron_cfg.checkpoint.ckpt_assume_constant_structure is incompatible with "
                               "critic warm-up (ppo.policy_training_start_step > 0) and optimizer checkpointing"))

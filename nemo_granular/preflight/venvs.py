@@ -38,7 +38,8 @@ DTENSOR_POLICY = "nemo_rl.models.policy.workers.dtensor_policy_worker.DTensorPol
 DTENSOR_V2_POLICY = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2"
 MEGATRON_VALUE = "nemo_rl.models.value.workers.megatron_value_worker.MegatronValueWorker"
 DTENSOR_V2_VALUE = "nemo_rl.models.value.workers.dtensor_value_worker_v2.DTensorValueWorkerV2"
-ASYNC_ACTORS = ("nemo_rl.algorithms.async_utils.AsyncTrajectoryCollector", "nemo_rl.algorithms.async_utils.ReplayBuffer")
+ASYNC_ACTORS = ("nemo_rl.algorithms.async_utils.AsyncTrajectoryCollector",
+                "nemo_rl.algorithms.async_utils.ReplayBuffer")
 
 
 @dataclass
@@ -106,7 +107,7 @@ def needed_actors(cfg: Mapping, driver: str) -> list[tuple[str, str]]:
     worker = _generation_worker(gen)
     if worker:
         out.append((worker, "generation"))
-    async_on = dig(cfg, "grpo.async_grpo.enabled", False) if driver == "grpo" else dig(cfg, "ppo.async_ppo.enabled", False)
+    async_on = dig(cfg, "grpo.async_grpo.enabled" if driver == "grpo" else "ppo.async_ppo.enabled", False)
     if async_on:
         out += [(fqn, "async rollouts") for fqn in ASYNC_ACTORS]
     for name in sorted(extract_necessary_env_names(cfg.get("data") or {})):

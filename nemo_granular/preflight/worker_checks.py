@@ -67,7 +67,8 @@ def policy_init_checks(policy: Mapping, world: int, env: Mapping[str, str] | Non
     dt = bool(dt_cfg.get("enabled", False))
     draft = bool((policy.get("draft") or {}).get("enabled", False))
     if meg and dt:
-        return [error(LM_POLICY, "policy.megatron_cfg.enabled and policy.dtensor_cfg.enabled are both true; choose one")]
+        return [error(LM_POLICY,
+                      "policy.megatron_cfg.enabled and policy.dtensor_cfg.enabled are both true; choose one")]
     if not meg and not dt:
         return [error(LM_POLICY, "neither policy.megatron_cfg.enabled nor policy.dtensor_cfg.enabled is true")]
     if draft and not meg:
@@ -175,7 +176,8 @@ def megatron_worker_checks(policy: Mapping) -> list[Finding]:
         if not (policy.get("sequence_packing") or {}).get("enabled", False):
             out.append(error(src, "megatron_cfg.context_parallel_size > 1 needs policy.sequence_packing.enabled"))
         if meg.get("use_fused_linear_logprobs", False):
-            out.append(error(src, "megatron_cfg.context_parallel_size > 1 is not supported with use_fused_linear_logprobs"))
+            out.append(error(src, "megatron_cfg.context_parallel_size > 1 is not supported "
+                                  "with use_fused_linear_logprobs"))
     out += _performance(meg)
     out += _optimizer(meg.get("optimizer") or {})
     chunk = policy.get("logprob_chunk_size")
@@ -246,13 +248,15 @@ def automodel_worker_checks(section: str, cfg: Mapping, world: int) -> list[Find
         out.append(error(src, f"{section}.sequence_packing is not supported for reward models"))
     cp = int(dt.get("context_parallel_size", 1) or 1)
     if cp > 1 and packing:
-        out.append(error(src, f"{section}.dtensor_cfg.context_parallel_size > 1 is not supported with sequence packing"))
+        out.append(error(src, f"{section}.dtensor_cfg.context_parallel_size > 1 "
+                              "is not supported with sequence packing"))
     src = f"{ASETUP}:setup_distributed"
     mp = int(dt.get("tensor_parallel_size", 1) or 1) * cp * int(dt.get("expert_parallel_size", 1) or 1)
     replicate = int(dt.get("dp_replicate_size", 1) or 1)
     dp = world // mp if mp else 0
     if replicate and dp % replicate:
-        out.append(error(src, f"{section}: data-parallel size {dp} not divisible by dtensor_cfg.dp_replicate_size {replicate}"))
+        out.append(error(src, f"{section}: data-parallel size {dp} not divisible "
+                              f"by dtensor_cfg.dp_replicate_size {replicate}"))
     if world == 1 and dt.get("cpu_offload"):
         out.append(error(src, f"{section}.dtensor_cfg.cpu_offload does not work on a single GPU"))
     return out

@@ -9,8 +9,20 @@ from pathlib import Path
 
 from .cpu import CPU_KEY, cpu_usage
 from .runs import Run, load_run
-from .stats import (FAILS, HOLDS, INCONCLUSIVE, NOT_JUDGED, NOT_RUN, fmt, mean_sd, moving_average, seed_band,
-                    verdict_below, verdict_between, verdict_greater)
+from .stats import (
+    FAILS,
+    HOLDS,
+    INCONCLUSIVE,
+    NOT_JUDGED,
+    NOT_RUN,
+    fmt,
+    mean_sd,
+    moving_average,
+    seed_band,
+    verdict_below,
+    verdict_between,
+    verdict_greater,
+)
 from .suites import benchmark_tables
 
 PAPERS = {
@@ -533,7 +545,7 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
     else:
         lines += _verdict_table(measured)
     lines += ["",
-              *([f"Not measured here (no runs of what it compares in these run directories): "
+              *(["Not measured here (no runs of what it compares in these run directories): "
                  + "; ".join(unmeasured) + ".", ""] if unmeasured else []),
               "Clip fractions are token-weighted means over all RL steps (NeMo-RL normalisation). RL times "
               "exclude validation. SPPO's speed claim is measured in RL **CPU** seconds when the runs recorded "

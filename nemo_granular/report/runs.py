@@ -183,7 +183,8 @@ def _check_complete(out: Run, planned, unreadable: int = 0) -> None:
     elif planned and out.last_step < int(planned):
         out.status = "incomplete"
         out.problem = f"stopped at step {out.last_step} of {planned}" + (
-            f"; last error: {h}" if (h := _failure_hint(out.dir)) else " (no error in its logs: killed or still running)")
+            f"; last error: {h}" if (h := _failure_hint(out.dir))
+            else " (no error in its logs: killed or still running)")
     if unreadable and out.problem is None:
         out.problem = f"{unreadable} unreadable metrics line(s) skipped"
 

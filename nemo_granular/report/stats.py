@@ -152,7 +152,7 @@ def verdict_between(lo_vals, mid_vals, hi_vals) -> tuple[str, str]:
         return NOT_RUN, ""
     lower = [min(a, b) for a, b in zip(lo_vals[:n], hi_vals[:n])]
     upper = [max(a, b) for a, b in zip(lo_vals[:n], hi_vals[:n])]
-    v1, n1 = verdict_greater([m - l for m, l in zip(mid_vals[:n], lower)])
+    v1, n1 = verdict_greater([m - lo for m, lo in zip(mid_vals[:n], lower)])
     v2, n2 = verdict_greater([u - m for m, u in zip(mid_vals[:n], upper)])
     if v1 == v2 == HOLDS:
         return HOLDS, f"above the lower: {n1}; below the upper: {n2}"

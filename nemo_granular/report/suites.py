@@ -110,7 +110,8 @@ def benchmark_tables(by_name: dict[str, list[Run]]) -> list[str]:
         lines.append("|---|---|---|---|---|")
         lines += c["spec_rows"]
         notes = "; ".join(dict.fromkeys(part for x in contents for part in x["note"].split("; ") if part))
-        lines += ["", f"Checkpoint reported: **{'the best by suite average' if c['select'] == 'best' else 'the last'}** "
+        which = "the best by suite average" if c["select"] == "best" else "the last"
+        lines += ["", f"Checkpoint reported: **{which}** "
                   f"({notes}). Cells: mean ± sd over seeds (1 seed: no spread).", "",
                   "| algorithm | seeds | " + " | ".join(c["labels"]) + " | average | checkpoint step(s) |",
                   "|---|---|" + "---|" * (len(c["labels"]) + 2)]

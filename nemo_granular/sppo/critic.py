@@ -258,7 +258,8 @@ def build_value_train_batch(data: Mapping, value_cols: torch.Tensor, pad_id: int
     rows = torch.arange(B, device=dev)
     short = _short_rows(ids, rows, lens, width, int(pad_id))
     has_resp = data["token_mask"].to(dev).bool().any(-1)
-    onehot = torch.nn.functional.one_hot(cols, width).to(data["token_mask"].dtype) * has_resp[:, None].to(data["token_mask"].dtype)
+    mask_dtype = data["token_mask"].dtype
+    onehot = torch.nn.functional.one_hot(cols, width).to(mask_dtype) * has_resp[:, None].to(mask_dtype)
     rewards = data["rewards"].to(dev)
     out = {
         "input_ids": short,
@@ -383,7 +384,8 @@ class PromptOnlyValue:
         if "sample_mask" in data:
             w = w * data["sample_mask"].float().reshape(-1)
         metrics = critic_diagnostics(v, data["rewards"], weights=w, group_ids=inverse)
-        full_tokens = float(data["input_lengths"].sum()) if "input_lengths" in data else float(data["input_ids"].numel())
+        full_tokens = (float(data["input_lengths"].sum()) if "input_lengths" in data
+                       else float(data["input_ids"].numel()))
         metrics["rows_forwarded"] = float(q["num_unique"])
         metrics["rows_total"] = float(v.shape[0])
         metrics["token_fraction"] = float(q["input_lengths"][: q["num_unique"]].sum()) / max(full_tokens, 1.0)

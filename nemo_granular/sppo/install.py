@@ -23,7 +23,6 @@ __all__ = ["sppo_factory", "install_sppo_estimator", "sppo_estimator_installed"]
 def sppo_factory(master_config: Any):
     """``SPPOEstimator(ppo.adv_estimator, loss_fn)``: A = (R − σ(v))·mask, returns = R·mask."""
     from ..advantages import SPPOEstimator
-
     from ..nemo_rl.compat import estimator_config
 
     est = SPPOEstimator(estimator_config(master_config, "ppo"), config_get(master_config, "loss_fn"))
@@ -35,7 +34,7 @@ def install_sppo_estimator(ppo_module: ModuleType | None = None) -> Callable[[],
     """Install ``sppo`` into ``nemo_rl.algorithms.ppo`` (or ``ppo_module``); returns ``restore()``
     (which leaves the attribute alone if someone else has rebound it since)."""
     if ppo_module is None:
-        from ..nemo_rl.compat import module  # noqa: PLC0415 - lazy, NeMo-RL only
+        from ..nemo_rl.compat import module  # lazy: NeMo-RL only
 
         ppo_module = module("ppo")
     handle = patch_estimator_factory(ppo_module, {"sppo": sppo_factory}, config_section="ppo")

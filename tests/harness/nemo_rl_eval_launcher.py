@@ -103,6 +103,7 @@ def text_generation_class():
 def install_generation_seam() -> None:
     """``nemo_rl.evals.eval.VllmGeneration`` → its real ``__init__`` up to the worker group, then the stand-in."""
     import nemo_rl.evals.eval as nemo_eval
+
     from cpu_host.generation import vllm_init_up_to_workers
 
     stand_in = text_generation_class()

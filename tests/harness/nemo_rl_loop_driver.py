@@ -47,7 +47,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from nemo_rl_logger_driver import as_python_m, preflight  # noqa: E402  (tests/ is not a package)
+from nemo_rl_logger_driver import as_python_m, preflight  # tests/ is not a package
 
 MODULES = {"nemo_granular.run_grpo": ("nemo_rl.algorithms.grpo", "grpo", "grpo_train"),
            "nemo_granular.run_sppo": ("nemo_rl.algorithms.ppo", "ppo", "ppo_train")}

@@ -54,8 +54,8 @@ def _build_loss():
 
 
 def _import_worker():
-    import megatron.core.models.gpt  # noqa: F401  (megatron.core before the TE placeholder)
-    import megatron.core.parallel_state  # noqa: F401
+    import megatron.core.models.gpt  # megatron.core before the TE placeholder
+    import megatron.core.parallel_state
     import megatron.core.tensor_parallel  # noqa: F401
 
     sys.path.append(str(ROOT / "tests" / "harness" / "host_shims" / "te_stub"))

@@ -65,8 +65,13 @@ def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: 
     """A randomly initialised Qwen3 / Qwen3-MoE (or a 1-label Qwen3 sequence classifier) + tokenizer;
     ``logit_scale`` multiplies the output layer (a peaked model: low-entropy and high-entropy tokens)."""
     import torch
-    from transformers import (Qwen3Config, Qwen3ForCausalLM, Qwen3ForSequenceClassification, Qwen3MoeConfig,
-                              Qwen3MoeForCausalLM)
+    from transformers import (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3ForSequenceClassification,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     save_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(save_dir)

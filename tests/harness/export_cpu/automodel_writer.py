@@ -35,9 +35,8 @@ RECIPE = "examples/configs/grpo_math_1B.yaml"
 
 def run_config(job: dict, checkpoint_dir: str, model_save_format: str) -> dict:
     """NeMo-RL's DTensor GRPO recipe, resolved, with the job's model and checkpoint settings."""
-    from omegaconf import OmegaConf
-
     from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
+    from omegaconf import OmegaConf
 
     register_omegaconf_resolvers()
     cfg = load_config(os.path.join(os.environ["NEMO_RL_SRC"], RECIPE))
@@ -67,13 +66,12 @@ def main(argv: list[str]) -> None:
     from nemo_automodel.components.distributed.config import FSDP2Config
     from nemo_automodel.components.distributed.mesh_utils import create_device_mesh
     from nemo_automodel.components.moe.config import MoEParallelizerConfig
+    from nemo_rl.models.automodel.checkpoint import AutomodelCheckpointManager
+    from nemo_rl.utils.checkpoint import CheckpointManager
     from pydantic import BaseModel
     from torch.distributed.checkpoint.planner import SavePlanner
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from transformers import AutoTokenizer
-
-    from nemo_rl.models.automodel.checkpoint import AutomodelCheckpointManager
-    from nemo_rl.utils.checkpoint import CheckpointManager
 
     class RunConfig(BaseModel, extra="allow"):
         """What ``init_tmp_checkpoint`` dumps (NeMo-RL passes its MasterConfig, a pydantic model)."""

@@ -40,9 +40,8 @@ RECIPE = "examples/configs/grpo_math_qwen30ba3b_megatron.yaml"
 
 def policy_config(job: dict) -> dict:
     """NeMo-RL's Qwen3-30B-A3B Megatron recipe, resolved, with the job's model and layout."""
-    from omegaconf import OmegaConf
-
     from nemo_rl.utils.config import load_config, register_omegaconf_resolvers
+    from omegaconf import OmegaConf
 
     register_omegaconf_resolvers()
     if "config" in job:                      # a run's own config: its model, precision and overrides
@@ -94,11 +93,10 @@ def main(argv: list[str]) -> None:
     from megatron.bridge.training.state import GlobalState
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mrandom
-    from pydantic import BaseModel
-
     from nemo_rl.models.megatron import setup as nrl_setup
     from nemo_rl.models.megatron.community_import import import_model_from_hf_name
     from nemo_rl.utils.checkpoint import CheckpointManager
+    from pydantic import BaseModel
 
     class RunConfig(BaseModel, extra="allow"):
         """What ``init_tmp_checkpoint`` dumps (NeMo-RL passes its MasterConfig, a pydantic model)."""

@@ -91,9 +91,8 @@ def make_answering_model(path: Path, answer: str, *, moe: bool = True, scale: fl
     character, each character to the next, the last to EOS. Saved with the character tokenizer and
     a chat template ending in :data:`ANSWER_PROMPT`; max positions 32768 (room for an eval's
     max_model_len). Returns the model."""
-    from transformers import AutoModelForCausalLM
-
     from tokenizers import decoders
+    from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer(path)
     tok.backend_tokenizer.decoder = decoders.Fuse()     # decode: the characters, not space-separated

@@ -1,0 +1,23 @@
+"""The linter: ``ruff check`` (configured in pyproject.toml's ``[tool.ruff]``) passes on the package, the
+tests, the benchmarks and scripts/*.py. ruff comes with the ``test`` extra; without it the test skips,
+which fails the run under CI (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINTED = ("nemo_granular", "tests", "benchmarks", "scripts")
+
+
+def test_ruff_check_passes():
+    if importlib.util.find_spec("ruff") is None:
+        pytest.skip("ruff is not installed (pip install -e '.[test]' installs it)")
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *LINTED],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"ruff check {' '.join(LINTED)} failed:\n{proc.stdout}{proc.stderr}"
