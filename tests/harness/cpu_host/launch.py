@@ -171,7 +171,8 @@ def install_train_recorder() -> None:
             # reward) and the advantage it wrote there, for the test's own A = R − σ(v)
             has = mask.any(-1)
             first = torch.argmax(mask.to(torch.int8), dim=-1)
-            at = lambda x: x.double().reshape(x.shape[0], -1).gather(1, first[:, None]).squeeze(1)
+            def at(x, first=first):
+                return x.double().reshape(x.shape[0], -1).gather(1, first[:, None]).squeeze(1)
             fact["critic_rows"] = {"has_response": has.tolist(), "sample_mask": data["sample_mask"].tolist(),
                                    "rewards": data["rewards"].double().reshape(-1).tolist(),
                                    "value_logit": at(data["values"]).tolist(),
