@@ -78,7 +78,8 @@ def _child(w, name: str, parent: str, *, model=None, env="math", gpus=1, extra=N
 # ratios by ~1e-4: nothing clips. Clipping needs off-policy microbatches (several optimizer steps per
 # GRPO step) holding groups of mixed rewards (A ≠ 0) whose ratios pass the bounds. ESPO starts from a
 # peaked model (models.PEAKED: its entropy-adaptive bounds differ between groups) at 1e-3 with four
-# optimizer steps per GRPO step (global batch 4); it clips (0.31 of one off-policy microbatch).
+# optimizer steps per GRPO step (global batch 4); it clips (0.31 of one off-policy microbatch). The ESPO-MoE
+# run (run_b) uses the peaked MoE at the same settings for its π_old/π_gen truncation (espo_moe: measured).
 # SSPO's bounds widen with a segment's mean entropy H (lo = 1 − H, hi = 1 + H, capped at 0.8 / 1.75):
 # a segment clips only once its ratio moves by more than H. At ACTING_ADAPTIVE with 4 prompts × 4
 # samples, the peaked model answers a prompt alike (2 of 12 groups had mixed rewards) and ratios stayed
@@ -144,18 +145,20 @@ def espo_moe(world):
     under bf16 autocast: on the peaked model (output scale x 60) a group's mean |log π_old − log π_gen| reached
     0.06 and |δ| per token 0.19 (measured, step 1). With the band [0.95, 1.05] one group of 96 (one record of
     12) was masked; with [0.98, 1.02] the masked share of groups is 0.125–0.375 in 9 of the 12 records (step 1's
-    four: 0.125, 0.125, 0.125, 0.375; step 1's rollouts and π_old do not depend on the band). At lr 1e-3 with 4
-    optimizer steps per rollout (``_acting_espo``) as run_d: ratios 0.64–1.33, but only 2 of the 12 microbatches
-    hold mixed rewards and nothing clips there (clip fraction 0). The near-uniform MoE this run used before
-    saturated ESPO's bounds and had is_oob 0 in all 12 records (issue #34)."""
+    four: 0.125, 0.125, 0.125, 0.375; step 1's rollouts and π_old do not depend on the band). At lr 1e-3 with
+    4 optimizer steps per rollout (``ACTING_ADAPTIVE``, 4 prompts × 4 samples): ratios 0.64–1.33, but only 2
+    of the 12 microbatches hold mixed rewards and nothing clips there (clip fraction 0). The near-uniform MoE
+    this run used before saturated ESPO's bounds and had is_oob 0 in all 12 records (issue #34)."""
     extra = {"grpo": {"adv_estimator": {"name": "espo", "verification_failed_key": "verification_failed"}},
              "loss_fn": {"use_importance_sampling_correction": True,
                          "truncated_importance_sampling_type": "seq-mask-tis",
                          "truncated_importance_sampling_ratio": 1.02, "truncated_importance_sampling_ratio_min": 0.98,
                          "granular": {"algorithm": "espo", "entropy_top_fraction": 0.2, "is_level": "group_mean",
                                       "espo": {"alpha": 1.0, "vocab_size": None}}}}
+    # ACTING_ADAPTIVE in both worlds: the MoE's parameters are bf16 in the worker, so main's refit and v0.7.0's
+    # (cast to bf16) deliver the same weights and the rollouts do not depend on the refit (unlike run_d's)
     cfg, run = _child(world, "run_b", "nemo_rl/sspo_math_1B.yaml", model=world.moe, env="espo_math",
-                      extra=_acting(extra, base=_acting_espo()))
+                      extra=_acting(extra, base=ACTING_ADAPTIVE))
     return run_ok(world.head, "grpo", cfg, run)
 
 
