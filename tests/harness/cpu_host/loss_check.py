@@ -19,6 +19,30 @@ import reference as R
 
 METRICS = ("clip_frac_low", "clip_frac_high", "groups_per_response", "group_size_mean", "probs_ratio",
            "probs_ratio_min", "probs_ratio_max", "clip_bound_low_mean", "clip_bound_high_mean")
+# the π_old/π_gen correction's diagnostics (docs/algorithms/math.md §10.3), compared where the correction
+# is on: the worker's name → the reference's (``metrics["offpolicy"]``); NeMo-RL's ``is_oob_ratio`` is the
+# token share (tis, icepop) or, for seq-mask-tis, the masked-group share
+OFFPOLICY_METRICS = {"gen_mismatch_abs_mean": "gen_mismatch_abs_mean", "gen_kl_k3": "gen_kl_k3",
+                     "gen_mismatch_group_abs_mean": "gen_mismatch_group_abs_mean",
+                     "is_oob_token_frac": "is_oob_token_frac", "is_oob_group_frac": "is_oob_group_frac",
+                     "sampling_importance_ratio": "sampling_importance_ratio_tokens", "is_oob_ratio": None}
+
+
+def offpolicy_pairs(rec: dict, metrics: dict) -> dict[str, tuple[float, float]]:
+    """``{name: (worker, reference)}`` of the off-policy diagnostics of one record ({} without the correction;
+    the truncation's metrics only with a truncation)."""
+    off = rec["config"].get("offpolicy")
+    if off is None:
+        return {}
+    ref = metrics["offpolicy"]
+    out = {}
+    for k, rk in OFFPOLICY_METRICS.items():
+        if k.startswith("is_oob") and off["kind"] is None:
+            continue
+        if rk is None:
+            rk = "is_oob_group_frac" if off["kind"] == "seq-mask-tis" else "is_oob_token_frac"
+        out[k] = (float(rec["metrics"][k]), float(ref[rk]))
+    return out
 
 
 def delimiter_ids(model_dir: Path, delimiter: str = "\n\n") -> tuple[int, ...]:
@@ -91,7 +115,8 @@ def check_run(run_dir: Path, model_dir: Path) -> dict:
     delims = delimiter_ids(model_dir)
     by_call = records(run_dir)
     err = {"loss": 0.0, "grad": 0.0, **{k: 0.0 for k in METRICS}}
-    summary = {"calls": sorted(by_call), "records": 0, "ids_equal": True, "grad_nonzero": 0, "per_record": []}
+    summary = {"calls": sorted(by_call), "records": 0, "ids_equal": True, "grad_nonzero": 0, "per_record": [],
+               "offpolicy_err": {}}
     for call, recs in by_call.items():
         for j, rec in enumerate(recs):
             loss, grad, metrics, ids = reference_of(rec, delims)
@@ -106,6 +131,9 @@ def check_run(run_dir: Path, model_dir: Path) -> dict:
                 if math.isinf(b) and a == b:
                     continue
                 err[k] = max(err[k], abs(a - b))
+            off = offpolicy_pairs(rec, metrics)
+            for k, (a, b) in off.items():
+                summary["offpolicy_err"][k] = max(summary["offpolicy_err"].get(k, 0.0), abs(a - b))
             if ids is not None and "granular_group_ids" in rec["data"]:
                 got = rec["data"]["granular_group_ids"][:, 1:].tolist()
                 summary["ids_equal"] &= got == ids
@@ -115,6 +143,8 @@ def check_run(run_dir: Path, model_dir: Path) -> dict:
                 "clip": float(metrics["clip_frac_low"]) + float(metrics["clip_frac_high"]),
                 "clip_worker": float(rec["metrics"]["clip_frac_low"]) + float(rec["metrics"]["clip_frac_high"]),
                 "ratio_min": float(metrics["probs_ratio_min"]), "ratio_max": float(metrics["probs_ratio_max"]),
+                # the reference's off-policy diagnostics ({} without the correction)
+                "offpolicy": {k: b for k, (_, b) in off.items()},
                 "bounds": group_bounds(rec, ids) if ids is not None and rec["config"]["algorithm"] in ("sspo", "espo")
                 else []})
     summary["err"] = err
