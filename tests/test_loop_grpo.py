@@ -526,6 +526,7 @@ def test_export_of_the_checkpoint_loads_in_transformers_and_generates(sspo, tmp_
     assert float(params.norm()) == refit["norm"]
 
 
+@pytest.mark.v070
 def test_espo_moe_truncates_and_its_bounds_spread(espo_moe, world):
     """The MoE run's π_old/π_gen correction acts: seq-mask-tis masks some entropy group (a non-zero
     out-of-bounds share in some record, the worker's equal to the float64 reference's), and ESPO's
