@@ -161,15 +161,22 @@ def _record_policy_loss(losses) -> None:
                                       "lo": cfg.truncated_importance_sampling_ratio_min}
                                      if cfg.use_importance_sampling_correction else None)},
         }
-        out = f"{facts}.loss"
-        os.makedirs(out, exist_ok=True)
-        name = f"{os.getpid()}_{counter[0]:05d}"
-        torch.save(record, os.path.join(out, name + ".tmp"))
-        os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name + ".pt"))
+        _save_record(f"{facts}.loss", f"{os.getpid()}_{counter[0]:05d}", record)
         counter[0] += 1
         return loss, metrics
 
     cls.__call__ = __call__
+
+
+def _save_record(folder: str, name: str, record: dict) -> None:
+    """``record`` → ``<folder>/<name>.pt``, written to a temporary name first (the test reads whole files only)."""
+    import os
+
+    import torch
+
+    os.makedirs(folder, exist_ok=True)
+    torch.save(record, os.path.join(folder, name + ".tmp"))
+    os.replace(os.path.join(folder, name + ".tmp"), os.path.join(folder, name + ".pt"))
 
 
 # Opt-in (set by ``cpu_host.launch sppo`` in the driver; NeMo-RL's worker groups copy the driver's
@@ -187,11 +194,8 @@ def _save_ppo_loss_record(kind: str, counter: list, record: dict) -> None:
     dist = torch.distributed
     record["rank"] = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     record["call"], record["pid"] = counter[0], os.getpid()
-    out = f"{os.environ['NEMO_GRANULAR_CPU_HOST_FACTS']}.ppo_loss"
-    os.makedirs(out, exist_ok=True)
-    name = f"{kind}_{os.getpid()}_{counter[0]:05d}"
-    torch.save(record, os.path.join(out, name + ".tmp"))
-    os.replace(os.path.join(out, name + ".tmp"), os.path.join(out, name + ".pt"))
+    _save_record(f"{os.environ['NEMO_GRANULAR_CPU_HOST_FACTS']}.ppo_loss", f"{kind}_{os.getpid()}_{counter[0]:05d}",
+                 record)
     counter[0] += 1
 
 
