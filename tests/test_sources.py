@@ -126,7 +126,8 @@ def test_bad_from_folder_is_one_line(mirrors, tmp_path):
 def test_the_worlds_without_a_cache_say_they_did_not_run(tmp_path):
     """scripts/test.sh on a machine with an empty source cache: the standalone and Slurm worlds run (here
     filtered to one test by -k), the NeMo-RL worlds say first and last that they did not run, and why."""
-    env = env_without_nemo_rl(XDG_CACHE_HOME=str(tmp_path / "cache"), CI="true")
+    # one pytest process per world (no xdist workers, each of which would collect the whole suite again)
+    env = env_without_nemo_rl(XDG_CACHE_HOME=str(tmp_path / "cache"), CI="true", NEMO_GRANULAR_TEST_WORKERS="0")
     for var in ("NEMO_GRANULAR_SOURCES", "NEMO_RL_V070_SRC", "NEMO_RL_WORLD", "PYTEST_XDIST_WORKER"):
         env.pop(var, None)
     done = subprocess.run(["bash", str(ROOT / "scripts" / "test.sh"), "-k", "test_vendored_code_check_finds_each_kind"],
