@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PolicyLossConfig, parse_policy_loss_config
+from .config import parse_policy_loss_config
 from .core.advantages import first_response_index, sppo_critic_bce
 from .core.aggregation import safe_divide
 from .core.clipping import (
@@ -57,6 +57,7 @@ from .core.objective import (
 from .core.offpolicy import generation_weights, kl_penalty_per_token
 from .core.ratios import GroupIndex
 from .loss_metrics import metric_kinds, mismatch_metrics, policy_metrics
+from .loss_spec import PolicyLossSpec
 from .protocol import HostMember, LossInputType, LossType, MetricNormalizer, resolve
 
 __all__ = ["GranularPolicyLoss", "SequenceValueLoss", "PolicyBatch", "read_policy_batch", "kl_penalty_per_token",
@@ -133,7 +134,7 @@ class PolicyBatch:
 
 
 def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
-                      cfg: PolicyLossConfig, assume_finite: bool = False) -> PolicyBatch:
+                      cfg: PolicyLossSpec, assume_finite: bool = False) -> PolicyBatch:
     """NeMo-RL's batch keys as a :class:`PolicyBatch`. NaN/inf tokens (in logp, π_old logp,
     advantage, and π_gen logp / entropy where they are used) leave the valid mask (math.md, Notation).
     ``assume_finite``: skip the finiteness test (the caller checks its results instead: a
@@ -223,8 +224,7 @@ class GranularPolicyLoss:
 
     def __init__(self, cfg, use_fused_linear_logprobs: bool = False, *, tokenizer=None,
                  delimiter_table: torch.Tensor | None = None, vocab_size: int | None = None):
-        self.cfg: PolicyLossConfig = parse_policy_loss_config(cfg)
-        self.granular = self.cfg.granular
+        self.cfg: PolicyLossSpec = parse_policy_loss_config(cfg)  # resolved once, frozen
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
         self.reference_policy_kl_penalty = self.cfg.kl_coef
         self.vocab_size = self.granular.espo.vocab_size or vocab_size
@@ -244,6 +244,11 @@ class GranularPolicyLoss:
         state = dict(self.__dict__)
         state["_compiled_objective"] = None  # a compiled function does not pickle; recompiled where used
         return state
+
+    @property
+    def granular(self):
+        """The resolved ``loss_fn.granular`` (:class:`~nemo_granular.loss_spec.GranularSpec`)."""
+        return self.cfg.granular
 
     @property
     def loss_type(self):
@@ -281,7 +286,7 @@ class GranularPolicyLoss:
 
     def set_espo_alpha(self, alpha: float) -> None:
         """Use ``alpha`` (a resumed run restores the α of its first rollout)."""
-        self.granular.espo.alpha = float(alpha)
+        self.cfg = self.cfg.with_espo_alpha(alpha)
 
     def __call__(self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs,
                  global_valid_toks, **kwargs) -> tuple[torch.Tensor, dict]:
