@@ -256,7 +256,7 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
     return objective, grad, ratios, bounds, clip, omega
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ObjectiveResult:
     """One evaluation of the objective J = Σ_it W_it·c_it (docs/algorithms/math.md §2–§5, the
     π_old/π_gen weight of §10 folded into W) and what the metrics read of it."""
@@ -282,7 +282,7 @@ class ObjectiveResult:
         return isinstance(self.terms, GroupedClip)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PenalizedLoss:
     """loss = −J + β·KL + w·NLL (NeMo-RL's loss with its two penalties) and the penalties, 0-d each."""
 
