@@ -1,4 +1,5 @@
-"""The user-facing configuration contract (pydantic), and the algorithm presets of docs/algorithms/math.md §8.
+"""The user-facing configuration contract (pydantic); the algorithm presets of docs/algorithms/math.md §8
+and the resolved spec are in :mod:`nemo_granular.loss_spec`.
 
 ```yaml
 loss_fn:                     # NeMo-RL's own keys keep their meaning
@@ -23,7 +24,9 @@ it implies (``token_level_loss`` through ``aggregation``, ``ratio_clip_min/max``
 every NeMo-RL key left out otherwise gets NeMo-RL's default, so with the default preset
 (``grpo``) an empty config is NeMo-RL's default ``ClippedPGLossConfig``. A NeMo-RL key that
 is given keeps NeMo-RL's meaning and wins over the preset; one that contradicts an explicit
-``granular`` field is refused. :data:`NEMO_RL_LOSS_KEYS` says, key by key, how each composes
+``granular`` field is refused. The models hold the config as given (frozen); the effective
+values are computed once, at validation, into a frozen :class:`~nemo_granular.loss_spec.PolicyLossSpec`
+(what :func:`parse_policy_loss_config` returns). :data:`NEMO_RL_LOSS_KEYS` says, key by key, how each composes
 with ``granular`` (docs/nemo-rl.md §3 is rendered from it). Every validation error of the
 loss config is a one-line :class:`LossConfigError` naming the field: both a ``ValueError`` and an
 ``AssertionError``, so code written for NeMo-RL (whose ``ClippedPGLossFn`` refuses with ``assert``)
@@ -32,10 +35,20 @@ and code written for us catch it alike.
 
 from __future__ import annotations
 
-import warnings
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from .loss_spec import PRESETS, PolicyLossSpec, preset_value, resolve_loss_spec
 
 __all__ = [
     "LossConfigError",
@@ -47,6 +60,7 @@ __all__ = [
     "ESPOClipConfig",
     "GranularConfig",
     "PolicyLossConfig",
+    "PolicyLossSpec",
     "AdvantageConfig",
     "format_validation_error",
     "parse_policy_loss_config",
@@ -71,32 +85,9 @@ class LossConfigError(ValueError, AssertionError):
 
 ISLevel = Literal["token", "group_sum", "group_mean"]
 
-# docs/algorithms/math.md §8 (ε of `fixed` clipping as (low, high); advantage estimator name)
-PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
-                 aggregation="token_mean", advantage="grpo"),
-    "gspo": dict(granularity="sequence", ratio="shared", clip="fixed", eps=(3e-4, 4e-4), surrogate="clipped",
-                 aggregation="seq_mean_token_mean", advantage="grpo"),
-    "gspo_token": dict(granularity="sequence", ratio="token_decomposed", clip="fixed", eps=(3e-4, 4e-4),
-                       surrogate="clipped", aggregation="seq_mean_token_mean", advantage="grpo"),
-    "sspo": dict(granularity="segment", ratio="shared", clip="sspo_entropy", eps=(0.2, 0.2), surrogate="clipped",
-                 aggregation="seq_mean_token_mean", advantage="grpo"),
-    "sspo_no_ec": dict(granularity="segment", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
-                       aggregation="seq_mean_token_mean", advantage="grpo"),
-    "espo": dict(granularity="entropy_group", ratio="token_decomposed", clip="espo_entropy", eps=(0.2, 0.2),
-                 surrogate="clipped", aggregation="seq_mean_group_mean", advantage="espo"),
-    "sppo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
-                 aggregation="token_mean", advantage="sppo"),
-    # NeMo-RL's use_cispo / disable_ppo_ratio as presets: at token granularity they ARE those modes
-    "cispo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="cispo",
-                  aggregation="token_mean", advantage="grpo"),
-    "reinforce": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="reinforce",
-                      aggregation="token_mean", advantage="grpo"),
-}
-
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)  # the config as given: never rewritten
 
 
 class SSPOClipConfig(_Strict):
@@ -119,7 +110,8 @@ class ESPOClipConfig(_Strict):
 
 
 class GranularConfig(_Strict):
-    """``loss_fn.granular``. Fields left unset are filled from ``algorithm``'s preset."""
+    """``loss_fn.granular`` as given. A field left unset (``None``) is ``algorithm``'s preset value
+    in the resolved spec (:class:`~nemo_granular.loss_spec.GranularSpec`)."""
 
     algorithm: Algorithm = "grpo"
     granularity: Optional[Granularity] = None
@@ -134,7 +126,7 @@ class GranularConfig(_Strict):
     # level of the π_old/π_gen correction (math.md §10); null: token for token groups, else group_mean
     # (NeMo-RL's group_sum under loss_fn.sequence_level_importance_ratios: true)
     is_level: Optional[ISLevel] = None
-    # filled from the preset when the user gives neither this nor loss_fn.ratio_clip_min/max
+    # the preset's when the user gives neither this nor loss_fn.ratio_clip_min/max
     eps_low: Optional[NonNegativeFloat] = None
     eps_high: Optional[NonNegativeFloat] = None
 
@@ -156,34 +148,10 @@ class GranularConfig(_Strict):
         return v
 
     @model_validator(mode="after")
-    def _fill_preset(self):
-        preset = PRESETS[self.algorithm]
-        # object.__setattr__: filling defaults must not re-trigger validate_assignment
-        for name in ("granularity", "ratio", "clip", "surrogate", "aggregation"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, preset[name])
-        if self.is_level is None:  # math.md §10, Decision: the geometric mean at every group granularity
-            object.__setattr__(self, "is_level", "token" if self.granularity == "token" else "group_mean")
-        if self.eps_low is None:
-            object.__setattr__(self, "eps_low", preset["eps"][0])
-        if self.eps_high is None:
-            object.__setattr__(self, "eps_high", preset["eps"][1])
-        if self.clip == "espo_entropy" and self.espo.alpha != "auto" and self.espo.alpha == 0:
+    def _alpha_moves_the_policy(self):
+        if preset_value(self, "clip") == "espo_entropy" and self.espo.alpha != "auto" and self.espo.alpha == 0:
             raise ValueError("loss_fn.granular.espo.alpha: 0 freezes the policy (every ratio clipped at 1)")
         return self
-
-    @property
-    def entropy_cut_points(self) -> list[float]:
-        v = self.entropy_top_fraction
-        return [float(v)] if isinstance(v, (int, float)) else [float(q) for q in v]
-
-    @property
-    def needs_entropy(self) -> bool:
-        return self.granularity == "entropy_group" or self.clip in ("sspo_entropy", "espo_entropy")
-
-    @property
-    def advantage(self) -> str:
-        return PRESETS[self.algorithm]["advantage"]
 
 
 class PolicyLossConfig(BaseModel):
@@ -191,11 +159,13 @@ class PolicyLossConfig(BaseModel):
 
     Extra keys are allowed (NeMo-RL's config carries more). ``None`` on ``token_level_loss`` and
     ``ratio_clip_min/max`` means "left out": the preset decides (for ``grpo``, NeMo-RL's
-    default). After validation ``granular`` holds the effective choices; :meth:`nemo_rl_view`
-    gives the effective value of every NeMo-RL key.
+    default). The config stays as given; validation resolves it once into :attr:`spec` (the
+    effective choices, :class:`~nemo_granular.loss_spec.PolicyLossSpec`) and refuses what
+    contradicts.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", frozen=True)
+    _spec: PolicyLossSpec = PrivateAttr()
 
     disable_ppo_ratio: bool = False
     token_level_loss: Optional[bool] = None
@@ -241,146 +211,22 @@ class PolicyLossConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _check(self):
-        self._compose_aggregation()
-        self._compose_surrogate()
-        self._check_ratio_modes()
-        self._check_truncated_is()
+    def _resolve(self):
+        self._spec = resolve_loss_spec(self)  # refuses a contradiction (ValueError: one line, naming the keys)
         return self
 
-    def _compose_aggregation(self) -> None:
-        """``token_level_loss`` (given) picks NeMo-RL's level; the per-sequence form comes from
-        ``granular.aggregation`` or the preset (docs/algorithms/math.md §5, Decision)."""
-        g, level = self.granular, self.token_level_loss
-        if level is None:
-            return
-        if "aggregation" in g.model_fields_set:
-            if (g.aggregation == "token_mean") != level:
-                raise ValueError(f"loss_fn.token_level_loss: {str(level).lower()} contradicts granular.aggregation "
-                                 f"{g.aggregation!r}; drop one of the two")
-            return
-        preset = PRESETS[g.algorithm]["aggregation"]
-        agg = "token_mean" if level else (preset if preset != "token_mean" else "seq_mean_token_mean")
-        if (preset == "token_mean") != level and "algorithm" in g.model_fields_set:
-            # NeMo-RL's example configs set token_level_loss: true; say so when it overrides a preset
-            warnings.warn(f"loss_fn.token_level_loss: {str(level).lower()} overrides algorithm {g.algorithm!r}'s "
-                          f"aggregation {preset!r} (now {agg!r}); set token_level_loss: {str(not level).lower()} "
-                          "to keep the preset's", stacklevel=2)
-        object.__setattr__(g, "aggregation", agg)
-
-    def _compose_surrogate(self) -> None:
-        """``use_cispo`` / ``disable_ppo_ratio`` set to true pick NeMo-RL's CISPO / REINFORCE
-        surrogate (false, NeMo-RL's default, leaves it to ``granular``), with NeMo-RL's checks."""
-        g = self.granular
-        if self.use_cispo and self.disable_ppo_ratio:
-            raise ValueError("use_cispo is incompatible with disable_ppo_ratio; CISPO needs the pi_theta/pi_theta_old "
-                             "ratio but disable_ppo_ratio removes it (loss_fn.use_cispo: true, "
-                             "disable_ppo_ratio: true)")
-        wanted = "cispo" if self.use_cispo else "reinforce" if self.disable_ppo_ratio else None
-        if wanted == "reinforce" and self.force_on_policy_ratio:
-            wanted = "clipped"  # NeMo-RL checks force_on_policy_ratio first: the forced ratio wins
-        if wanted is not None:
-            if "surrogate" in g.model_fields_set and g.surrogate != wanted:
-                key = "use_cispo" if self.use_cispo else "disable_ppo_ratio"
-                raise ValueError(f"loss_fn.{key}: true contradicts granular.surrogate {g.surrogate!r}; "
-                                 "drop one of the two")
-            object.__setattr__(g, "surrogate", wanted)
-        if self.force_on_policy_ratio and g.surrogate == "reinforce":  # the preset's: as above
-            object.__setattr__(g, "surrogate", "clipped")
-        if g.surrogate != "cispo":
-            return
-        key = "loss_fn.use_cispo: true" if self.use_cispo else "loss_fn.granular.surrogate 'cispo'"
-
-        def refuse(nemo: str, ours: str):  # NeMo-RL's sentence first when it is NeMo-RL's use_cispo
-            raise ValueError(f"{nemo} ({key}: {ours})" if self.use_cispo else f"{key}: {ours}")
-        if self.force_on_policy_ratio:
-            refuse("use_cispo is incompatible with force_on_policy_ratio; forcing ratio=1 removes the clipped "
-                   "IS-weight that CISPO optimizes", "incompatible with force_on_policy_ratio, as in NeMo-RL")
-        if self.sequence_level_importance_ratios:
-            refuse("use_cispo is incompatible with sequence_level_importance_ratios; CISPO uses token-level "
-                   "importance weights", "incompatible with sequence_level_importance_ratios; for CISPO on "
-                   "sequence ratios use granular.granularity: sequence")
-        if self.ratio_clip_c is not None:
-            refuse("use_cispo is incompatible with dual clipping (ratio_clip_c); the dual-clip block runs after the "
-                   "CISPO loss assembly and would silently overwrite it. Set ratio_clip_c=null when use_cispo=True.",
-                   "incompatible with dual clipping; set ratio_clip_c: null, as NeMo-RL requires")
-        if self.use_cispo and g.aggregation != "token_mean":
-            refuse("use_cispo requires token_level_loss=True (LossType.TOKEN_LEVEL).",
-                   "needs token_level_loss: true, as in NeMo-RL (CISPO with a per-sequence mean: "
-                   "granular.algorithm: cispo with token_level_loss: false)")
-
-    def _check_ratio_modes(self) -> None:
-        g = self.granular
-        if self.sequence_level_importance_ratios:
-            if not {"granularity", "algorithm"} & g.model_fields_set:  # no granular choice: NeMo-RL's GSPO mode
-                object.__setattr__(g, "granularity", "sequence")
-            if g.granularity != "sequence":
-                raise ValueError(
-                    "loss_fn.sequence_level_importance_ratios: true conflicts with "
-                    f"granular.granularity={g.granularity!r} (use algorithm: gspo, or set it false)")
-            if g.aggregation == "token_mean":
-                raise ValueError("sequence-level importance sampling (e.g. GSPO) is mutually exclusive with "
-                                 "token-level loss (loss_fn.sequence_level_importance_ratios: true needs a "
-                                 "per-sequence loss, token_level_loss: false)")
-
-    def _check_truncated_is(self) -> None:
-        """NeMo-RL's checks of ``ClippedPGLossFn.__init__`` (and of its first call), in its order."""
-        kind, hi = self.truncated_importance_sampling_type, self.truncated_importance_sampling_ratio
-        lo = self.truncated_importance_sampling_ratio_min
-        g = self.granular
-        if self.sequence_level_importance_ratios and "is_level" not in g.model_fields_set:
-            object.__setattr__(g, "is_level", "group_sum")  # NeMo-RL's GSPO-mode weight, one per response
-        if kind is None:
-            if hi is not None:
-                raise ValueError("Invalid truncated importance sampling type: None (loss_fn.truncated_importance_"
-                                 "sampling_ratio is set but truncated_importance_sampling_type is null; NeMo-RL "
-                                 "refuses it at its first call)")
-            return
-        if not self.use_importance_sampling_correction:
-            raise ValueError("truncated importance sampling is only supported when use_importance_sampling_correction "
-                             f"is True (loss_fn.truncated_importance_sampling_type: {kind} needs "
-                             "use_importance_sampling_correction: true)")
-        if hi is None or hi <= 0:
-            raise ValueError(f"truncated_importance_sampling_ratio should be positive (loss_fn.truncated_importance_"
-                             f"sampling_ratio: got {hi!r})")
-        if lo is not None and lo > hi:
-            raise ValueError("truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio "
-                             f"(loss_fn: truncated_importance_sampling_ratio_min {lo} > "
-                             f"truncated_importance_sampling_ratio {hi})")
-        if kind in ("icepop", "seq-mask-tis") and lo is None:
-            raise ValueError("truncated_importance_sampling_ratio_min should be set when truncated_importance_"
-                             f"sampling_type is 'icepop' or 'seq-mask-tis' (loss_fn: it is {kind})")
-        if kind == "seq-mask-tis" and self.sequence_level_importance_ratios:
-            raise ValueError("seq-mask-tis uses token-level IS correction with sequence-level masking, and is "
-                             "incompatible with sequence_level_importance_ratios=True (loss_fn."
-                             "truncated_importance_sampling_type: seq-mask-tis, sequence_level_importance_ratios: "
-                             "true)")
-
     @property
-    def eps_low(self) -> float:
-        return self.ratio_clip_min if self.ratio_clip_min is not None else self.granular.eps_low
-
-    @property
-    def eps_high(self) -> float:
-        return self.ratio_clip_max if self.ratio_clip_max is not None else self.granular.eps_high
+    def spec(self) -> PolicyLossSpec:
+        """The effective loss (:func:`~nemo_granular.loss_spec.resolve_loss_spec`), resolved once at validation."""
+        return self._spec
 
     @property
     def kl_coef(self) -> float:
-        return 0.0 if self.use_kl_in_reward else self.reference_policy_kl_penalty
+        return self._spec.kl_coef
 
     @property
     def token_level(self) -> bool:
-        """NeMo-RL's ``LossType.TOKEN_LEVEL``: the objective is a token mean."""
-        return self.granular.aggregation == "token_mean"
-
-    def nemo_rl_view(self) -> dict[str, Any]:
-        """The effective value of every NeMo-RL key (what ``ClippedPGLossConfig`` would hold)."""
-        out = {k: getattr(self, k) for k in NEMO_RL_LOSS_KEYS}
-        g = self.granular
-        out.update(token_level_loss=self.token_level, ratio_clip_min=self.eps_low, ratio_clip_max=self.eps_high,
-                   use_cispo=g.surrogate == "cispo", disable_ppo_ratio=g.surrogate == "reinforce",
-                   sequence_level_importance_ratios=self.sequence_level_importance_ratios)
-        return out
+        return self._spec.token_level
 
 
 class AdvantageConfig(BaseModel):
@@ -433,10 +279,13 @@ def _parse(model, cfg, prefix, error=ValueError):
         raise error(format_validation_error(err, prefix)) from None
 
 
-def parse_policy_loss_config(cfg) -> PolicyLossConfig:
-    """Validate a ``loss_fn`` mapping (dict, OmegaConf container or pydantic model); a refusal
-    raises :class:`LossConfigError` (a ``ValueError`` and an ``AssertionError``)."""
-    return _parse(PolicyLossConfig, cfg, "loss_fn", LossConfigError)
+def parse_policy_loss_config(cfg) -> PolicyLossSpec:
+    """Validate a ``loss_fn`` mapping (dict, OmegaConf container or pydantic model) and resolve it:
+    the frozen spec the loss runs on (a spec is returned as it is); a refusal raises
+    :class:`LossConfigError` (a ``ValueError`` and an ``AssertionError``)."""
+    if isinstance(cfg, PolicyLossSpec):
+        return cfg
+    return _parse(PolicyLossConfig, cfg, "loss_fn", LossConfigError).spec
 
 
 def parse_advantage_config(cfg) -> AdvantageConfig:

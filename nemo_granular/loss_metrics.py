@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .core.fused import masked_extrema, prob_error_sums
-from .core.objective import LOG_RATIO_BOUND, GroupedClip, aggregation_group_weights, aggregation_weights, plus_count_eps
+from .core.objective import LOG_RATIO_BOUND, aggregation_group_weights, aggregation_weights, plus_count_eps
 from .core.offpolicy import mismatch_sums
 
 __all__ = ["MINIMAL_SKIPS", "MISMATCH_METRICS", "metric_kinds", "policy_metrics", "mismatch_metrics"]
@@ -79,19 +79,29 @@ def mismatch_metrics(b, ratios, correction, gen_kl_k3=None) -> dict[str, torch.T
                          gen_kl_k3=gen_kl_k3, count_dtype=b.count_dtype)
 
 
-def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
-                   kl_coef: float, kl_type: str, granularity: str, surrogate: str,
-                   level: str = "full", is_level: str = "group_sum") -> dict[str, torch.Tensor]:
-    """0-d tensors, one per metric. ``b`` is the loss's batch view (``PolicyBatch``), ``ratios`` /
-    ``terms`` the :mod:`~nemo_granular.core.objective` results, ``bounds`` = (lo, hi) per token (or
-    numbers), ``group_bounds`` = (lo, hi) per group (or numbers, or None), ``fraction_weights``
-    the per-group-mean weights when the objective already built them (else None). ``level``
-    ``minimal`` leaves out :data:`MINIMAL_SKIPS` (and ``sampling_importance_ratio`` when
-    ``is_weight`` is None), the others keep their values. ``is_level``: the π_old/π_gen weight's
-    level (math.md §10), which ``sampling_importance_ratio`` reports."""
-    if level == "minimal":
-        return _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll,
-                                kl_coef=kl_coef, granularity=granularity, surrogate=surrogate, is_level=is_level)
+def policy_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
+    """0-d tensors, one per metric. ``b`` is the loss's batch view (``PolicyBatch``), ``result`` the
+    objective's :class:`~nemo_granular.core.objective.ObjectiveResult` (ratios, surrogate terms,
+    clip bounds per token and per group, the per-group-mean weights when the objective built them,
+    the π_old/π_gen correction), ``penalized`` the :class:`~nemo_granular.core.objective.PenalizedLoss`
+    (loss, β·KL, NLL) and ``cfg`` the loss's ``PolicyLossSpec``. ``metrics_level`` ``minimal`` leaves
+    out :data:`MINIMAL_SKIPS` (and ``sampling_importance_ratio`` without the correction), the others
+    keep their values; ``granular.is_level`` is the π_old/π_gen weight's level (math.md §10), which
+    ``sampling_importance_ratio`` reports."""
+    m: dict[str, torch.Tensor] = {}
+    if result.is_oob_ratio is not None:
+        m["is_oob_ratio"] = result.is_oob_ratio
+    if cfg.metrics_level == "minimal":
+        m.update(_minimal_metrics(b, result, penalized, cfg))
+    else:
+        m.update(_full_metrics(b, result, penalized, cfg))
+    return m
+
+
+def _full_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
+    """:func:`policy_metrics` at ``metrics_level: full``: NeMo-RL's set and ours."""
+    g, is_weight = cfg.granular, result.is_weight
+    kl_coef, is_level = cfg.kl_coef, g.is_level
     m: dict[str, torch.Tensor] = {}
     w_tok, sm = b.w_tok, b.sample_mask
     w_flat = w_tok.view(-1)
@@ -106,14 +116,12 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
     def seq(x_row):  # a per-row value averaged over rows, normalised by global_valid_seqs
         return (x_row * sm).sum() * b.inv_gvs
 
-    m.update(_ratio_statistics(b, ratios, terms, bounds, group_bounds, surrogate, tok))
-    m["loss"] = loss.detach()
-    m["num_valid_samples"] = sm.sum()
-    m["kl_penalty"] = kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)
+    m.update(_ratio_statistics(b, result, g.surrogate, tok))
+    m.update(_loss_values(sm, penalized, kl_coef))
     diff = b.prev - b.gen  # 0 outside the valid tokens
-    row_is = granularity == "sequence" and is_level != "token"  # one π_old/π_gen weight per response
+    row_is = g.granularity == "sequence" and is_level != "token"  # one π_old/π_gen weight per response
     token_is = not row_is and is_weight is None
-    m.update(prob_error_sums(diff, w_tok, kl_type, LOG_RATIO_BOUND if token_is else None))
+    m.update(prob_error_sums(diff, w_tok, cfg.reference_policy_kl_type, LOG_RATIO_BOUND if token_is else None))
     # GSPO: the mean over responses of one π_old/π_gen weight per response. NeMo-RL's own GSPO
     # mode multiplies a [B, 1] weight by a [B] mask, which broadcasts to [B, B], so its dashboard
     # shows Σ_i w_i (about B × ours), not a mean (docs/nemo-rl.md, "Logged metrics").
@@ -126,17 +134,22 @@ def policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_
     elif not token_is:
         m["sampling_importance_ratio"] = tok(is_weight)
     m["approx_entropy"] = -tok(torch.exp((b.logp - b.gen).clamp(max=LOG_RATIO_BOUND)).mul_(b.logp))
-    m["positive_nll_loss"] = nll.detach()
+    m["positive_nll_loss"] = penalized.nll.detach()
     # ours (the clip-bound means came with the ratio statistics)
-    m.update(_granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, tok, seq,
-                               per_token_bounds=True, with_bounds=False))
+    m.update(_granular_metrics(b, result, tok, seq, per_token_bounds=True, with_bounds=False))
     return m
 
 
-def _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss, kl, nll, *,
-                     kl_coef: float, granularity: str, surrogate: str,
-                     is_level: str = "group_sum") -> dict[str, torch.Tensor]:
+def _loss_values(sample_mask, penalized, kl_coef: float) -> dict[str, torch.Tensor]:
+    """``loss``, ``num_valid_samples`` and ``kl_penalty`` (KL without β), as NeMo-RL reports them."""
+    kl = penalized.kl
+    return {"loss": penalized.loss.detach(), "num_valid_samples": sample_mask.sum(),
+            "kl_penalty": kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)}
+
+
+def _minimal_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
     """The metrics :func:`policy_metrics` keeps at ``metrics_level: minimal``, each computed as there."""
+    g, ratios, is_weight = cfg.granular, result.ratios, result.is_weight
     m: dict[str, torch.Tensor] = {}
     sm = b.sample_mask
     w_sum = []
@@ -154,27 +167,25 @@ def _minimal_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, i
     def seq(x_row):
         return (x_row * sm).sum() * b.inv_gvs
 
-    m["loss"] = loss.detach()
-    m["num_valid_samples"] = sm.sum()
-    m["kl_penalty"] = kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)
+    m.update(_loss_values(sm, penalized, cfg.kl_coef))
     if is_weight is not None:
-        if granularity == "sequence" and is_level != "token":  # one weight per response
+        if g.granularity == "sequence" and g.is_level != "token":  # one weight per response
             m["sampling_importance_ratio"] = seq((is_weight * b.valid).amax(-1))
         else:
             m["sampling_importance_ratio"] = tok(is_weight)
-    m["positive_nll_loss"] = nll.detach()
-    m.update(_granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, tok, seq,
-                               per_token_bounds=surrogate == "reinforce" or ratios.index is None))
+    m["positive_nll_loss"] = penalized.nll.detach()
+    m.update(_granular_metrics(b, result, tok, seq,
+                               per_token_bounds=g.surrogate == "reinforce" or ratios.index is None))
     return m
 
 
-def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, tok, seq,
-                      per_token_bounds: bool, with_bounds: bool = True) -> dict[str, torch.Tensor]:
+def _granular_metrics(b, result, tok, seq, per_token_bounds: bool, with_bounds: bool = True) -> dict[str, torch.Tensor]:
     """Ours beside NeMo-RL's: clip fractions per token and per group, group counts and sizes,
     mean clip bounds (``with_bounds``), mean π_old entropy, non-finite tokens."""
     m: dict[str, torch.Tensor] = {}
     sm = b.sample_mask
-    grouped = isinstance(terms, GroupedClip)  # clipped tokens counted per group: the same sums, per group
+    ratios, terms, fraction_weights = result.ratios, result.terms, result.fraction_weights
+    grouped = result.grouped  # clipped tokens counted per group: the same sums, per group
     if grouped:
         row_tok = (sm * b.inv_gvt)[:, None]  # w_tok of a row's valid tokens
         m["clip_frac_low"], m["clip_frac_high"] = (terms.low * row_tok).sum(), (terms.high * row_tok).sum()
@@ -195,11 +206,11 @@ def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, 
         m["clip_frac_high_groups"] = torch.dot(terms.high.reshape(-1), fw)
     m["groups_per_response"] = seq(ratios.n_groups_row)
     m["group_size_mean"] = seq(b.n_row / ratios.n_groups_row.clamp(min=1))
-    lo, hi = bounds
+    lo, hi = result.bounds
     if with_bounds and per_token_bounds:
         m["clip_bound_low_mean"], m["clip_bound_high_mean"] = tok(lo), tok(hi)
     elif with_bounds:
-        lo_g, hi_g = group_bounds
+        lo_g, hi_g = result.group_bounds
         gw = ratios.counts * (sm * b.inv_gvt)[:, None]
         m["clip_bound_low_mean"] = (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g
         m["clip_bound_high_mean"] = (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g
@@ -216,11 +227,12 @@ def _granular_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, 
     return m
 
 
-def _ratio_statistics(b, ratios, terms, bounds, group_bounds, surrogate, tok) -> dict[str, torch.Tensor]:
+def _ratio_statistics(b, result, surrogate: str, tok) -> dict[str, torch.Tensor]:
     """probs_ratio(_clamped) means and extrema, clip_bound_{low,high}_mean. REINFORCE reports
     the logprob as its "ratio", as NeMo-RL's ``disable_ppo_ratio`` mode does."""
+    ratios, terms = result.ratios, result.terms
     live = b.valid * b.row_on[:, None]
-    lo, hi = bounds
+    lo, hi = result.bounds
     if surrogate == "reinforce":
         r_min, r_max = masked_extrema([b.logp], live)
         return {"probs_ratio": tok(b.logp), "probs_ratio_clamped": tok(b.logp), "probs_ratio_min": r_min,
@@ -238,7 +250,7 @@ def _ratio_statistics(b, ratios, terms, bounds, group_bounds, surrogate, tok) ->
                 "probs_ratio_max": r_max, "probs_ratio_clamped_min": rc_min, "probs_ratio_clamped_max": rc_max,
                 "clip_bound_low_mean": tok(lo), "clip_bound_high_mean": tok(hi)}
     # group table [B, G]: weight of a group = its token count
-    lo_g, hi_g = group_bounds
+    lo_g, hi_g = result.group_bounds
     s, counts = ratios.group_ratio, ratios.counts
     gw = counts * (b.sample_mask * b.inv_gvt)[:, None]
     rc_g = torch.clamp(s, lo_g, hi_g)

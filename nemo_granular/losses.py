@@ -8,9 +8,11 @@ so the partial results of microbatches (or of single-sequence calls under sequen
 packing) add up to the global-batch value — except the optional NLL term on correct
 responses, which divides by this microbatch's count as NeMo-RL's does. No collective is ever called.
 
-The policy loss is an adapter: it reads NeMo-RL's batch (:func:`read_policy_batch`), then runs
+The policy loss is an adapter: it reads NeMo-RL's batch once (:func:`read_policy_batch`), then runs
 the formulas of :mod:`nemo_granular.core.objective` / :mod:`~nemo_granular.core.offpolicy` in
-the order of docs/algorithms/math.md and reports :mod:`nemo_granular.loss_metrics`.
+the order of docs/algorithms/math.md into one :class:`~nemo_granular.core.objective.ObjectiveResult`
+and reports :mod:`nemo_granular.loss_metrics` from it; its config is the frozen spec of
+:mod:`nemo_granular.loss_spec`, resolved when the loss is built.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import PolicyLossConfig, parse_policy_loss_config
+from .config import parse_policy_loss_config
 from .core.advantages import first_response_index, sppo_critic_bce
 from .core.aggregation import safe_divide
 from .core.clipping import (
@@ -45,7 +47,8 @@ from .core.groups import build_delimiter_table, group_ids_for
 from .core.objective import (
     COUNT_EPS,
     LOG_RATIO_BOUND,
-    GroupedClip,
+    ObjectiveResult,
+    PenalizedLoss,
     aggregation_weights,
     count_eps_dtype,
     group_ratios,
@@ -57,10 +60,11 @@ from .core.objective import (
 from .core.offpolicy import generation_weights, kl_penalty_per_token
 from .core.ratios import GroupIndex
 from .loss_metrics import metric_kinds, mismatch_metrics, policy_metrics
+from .loss_spec import PolicyLossSpec
 from .protocol import HostMember, LossInputType, LossType, MetricNormalizer, resolve
 
-__all__ = ["GranularPolicyLoss", "SequenceValueLoss", "PolicyBatch", "read_policy_batch", "kl_penalty_per_token",
-           "LOG_RATIO_BOUND"]
+__all__ = ["GranularPolicyLoss", "SequenceValueLoss", "PolicyBatch", "read_policy_batch", "ObjectiveResult",
+           "kl_penalty_per_token", "LOG_RATIO_BOUND"]
 
 
 _EXTREMA = frozenset(("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max"))
@@ -69,7 +73,7 @@ _EXTREMA = frozenset(("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped
 def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> torch.Tensor:
     """``data[name][:, 1:]`` checked against ``like``'s shape (the shift convention)."""
     if name not in data:
-        raise KeyError(f"data['{name}'] is missing (required by the granular loss)")
+        raise _missing(name)
     x = data[name]
     if hasattr(x, "full_tensor"):
         raise ValueError(f"data['{name}'] is a DTensor (DTensor context parallelism): precompute "
@@ -79,6 +83,10 @@ def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> to
         raise ValueError(f"data['{name}'][:, 1:] has shape {tuple(x.shape)} but next_token_logprobs has "
                          f"shape {tuple(like.shape)}")
     return x.to(like.device)
+
+
+def _missing(name: str) -> KeyError:
+    return KeyError(f"data['{name}'] is missing (required by the granular loss)")
 
 
 def _count(x, like: torch.Tensor) -> torch.Tensor:
@@ -95,7 +103,9 @@ def _count(x, like: torch.Tensor) -> torch.Tensor:
 class PolicyBatch:
     """One loss call's batch, shifted to ``next_token_logprobs``' columns, in the compute dtype;
     every per-token value is 0 outside the valid tokens (masked and finite) — except in the
-    optimistic read (``assume_finite``), where the values are as given (see there)."""
+    optimistic read (``assume_finite``), where the values are as given (see there), and the keys
+    only the penalties and the group plan read (``ref_logp``, ``curr_logp``, ``group_ids``,
+    ``token_ids``: as given, masked where they are used). The loss reads ``data`` only here."""
 
     logp: torch.Tensor            # log π_θ, detached
     prev: torch.Tensor            # log π_old
@@ -109,6 +119,12 @@ class PolicyBatch:
     inv_gvt: torch.Tensor         # 1 / (global_valid_toks + 1e-8)
     inv_gvs: torch.Tensor         # 1 / (global_valid_seqs + 1e-8)
     count_dtype: torch.dtype | None = None  # where per-row/group token counts take + 1e-8: token_mask's (NeMo-RL's)
+    group_ids: torch.Tensor | None = None   # granular_group_ids, int64, when given and the groups are not rows
+    token_ids: torch.Tensor | None = None   # input_ids, for segment groups cut here (no group ids given)
+    ref_logp: torch.Tensor | None = None    # log π_ref (reference_policy_logprobs), when β ≠ 0
+    curr_logp: torch.Tensor | None = None   # curr_logprobs_unfiltered (NeMo-RL's KL input), when β ≠ 0 and given
+    rewards: torch.Tensor | None = None     # [B], when the NLL term is on and the rewards are given
+    nll_count_dtype: torch.dtype | None = None  # where Σ correct + 1e-8 is formed (NeMo-RL's correct_mask dtype)
     # computed on first use (the group path of the loss needs neither as a [B, T] pass)
     _n_row: torch.Tensor | None = None
     _w_tok: torch.Tensor | None = None
@@ -133,11 +149,11 @@ class PolicyBatch:
 
 
 def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
-                      cfg: PolicyLossConfig, assume_finite: bool = False) -> PolicyBatch:
-    """NeMo-RL's batch keys as a :class:`PolicyBatch`. NaN/inf tokens (in logp, π_old logp,
-    advantage, and π_gen logp / entropy where they are used) leave the valid mask (math.md, Notation).
-    ``assume_finite``: skip the finiteness test (the caller checks its results instead: a
-    non-finite input anywhere makes them non-finite, and it calls again without)."""
+                      cfg: PolicyLossSpec, assume_finite: bool = False) -> PolicyBatch:
+    """NeMo-RL's batch keys (every one the loss ``cfg`` uses) as a :class:`PolicyBatch`. NaN/inf
+    tokens (in logp, π_old logp, advantage, and π_gen logp / entropy where they are used) leave the
+    valid mask (math.md, Notation). ``assume_finite``: skip the finiteness test (the caller checks
+    its results instead: a non-finite input anywhere makes them non-finite, and it calls again without)."""
     lp_in, g = next_token_logprobs, cfg.granular
     if lp_in.dim() != 2:
         raise ValueError(f"next_token_logprobs must be [B, S-1], got shape {tuple(lp_in.shape)}")
@@ -191,9 +207,40 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
             gen = substitute_nonfinite(G, prev, valid)
         ent = masked_values(H, valid) if H is not None else None
     inv_gvt, inv_gvs = 1 / _count(global_valid_toks, L), 1 / _count(global_valid_seqs, L)
+    group_ids, token_ids = _group_keys(data, g.granularity, L)
+    ref_logp, curr_logp, rewards, nll_count_dtype = _penalty_keys(data, cfg, token_mask.dtype, L)
     return PolicyBatch(logp=logp, prev=prev, adv=adv, gen=gen, ent=ent, mask=mask_f, valid=valid, sample_mask=sm,
                        row_on=indicator(torch.ne, sm, 0, sm), inv_gvt=inv_gvt, inv_gvs=inv_gvs,
-                       count_dtype=count_eps_dtype(token_mask))
+                       count_dtype=count_eps_dtype(token_mask), group_ids=group_ids, token_ids=token_ids,
+                       ref_logp=ref_logp, curr_logp=curr_logp, rewards=rewards, nll_count_dtype=nll_count_dtype)
+
+
+def _group_keys(data: Mapping, granularity: str, like: torch.Tensor):
+    """(group ids, token ids) for the group plan: ``granular_group_ids`` (segment / entropy groups), else
+    ``input_ids`` for segment groups cut in the loss; token and sequence groups read neither."""
+    if granularity in ("token", "sequence"):
+        return None, None
+    if "granular_group_ids" in data:
+        return _key(data, "granular_group_ids", like).long(), None
+    if granularity == "segment" and "input_ids" in data:
+        return None, _key(data, "input_ids", like)
+    return None, None
+
+
+def _penalty_keys(data: Mapping, cfg: PolicyLossSpec, token_mask_dtype: torch.dtype, like: torch.Tensor):
+    """(π_ref, ``curr_logprobs_unfiltered``, rewards, the NLL count's dtype) for the penalties: the first
+    two when β ≠ 0, the last two when the NLL term is on (None otherwise)."""
+    ref_logp = curr_logp = rewards = nll_count_dtype = None
+    if cfg.kl_coef != 0:
+        ref_logp = _key(data, "reference_policy_logprobs", like).to(like.dtype)
+        curr = data.get("curr_logprobs_unfiltered", None)
+        curr_logp = None if curr is None else curr.to(like.dtype)
+    if cfg.positive_example_nll_weight > 0 and "rewards" in data:
+        rewards = data["rewards"].to(like.device, like.dtype).reshape(-1)
+        # NeMo-RL: Σ correct_mask + 1e-8 in correct_mask's dtype (token_mask·sample_mask·float32)
+        nll_count_dtype = torch.promote_types(torch.promote_types(token_mask_dtype, data["sample_mask"].dtype),
+                                              torch.float32)
+    return ref_logp, curr_logp, rewards, nll_count_dtype
 
 
 class GranularPolicyLoss:
@@ -207,8 +254,10 @@ class GranularPolicyLoss:
     `token_decomposed` form; [lo, hi] fixed or entropy-adaptive per group; Agg one of
     token_mean / seq_mean_token_mean / seq_mean_group_mean (global normalisation).
 
-    Batch keys: NeMo-RL's ``token_mask``, ``sample_mask``, ``advantages``, ``prev_logprobs``,
-    ``generation_logprobs``, ``reference_policy_logprobs`` (when KL ≠ 0), plus ours:
+    Batch keys (read once per call, :func:`read_policy_batch`): NeMo-RL's ``token_mask``,
+    ``sample_mask``, ``advantages``, ``prev_logprobs``, ``generation_logprobs``,
+    ``reference_policy_logprobs`` and ``curr_logprobs_unfiltered`` (when KL ≠ 0), ``rewards`` (the
+    NLL term), ``input_ids`` (segment groups cut here), plus ours:
     ``prev_entropy`` (π_old full-vocabulary entropy, ``[B, S]``, same shift) and
     ``granular_group_ids`` (int64 ``[B, S]``, −1 outside the response). Group ids are computed
     here when absent (segment: from ``input_ids`` and the delimiter table; entropy_group:
@@ -223,8 +272,7 @@ class GranularPolicyLoss:
 
     def __init__(self, cfg, use_fused_linear_logprobs: bool = False, *, tokenizer=None,
                  delimiter_table: torch.Tensor | None = None, vocab_size: int | None = None):
-        self.cfg: PolicyLossConfig = parse_policy_loss_config(cfg)
-        self.granular = self.cfg.granular
+        self.cfg: PolicyLossSpec = parse_policy_loss_config(cfg)  # resolved once, frozen
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
         self.reference_policy_kl_penalty = self.cfg.kl_coef
         self.vocab_size = self.granular.espo.vocab_size or vocab_size
@@ -244,6 +292,11 @@ class GranularPolicyLoss:
         state = dict(self.__dict__)
         state["_compiled_objective"] = None  # a compiled function does not pickle; recompiled where used
         return state
+
+    @property
+    def granular(self):
+        """The resolved ``loss_fn.granular`` (:class:`~nemo_granular.loss_spec.GranularSpec`)."""
+        return self.cfg.granular
 
     @property
     def loss_type(self):
@@ -281,7 +334,7 @@ class GranularPolicyLoss:
 
     def set_espo_alpha(self, alpha: float) -> None:
         """Use ``alpha`` (a resumed run restores the α of its first rollout)."""
-        self.granular.espo.alpha = float(alpha)
+        self.cfg = self.cfg.with_espo_alpha(alpha)
 
     def __call__(self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs,
                  global_valid_toks, **kwargs) -> tuple[torch.Tensor, dict]:
@@ -302,38 +355,33 @@ class GranularPolicyLoss:
     def _call(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, assume_finite: bool):
         cfg, g = self.cfg, self.granular
         b = read_policy_batch(next_token_logprobs, data, global_valid_seqs, global_valid_toks, cfg, assume_finite)
-        index = None if g.granularity == "token" else self._index(data, b)
+        index = None if g.granularity == "token" else self._index(b)
         if g.clip == "espo_entropy":
             self._check_espo_ready()
-        metrics: dict[str, torch.Tensor] = {}
         objective = self._objective if not self.enable_torch_compile else self._compiled()
-        obj, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr = objective(b, index, metrics)
-        is_weight = None if corr is None else corr.weight
-        loss = LinearizedLoss.apply(next_token_logprobs, -obj, grad.neg_())
-        loss, kl, nll = self._penalties(loss, next_token_logprobs, data, b)
+        result: ObjectiveResult = objective(b, index)
+        loss = LinearizedLoss.apply(next_token_logprobs, -result.objective, result.grad.neg_())
+        penalized = self._penalties(loss, next_token_logprobs, b)
         with torch.no_grad():
-            metrics.update(policy_metrics(b, ratios, terms, bounds, group_bounds, fraction_weights, is_weight, loss,
-                                          kl, nll, kl_coef=self.reference_policy_kl_penalty,
-                                          kl_type=cfg.reference_policy_kl_type, granularity=g.granularity,
-                                          surrogate=g.surrogate, level=self.metrics_level, is_level=g.is_level))
+            metrics = policy_metrics(b, result, penalized, cfg)
             # ours, diagnostics: at `minimal` only with the correction on (loss_metrics.MISMATCH_METRICS)
-            if self.metrics_level == "full" or corr is not None:
+            if cfg.metrics_level == "full" or result.correction is not None:
                 k3 = metrics.get("gen_kl_error") if cfg.reference_policy_kl_type == "k3" else None
-                metrics.update(mismatch_metrics(b, ratios, corr, k3))
+                metrics.update(mismatch_metrics(b, result.ratios, result.correction, k3))
             names = list(metrics)
             # inputs whose ±inf a clamp or a truncation could hide from every metric: their sums
-            grouped = isinstance(terms, GroupedClip)  # its probe covers ℓ, A (and H when summed) of every token
-            probes = [terms.probe if grouped else ratios.log_ratio.sum()]
+            terms = result.terms  # grouped: its probe covers ℓ, A (and H when summed) of every token
+            probes = [terms.probe if result.grouped else result.ratios.log_ratio.sum()]
             if cfg.use_importance_sampling_correction:
                 probes.append((b.prev - b.gen).sum())
-            if g.needs_entropy and not (grouped and terms.entropy_sum is not None):
+            if g.needs_entropy and not (result.grouped and terms.entropy_sum is not None):
                 probes.append(b.ent.sum())
             values = torch.stack([metrics[k] for k in names] + probes).tolist()  # one sync
-        return loss, dict(zip(names, values[:len(names)])), values[len(names):]
+        return penalized.loss, dict(zip(names, values[:len(names)])), values[len(names):]
 
-    def _objective(self, b: PolicyBatch, index, metrics: dict):
-        """The tensor-only part (docs/algorithms/math.md §2–§5, off-policy weights): the objective
-        Σ W·c, its gradient with respect to the logprobs, and what the metrics read. This is what
+    def _objective(self, b: PolicyBatch, index) -> ObjectiveResult:
+        """The tensor-only part (docs/algorithms/math.md §2–§5, off-policy weights §10): the objective
+        J = Σ W·c, its gradient with respect to the logprobs, and what the metrics read. This is what
         ``enable_torch_compile`` compiles."""
         cfg, g = self.cfg, self.granular
         if self._grouped(index):
@@ -354,14 +402,15 @@ class GranularPolicyLoss:
                                           index, ratios.counts, ratios.n_groups_row, b.count_dtype)
         per_group_mean = g.aggregation == "seq_mean_group_mean" or (index is None and g.aggregation != "token_mean")
         fraction_weights = weights if per_group_mean else None
-        corr = None
+        corr = is_oob_ratio = None
         if cfg.use_importance_sampling_correction:  # off-policy correction π_old/π_gen (detached), §10
-            corr = self._importance_weights(b, ratios, metrics)
+            corr, is_oob_ratio = self._importance_weights(b, ratios)
             weights = weights * corr.weight
         objective = (torch.dot(weights.reshape(-1), terms.value.reshape(-1)) if weights.shape == terms.value.shape
                      else (weights * terms.value).sum())
         grad = objective_logp_grad(weights, terms, ratios, g.ratio, b.valid, b.count_dtype)
-        return objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr
+        return ObjectiveResult(objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr,
+                               is_oob_ratio)
 
     def _grouped(self, index) -> bool:
         """The clipped surrogate on a group plan without per-token weights beyond the
@@ -369,7 +418,7 @@ class GranularPolicyLoss:
         return (isinstance(index, (GroupIndex, FewGroupIndex)) and self.granular.surrogate == "clipped"
                 and self.cfg.ratio_clip_c is None and not self.cfg.use_importance_sampling_correction)
 
-    def _grouped_objective(self, b: PolicyBatch, index):
+    def _grouped_objective(self, b: PolicyBatch, index) -> ObjectiveResult:
         """:meth:`_objective` for :meth:`_grouped` (docs/algorithms/math.md §2–§5, per group)."""
         g = self.granular
         bounds = (1.0 - self.cfg.eps_low, 1.0 + self.cfg.eps_high) if g.clip == "fixed" else self._entropy_bounds
@@ -378,7 +427,7 @@ class GranularPolicyLoss:
             b.inv_gvs, b.count_dtype)
         b.n_row = ratios.counts.sum(-1)  # the members are the valid tokens
         fraction_weights = omega if g.aggregation == "seq_mean_group_mean" else None
-        return objective, grad, ratios, clip, group_bounds, group_bounds, fraction_weights, None
+        return ObjectiveResult(objective, grad, ratios, clip, group_bounds, group_bounds, fraction_weights)
 
     def _compiled(self):
         """:meth:`_objective` under ``torch.compile``, built on first use (NeMo-RL's settings for its
@@ -389,13 +438,13 @@ class GranularPolicyLoss:
         return self._compiled_objective
 
     # ------------------------------------------------------------------ the steps
-    def _index(self, data, b: PolicyBatch):
+    def _index(self, b: PolicyBatch):
         """The scatter/gather plan of the configured groups (one group per row: no scatter)."""
         g, like = self.granular, b.logp
         if g.granularity == "sequence":
             return RowIndex(like.shape[0])
-        if "granular_group_ids" in data:
-            ids = _key(data, "granular_group_ids", like).long()
+        if b.group_ids is not None:
+            ids = b.group_ids
             lo, hi = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist()) if ids.numel() else (0, 0)  # one sync
             if hi >= like.shape[1] or lo < -1:
                 raise ValueError(f"data['granular_group_ids'] holds id {hi if hi >= like.shape[1] else lo} outside "
@@ -405,8 +454,9 @@ class GranularPolicyLoss:
             if self.delimiter_table is None:
                 raise ValueError("granular.granularity 'segment' needs a tokenizer (GranularPolicyLoss(..., "
                                  "tokenizer=...)) or precomputed data['granular_group_ids']")
-            ids = group_ids_for("segment", b.mask > 0, token_ids=_key(data, "input_ids", like),
-                                delimiter_table=self.delimiter_table)
+            if b.token_ids is None:
+                raise _missing("input_ids")
+            ids = group_ids_for("segment", b.mask > 0, token_ids=b.token_ids, delimiter_table=self.delimiter_table)
             top = int(ids.max()) + 1 if ids.numel() else 1
         else:  # entropy_group: at most len(cut points) + 1 groups
             ids = group_ids_for(g.granularity, b.mask > 0, entropy=torch.where(b.valid > 0, b.ent, torch.nan),
@@ -447,9 +497,10 @@ class GranularPolicyLoss:
             raise ValueError("loss_fn.granular.espo.alpha is 'auto' but no π_old pass has set it: call "
                              "GranularPolicyLoss.calibrate_espo_alpha on the first rollout (the trainers do)")
 
-    def _importance_weights(self, b: PolicyBatch, ratios, metrics):
-        """π_old/π_gen at ``is_level``, truncated as configured on the ratio's groups (math.md §10);
-        logs ``is_oob_ratio`` (NeMo-RL's: token share, or for seq-mask-tis the masked-unit share)."""
+    def _importance_weights(self, b: PolicyBatch, ratios):
+        """π_old/π_gen at ``is_level``, truncated as configured on the ratio's groups (math.md §10), and
+        ``is_oob_ratio`` (NeMo-RL's: token share, or for seq-mask-tis the masked-unit share; None without
+        a truncation)."""
         cfg = self.cfg
         kind = cfg.truncated_importance_sampling_type
         index = ratios.index
@@ -461,40 +512,40 @@ class GranularPolicyLoss:
                                   mask_counts=mask_counts, count_dtype=b.count_dtype)
         if kind == "seq-mask-tis":
             n_units = corr.unit_counts.clamp(max=1).sum(-1).clamp(min=1)
-            metrics["is_oob_ratio"] = (corr.oob_unit.sum(-1) / n_units * b.sample_mask).sum() * b.inv_gvs
-        elif kind is not None:
-            metrics["is_oob_ratio"] = (corr.oob_token * b.w_tok).sum()
-        return corr
+            return corr, (corr.oob_unit.sum(-1) / n_units * b.sample_mask).sum() * b.inv_gvs
+        if kind is not None:
+            return corr, (corr.oob_token * b.w_tok).sum()
+        return corr, None
 
-    def _penalties(self, loss, next_token_logprobs, data, b: PolicyBatch):
-        """loss + β·KL (aggregated like NeMo-RL's loss type) + VAPO's NLL term; returns (loss, kl, nll)."""
+    def _penalties(self, loss, next_token_logprobs, b: PolicyBatch) -> PenalizedLoss:
+        """loss + β·KL (aggregated like NeMo-RL's loss type) + w·NLL, VAPO's NLL on correct responses:
+
+        NLL = −Σ_it logp_it·correct_it / (Σ correct + 1e-8),  correct_it = valid_it·sample_mask_i·[R_i > 0]
+        (this microbatch's count, as NeMo-RL's)."""
         cfg = self.cfg
         zero = torch.zeros((), dtype=b.logp.dtype, device=b.logp.device)
         kl = nll = zero
-        use_nll = cfg.positive_example_nll_weight > 0 and "rewards" in data
+        use_nll = cfg.positive_example_nll_weight > 0 and b.rewards is not None
         if self.reference_policy_kl_penalty == 0 and not use_nll:
-            return loss, kl, nll
+            return PenalizedLoss(loss, kl, nll)
         valid = b.valid > 0
         logp = torch.where(valid, next_token_logprobs.to(b.logp.dtype), 0.0)  # autograd path for these terms
         if self.reference_policy_kl_penalty != 0:
-            kl = self._kl(data, logp, b)
+            kl = self._kl(logp, b)
             loss = loss + kl
         if use_nll:
-            rewards = data["rewards"].to(b.logp.device, b.logp.dtype).reshape(-1)
-            correct = b.valid * b.sample_mask[:, None] * (rewards > 0).to(b.logp.dtype)[:, None]
-            # NeMo-RL: Σ correct_mask + 1e-8 in correct_mask's dtype (token_mask·sample_mask·float32)
-            nll_dtype = torch.promote_types(torch.promote_types(data["token_mask"].dtype, data["sample_mask"].dtype),
-                                            torch.float32)
-            nll = -(logp * correct).sum() / plus_count_eps(correct.sum(), nll_dtype)
+            correct = b.valid * b.sample_mask[:, None] * (b.rewards > 0).to(b.logp.dtype)[:, None]
+            nll = -(logp * correct).sum() / plus_count_eps(correct.sum(), b.nll_count_dtype)
             loss = loss + cfg.positive_example_nll_weight * nll
-        return loss, kl, nll
+        return PenalizedLoss(loss, kl, nll)
 
-    def _kl(self, data, logp, b: PolicyBatch):
+    def _kl(self, logp, b: PolicyBatch):
+        """β·Agg[w·KL_k(π_θ ‖ π_ref)] (NeMo-RL's ``calculate_kl`` with its clamps; w = π_θ/π_gen under
+        ``use_on_policy_kl_approximation``, else 1 with its gradient)."""
         cfg = self.cfg
         valid = b.valid > 0
-        ref = torch.where(valid, _key(data, "reference_policy_logprobs", b.logp).to(b.logp.dtype), 0.0)
-        curr = data.get("curr_logprobs_unfiltered", None)
-        curr = logp if curr is None else torch.where(valid, curr.to(b.logp.dtype), 0.0)
+        ref = torch.where(valid, b.ref_logp, 0.0)
+        curr = logp if b.curr_logp is None else torch.where(valid, b.curr_logp, 0.0)
         if cfg.use_on_policy_kl_approximation:
             w = torch.exp((curr - b.gen).clamp(max=LOG_RATIO_BOUND))
         else:

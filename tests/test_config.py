@@ -196,3 +196,26 @@ def test_embedded_trainer_has_no_reference_policy():
         load_train_config("grpo", ["loss_fn.reference_policy_kl_penalty=0.1"])
     assert "\n" not in str(err.value) and "reference_policy_kl_penalty" in str(err.value)
     assert load_train_config("grpo").grpo.adv_estimator.use_leave_one_out_baseline is False
+
+
+def test_config_stays_as_given_and_resolves_once_into_a_frozen_spec():
+    """The pydantic models keep what was given (None: left out) and refuse assignment; the effective
+    values live in the frozen spec, computed at validation (no post-validation rewriting)."""
+    import dataclasses
+
+    from nemo_granular.config import NEMO_RL_LOSS_KEYS, NEMO_RL_NEXT_LOSS_KEYS, PolicyLossConfig, PolicyLossSpec
+
+    raw = {"sequence_level_importance_ratios": True, "token_level_loss": False}
+    cfg = PolicyLossConfig.model_validate(raw)
+    g = cfg.granular
+    assert (g.granularity, g.aggregation, g.is_level, g.eps_low) == (None, None, None, None)
+    spec = cfg.spec
+    assert (spec.granular.granularity, spec.granular.aggregation, spec.granular.is_level) == \
+        ("sequence", "seq_mean_token_mean", "group_sum")
+    assert parse_policy_loss_config(raw) == spec and parse_policy_loss_config(spec) is spec
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.granular.is_level = "token"
+    with pytest.raises(ValueError):
+        cfg.granular.is_level = "token"  # pydantic: frozen
+    fields = {f.name for f in dataclasses.fields(PolicyLossSpec)} - {"granular"}
+    assert fields == set(NEMO_RL_LOSS_KEYS) | set(NEMO_RL_NEXT_LOSS_KEYS)

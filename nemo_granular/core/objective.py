@@ -23,7 +23,7 @@ from .fused import clip_terms, indicator, row_constant
 __all__ = ["COUNT_EPS", "count_eps_dtype", "plus_count_eps", "LOG_RATIO_BOUND", "GroupRatios", "group_ratios",
            "SurrogateTerms", "surrogate_terms",
            "aggregation_group_weights", "aggregation_weights", "objective_logp_grad", "GroupedClip",
-           "grouped_clipped_objective"]
+           "grouped_clipped_objective", "ObjectiveResult", "PenalizedLoss"]
 
 # exp() is applied to log-ratios clamped to ±LOG_RATIO_BOUND (ratio ≤ 4.8e8): an extreme
 # token then cannot turn a zero gradient into inf·0 = NaN. Exact below the bound (math.md, Notation).
@@ -254,3 +254,38 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
     ratios = GroupRatios(None, None, n_groups_row, index, s, counts, cap)
     clip = GroupedClip(rc, (1 - keep_neg) * n_neg, (1 - keep_pos) * n_pos, ent_sum, probe)
     return objective, grad, ratios, bounds, clip, omega
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectiveResult:
+    """One evaluation of the objective J = Σ_it W_it·c_it (docs/algorithms/math.md §2–§5, the
+    π_old/π_gen weight of §10 folded into W) and what the metrics read of it."""
+
+    objective: torch.Tensor              # J, 0-d
+    grad: torch.Tensor                   # ∂J/∂logp, [B, T]
+    ratios: GroupRatios
+    terms: SurrogateTerms | GroupedClip  # per token, or per group (the grouped clipped surrogate)
+    bounds: Any                          # (lo, hi): per token, numbers, or (group path) the group tables
+    group_bounds: Any                    # (lo_g, hi_g) per group, numbers, or None (token groups)
+    fraction_weights: torch.Tensor | None  # the per-group-mean weights when J was built with them, else None
+    correction: Any = None               # the π_old/π_gen GenerationWeights (None: no correction)
+    is_oob_ratio: torch.Tensor | None = None  # NeMo-RL's share of truncated weights (None: no truncation)
+
+    @property
+    def is_weight(self) -> torch.Tensor | None:
+        """The π_old/π_gen weight per token (after truncation), or None."""
+        return None if self.correction is None else self.correction.weight
+
+    @property
+    def grouped(self) -> bool:
+        """J was computed per group (:func:`grouped_clipped_objective`): ``terms`` is a :class:`GroupedClip`."""
+        return isinstance(self.terms, GroupedClip)
+
+
+@dataclass(frozen=True, slots=True)
+class PenalizedLoss:
+    """loss = −J + β·KL + w·NLL (NeMo-RL's loss with its two penalties) and the penalties, 0-d each."""
+
+    loss: torch.Tensor
+    kl: torch.Tensor                     # β·KL, aggregated like NeMo-RL's loss type
+    nll: torch.Tensor                    # the NLL on correct responses (unweighted)

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
-from ..config import GranularConfig, parse_policy_loss_config
+from ..config import parse_policy_loss_config
 from ..core.groups import entropy_group_ids, segment_group_ids
 from ..core.offpolicy import batch_mismatch_extrema
+from ..loss_spec import GranularSpec
 from .estimators import config_get
 from .run_state import checkpoint_dir_of, espo_alpha_for_step, load_run_state, save_run_state
 from .workers import DTENSOR_V2_EXTENSION_FQN, ENTROPY_METHOD, MEGATRON_EXTENSION_FQN
@@ -46,7 +47,7 @@ __all__ = [
 _SHARD_AXES = ["context_parallel", "tensor_parallel", "pipeline_parallel"]
 
 
-def compute_granular_group_ids(granular: GranularConfig, input_ids: torch.Tensor, token_mask: torch.Tensor,
+def compute_granular_group_ids(granular: GranularSpec, input_ids: torch.Tensor, token_mask: torch.Tensor,
                                prev_entropy: torch.Tensor | None = None,
                                delimiter_table: torch.Tensor | None = None) -> torch.Tensor | None:
     """``granular_group_ids`` ``[B, S]`` for the driver batch, or ``None`` when the loss needs none.
@@ -72,7 +73,8 @@ def compute_granular_group_ids(granular: GranularConfig, input_ids: torch.Tensor
 
 def add_granular_keys(data, loss_cfg, entropy: torch.Tensor | None, delimiter_table: torch.Tensor | None = None):
     """Put ``prev_entropy`` / ``granular_group_ids`` into ``data`` (a ``BatchedDataDict`` or dict)
-    next to NeMo-RL's keys. Every added tensor has ``input_ids``' shape (NeMo-RL's hard shape rule)."""
+    next to NeMo-RL's keys. Every added tensor has ``input_ids``' shape (NeMo-RL's hard shape rule).
+    ``loss_cfg``: the ``loss_fn`` mapping, or its resolved spec (``parse_policy_loss_config``; used as is)."""
     granular = parse_policy_loss_config(loss_cfg).granular
     shape = tuple(data["input_ids"].shape)
     if entropy is not None:
@@ -155,7 +157,7 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
     class GranularPolicy(Policy):
         def __init__(self, *args, granular_loss_cfg=None, delimiter_table=None, **kwargs):
             super().__init__(*args, **kwargs)
-            self._granular_loss_cfg = granular_loss_cfg
+            self._granular_loss = parse_policy_loss_config(granular_loss_cfg)  # once: the spec every step reads
             self._delimiter_table = delimiter_table
             self._stash: tuple[torch.Tensor, torch.Tensor] | None = None
             # what NeMo-RL's checkpoint does not hold (ESPO's auto α): read back on resume
@@ -194,7 +196,7 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
 
         def train(self, data, loss_fn, eval_mode=False, gbs=None, mbs=None, timer=None, check_dim_skip_keys=None):
             entropy = self._entropy_for(data, timer)
-            add_granular_keys(data, self._granular_loss_cfg, entropy, self._delimiter_table)
+            add_granular_keys(data, self._granular_loss, entropy, self._delimiter_table)
             alpha = espo_alpha_for_step(loss_fn, data, self._run_state)
             self._stash = None
             results = super().train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
@@ -203,7 +205,7 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
                 results.setdefault("all_mb_metrics", {})["espo_alpha"] = [alpha]
             # whole-batch mismatch maxima and entropy split: one value each (grpo_train sums the list);
             # diagnostics: at metrics_level minimal only with the correction on, as the loss's own
-            cfg = parse_policy_loss_config(self._granular_loss_cfg)
+            cfg = self._granular_loss
             g = cfg.granular
             if cfg.metrics_level == "full" or cfg.use_importance_sampling_correction:
                 results.setdefault("all_mb_metrics", {}).update(
