@@ -76,7 +76,7 @@ _ZYGOTE: list = []   # the zygote the runs are forked from, while ``compare`` tr
 
 def _start(args: list[str]):
     """``python -m nemo_granular ARGS`` in a session of its own, stdout and stderr merged into ``.stdout``
-    (text): forked from the zygote (:mod:`nemo_granular.embedded.zygote`: torch and transformers already
+    (text): forked from the zygote (:mod:`nemo_granular.zygote`: torch and transformers already
     imported, ~5 s of CPU less per run) when one runs, else a new interpreter."""
     env = dict(os.environ, **RUN_ENV)
     if _ZYGOTE and _ZYGOTE[0] is not None:
@@ -380,7 +380,7 @@ _ZYGOTE_LOCK = threading.Lock()
 def _start_zygote() -> None:
     """The runs' zygote, started by the first run (outside ``_CHILDREN.lock``: a Ctrl-C meanwhile is
     forwarded at once). Where it cannot start, each run is a new interpreter: the same runs, ~5 s more CPU."""
-    from .embedded.zygote import Zygote
+    from .zygote import Zygote
 
     with _ZYGOTE_LOCK:
         if _ZYGOTE or _CHILDREN.stopping:

@@ -103,7 +103,7 @@ def test_algorithm_settings_follow_the_spec():
     expected_sspo = {"1.5b": (0.0, 0.8, 1.75), "7b": (0.15, 0.8, 2.2)}
     for size, (s, g, gs) in MATH.items():
         sspo = parse_policy_loss_config(load(s)["loss_fn"]).granular
-        assert sspo.granularity == "segment" and sspo.clip == "sspo_entropy" and sspo.segment_delimiters == ["\n\n"]
+        assert sspo.granularity == "segment" and sspo.clip == "sspo_entropy" and list(sspo.segment_delimiters) == ["\n\n"]
         assert (sspo.sspo.alpha, sspo.sspo.beta, sspo.sspo.gamma) == expected_sspo[size]
         grpo = parse_policy_loss_config(load(g)["loss_fn"])
         assert grpo.granular.granularity == "token" and (grpo.eps_low, grpo.eps_high) == (0.2, 0.2)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_granular.embedded.zygote import Zygote
+from nemo_granular.zygote import Zygote
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@
 per run: 55 processes in the default demo. Each fresh interpreter spends ~5–7 s of CPU importing torch,
 transformers and the model classes before its first step (a quarter of a smoke comparison's CPU on two
 cores). A zygote imports them once; every command is then a ``fork()`` of it that runs
-``nemo_granular.cli.main(argv)`` exactly as ``python -m nemo_granular ARGV`` would: its own session,
+``python -m nemo_granular ARGV`` (``runpy``) exactly as a new interpreter would: its own session,
 its own working directory and environment, stdout and stderr on the pipe the caller passed, the exit
 status of ``main`` (1 and a traceback for an uncaught exception). The zygote is single-threaded when it
 forks (checked: importing torch and transformers starts no thread), so a child is a clean process.
@@ -25,7 +25,9 @@ import subprocess
 import sys
 import threading
 
-# what every embedded command imports before its first step (lazily, so their import is what costs)
+# what every embedded command imports before its first step (lazily, so their import is what costs). By
+# name, as the commands themselves are found (``COMMANDS`` in nemo_granular/cli.py): this module sits beside
+# ``compare`` and imports no part of the package, so the parts' import graph stays one-way (test_layering.py)
 PRELOAD = ("torch", "transformers", "tokenizers", "nemo_granular.embedded.cli", "nemo_granular.embedded.trainer",
            "nemo_granular.evals.cli", "nemo_granular.evals.embedded", "transformers.generation.utils")
 MODEL_CLASSES = ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
@@ -51,9 +53,11 @@ def _child(argv: list[str], env: dict, cwd: str, out_fd: int, others: list[int])
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [sys.argv[0], *argv]
-        from nemo_granular.cli import main
+        import runpy
 
-        code = main(argv)
+        # `python -m nemo_granular ARGV` (its __main__ calls the dispatcher and exits with its status)
+        runpy.run_module("nemo_granular", run_name="__main__", alter_sys=True)
+        code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit 1
@@ -161,7 +165,7 @@ class Zygote:
     def __init__(self, env: dict):
         self.env = dict(env)
         mine, theirs = socket.socketpair()
-        code = ("import sys; from nemo_granular.embedded.zygote import _zygote_main; "
+        code = ("import sys; from nemo_granular.zygote import _zygote_main; "
                 "_zygote_main(int(sys.argv[1]))")
         self._proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                                       env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
