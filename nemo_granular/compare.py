@@ -16,6 +16,7 @@ NeMo-RL run directories: ``compare --from-runs``, used by ``slurm/submit_compari
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -93,33 +94,41 @@ def available_algorithms(config_dir: Path) -> list[str]:
     return sorted(p.stem for p in config_dir.glob("*.yaml") if p.stem not in NOT_ALGORITHMS)
 
 
+@contextlib.contextmanager
+def _started(args: list[str], what: str):
+    """A command of ``compare`` (a run, an evaluation) started and registered, so that a Ctrl-C is forwarded
+    to it; none starts after a Ctrl-C. Its own session: the terminal's Ctrl-C reaches only this process,
+    which forwards it to each command exactly once (a run started in the instant between the terminal's
+    signal and Python's handler got none and trained on to the end; a second one would abort a run
+    before it saved)."""
+    _start_zygote()
+    with _CHILDREN.lock:
+        if _CHILDREN.stopping:
+            raise CompareInterrupted(f"{what} not started (interrupted)")
+        proc = _start(args)
+        _CHILDREN.procs.add(proc)
+    try:
+        yield proc
+    finally:
+        with _CHILDREN.lock:
+            _CHILDREN.procs.discard(proc)
+
+
 def _train(config: Path, args: list[str], log: Path, label: str, append: bool = False) -> None:
     """``nemo-granular train`` in a child process; its output goes to ``log`` and, prefixed, to stderr
     (all but its own ``resume with:`` line: a comparison continues with ``compare --resume``)."""
     from .embedded.cli import RESUME_HINT
 
     last = ""
-    _start_zygote()
-    with log.open("a" if append else "w") as fh:
-        with _CHILDREN.lock:   # no run starts after a Ctrl-C; one that started gets it forwarded
-            if _CHILDREN.stopping:
-                raise CompareInterrupted(f"run {label} not started (interrupted)")
-            # its own session: the terminal's Ctrl-C reaches only this process, which forwards it to each
-            # run exactly once (a run started in the instant between the terminal's signal and Python's
-            # handler got none and trained on to the end; a second one would abort a run before it saved)
-            proc = _start(["train", "--config", str(config), *args])
-            _CHILDREN.procs.add(proc)
-        try:
-            for line in proc.stdout:
-                fh.write(line)
-                fh.flush()
-                last = line.strip() or last
-                if not line.startswith(RESUME_HINT):
-                    print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
-            rc = proc.wait()
-        finally:
-            with _CHILDREN.lock:
-                _CHILDREN.procs.discard(proc)
+    with log.open("a" if append else "w") as fh, _started(["train", "--config", str(config), *args],
+                                                          f"run {label}") as proc:
+        for line in proc.stdout:
+            fh.write(line)
+            fh.flush()
+            last = line.strip() or last
+            if not line.startswith(RESUME_HINT):
+                print(f"[{label}] {line.rstrip()}", file=sys.stderr, flush=True)
+        rc = proc.wait()
     if rc in (130, 99):
         raise CompareInterrupted(f"run {label} stopped (exit {rc}) after saving a checkpoint")
     if rc != 0:
@@ -276,20 +285,10 @@ def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> Non
     args = ["eval-checkpoints", str(run), "--suite", suite]
     if max_samples is not None:
         args += ["--max-samples", str(max_samples)]
-    _start_zygote()
-    with (run / "evals.log").open("w") as fh:
-        with _CHILDREN.lock:   # as a run: a Ctrl-C is forwarded to it (its own session)
-            if _CHILDREN.stopping:
-                raise CompareInterrupted(f"evaluation of {label} not started (interrupted)")
-            proc = _start(args)
-            _CHILDREN.procs.add(proc)
-        try:
-            for line in proc.stdout:
-                fh.write(line)
-            rc = proc.wait()
-        finally:
-            with _CHILDREN.lock:
-                _CHILDREN.procs.discard(proc)
+    with (run / "evals.log").open("w") as fh, _started(args, f"evaluation of {label}") as proc:
+        for line in proc.stdout:
+            fh.write(line)
+        rc = proc.wait()
     if rc != 0:
         raise RunFailed(f"evaluation of {label} failed (exit {rc}); log: {run / 'evals.log'}")
     print(f"[{label}] benchmark suite {suite!r} evaluated ({run / 'evals.json'})", file=sys.stderr, flush=True)
