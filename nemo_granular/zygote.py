@@ -6,8 +6,9 @@ transformers and the model classes before its first step (a quarter of a smoke c
 cores). A zygote imports them once; every command is then a ``fork()`` of it that runs
 ``python -m nemo_granular ARGV`` (``runpy``) exactly as a new interpreter would: its own session,
 its own working directory and environment, stdout and stderr on the pipe the caller passed, the exit
-status of ``main`` (1 and a traceback for an uncaught exception). The zygote is single-threaded when it
-forks (checked: importing torch and transformers starts no thread), so a child is a clean process.
+status of ``main`` (1 and a traceback for an uncaught exception). The zygote has one Python thread when it
+forks; the one native thread the imports start, NumPy's OpenBLAS server, is stopped by OpenBLAS's own
+fork handler before each fork and started again when next needed, so a child is a clean process.
 
 :class:`Zygote` is the caller's side: :meth:`Zygote.start` returns a :class:`ForkedRun`, which answers
 ``pid``, ``stdout``, ``poll``, ``wait`` and ``send_signal`` as a ``subprocess.Popen`` does. The wire

@@ -70,6 +70,22 @@ if hasattr(run, "build_loss"):
         facts.setdefault("losses", []).append(type(loss).__name__ + ":" + str(getattr(loss, "vocab_size", None)))
         return loss
     run.build_loss = recording_build
+import contextlib, io, os
+save_every = []      # NG_SAVE_EVERY_MINUTES refused at start-up (the first config: checkpointing disabled)
+for value in ("ten", "30"):
+    os.environ["NG_SAVE_EVERY_MINUTES"] = value
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = run.main(["--config", configs[0]])
+        except Reached:
+            facts.setdefault("reached", []).append(configs[0])
+            rc = None
+    save_every.append([rc, err.getvalue()])
+    del os.environ["NG_SAVE_EVERY_MINUTES"]
+facts["save_every"] = save_every
+facts["save_every_reached"] = facts.pop("reached", [])   # none should have: setup() comes after the check
+facts["save_every_init_ray"] = facts.pop("init_ray", False)   # nor Ray
 for cfg in configs:
     try:
         rc = run.main(["--config", cfg])
@@ -126,9 +142,19 @@ def _drive(module: str, launcher: str, configs: list[str], cwd: Path) -> dict:
     return json.loads(facts[-1][6:])
 
 
-def test_run_grpo_reaches_real_setup(fixtures):
-    facts = _drive("nemo_rl.algorithms.grpo", "nemo_granular.run_grpo", [fixtures["sspo"], fixtures["espo"]],
-                   fixtures["dir"])
+@pytest.fixture(scope="module")
+def grpo_facts(fixtures):
+    return _drive("nemo_rl.algorithms.grpo", "nemo_granular.run_grpo", [fixtures["sspo"], fixtures["espo"]],
+                  fixtures["dir"])
+
+
+@pytest.fixture(scope="module")
+def sppo_facts(fixtures):
+    return _drive("nemo_rl.algorithms.ppo", "nemo_granular.run_sppo", [fixtures["sppo"]], fixtures["dir"])
+
+
+def test_run_grpo_reaches_real_setup(fixtures, grpo_facts):
+    facts = grpo_facts
     assert "rc" not in facts, facts                 # no start-up refusal / error exit
     assert facts["reached"] == [fixtures["sspo"], fixtures["espo"]]
     assert facts["master_type"] == "nemo_rl.algorithms.grpo.MasterConfig"
@@ -144,8 +170,8 @@ def test_run_grpo_reaches_real_setup(fixtures):
     assert facts["losses"] == ["GranularPolicyLoss:40", "GranularPolicyLoss:40"]
 
 
-def test_run_sppo_reaches_real_ppo_setup(fixtures):
-    facts = _drive("nemo_rl.algorithms.ppo", "nemo_granular.run_sppo", [fixtures["sppo"]], fixtures["dir"])
+def test_run_sppo_reaches_real_ppo_setup(fixtures, sppo_facts):
+    facts = sppo_facts
     assert "rc" not in facts, facts
     assert facts["reached"] == [fixtures["sppo"]]
     assert facts["master_type"] == "nemo_rl.algorithms.ppo.MasterConfig"
@@ -231,34 +257,18 @@ def test_sync_runs_log_espo_verification_failed_frac(nemo_rl_src, tmp_path):
     assert train[1]["loss"] == 0.1 and train[1]["verification_failed_frac"] == pytest.approx(0.5)
 
 
-SAVE_EVERY = r"""
-import contextlib, importlib, io, json, os, sys
-run = importlib.import_module(sys.argv[1])
-out = []
-for value in ("ten", "30"):
-    os.environ["NG_SAVE_EVERY_MINUTES"] = value
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        rc = run.main(["--config", sys.argv[2]])
-    out.append([rc, err.getvalue()])
-print("RESULT " + json.dumps(out))
-"""
-
-
-def test_save_every_minutes_is_checked_at_start_in_both_launchers(fixtures):
+def test_save_every_minutes_is_checked_at_start_in_both_launchers(grpo_facts, sppo_facts):
     """NG_SAVE_EVERY_MINUTES (periodic checkpoints by wall time, docs/slurm.md): a value that is not
     a positive number of minutes, and the variable with checkpointing.enabled: false (the fixtures'
-    configs), are one line and exit 2 from run_grpo and run_sppo, before Ray or setup()."""
-    for launcher, cfg, prefix in (("run_grpo", fixtures["sspo"], "nemo_granular.run_grpo: "),
-                                  ("run_sppo", fixtures["sppo"], "nemo_granular.run_sppo: error: ")):
-        proc = subprocess.run([sys.executable, "-c", SAVE_EVERY, f"nemo_granular.{launcher}", cfg],
-                              capture_output=True, text=True, timeout=600, cwd=fixtures["dir"])
-        result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        assert proc.returncode == 0 and result, (proc.stdout[-2000:], proc.stderr[-3000:])
+    configs), are one line and exit 2 from run_grpo and run_sppo, before Ray or setup() (run in the
+    drives above, before their configs reach setup)."""
+    for launcher, facts, prefix in (("run_grpo", grpo_facts, "nemo_granular.run_grpo: "),
+                                    ("run_sppo", sppo_facts, "nemo_granular.run_sppo: error: ")):
         expect = ("NG_SAVE_EVERY_MINUTES='ten': must be a positive number of minutes",
                   "NG_SAVE_EVERY_MINUTES=30 asks for periodic checkpoints, but checkpointing.enabled is false")
-        for (rc, err), text in zip(json.loads(result[0][7:]), expect):
+        assert len(facts["save_every"]) == 2 and facts["save_every_reached"] == [], (launcher, facts)
+        assert facts["save_every_init_ray"] is False, facts
+        for (rc, err), text in zip(facts["save_every"], expect):
             lines = [ln for ln in err.splitlines() if ln.strip() and not _foreign(ln)]
             assert rc == 2 and len(lines) == 1, (launcher, err)
             assert lines[0].startswith(prefix) and text in lines[0], lines[0]
-        assert "Started a local Ray instance" not in proc.stdout + proc.stderr

@@ -42,7 +42,9 @@ def _fakes(d: Path, srun: str = "exit 0", scontrol: str = "") -> Path:
                 "srun": srun,
                 # hostnames of the allocation: the one node; nothing else is known
                 "scontrol": scontrol + '[[ "$1 $2" == "show hostnames" ]] && echo n1; exit 0'}[name]
-        record = f"{sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' {name} \"$@\" >>{log}"
+        # one O_APPEND write per record: the fakes run side by side (srun's background watch, scontrol)
+        record = (f"{sys.executable} -c 'import json, os, sys; os.write(1, (json.dumps(sys.argv[1:]) + chr(10)).encode())' "
+                  f"{name} \"$@\" >>{log}")
         (d / name).write_text(f"#!/usr/bin/env bash\n{record}\n{body}\n")
         (d / name).chmod(0o755)
     return log

@@ -34,6 +34,7 @@ import pytest
 from cpu_host import configs, models
 from cpu_host.cluster import RayHead
 from cpu_host.runs import copy_checkpoints, finite, run_ok
+from cpu_host.worker_zygote import MEGATRON_PRELOAD
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.nemo_rl]
 STEPS = 3
@@ -54,7 +55,7 @@ def world(nemo_rl_src, megatron_workers):
     try:
         w = SimpleNamespace(root=root, model=models.write_model(root / "qwen3"),
                             data=models.write_math_data(root / "math.jsonl"))
-        with RayHead(root, num_cpus=8, num_gpus=WORKERS, env=ENV) as head:
+        with RayHead(root, num_cpus=8, num_gpus=WORKERS, env=ENV, preload=MEGATRON_PRELOAD) as head:
             w.head = head
             yield w
     finally:

@@ -54,6 +54,16 @@ def _descendants(root: int) -> list[tuple[int, int]]:
     return out
 
 
+def _kill_all(family: list[tuple[int, int]]) -> None:
+    for pid, started in family:
+        st = _stat(pid)
+        if st is not None and st[1] == started:    # the same process, not a reused pid
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
 def cpu_host_env(home: Path, **extra: str) -> dict[str, str]:
     """Environment of the head, the drivers and (forwarded by NeMo-RL) every Ray worker."""
     env = dict(os.environ)
@@ -81,9 +91,16 @@ class _HeadExited(RuntimeError):
 class RayHead:
     """``ray start --head --block`` with a private temp dir / HOME; ``stop()`` kills its process group."""
 
-    def __init__(self, root: Path, num_cpus: int = 8, num_gpus: int = 2, env: dict[str, str] | None = None):
+    def __init__(self, root: Path, num_cpus: int = 8, num_gpus: int = 2, env: dict[str, str] | None = None,
+                 preload: tuple[str, ...] | None = None):
         self.root = Path(root)
         self.extra_env = dict(env or {})     # for the head, its workers and the drivers
+        # the modules the workers' zygote imports once (cpu_host/worker_zygote.py); () or
+        # NEMO_GRANULAR_RAY_ZYGOTE=0: every worker a fresh interpreter
+        from .worker_zygote import DTENSOR_PRELOAD
+
+        self.preload = DTENSOR_PRELOAD if preload is None else tuple(preload)
+        self.zygote: subprocess.Popen | None = None
         self.home = self.root / "home"
         self.temp = self.root / "ray"      # Ray's unix socket paths must stay short: keep root short
         self.home.mkdir(parents=True, exist_ok=True)
@@ -105,12 +122,31 @@ class RayHead:
             try:
                 return self._start_once(timeout)
             except _HeadExited:
-                self.stop()
+                self._stop_head()
                 self.port = _free_port()
                 self.address = f"127.0.0.1:{self.port}"
         return self._start_once(timeout)
 
+    def _start_zygote(self, timeout: float = 300.0) -> None:
+        """The workers' zygote, with the head's environment; the head and its drivers get its socket. A
+        zygote that does not come up leaves every worker a fresh interpreter (the log says why)."""
+        from .worker_zygote import SOCKET_ENV
+
+        if self.zygote is not None or not self.preload or os.environ.get(SOCKET_ENV) == "0":
+            return
+        path = self.root / "zygote.sock"
+        self.zygote = subprocess.Popen([sys.executable, "-m", "cpu_host.worker_zygote", str(path), *self.preload],
+                                       env=cpu_host_env(self.home, **self.extra_env), cwd=str(self.root),
+                                       stdin=subprocess.DEVNULL, stdout=open(self.root / "zygote.log", "a"),
+                                       stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while not path.exists() and self.zygote.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if path.exists():
+            self.extra_env[SOCKET_ENV] = str(path)
+
     def _start_once(self, timeout: float) -> "RayHead":
+        self._start_zygote()
         ray_bin = Path(sys.executable).with_name("ray")
         cmd = [str(ray_bin), "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={self.num_cpus}",
                f"--num-gpus={self.num_gpus}", f"--temp-dir={self.temp}", "--include-dashboard=false",
@@ -144,6 +180,15 @@ class RayHead:
         raise RuntimeError(f"ray head did not come up in {timeout}s: {self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
+        self._stop_head()
+        if self.zygote is not None:      # and the workers it forked (each in a session of its own)
+            family = _descendants(self.zygote.pid)
+            self.zygote.kill()
+            self.zygote.wait()
+            _kill_all(family)
+            self.zygote = None
+
+    def _stop_head(self) -> None:
         if self.proc is None:
             return
         # Ray's worker processes start their own sessions: note every descendant first
@@ -160,13 +205,7 @@ class RayHead:
             except subprocess.TimeoutExpired:
                 continue
         time.sleep(2)
-        for pid, started in family:          # what outlived its raylet (normally nothing)
-            st = _stat(pid)
-            if st is not None and st[1] == started:    # the same process, not a reused pid
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        _kill_all(family)                    # what outlived its raylet (normally nothing)
         self.proc = None
 
     def __enter__(self):
