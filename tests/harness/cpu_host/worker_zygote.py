@@ -220,7 +220,7 @@ def serve(path: str, modules: list[str]) -> int:
     import threading
 
     # Python threads only: NumPy's OpenBLAS starts a native server thread on import (torch imports NumPy),
-    # which OpenBLAS's own fork handlers stop before a fork and restart in the child
+    # which OpenBLAS's own fork handler stops before each fork (it starts again when next needed)
     if threading.active_count() != 1:
         print(f"worker_zygote: {[t.name for t in threading.enumerate()]} after the imports; not serving",
               file=sys.stderr, flush=True)
