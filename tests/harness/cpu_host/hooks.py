@@ -17,7 +17,8 @@ reached the loss and what the loss returned (:func:`_record_policy_loss`), for t
 recomputation (``tests/harness/cpu_host/loss_check.py``); in an SPPO run (opt-in,
 :data:`PPO_LOSSES_ENV`) also every ``SequenceValueLoss`` call of a value worker and every NeMo-RL
 ``ClippedPGLossFn`` call of a policy worker (:func:`_record_value_loss`, :func:`_record_clipped_pg_loss`;
-recomputed by ``tests/harness/cpu_host/ppo_loss_check.py``).
+recomputed by ``tests/harness/cpu_host/ppo_loss_check.py``); and a DTensor-v2 policy worker's parameter
+gradients after its first global batch (:func:`_record_dtensor_gradients`; ``cpu_host/grad_check.py``).
 
 Nothing here imports torch, Ray or NeMo-RL (an eager ``sitecustomize`` that imported NeMo-RL made
 Ray's node start time out): each patch runs right after its module is first imported.
@@ -168,6 +169,50 @@ def _record_policy_loss(losses) -> None:
     cls.__call__ = __call__
 
 
+def _record_dtensor_gradients(worker_module) -> None:
+    """The first ``scale_grads_and_clip_grad_norm`` call of a DTensor-v2 policy worker (after the first global
+    batch's backward passes, before NeMo-RL scales, clips and steps) also saves every parameter's gradient,
+    gathered whole (``DTensor.full_tensor``, a collective every rank makes), from rank 0, and from every rank
+    how many loss calls reached that gradient: ``$NEMO_GRANULAR_CPU_HOST_FACTS.grads/<pid>.pt``. The test
+    compares it with a float64 transformers backward (``cpu_host.grad_check``)."""
+    import os
+
+    facts = os.environ.get("NEMO_GRANULAR_CPU_HOST_FACTS")
+    if not facts:
+        return
+    real = worker_module.scale_grads_and_clip_grad_norm
+    done = [False]
+
+    def scale_grads_and_clip_grad_norm(max_grad_norm, model_parts, *args, **kwargs):
+        if not done[0]:
+            done[0] = True
+            import torch
+            from torch.distributed.tensor import DTensor
+
+            dist = torch.distributed
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            grads = {}
+            for name, p in model_parts[0].named_parameters():
+                g = p.grad
+                if g is None:
+                    continue
+                g = g.full_tensor() if isinstance(g, DTensor) else g
+                if rank == 0:
+                    grads[name] = g.detach().double().cpu()
+            # the loss calls that reached this gradient: this process's records of the current train call (the
+            # driver moves them into their call's folder when the call returns; each is written before the loss
+            # returns)
+            import glob
+
+            calls = len(glob.glob(os.path.join(f"{facts}.loss", f"{os.getpid()}_*.pt")))
+            _save_record(f"{facts}.grads", str(os.getpid()),
+                         {"rank": rank, "loss_calls": calls, "grads": grads,
+                          "max_grad_norm": max_grad_norm, "dp_group_size": kwargs.get("dp_group_size")})
+        return real(max_grad_norm, model_parts, *args, **kwargs)
+
+    worker_module.scale_grads_and_clip_grad_norm = scale_grads_and_clip_grad_norm
+
+
 def _save_record(folder: str, name: str, record: dict) -> None:
     """``record`` → ``<folder>/<name>.pt``, written to a temporary name first (the test reads whole files only)."""
     import os
@@ -274,6 +319,7 @@ def _varlen_attention(_module) -> None:
 AFTER_IMPORT = {"nemo_granular.losses": _record_losses,
                 "nemo_rl.algorithms.loss.loss_functions": _record_clipped_pg_loss,
                 "nemo_rl.models.automodel.setup": _varlen_attention,
+                "nemo_rl.models.policy.workers.dtensor_policy_worker_v2": _record_dtensor_gradients,
                 "ray._private.function_manager": _patch_ray_actor_methods,
                 "nemo_rl.distributed.ray_actor_environment_registry": _patch_registry,
                 "nemo_rl.utils.nvml": _patch_nvml}

@@ -221,7 +221,8 @@ def install_environment_recorder() -> None:
 
 
 def install_refit_recorder() -> None:
-    """After each refit: a digest of the generation model's weights (they are the policy's)."""
+    """After each refit: a digest of the generation model's weights (they are the policy's), and the whole
+    state dict in ``$NEMO_GRANULAR_CPU_HOST_FACTS.refit/sync_<n>.safetensors``."""
     import torch
 
     from cpu_host.generation import CpuHFGeneration
@@ -230,6 +231,16 @@ def install_refit_recorder() -> None:
 
     def load_weights(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
+        facts = os.environ.get("NEMO_GRANULAR_CPU_HOST_FACTS")
+        if facts:     # the whole state dict the generation now holds, for the export test
+            from safetensors.torch import save_file
+
+            folder = f"{facts}.refit"
+            os.makedirs(folder, exist_ok=True)
+            save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
+                      os.path.join(folder, f"sync_{self.syncs}.tmp"))
+            os.replace(os.path.join(folder, f"sync_{self.syncs}.tmp"),
+                       os.path.join(folder, f"sync_{self.syncs}.safetensors"))
         params = torch.cat([p.detach().float().flatten() for p in self.model.parameters()])
         record("refit", sync=self.syncs, norm=float(params.norm()), head=params[:8].tolist(),
                sum=float(params.double().sum()), refit=self.last_refit,

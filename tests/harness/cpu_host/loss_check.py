@@ -65,9 +65,9 @@ def records(run_dir: Path) -> dict[int, list[dict]]:
     return out
 
 
-def reference_of(rec: dict, delims: tuple[int, ...]):
-    """(loss, grad, metrics, group ids) of the float64 reference for one record."""
-    cfg, data = rec["config"], rec["data"]
+def reference_kwargs(rec: dict, delims: tuple[int, ...]) -> dict:
+    """The float64 reference loss's settings for one record (all but the batch and the global counts)."""
+    cfg = rec["config"]
     kl = None
     if cfg["kl_coef"]:
         kl = {"coef": cfg["kl_coef"], "type": cfg["kl_type"], "in_clamp": cfg["kl_in_clamp"],
@@ -75,12 +75,18 @@ def reference_of(rec: dict, delims: tuple[int, ...]):
     spec = dict(R.PRESET_SPECS[cfg["algorithm"]])
     spec.pop("eps")
     spec["aggregation"] = cfg["aggregation"]          # NeMo-RL's token_level_loss may override the preset's
+    return dict(spec, eps_low=cfg["eps_low"], eps_high=cfg["eps_high"], sspo=tuple(cfg["sspo"]),
+                espo_alpha=cfg["espo_alpha"], vocab_size=cfg["vocab_size"], cuts=tuple(cfg["cuts"]),
+                delimiter_ids=delims, dual_clip=cfg["ratio_clip_c"], kl=kl, offpolicy=cfg.get("offpolicy"))
+
+
+def reference_of(rec: dict, delims: tuple[int, ...]):
+    """(loss, grad, metrics, group ids) of the float64 reference for one record."""
+    cfg, data = rec["config"], rec["data"]
+    spec = R.PRESET_SPECS[cfg["algorithm"]]
     loss, grad, metrics = R.run_ref(
-        lambda lp: R.granular_loss(lp, data, **spec, eps_low=cfg["eps_low"], eps_high=cfg["eps_high"],
-                                   sspo=tuple(cfg["sspo"]), espo_alpha=cfg["espo_alpha"],
-                                   vocab_size=cfg["vocab_size"], cuts=tuple(cfg["cuts"]), delimiter_ids=delims,
-                                   gvs=rec["global_valid_seqs"], gvt=rec["global_valid_toks"],
-                                   dual_clip=cfg["ratio_clip_c"], kl=kl, offpolicy=cfg.get("offpolicy")),
+        lambda lp: R.granular_loss(lp, data, **reference_kwargs(rec, delims),
+                                   gvs=rec["global_valid_seqs"], gvt=rec["global_valid_toks"]),
         rec["next_token_logprobs"])
     tm = data["token_mask"][:, 1:] > 0
     if spec["granularity"] == "segment":

@@ -12,7 +12,8 @@ Two receivers, one per backend, each at the narrowest seam that runs NeMo-RL's o
   (``prepare_refit_info``) and acknowledged as vLLM's worker does.
 * DTensor-v2 on NeMo-RL main (:class:`StateDictSynchronizer`): a ``WeightSynchronizer`` refitting
   through NeMo-RL's own ``Policy.save_checkpoint`` (every rank its FSDP shard, HF key names,
-  Automodel's MoE adapter) read back whole with the export reader. Its IPC path would hand vLLM the
+  Automodel's MoE adapter) read back whole by :func:`read_sharded_safetensors`, the harness's own
+  reader (not the package's export reader, which the export test checks against it). Its IPC path would hand vLLM the
   weights cast to the policy precision; the loops compare the worker's π_old log-probs with the
   generation model exactly, which needs the worker's own parameters.
 * DTensor-v2 on NeMo-RL v0.7.0 (:class:`IpcZmqReceiver`): v0.7.0 has no synchronizer to replace, so
@@ -52,6 +53,38 @@ def _weight_synchronizer_base():
 REFIT_CHECKPOINT = {"model_save_format": "safetensors", "save_consolidated": False}
 
 
+def read_sharded_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Whole tensors from the ``*.safetensors`` shards of a DCP save in Hugging Face layout: each file holds
+    every rank's chunk of its tensors, placed by the ``saved_offsets`` of the ``DCP_SHARDING_INFO`` JSON in
+    its header (no offsets: the whole tensor). Written from the file format, with safetensors alone."""
+    import json
+
+    from safetensors import safe_open
+
+    chunks: dict[str, list] = {}
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"refit: no *.safetensors in {folder}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            info = json.loads((st.metadata() or {}).get("DCP_SHARDING_INFO", "{}"))
+            for key in st.keys():
+                t = st.get_tensor(key)
+                chunks.setdefault(key, []).append((info.get(key, {}).get("saved_offsets", [0] * t.dim()), t))
+    out = {}
+    for key, parts in chunks.items():
+        size = [max(o[d] + t.shape[d] for o, t in parts) for d in range(parts[0][1].dim())]
+        full = torch.empty(size, dtype=parts[0][1].dtype)
+        covered = 0
+        for o, t in parts:
+            full[tuple(slice(o[d], o[d] + t.shape[d]) for d in range(t.dim()))] = t
+            covered += t.numel()
+        if covered != full.numel():
+            raise ValueError(f"refit: the chunks of {key} cover {covered} of its {full.numel()} elements")
+        out[key] = full
+    return out
+
+
 class StateDictSynchronizer(_weight_synchronizer_base()):
     """DTensor-v2 refit through ``Policy.save_checkpoint`` and the export reader (module docstring)."""
 
@@ -71,16 +104,14 @@ class StateDictSynchronizer(_weight_synchronizer_base()):
         return None
 
     def sync_weights(self, *, timer=None, kv_scales=None):
-        from nemo_granular.export.dcp import find_dcp_dir, read_dcp
-
         if self.policy is None:
             raise RuntimeError("StateDictSynchronizer: no policy attached (the launcher attaches it after setup())")
         scratch = Path(tempfile.mkdtemp(prefix="refit_"))
         try:
             # every rank writes its shard through NeMo-RL's own save path (HF key names)
             self.policy.save_checkpoint(weights_path=str(scratch / "weights"), checkpointing_cfg=REFIT_CHECKPOINT)
-            path, layout = find_dcp_dir(scratch / "weights")
-            full = read_dcp(path, safetensors=layout == "safetensors")
+            path = scratch / "weights" / "model"
+            full = read_sharded_safetensors(path)
             self.generation.last_refit = {"path": "checkpoint", "workers": len(self.policy.worker_group.workers),
                                           "tensors": [len(full)], "files": sorted(
                                               p.name for p in Path(path).iterdir() if p.is_file())}
