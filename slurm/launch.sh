@@ -510,7 +510,10 @@ check_steps() {
           # a lost node (not the run's fault): requeued within MAX_RESTARTS. Slurm requeues a
           # --requeue job on a node failure itself, but only once it declares the node down
           # (SlurmdTimeout, minutes later), and the launcher has ended the job by then
-          (( ATTEMPT < MAX_RESTARTS )) && requeue "a Ray node was lost (${why:-Ray watchdog exit 4})"
+          if (( ATTEMPT < MAX_RESTARTS )); then
+            name_lost_nodes
+            requeue "a Ray node was lost (${why:-Ray watchdog exit 4})"
+          fi
           fail "${why:-a Ray node was lost} (Ray watchdog exit $rc; see $LOG_DIR/watch.log); MAX_RESTARTS=$MAX_RESTARTS reached, not requeueing"
         fi
         fail "${why:-the Ray watchdog stopped} (Ray watchdog exit $rc; see $LOG_DIR/watch.log)"
@@ -521,6 +524,19 @@ check_steps() {
 }
 
 nap() { sleep "$1" & wait $! 2>/dev/null || true; }  # interruptible by traps
+
+name_lost_nodes() {  # the nodes the watchdog lost, and how to keep the requeued job off them. Slurm
+  # refuses to change a running job's ExcNodeList ("Job is no longer pending execution", Slurm
+  # 22.05, tried on the local cluster) and the job is pending only after this script has ended; a
+  # node whose GPU or Ray failed is not marked down unless its slurmd stops answering
+  local lost current
+  lost=$(grep -v '^[[:space:]]*$' "$LOG_DIR/lost_nodes" 2>/dev/null | sort -u | paste -sd, -)
+  [[ -n "$lost" ]] || return 0
+  current=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^ExcNodeList=//p' | head -n1)
+  [[ "$current" != "(null)" ]] || current=""
+  err "lost node(s) $lost: Slurm may start the requeued job on them again; to prevent that, while it waits to" \
+    "restart (squeue: PD): scontrol update JobId=$SLURM_JOB_ID ExcNodeList=${current:+$current,}$lost"
+}
 
 requeue() {  # requeue WHY: stop the driver and the Ray steps, requeue the job (the next attempt resumes), exit 0
   local name
@@ -584,7 +600,8 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
   # ------------------------------------------------------------------ 1. Ray head -----------------
   srun "${SRUN_COMMON[@]}" "${HEAD_CONTAINER[@]}" --nodes=1 --ntasks=1 -w "$HEAD" --output="$LOG_DIR/ray-head.log" --open-mode=append \
     bash -c "source '$NODE_ENV' && $CLEAR_STEP_VARS && exec ray start --head --node-ip-address=$HEAD_IP --port=$RAY_PORT \
-      --ray-client-server-port=$RAY_CLIENT_SERVER_PORT --include-dashboard=false --temp-dir=${RAY_TMP}_head $RAY_COMMON" &
+      --ray-client-server-port=$RAY_CLIENT_SERVER_PORT --include-dashboard=false --temp-dir=${RAY_TMP}_head $RAY_COMMON \
+      \${SLURMD_NODENAME:+--node-name=\$SLURMD_NODENAME}" &
   STEP_PIDS[ray-head]=$!
   log "starting the Ray head on $HEAD (srun pid ${STEP_PIDS[ray-head]})"
   deadline=$((SECONDS + RAY_WAIT_TIMEOUT))
@@ -604,7 +621,8 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
     srun "${SRUN_COMMON[@]}" "${WORKER_CONTAINER[@]}" --nodes=$((NNODES - 1)) --ntasks=$((NNODES - 1)) -w "$wlist" \
       --output="$LOG_DIR/ray-worker-%N.log" --open-mode=append \
       bash -c "source '$NODE_ENV' && $CLEAR_STEP_VARS && for i in 1 2 3 4 5; do
-          ray start --address=$RAY_ADDRESS_HEAD --temp-dir=${RAY_TMP}_\$(hostname) $RAY_COMMON && exit 0
+          ray start --address=$RAY_ADDRESS_HEAD --temp-dir=${RAY_TMP}_\$(hostname) $RAY_COMMON \
+            \${SLURMD_NODENAME:+--node-name=\$SLURMD_NODENAME} && exit 0
           echo \"ray start failed (try \$i of 5), retrying\"; sleep 3
         done; echo \"ERROR: ray start --address=$RAY_ADDRESS_HEAD failed 5 times on \$(hostname)\"; exit 1" &
     STEP_PIDS[ray-workers]=$!
@@ -629,7 +647,8 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
 
   # ------------------------------------------------------------------ 4. watchdog -----------------
   "${ON_HEAD[@]}" --output="$LOG_DIR/watch.log" --open-mode=append bash -c "source '$NODE_ENV' && exec python '$NG_ROOT/slurm/ray_cluster.py' watch \
-    --address=$RAY_ADDRESS_HEAD --expected=$NNODES --interval=$WATCH_INTERVAL --failures=$RAY_WATCH_FAILURES" &
+    --address=$RAY_ADDRESS_HEAD --expected=$NNODES --interval=$WATCH_INTERVAL --failures=$RAY_WATCH_FAILURES \
+    --lost-out='$LOG_DIR/lost_nodes'" &
   STEP_PIDS[watch]=$!
 }
 

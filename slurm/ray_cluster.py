@@ -6,8 +6,10 @@
             the GCS address, this process's Ray auth mode, and each node's host, IP, resources
             and ports). Exit 0 when ready, 3 on timeout.
 ``watch`` — poll ``ray.nodes()`` every ``--interval`` seconds; the moment fewer than
-            ``--expected`` nodes are alive, print one ``ERROR`` line naming the lost node(s) and
-            exit 4 (the launcher requeues the job, within MAX_RESTARTS); exit 5 when the head stops
+            ``--expected`` nodes are alive, print one ``ERROR`` line naming the lost node(s), write
+            their Slurm node names to ``--lost-out`` (one a line: each raylet's ``--node-name``, which
+            launch.sh sets to ``SLURMD_NODENAME``; the host name where a raylet has none) and exit 4
+            (the launcher excludes those nodes and requeues the job, within MAX_RESTARTS); exit 5 when the head stops
             answering: ``--failures`` probes in a row that raised (one that times out under load
             is retried at the next poll). The launcher fails the job on exit 5.
 
@@ -107,9 +109,16 @@ def _snapshot(ray) -> tuple[list[dict], list[dict]]:
     return alive, dead
 
 
+def _slurm_name(n: dict) -> str:
+    """The Slurm node a Ray node ran on: its ``--node-name`` (Ray's default is its IP address, not a name)."""
+    name = str(n.get("NodeName") or "")
+    return name if name and name != n.get("NodeManagerAddress") else str(n.get("NodeManagerHostname"))
+
+
 def _describe(n: dict) -> dict:
     return {
         "hostname": n.get("NodeManagerHostname"),
+        "slurm_node": _slurm_name(n),
         "ip": n.get("NodeManagerAddress"),
         "node_id": n.get("NodeID"),
         "resources": n.get("Resources", {}),
@@ -171,6 +180,9 @@ def cmd_watch(args) -> int:
         if len(alive) < args.expected:
             lost = sorted({known.get(n["NodeID"], f"{n.get('NodeManagerHostname')} ({n.get('NodeManagerAddress')})")
                            for n in dead})
+            if args.lost_out:
+                with open(args.lost_out, "a") as f:
+                    f.write("".join(f"{_slurm_name(n)}\n" for n in dead))
             print(f"ERROR: Ray node lost: {', '.join(lost) or 'unknown'} — {len(alive)} of {args.expected} nodes alive",
                   flush=True)
             return 4
@@ -191,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--interval", type=float, default=5.0)
             s.add_argument("--failures", type=int, default=3,
                            help="fail after this many ray.nodes() probes in a row that raised")
+            s.add_argument("--lost-out", default="", help="append the lost nodes' Slurm names here")
     args = p.parse_args(argv)
     if args.expected < 1 or getattr(args, "failures", 1) < 1:
         print("ERROR: --expected and --failures must be >= 1", file=sys.stderr)

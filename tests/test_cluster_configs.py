@@ -186,6 +186,9 @@ def test_inheritance_resolves_against_nemo_rl(name, nemo_rl_src):
     assert resolved["policy"]["sequence_packing"]["train_mb_tokens"] == \
         resolved["policy"]["max_total_sequence_length"] * resolved["policy"]["train_micro_batch_size"]
     assert resolved["policy"]["megatron_cfg"]["enabled"] is True and resolved["policy"]["dtensor_cfg"]["enabled"] is False
+    # Megatron's asynchronous checkpoint save, inherited from NeMo-RL main's grpo_math_1B.yaml: a periodic
+    # or time-limit save costs the step the copy to host memory, not the write (docs/slurm.md)
+    assert resolved["policy"]["megatron_cfg"]["checkpoint"]["async_save"] is True
     parse_policy_loss_config(resolved["loss_fn"])
 
 

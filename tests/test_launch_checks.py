@@ -626,8 +626,10 @@ class _FakeRay:
         return answer
 
 
-NODE_A = {"NodeID": "a", "Alive": True, "NodeManagerHostname": "n1", "NodeManagerAddress": "10.0.0.1"}
-NODE_B = {"NodeID": "b", "Alive": True, "NodeManagerHostname": "n2", "NodeManagerAddress": "10.0.0.2"}
+NODE_A = {"NodeID": "a", "Alive": True, "NodeManagerHostname": "n1", "NodeManagerAddress": "10.0.0.1",
+          "NodeName": "10.0.0.1"}
+NODE_B = {"NodeID": "b", "Alive": True, "NodeManagerHostname": "n2", "NodeManagerAddress": "10.0.0.2",
+          "NodeName": "10.0.0.2"}
 
 
 def _watch(monkeypatch, capsys, answers, *args, env=None):
@@ -660,6 +662,28 @@ def test_watchdog_tolerates_transient_probe_errors_and_fails_after_k_in_a_row(mo
     assert (rc, calls) == (5, 2), out
 
 
+def test_watchdog_writes_the_lost_nodes_slurm_names(monkeypatch, capsys, tmp_path):
+    """The lost node's Slurm name goes to --lost-out for the launcher's ExcNodeList: the raylet's
+    --node-name (launch.sh: SLURMD_NODENAME), else, where Ray kept its default (the IP), the host name."""
+    out = tmp_path / "lost_nodes"
+    named = {**NODE_B, "NodeName": "gpu-b07", "NodeManagerHostname": "gpu-b07.cluster.example"}
+    rc, _, text = _watch(monkeypatch, capsys, [[NODE_A, named], [NODE_A, {**named, "Alive": False}]],
+                         f"--lost-out={out}")
+    assert rc == 4 and out.read_text() == "gpu-b07\n", text
+    rc, _, _ = _watch(monkeypatch, capsys, [[NODE_A, NODE_B], [NODE_A, {**NODE_B, "Alive": False}]],
+                      f"--lost-out={out}")
+    assert rc == 4 and out.read_text() == "gpu-b07\nn2\n"
+
+
+def test_ray_nodes_are_named_after_their_slurm_nodes(tmp_path):
+    r, calls = _launch_ray(tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    [head] = [s for s in _srun_scripts(calls) if "ray start --head" in s]
+    [watch] = [s for s in _srun_scripts(calls) if "ray_cluster.py' watch" in s]
+    assert "${SLURMD_NODENAME:+--node-name=$SLURMD_NODENAME}" in head, head
+    assert f"--lost-out='{tmp_path}/logs/job-7/lost_nodes'" in watch, watch
+
+
 def test_launch_passes_ray_watch_failures_to_the_watchdog(tmp_path):
     r, calls = _launch_ray(tmp_path / "a")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -670,10 +694,13 @@ def test_launch_passes_ray_watch_failures_to_the_watchdog(tmp_path):
 
 
 # the watchdog reports a lost node (its ERROR line in watch.log, exit 4) while the driver runs
+# the job was submitted with --exclude=n5 (scontrol show job)
+EXC_N5 = '[[ "$1 $2" == "show job" ]] && { echo "   ReqNodeList=(null) ExcNodeList=n5"; exit 0; }\n'
 NODE_LOST_SRUN = ('out=""; for a; do [[ "$a" == --output=* ]] && out=${a#--output=}; done\n'
                   'case "$*" in *"ray start"*) exec sleep 60 ;;\n'
                   '  *"ray_cluster.py\' watch"*) sleep 1; echo "ERROR: Ray node lost: n2 (10.0.0.2) — 1 of 2 nodes '
-                  'alive" >>"$out"; exit 4 ;;\n'
+                  'alive" >>"$out"; lost=$(sed -n "s/.*--lost-out=\'\\([^\']*\\)\'.*/\\1/p" <<<"$*"); '
+                  'echo n2 >>"$lost"; exit 4 ;;\n'
                   '  *driver.sh) exec sleep 60 ;; esac; exit 0')
 
 
@@ -683,15 +710,20 @@ def test_a_lost_node_requeues_the_job_within_max_restarts(tmp_path):
     node down (SlurmdTimeout, minutes later), and the launcher had ended the job by then. Now the
     launcher requeues it (the run resumes from its latest checkpoint) within the same MAX_RESTARTS,
     and says why; at MAX_RESTARTS it fails as before."""
-    def launch(d, **env):
+    def launch(d, scontrol=EXC_N5, **env):
         with socket.socket() as gcs:
             gcs.bind(("127.0.0.1", 0))
             gcs.listen(8)
-            return _launch(d, ("true",), {"srun": NODE_LOST_SRUN}, START_RAY="1", HEAD_IP="127.0.0.1",
-                           RAY_PORT=str(gcs.getsockname()[1]), DRIVER_STOP_GRACE="2", **env)
+            return _launch(d, ("true",), {"srun": NODE_LOST_SRUN, "scontrol": scontrol}, START_RAY="1",
+                           HEAD_IP="127.0.0.1", RAY_PORT=str(gcs.getsockname()[1]), DRIVER_STOP_GRACE="2", **env)
     r, calls = launch(tmp_path / "a", SLURM_RESTART_COUNT="1", MAX_RESTARTS="3")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert ["scontrol", "requeue", "7"] in calls, calls
+    # the lost node's Slurm name (the watchdog's --lost-out) and the command that keeps the pending job off it,
+    # with the exclusions it was submitted with (n5); the launcher itself cannot: Slurm refuses a running job's
+    # ExcNodeList (tried on the local cluster, docs/slurm.md)
+    assert ["scontrol", "requeue", "7"] in calls and not [c for c in calls if c[:2] == ["scontrol", "update"]], calls
+    assert ("ERROR: lost node(s) n2: Slurm may start the requeued job on them again; to prevent that, while it waits "
+            "to restart (squeue: PD): scontrol update JobId=7 ExcNodeList=n5,n2") in r.stdout + r.stderr, r.stdout
     status = json.loads((tmp_path / "a" / "logs" / "job-7" / "status.json").read_text())
     assert status["exit_code"] == 0 and status["reason"] == (
         "a Ray node was lost (Ray node lost: n2 (10.0.0.2) — 1 of 2 nodes alive): requeued, attempt 2 will "
@@ -699,6 +731,7 @@ def test_a_lost_node_requeues_the_job_within_max_restarts(tmp_path):
     assert status["reason"] in r.stdout, r.stdout
     r, calls = launch(tmp_path / "b", SLURM_RESTART_COUNT="3", MAX_RESTARTS="3")
     assert r.returncode == 1 and ["scontrol", "requeue", "7"] not in calls, r.stdout + r.stderr
+    assert "lost node(s)" not in r.stdout + r.stderr
     errors = [line for line in r.stdout.splitlines() if "ERROR:" in line]
     assert errors and errors[-1].endswith("ERROR: Ray node lost: n2 (10.0.0.2) — 1 of 2 nodes alive (Ray watchdog "
                                           f"exit 4; see {tmp_path}/b/logs/job-7/watch.log); MAX_RESTARTS=3 reached, "
