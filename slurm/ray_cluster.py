@@ -118,7 +118,7 @@ def _slurm_name(n: dict) -> str:
 def _describe(n: dict) -> dict:
     return {
         "hostname": n.get("NodeManagerHostname"),
-        "slurm_node": _slurm_name(n),
+        "node_name": n.get("NodeName"),      # the raylet's --node-name (Ray's default: its IP)
         "ip": n.get("NodeManagerAddress"),
         "node_id": n.get("NodeID"),
         "resources": n.get("Resources", {}),

@@ -460,7 +460,7 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
         assert nodes["alive"] == 2 and sorted(n["hostname"] for n in nodes["nodes"]) == ["ngt1", "ngt2"], nodes
         # each raylet named after its Slurm node (--node-name; Ray's default is the IP), which the watchdog
         # reports for a lost node
-        assert sorted(n["slurm_node"] for n in nodes["nodes"]) == ["ngt1", "ngt2"], nodes
+        assert sorted(n["node_name"] for n in nodes["nodes"]) == ["ngt1", "ngt2"], nodes
         assert len({n["ip"] for n in nodes["nodes"]}) == 2, nodes    # two distinct node IPs
         # the GRES gpu count reached Ray on every node
         assert [n["resources"].get("GPU") for n in nodes["nodes"]] == [float(FAKE_GPUS)] * 2, nodes
