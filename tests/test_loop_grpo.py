@@ -273,10 +273,10 @@ def _trained_every_step(run, *, needs_ids: bool, logprob_tol: float, entropy_tol
 LOSS_TOL = {"loss": 2e-7, "grad": 5e-7, "metrics": 5e-7}
 
 
-def _loss_matches_reference(run, model_dir, **expect):
+def _loss_matches_reference(run, model_dir, **kw):
     from cpu_host.loss_check import METRICS, check_run_cached
 
-    got = check_run_cached(run.dir, model_dir)
+    got = check_run_cached(run.dir, model_dir, **kw)
     # every Policy.train call left its records (every microbatch of every worker)
     assert got["calls"] == list(range(STEPS)) and got["records"] >= STEPS, got
     assert [c["loss_records"] for c in run.of("policy_train")] == [
@@ -316,6 +316,15 @@ def test_sspo_loss_in_the_loop_equals_the_float64_reference(sspo, world):
 @pytest.mark.v070
 def test_espo_dense_loss_in_the_loop_equals_the_float64_reference(espo_dense, world):
     _loss_matches_reference(espo_dense, world.peaked)
+
+
+def test_espo_dense_loss_in_the_loop_with_pi_old_from_a_float64_forward(espo_dense, world):
+    """Issue #34 item 2: every loss call of the ESPO run against the float64 reference fed π_old log-probs and
+    entropy (so ESPO's entropy groups and bounds) from a float64 transformers forward of the weights refitted
+    before that step, not the worker's records. The one-worker unpacked fp32 run on NeMo-RL main, where π_old
+    is the refitted weights' (v0.7.0's refit casts them to bf16: not run there)."""
+    temperature = espo_dense.of("vllm_arguments")[0]["temperature"]
+    _loss_matches_reference(espo_dense, world.peaked, pi_old_temperature=temperature)
 
 
 def _acts(run, model_dir, *, bounds: bool, clips: bool = True):

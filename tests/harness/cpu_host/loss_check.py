@@ -115,11 +115,52 @@ def group_bounds(rec: dict, ids) -> list[tuple[float, float]]:
     return out
 
 
-def check_run(run_dir: Path, model_dir: Path) -> dict:
+def with_independent_pi_old(run_dir: Path, model_dir: Path, by_call: dict, temperature: float,
+                            autocast: torch.dtype | None = torch.bfloat16) -> dict:
+    """The records with ``prev_logprobs`` and ``prev_entropy`` replaced by a transformers forward of the weights
+    π_old had, computed as the worker computes them (fp32 parameters under ``autocast``, the policy's
+    precision; log-softmax of the float32 logits over the temperature): the generation's state dict at the
+    refit before that train call (``Policy.train`` call k follows refit k + 1, saved by ``cpu_host.launch`` as
+    ``facts.jsonl.refit/sync_<k + 1>.safetensors``). Valid where the policy's parameters are the refitted ones
+    (NeMo-RL main's DTensor refit hands the generation the worker's fp32 parameters; v0.7.0's casts them to
+    bf16)."""
+    import contextlib
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    precision = (lambda: torch.autocast("cpu", dtype=autocast)) if autocast else contextlib.nullcontext
+    out = {}
+    for call, recs in by_call.items():
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+        weights = load_file(str(run_dir / "facts.jsonl.refit" / f"sync_{call + 1}.safetensors"))
+        model.load_state_dict({k: v.float() for k, v in weights.items()}, strict=True)
+        out[call] = []
+        for rec in recs:
+            data = dict(rec["data"])
+            ids, lengths = data["input_ids"], data["input_lengths"]
+            att = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+            with torch.no_grad(), precision():
+                logits = model(input_ids=ids, attention_mask=att).logits.float()
+            logp = torch.log_softmax(logits[:, :-1] / temperature, -1).double()
+            zero = torch.zeros(ids.shape[0], 1, dtype=torch.float64)
+            cols = torch.arange(ids.shape[1])[None, :]
+            inside = (cols >= 1) & (cols < lengths[:, None])       # NeMo-RL's π_old columns: 1 .. length − 1
+            data["prev_logprobs"] = torch.cat([zero, logp.gather(-1, ids[:, 1:, None]).squeeze(-1)], 1) * inside
+            data["prev_entropy"] = torch.cat([zero, -(logp.exp() * logp).sum(-1)], 1) * inside
+            out[call].append(dict(rec, data=data))
+    return out
+
+
+def check_run(run_dir: Path, model_dir: Path, *, pi_old_temperature: float | None = None) -> dict:
     """Recompute every record of a run; the largest |worker − reference| of each quantity (the gradient
-    relative to the reference's largest element, per record), and what the records cover."""
+    relative to the reference's largest element, per record), and what the records cover. With
+    ``pi_old_temperature``, π_old comes from :func:`with_independent_pi_old`, not from the worker's records."""
     delims = delimiter_ids(model_dir)
     by_call = records(run_dir)
+    if pi_old_temperature is not None:
+        by_call = with_independent_pi_old(run_dir, model_dir, by_call, pi_old_temperature)
     err = {"loss": 0.0, "grad": 0.0, **{k: 0.0 for k in METRICS}}
     summary = {"calls": sorted(by_call), "records": 0, "ids_equal": True, "grad_nonzero": 0, "per_record": [],
                "offpolicy_err": {}}
@@ -160,9 +201,9 @@ def check_run(run_dir: Path, model_dir: Path) -> dict:
 _CACHE: dict = {}
 
 
-def check_run_cached(run_dir: Path, model_dir: Path) -> dict:
-    """:func:`check_run`, once per run directory in this process (several tests read it)."""
-    key = (str(run_dir), str(model_dir))
+def check_run_cached(run_dir: Path, model_dir: Path, **kw) -> dict:
+    """:func:`check_run`, once per run directory (and options) in this process (several tests read it)."""
+    key = (str(run_dir), str(model_dir), tuple(sorted(kw.items())))
     if key not in _CACHE:
-        _CACHE[key] = check_run(run_dir, model_dir)
+        _CACHE[key] = check_run(run_dir, model_dir, **kw)
     return _CACHE[key]
