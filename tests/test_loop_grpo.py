@@ -318,11 +318,11 @@ def test_espo_dense_loss_in_the_loop_equals_the_float64_reference(espo_dense, wo
     _loss_matches_reference(espo_dense, world.peaked)
 
 
-def test_espo_dense_loss_in_the_loop_with_pi_old_from_a_float64_forward(espo_dense, world):
+def test_espo_dense_loss_in_the_loop_with_pi_old_from_transformers(espo_dense, world):
     """Issue #34 item 2: every loss call of the ESPO run against the float64 reference fed π_old log-probs and
-    entropy (so ESPO's entropy groups and bounds) from a float64 transformers forward of the weights refitted
-    before that step, not the worker's records. The one-worker unpacked fp32 run on NeMo-RL main, where π_old
-    is the refitted weights' (v0.7.0's refit casts them to bf16: not run there)."""
+    entropy (so ESPO's entropy groups and bounds) from a transformers forward of the weights refitted before
+    that step, run as the worker runs it (``loss_check.with_independent_pi_old``), not the worker's records.
+    NeMo-RL main, where π_old is the refitted weights' (v0.7.0's refit casts them to bf16: not run there)."""
     temperature = espo_dense.of("vllm_arguments")[0]["temperature"]
     _loss_matches_reference(espo_dense, world.peaked, pi_old_temperature=temperature)
 
