@@ -19,7 +19,8 @@ routes each token to those same experts (``reference.routing``).
 Against an independent float64 forward/backward of the same checkpoint by transformers:
 weights as loaded (mapped back with the test's own layout mapping), ``get_logprobs_with_entropy``
 (log-probs and entropy), one ``train`` step with the granular loss (loss, gradient norm, every
-gradient, the AdamW update) and the log-probs after the step.
+gradient, the AdamW update; the reference's loss is the naive float64 one of ``tests/harness/reference.py``
+with the loss's settings, π_old from the float64 forward) and the log-probs after the step.
 """
 
 from __future__ import annotations
@@ -158,8 +159,12 @@ def _run_layout(name: str, tiny) -> dict:
         if policy["megatron_cfg"]["freeze_moe_router"] else set()
     (lr,) = {tuple(x["lr"]) for x in ranks}
     assert len(lr) == 1, lr  # one learning rate for every parameter group
+    # the float64 reference loss (tests/harness/reference.py, written from math.md) with the loss's settings and
+    # the ESPO α the driver set, not the package's loss in float64
+    from cpu_host.loss_check import reference_loss
+
     with routed(hf):
-        ref = reference.train_step(hf, data, loss_fn, frozen=frozen)
+        ref = reference.train_step(hf, data, reference_loss(loss_fn, (DELIMITER,)), frozen=frozen)
     adamw = {"clip": m["clip_grad"], "lr": lr[0], "weight_decay": m["weight_decay"], "eps": m["adam_eps"]}
     return {"ranks": ranks, "driver": driver, "hf": hf, "ref": ref, "lp": lp, "ent": ent, "ids": ids,
             "lengths": lengths, "frozen": frozen, "model_dir": model_dir, "adamw": adamw, "routed": routed,

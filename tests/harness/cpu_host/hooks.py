@@ -139,9 +139,10 @@ def _record_policy_loss(losses) -> None:
             leaf = next_token_logprobs.detach().clone().requires_grad_(True)
             again, _ = real(self, leaf, data, global_valid_seqs, global_valid_toks, **kwargs)
             (grad,) = torch.autograd.grad(again, leaf, allow_unused=True)
+        from cpu_host.loss_check import config_of
+
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        g, cfg = self.granular, self.cfg
         record = {
             "rank": rank, "call": counter[0],
             "next_token_logprobs": next_token_logprobs.detach().cpu().clone(),
@@ -149,18 +150,7 @@ def _record_policy_loss(losses) -> None:
             "global_valid_seqs": float(global_valid_seqs), "global_valid_toks": float(global_valid_toks),
             "loss": float(loss.detach()), "metrics": dict(metrics),
             "grad": (grad if grad is not None else torch.zeros_like(leaf)).detach().cpu(),
-            "config": {"algorithm": g.algorithm, "eps_low": cfg.eps_low, "eps_high": cfg.eps_high,
-                       "ratio_clip_c": cfg.ratio_clip_c, "kl_coef": cfg.kl_coef,
-                       "kl_type": cfg.reference_policy_kl_type, "kl_in_clamp": cfg.kl_input_clamp_value,
-                       "kl_out_clamp": cfg.kl_output_clamp_value,
-                       "sspo": [g.sspo.alpha, g.sspo.beta, g.sspo.gamma], "espo_alpha": g.espo.alpha,
-                       "vocab_size": self.vocab_size, "cuts": list(g.entropy_cut_points),
-                       "aggregation": g.aggregation,
-                       # the π_old/π_gen correction (docs/algorithms/math.md §10), None when off
-                       "offpolicy": ({"level": g.is_level, "kind": cfg.truncated_importance_sampling_type,
-                                      "hi": cfg.truncated_importance_sampling_ratio,
-                                      "lo": cfg.truncated_importance_sampling_ratio_min}
-                                     if cfg.use_importance_sampling_correction else None)},
+            "config": config_of(self),
         }
         _save_record(f"{facts}.loss", f"{os.getpid()}_{counter[0]:05d}", record)
         counter[0] += 1

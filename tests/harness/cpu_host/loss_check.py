@@ -65,6 +65,31 @@ def records(run_dir: Path) -> dict[int, list[dict]]:
     return out
 
 
+def config_of(loss) -> dict:
+    """What the float64 reference needs of a ``GranularPolicyLoss``'s settings (read from the object, plain
+    values only: the loop's records carry this dict)."""
+    g, cfg = loss.granular, loss.cfg
+    return {"algorithm": g.algorithm, "eps_low": cfg.eps_low, "eps_high": cfg.eps_high,
+            "ratio_clip_c": cfg.ratio_clip_c, "kl_coef": cfg.kl_coef,
+            "kl_type": cfg.reference_policy_kl_type, "kl_in_clamp": cfg.kl_input_clamp_value,
+            "kl_out_clamp": cfg.kl_output_clamp_value,
+            "sspo": [g.sspo.alpha, g.sspo.beta, g.sspo.gamma], "espo_alpha": g.espo.alpha,
+            "vocab_size": loss.vocab_size, "cuts": list(g.entropy_cut_points),
+            "aggregation": g.aggregation,
+            # the π_old/π_gen correction (docs/algorithms/math.md §10), None when off
+            "offpolicy": ({"level": g.is_level, "kind": cfg.truncated_importance_sampling_type,
+                           "hi": cfg.truncated_importance_sampling_ratio,
+                           "lo": cfg.truncated_importance_sampling_ratio_min}
+                          if cfg.use_importance_sampling_correction else None)}
+
+
+def reference_loss(loss, delims: tuple[int, ...]):
+    """The float64 reference with ``loss``'s settings, called as a loss function: ``(logp, data, gvs, gvt) →
+    (loss, metrics)``."""
+    kw = reference_kwargs({"config": config_of(loss)}, delims)
+    return lambda logp, data, gvs, gvt: R.granular_loss(logp, data, **kw, gvs=float(gvs), gvt=float(gvt))
+
+
 def reference_kwargs(rec: dict, delims: tuple[int, ...]) -> dict:
     """The float64 reference loss's settings for one record (all but the batch and the global counts)."""
     cfg = rec["config"]
