@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -513,7 +514,8 @@ def saved_figures(monkeypatch):
     def savefig(fig, path, **kw):
         ax = fig.axes[0]
         legend = ax.get_legend()
-        drawn[Path(path).name.removeprefix(".").removesuffix(".tmp.png")] = {  # report/build.py's _save
+        # report/build.py's _save writes nemo_granular.atomic's temporary name: .<stem>.tmp-<host>-<pid><suffix>
+        drawn[re.sub(r"^\.(.*?)\.tmp-.*-\d+(\.[^.]+)$", r"\1\2", Path(path).name)] = {
             "lines": [(ln.get_label(), to_hex(ln.get_color()), np.asarray(ln.get_xdata(), float),
                        np.asarray(ln.get_ydata(), float)) for ln in ax.lines if not ln.get_label().startswith("_")],
             "n_lines": len(ax.lines),

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .. import atomic
 from ..cli_common import current_umask
 
 STEP_RE = re.compile(r"step_(\d+)")
@@ -203,11 +204,7 @@ def fsync_dir(path: Path) -> None:
 
 def write_manifest(root: Path) -> None:
     sizes = fsync_tree(root)
-    tmp = root / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": sizes}, indent=1, sort_keys=True))
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, root / MANIFEST)
+    atomic.write_text(root / MANIFEST, json.dumps({"files": sizes}, indent=1, sort_keys=True), fsync=True)
 
 
 def ordinary_file_modes(root: Path) -> None:

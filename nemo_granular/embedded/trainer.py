@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from .. import atomic
 from ..advantages import build_advantage_estimator
 from ..cli_common import check_writable_dir
 from ..core.clipping import ESPO_AUTO_TARGET_EPS
@@ -65,12 +66,6 @@ def merge_metrics(acc: dict, new: dict) -> dict:
         else:
             acc[k] += v
     return acc
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # what a run writes into its output directory; a fresh run refuses a directory holding any of them
@@ -192,7 +187,7 @@ class Trainer:
         # 4. the first write: only now is an earlier run's output replaced (--force) or extended
         self._prepare_output_dir()
         self.sinks = MetricSinks(self.out, cfg, resume_step=self.step if latest else None, log=self.log)
-        atomic_write_text(self.out / "config.yaml", dump_config(cfg))
+        atomic.write_text(self.out / "config.yaml", dump_config(cfg))
 
     def _plan_start(self, resume, force):
         """(checkpoint to resume or None, unusable checkpoints newer than it); raises one-line errors."""
@@ -322,7 +317,7 @@ class Trainer:
         else:
             os.replace(tmp, final)
         fsync_dir(self.ckpt_dir)
-        atomic_write_text(self.ckpt_dir / "latest", name + "\n")
+        atomic.write_text(self.ckpt_dir / "latest", name + "\n")
         self._saved_step = self.step
         self.last_checkpoint = final
         self._prune()
@@ -642,7 +637,7 @@ class MetricSinks:
                 if log:
                     log(f"{len(drop)} metrics.jsonl record(s) past step {resume_step} moved to "
                         "metrics.superseded.jsonl (those steps are redone)")
-            atomic_write_text(self.path, "".join(line + "\n" for line in keep))
+            atomic.write_text(self.path, "".join(line + "\n" for line in keep))
         self.fh = self.path.open("a")
         self.tb = self.wandb = None
         if cfg.logger.tensorboard:

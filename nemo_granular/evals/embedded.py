@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .. import atomic
 from .results import check_steps, merge_write
 from .suite import Protocol, Setting
 
@@ -48,12 +49,6 @@ def read_benchmark(path: Path) -> list[tuple[str, str]]:
     return rows
 
 
-def _atomic_jsonl(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    tmp.replace(path)
-
-
 def write_synthetic_benchmarks(out: Path, num_terms: int, max_term: int, seed: int, heldout_size: int = 128,
                                size: int = SYNTHETIC_SIZE) -> dict[str, Path]:
     """The three held-out difficulty levels for a run of the arithmetic task (deterministic in
@@ -76,7 +71,8 @@ def write_synthetic_benchmarks(out: Path, num_terms: int, max_term: int, seed: i
             pool = pool[torch.randperm(pool.shape[0], generator=g)][:size]
             problems = [task.make(t) for t in pool.tolist()]
         path = out / f"{key}.jsonl"
-        _atomic_jsonl(path, [{"problem": p.prompt, "answer": p.answer} for p in problems])
+        atomic.write_text(path, "".join(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n"
+                                         for p in problems))
         files[key] = path
     return files
 

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
+
+from .. import atomic
 
 FORMAT = 1
 
@@ -43,9 +44,7 @@ def merge_write(path: Path, run_name: str, source: str, suite: str, protocol: di
     entry.setdefault("benchmarks", {}).update(benchmarks)
     for step, scores in checkpoints.items():
         entry["checkpoints"].setdefault(str(step), {}).update(scores)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(data, indent=1, sort_keys=True))
     return data
 
 

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from .. import atomic
 from .suite import BENCHMARKS, SUITES, protocols_for
 
 MANIFEST = "benchmarks.json"
@@ -152,9 +153,8 @@ def _write_manifest(data_dir: Path, entries: Mapping[str, dict]) -> None:
         except ValueError:
             raise ValueError(f"{path}: not valid JSON (remove it; the staged files are kept)") from None
     data.update(entries)
-    tmp = path.with_name(f".{MANIFEST}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(dict(sorted(data.items())), indent=1) + "\n")
-    os.replace(tmp, path)   # our own index, merged: no staged data is replaced
+    # our own index, merged: no staged data is replaced
+    atomic.write_text(path, json.dumps(dict(sorted(data.items())), indent=1) + "\n")
 
 
 def stage(keys: list[str], data_dir: Path, *, mirror: Path | None = None, load_dataset: Callable | None = None,

@@ -10,10 +10,11 @@ from the ``weights_path`` NeMo-RL's ``setup`` hands the policy on resume.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from .. import atomic
 
 __all__ = ["STATE_FILE", "checkpoint_dir_of", "save_run_state", "load_run_state", "espo_alpha_for_step"]
 
@@ -27,11 +28,8 @@ def checkpoint_dir_of(weights_path) -> Path:
 
 def save_run_state(checkpoint_dir, state: Mapping[str, Any]) -> Path:
     """Write ``state`` as JSON into ``checkpoint_dir`` (a temporary file, then a rename)."""
-    path = Path(checkpoint_dir) / STATE_FILE
-    tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(dict(state), indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    text = json.dumps(dict(state), indent=1, sort_keys=True) + "\n"
+    return atomic.write_text(Path(checkpoint_dir) / STATE_FILE, text)
 
 
 def load_run_state(checkpoint_dir) -> dict[str, Any]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import os
 import zlib
 from pathlib import Path
 
+from .. import atomic
 from .cpu import CPU_KEY, cpu_usage
 from .runs import Run, load_run
 from .stats import (
@@ -158,9 +158,8 @@ def _clip_range(summaries) -> str:
 
 # ---------------------------------------------------------------------------- plots
 def _save(fig, out: Path, name: str) -> str:
-    tmp = out / f".{name}.tmp.png"
-    fig.savefig(tmp, dpi=90, bbox_inches="tight")  # "tight": the legend outside the axes stays in the file
-    os.replace(tmp, out / name)
+    # "tight": the legend outside the axes stays in the file
+    atomic.write_with(out / name, lambda tmp: fig.savefig(tmp, dpi=90, bbox_inches="tight"))
     return name
 
 
@@ -563,8 +562,4 @@ def report_from_runs(run_dirs: list, out: Path, timing: dict | None = None, note
     if biggest is not None:
         lines += [f"π_old vs π_gen mismatch: {_no_mismatch_text(biggest)}.", ""]
     lines += [f"![{f}]({f})" for f in files]
-    report = out / "report.md"
-    tmp = out / ".report.md.tmp"
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, report)
-    return report
+    return atomic.write_text(out / "report.md", "\n".join(lines) + "\n")
