@@ -26,6 +26,7 @@ import torch
 from .. import atomic
 from ..advantages import build_advantage_estimator
 from ..cli_common import check_writable_dir
+from ..core.advantages import first_response_index
 from ..core.clipping import ESPO_AUTO_TARGET_EPS
 from ..core.groups import group_ids_for
 from ..core.offpolicy import batch_mismatch_extrema
@@ -395,7 +396,7 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             v = self.critic(input_ids=unique, attention_mask=attention).logits[:, 0].float()
         v = v[inverse]
-        col = (batch["token_mask"] > 0).float().argmax(-1)
+        col = first_response_index(batch["token_mask"] > 0)
         values = torch.zeros_like(batch["token_mask"], dtype=v.dtype)
         return values.scatter(1, col[:, None], v[:, None])
 
@@ -603,7 +604,7 @@ class Progress:
 
 def prompt_only(input_ids: torch.Tensor, token_mask: torch.Tensor, pad_id: int) -> torch.Tensor:
     """The prompt of each row (tokens before the first response token), right padded, trimmed."""
-    first = (token_mask > 0).to(torch.int8).argmax(-1)
+    first = first_response_index(token_mask > 0)
     width = max(1, int(first.max()))
     col = torch.arange(width, device=input_ids.device)[None, :]
     return torch.where(col < first[:, None], input_ids[:, :width], torch.full_like(input_ids[:, :width], pad_id))

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..core.advantages import first_response_index
 from .diagnostics import critic_diagnostics
 
 __all__ = [
@@ -61,7 +62,7 @@ def prompt_value_columns(token_mask: torch.Tensor, input_lengths: torch.Tensor |
         raise ValueError(f"token_mask must be [B, S], got shape {tuple(token_mask.shape)}")
     m = token_mask.bool()
     S = m.shape[1]
-    first = torch.argmax(m.to(torch.int8), dim=-1)
+    first = first_response_index(m)
     if input_lengths is None:
         fallback = torch.full_like(first, max(S - 1, 0))
     else:
