@@ -37,6 +37,8 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from .lookup import lookup
+
 __all__ = ["main", "parse_args", "check_supported_modes", "check_async_grpo", "check_config", "runtime_options",
            "build_loss", "EstimatorMetricsLogger", "RUNTIME_SECTION"]
 
@@ -71,7 +73,7 @@ def check_supported_modes(config: Mapping[str, Any]) -> None:
     if bool(dp.get("enabled", False)):
         raise ValueError("data_plane.enabled: true is not supported by nemo_granular (the TransferQueue trainer "
                          "moves a fixed field list and drops prev_entropy/granular_group_ids); set it to false")
-    if _get(config, ("loss_fn", "metrics_level")) == "minimal":
+    if lookup(config, ("loss_fn", "metrics_level")) == "minimal":
         from .nemo_rl.compat import require
         require("grpo_minimal_loss_metrics", "loss_fn.metrics_level: minimal (use full with run_grpo)")
     if config.get("async_rl") is not None:
@@ -79,21 +81,12 @@ def check_supported_modes(config: Mapping[str, Any]) -> None:
                          "use grpo.async_grpo with this script or the synchronous trainer")
 
 
-def _get(cfg: Mapping[str, Any], path: tuple[str, ...]) -> Any:
-    cur: Any = cfg
-    for part in path:
-        if not isinstance(cur, Mapping) or part not in cur:
-            return None
-        cur = cur[part]
-    return cur
-
-
 def check_async_grpo(config: Mapping[str, Any]) -> None:
     """NeMo-RL's launcher checks for async GRPO (``examples/run_grpo.py``), before any GPU work."""
-    if not bool(_get(config, ("grpo", "async_grpo", "enabled"))):
+    if not bool(lookup(config, ("grpo", "async_grpo", "enabled"))):
         return
     for path in ASYNC_GRPO_UNSUPPORTED:
-        if bool(_get(config, path)):
+        if bool(lookup(config, path)):
             raise ValueError(f"{'.'.join(path)}: true is not supported with async GRPO "
                              "(grpo.async_grpo.enabled: true), "
                              f"as in NeMo-RL's examples/run_grpo.py")
@@ -121,7 +114,7 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     check_supported_modes(config)
     check_async_grpo(config)
     opts = runtime_options(config)
-    auto_alpha = _get(config, ("loss_fn", "granular", "espo", "alpha")) == "auto"
+    auto_alpha = lookup(config, ("loss_fn", "granular", "espo", "alpha")) == "auto"
     if auto_alpha and opts["entropy_source"] == "current_logits":
         raise ValueError("loss_fn.granular.espo.alpha: auto is set from the π_old entropy on the driver, which "
                          f"{RUNTIME_SECTION}.entropy_source: current_logits does not compute; give α as a number")
@@ -241,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
     try:
         config = load_resolved(args.config, overrides)
         opts = check_config(config)
-        check_save_every(bool(_get(config, ("checkpointing", "enabled"))))
+        check_save_every(bool(lookup(config, ("checkpointing", "enabled"))))
         master_config = MasterConfig(**config)
     except (ValueError, FileNotFoundError) as err:   # ConfigFileError is a FileNotFoundError
         if isinstance(err, ValidationError):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..lookup import lookup
 from ..rundir import detect, event_files, step0_record
 from ..rundir import read_yaml as _read_yaml
 
@@ -66,18 +67,9 @@ class Run:
         return max((r["step"] for r in self.recs), default=0)
 
 
-def _get(cfg: dict, dotted: str, default=None):
-    cur = cfg
-    for part in dotted.split("."):
-        if not isinstance(cur, dict) or part not in cur:
-            return default
-        cur = cur[part]
-    return cur
-
-
 def _first(cfg: dict, *keys, default=None):
     for k in keys:
-        v = _get(cfg, k)
+        v = lookup(cfg, k)
         if v is not None:
             return v
     return default
@@ -105,18 +97,18 @@ def _failure_hint(run: Path) -> str | None:
 # ---------------------------------------------------------------------------- embedded
 def _load_embedded(run: Path) -> Run:
     cfg = _read_yaml(run / "config.yaml")
-    alg = _get(cfg, "loss_fn.granular.algorithm") or run.name.split("_seed")[0]
+    alg = lookup(cfg, "loss_fn.granular.algorithm") or run.name.split("_seed")[0]
     out = Run(dir=run, source="embedded", algorithm=alg, name=cfg.get("name", alg), seed=int(cfg.get("seed", 0)))
     rl = cfg.get("rl", {}) if isinstance(cfg.get("rl"), dict) else {}
     G = rl.get("generations_per_prompt")
     prompts = rl.get("prompts_per_step")
     sppo = alg == "sppo"
     out.meta = {
-        "model": _get(cfg, "model.path") or (
-            f"tiny random Qwen3 (hidden {_get(cfg, 'model.hidden_size')}, {_get(cfg, 'model.num_layers')} layers"
-            f"{', MoE' if _get(cfg, 'model.moe') else ''}), warm-started on worked solutions"),
-        "task": (f"synthetic sums of {_get(cfg, 'task.num_terms')} integers in [1, {_get(cfg, 'task.max_term')}]"
-                 if _get(cfg, "task.kind", "arithmetic") == "arithmetic" else f"JSONL {_get(cfg, 'task.path')}"),
+        "model": lookup(cfg, "model.path") or (
+            f"tiny random Qwen3 (hidden {lookup(cfg, 'model.hidden_size')}, {lookup(cfg, 'model.num_layers')} layers"
+            f"{', MoE' if lookup(cfg, 'model.moe') else ''}), warm-started on worked solutions"),
+        "task": (f"synthetic sums of {lookup(cfg, 'task.num_terms')} integers in [1, {lookup(cfg, 'task.max_term')}]"
+                 if lookup(cfg, "task.kind", "arithmetic") == "arithmetic" else f"JSONL {lookup(cfg, 'task.path')}"),
         "steps": rl.get("steps"),
         "batch": (None if prompts is None or G is None else
                   (f"{prompts * G} prompts × 1 sample (SPPO, equal samples)" if sppo and G > 1 else
@@ -160,7 +152,7 @@ def warm_start_of(run: Path, cfg: dict, recs: list[dict]) -> dict | None:
     step-0 record) or, for a run started from ``model.init_from=<dir>/checkpoints/step_N/policy`` (the
     runs of ``compare``), the one in ``<dir>`` (its step-0 record and config.yaml). ``dir``, ``accuracy``
     (greedy held-out), ``steps``, ``target`` (``warmstart.target_accuracy``), ``max_steps``."""
-    init = _get(cfg, "model.init_from")
+    init = lookup(cfg, "model.init_from")
     if init:
         parents = Path(init).parents
         if len(parents) < 3:
@@ -173,7 +165,7 @@ def warm_start_of(run: Path, cfg: dict, recs: list[dict]) -> dict | None:
     if not isinstance(rec0.get("warmstart/accuracy"), (int, float)):
         return None
     return {"dir": where, "accuracy": rec0["warmstart/accuracy"], "steps": rec0.get("warmstart/steps"),
-            "target": _get(wcfg, "warmstart.target_accuracy"), "max_steps": _get(wcfg, "warmstart.max_steps")}
+            "target": lookup(wcfg, "warmstart.target_accuracy"), "max_steps": lookup(wcfg, "warmstart.max_steps")}
 
 
 def _check_complete(out: Run, planned, unreadable: int = 0) -> None:
@@ -225,17 +217,17 @@ def _nemo_rl_config(run: Path) -> dict:
 
 def _load_nemo_rl(run: Path) -> Run:
     cfg = _nemo_rl_config(run)
-    alg = (_get(cfg, "loss_fn.granular.algorithm")
-           or ("sppo" if _get(cfg, "ppo") is not None and _get(cfg, "grpo") is None else None)
+    alg = (lookup(cfg, "loss_fn.granular.algorithm")
+           or ("sppo" if lookup(cfg, "ppo") is not None and lookup(cfg, "grpo") is None else None)
            or re.split(r"[_\-]", run.name)[0])
     algo_cfg = cfg.get("grpo") if isinstance(cfg.get("grpo"), dict) else (cfg.get("ppo") or {})
     out = Run(dir=run, source="nemo-rl", algorithm=alg, name=run.name.split("_seed")[0],
               seed=int(_first(cfg, "grpo.seed", "ppo.seed", default=0) or 0))
     prompts = algo_cfg.get("num_prompts_per_step")
     G = algo_cfg.get("num_generations_per_prompt", 1 if alg == "sppo" else None)
-    gen = _get(cfg, "policy.generation", {}) or {}
+    gen = lookup(cfg, "policy.generation", {}) or {}
     out.meta = {
-        "model": _get(cfg, "policy.model_name"),
+        "model": lookup(cfg, "policy.model_name"),
         "task": _first(cfg, "data.train.dataset_name", "data.dataset_name", "data.train_data_path"),
         "steps": algo_cfg.get("max_num_steps"),
         "batch": None if prompts is None else f"{prompts} prompts × {G} samples",

@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from ..config import NEMO_RL_LOSS_KEYS, format_validation_error
+from ..lookup import lookup
 
 __all__ = ["SPPOOptions", "parse_sppo_options", "validate_sppo_config", "check_same_tokenizer",
            "check_critic_tokenizer", "check_value_head_initialised"]
@@ -62,22 +63,6 @@ def parse_sppo_options(cfg: Mapping | None) -> SPPOOptions:
         raise ValueError(format_validation_error(err, "sppo")) from None
 
 
-def _get(cfg: Any, path: str, default: Any = None) -> Any:
-    cur = cfg
-    for part in path.split("."):
-        if cur is None:
-            return default
-        if isinstance(cur, Mapping):
-            if part not in cur:
-                return default
-            cur = cur[part]
-        elif hasattr(cur, part):
-            cur = getattr(cur, part)
-        else:
-            return default
-    return cur
-
-
 def validate_sppo_config(cfg: Mapping, source: str = "config") -> tuple[SPPOOptions, list[str]]:
     """Check a resolved master config (plain mapping, OmegaConf container or NeMo-RL
     ``MasterConfig``) for SPPO. Returns ``(options, warnings)``; raises a one-line
@@ -86,25 +71,25 @@ def validate_sppo_config(cfg: Mapping, source: str = "config") -> tuple[SPPOOpti
         raise ValueError(f"{source}: {msg}")
 
     for section in ("ppo", "policy", "value", "loss_fn"):
-        if _get(cfg, section) is None:
+        if lookup(cfg, section) is None:
             fail(f"section '{section}' is missing (SPPO runs on NeMo-RL's PPO config)")
-    opts = parse_sppo_options(_get(cfg, "sppo"))
-    name = _get(cfg, "ppo.adv_estimator.name")
+    opts = parse_sppo_options(lookup(cfg, "sppo"))
+    name = lookup(cfg, "ppo.adv_estimator.name")
     if name != "sppo":
         fail(f"ppo.adv_estimator.name must be 'sppo' (got {name!r})")
-    if bool(_get(cfg, "ppo.reward_scaling.enabled", False)):
+    if bool(lookup(cfg, "ppo.reward_scaling.enabled", False)):
         fail("ppo.reward_scaling.enabled must be false: the SPPO critic's BCE needs rewards in {0, 1}")
-    if bool(_get(cfg, "ppo.reward_shaping.enabled", False)):
+    if bool(lookup(cfg, "ppo.reward_shaping.enabled", False)):
         fail("ppo.reward_shaping.enabled must be false: the SPPO critic's BCE needs rewards in {0, 1}")
-    if bool(_get(cfg, "value.sequence_packing.fuse_loss", False)):
+    if bool(lookup(cfg, "value.sequence_packing.fuse_loss", False)):
         fail("value.sequence_packing.fuse_loss must be false (the value loss needs the critic's logits)")
-    if bool(_get(cfg, "ppo.use_dynamic_sampling", False)):
+    if bool(lookup(cfg, "ppo.use_dynamic_sampling", False)):
         fail("ppo.use_dynamic_sampling must be false (SPPO keeps every prompt; N = 1 has no group variance)")
-    n = int(_get(cfg, "ppo.num_generations_per_prompt", 1))
-    prompts = int(_get(cfg, "ppo.num_prompts_per_step", 1))
+    n = int(lookup(cfg, "ppo.num_generations_per_prompt", 1))
+    prompts = int(lookup(cfg, "ppo.num_prompts_per_step", 1))
     rows = n * prompts
     for key in ("policy.train_global_batch_size", "value.train_global_batch_size"):
-        gbs = _get(cfg, key)
+        gbs = lookup(cfg, key)
         if gbs is not None and (int(gbs) <= 0 or rows % int(gbs) != 0):
             fail(f"{key}={gbs} must divide ppo.num_prompts_per_step × num_generations_per_prompt = {rows}")
     warnings: list[str] = []
@@ -112,14 +97,14 @@ def validate_sppo_config(cfg: Mapping, source: str = "config") -> tuple[SPPOOpti
         warnings.append(f"ppo.num_generations_per_prompt={n}: SPPO is meant for N = 1 (one sample per prompt)")
     # a missing key means NeMo-RL's default (0.01), which the loss then applies
     kl_default = NEMO_RL_LOSS_KEYS["reference_policy_kl_penalty"][1]
-    kl = float(_get(cfg, "loss_fn.reference_policy_kl_penalty", kl_default) or 0.0)
+    kl = float(lookup(cfg, "loss_fn.reference_policy_kl_penalty", kl_default) or 0.0)
     if kl != 0.0:
-        unset = "" if _get(cfg, "loss_fn.reference_policy_kl_penalty") is not None else " (unset: NeMo-RL's default)"
+        unset = "" if lookup(cfg, "loss_fn.reference_policy_kl_penalty") is not None else " (unset: NeMo-RL's default)"
         warnings.append(f"loss_fn.reference_policy_kl_penalty={kl}{unset}: the SPPO paper uses no KL penalty (0)")
-    if bool(_get(cfg, "loss_fn.use_kl_in_reward", False)):
+    if bool(lookup(cfg, "loss_fn.use_kl_in_reward", False)):
         fail("loss_fn.use_kl_in_reward must be false: it makes rewards non-binary")
-    if int(_get(cfg, "ppo.ppo_epochs", 1)) != 1:
-        warnings.append(f"ppo.ppo_epochs={_get(cfg, 'ppo.ppo_epochs')}: the paper makes one pass per rollout batch")
+    if int(lookup(cfg, "ppo.ppo_epochs", 1)) != 1:
+        warnings.append(f"ppo.ppo_epochs={lookup(cfg, 'ppo.ppo_epochs')}: the paper makes one pass per rollout batch")
     return opts, warnings
 
 
@@ -160,8 +145,8 @@ def check_critic_tokenizer(cfg: Mapping, loader: Callable[[str], Any] | None = N
     ``policy.model_name``). Returns False when both name the same checkpoint (nothing to
     check), True after a successful comparison; raises ``ValueError`` on a mismatch.
     ``loader`` defaults to ``transformers.AutoTokenizer.from_pretrained``."""
-    pname = _get(cfg, "policy.tokenizer.name") or _get(cfg, "policy.model_name")
-    cname = _get(cfg, "value.model_name") or pname
+    pname = lookup(cfg, "policy.tokenizer.name") or lookup(cfg, "policy.model_name")
+    cname = lookup(cfg, "value.model_name") or pname
     if pname is None:
         raise ValueError("policy.tokenizer.name / policy.model_name is missing")
     if str(cname) == str(pname):
@@ -188,17 +173,18 @@ def check_value_head_initialised(cfg: Mapping, config_loader: Callable[[str], An
     the pad id from the tokenizer, ``automodel/setup.py:786``) and the head is initialised.
     ``config_loader`` defaults to ``transformers.AutoConfig.from_pretrained``.
     """
-    if not bool(_get(cfg, "value.dtensor_cfg.enabled", False)) or bool(_get(cfg, "value.megatron_cfg.enabled", False)):
+    if not bool(lookup(cfg, "value.dtensor_cfg.enabled", False)) or \
+            bool(lookup(cfg, "value.megatron_cfg.enabled", False)):
         return True
-    gpus = int(_get(cfg, "cluster.gpus_per_node", 1) or 1) * int(_get(cfg, "cluster.num_nodes", 1) or 1)
-    tp = int(_get(cfg, "value.dtensor_cfg.tensor_parallel_size", 1) or 1)
+    gpus = int(lookup(cfg, "cluster.gpus_per_node", 1) or 1) * int(lookup(cfg, "cluster.num_nodes", 1) or 1)
+    tp = int(lookup(cfg, "value.dtensor_cfg.tensor_parallel_size", 1) or 1)
     if gpus <= 1 and tp <= 1:
         return True
-    overrides = _get(cfg, "value.hf_config_overrides") or {}
+    overrides = lookup(cfg, "value.hf_config_overrides") or {}
     if "pad_token_id" in overrides:
         pad = overrides["pad_token_id"]
     else:
-        name = _get(cfg, "value.model_name")
+        name = lookup(cfg, "value.model_name")
         if config_loader is None:
             from transformers import AutoConfig
 
@@ -211,7 +197,7 @@ def check_value_head_initialised(cfg: Mapping, config_loader: Callable[[str], An
         pad = getattr(hf, "pad_token_id", None)
     if pad is not None:
         raise ValueError(
-            f"value.model_name {_get(cfg, 'value.model_name')!r} sets pad_token_id={pad}: NeMo-RL's DTensor value "
+            f"value.model_name {lookup(cfg, 'value.model_name')!r} sets pad_token_id={pad}: NeMo-RL's DTensor value "
             f"worker on {max(gpus, tp)} GPUs then leaves the value head as uninitialised memory (Automodel skips "
             f"initialize_weights for a sharded embedding with a padding_idx); set value.hf_config_overrides."
             f"pad_token_id: null (the pad id still comes from the tokenizer)")
