@@ -534,8 +534,8 @@ name_lost_nodes() {  # the nodes the watchdog lost, and how to keep the requeued
   [[ -n "$lost" ]] || return 0
   current=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | tr ' ' '\n' | sed -n 's/^ExcNodeList=//p' | head -n1)
   [[ "$current" != "(null)" ]] || current=""
-  err "lost node(s) $lost: Slurm may start the requeued job on them again; to prevent that, while it waits to" \
-    "restart (squeue: PD): scontrol update JobId=$SLURM_JOB_ID ExcNodeList=${current:+$current,}$lost"
+  log "warning: lost node(s) $lost: Slurm may start the requeued job on them again; to prevent that, while it" \
+    "waits to restart (squeue: PD): scontrol update JobId=$SLURM_JOB_ID ExcNodeList=${current:+$current,}$lost"
 }
 
 requeue() {  # requeue WHY: stop the driver and the Ray steps, requeue the job (the next attempt resumes), exit 0
