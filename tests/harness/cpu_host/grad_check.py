@@ -44,18 +44,18 @@ def gradient_records(run_dir: Path) -> list[dict]:
     return sorted((torch.load(f, weights_only=False) for f in files), key=lambda r: r["rank"])
 
 
-def first_global_batch(run_dir: Path, grad_recs: list[dict]) -> list[dict]:
-    """The loss records of the first train call that reached the recorded gradient, each microbatch once."""
+def first_global_batch(run_dir: Path, grad_recs: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The loss records of the first train call that reached the recorded gradient: every rank's, and each
+    microbatch once (tensor-parallel peers record the same one)."""
     calls = {r["rank"]: r["loss_calls"] for r in grad_recs}
-    seen, out = set(), []
-    for rec in records(run_dir)[0]:
-        if rec["call"] >= calls[rec["rank"]]:
-            continue
+    reached = [rec for rec in records(run_dir)[0] if rec["call"] < calls[rec["rank"]]]
+    seen, unique = set(), []
+    for rec in reached:
         key = tuple(bytes(rec["data"][k].contiguous().numpy().tobytes()) for k in ("input_ids", "advantages"))
         if key not in seen:
             seen.add(key)
-            out.append(rec)
-    return out
+            unique.append(rec)
+    return reached, unique
 
 
 def _forward(model, data, temperature: float):
@@ -75,7 +75,7 @@ def check_gradients(run_dir: Path, model_dir: Path, temperature: float) -> dict:
 
     grad_recs = gradient_records(run_dir)
     worker = {_plain(k): v for k, v in grad_recs[0]["grads"].items()}
-    batch = first_global_batch(run_dir, grad_recs)
+    reached, batch = first_global_batch(run_dir, grad_recs)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.float64).eval()
     model.zero_grad(set_to_none=True)
     delims = delimiter_ids(model_dir)
@@ -83,8 +83,7 @@ def check_gradients(run_dir: Path, model_dir: Path, temperature: float) -> dict:
     gvs = sum(float(r["data"]["sample_mask"].double().sum()) for r in batch)
     gvt = sum(float((r["data"]["token_mask"][:, 1:].double() * r["data"]["sample_mask"].double()[:, None]).sum())
               for r in batch)
-    counts_used = {(r["global_valid_seqs"], r["global_valid_toks"]) for r in records(run_dir)[0]
-                   if r["call"] < {g["rank"]: g["loss_calls"] for g in grad_recs}[r["rank"]]}
+    counts_used = {(r["global_valid_seqs"], r["global_valid_toks"]) for r in reached}
     total = torch.zeros((), dtype=torch.float64)
     pi_old_vs_worker = 0.0
     for rec in batch:
