@@ -387,7 +387,9 @@ def render_key_table(keys: dict[str, tuple[str, Any, str, str]], last_column: st
     """The markdown table of docs/nemo-rl.md §3 for ``keys``."""
 
     def show(v):
-        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+        if v is None:
+            return "null"
+        return str(v).lower() if isinstance(v, bool) else str(v)
 
     rows = [f"| key | type | NeMo-RL default | status | {last_column} |", "|---|---|---|---|---|"]
     pipe = "\\|"  # a `|` inside a cell

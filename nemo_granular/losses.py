@@ -183,8 +183,12 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
         masked_pg = cfg.use_importance_sampling_correction or (cfg.metrics_level == "full" and
                                                                g.granularity == "sequence")
         prev = Q * mask_f if masked_pg else Q
-        gen = prev if G is None else G * mask_f if masked_pg else G
-        ent = None if H is None else H * mask_f if g.granularity == "sequence" else H
+        gen = prev
+        if G is not None:
+            gen = G * mask_f if masked_pg else G
+        ent = H
+        if H is not None and g.granularity == "sequence":
+            ent = H * mask_f
     elif bool(torch.isfinite(torch.stack([x.sum() for x in present])).all()):  # one sync; the usual case
         valid = mask_f
         logp, adv = L * mask_f, A * mask_f

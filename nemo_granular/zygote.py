@@ -60,7 +60,10 @@ def _child(argv: list[str], env: dict, cwd: str, out_fd: int, others: list[int])
         runpy.run_module("nemo_granular", run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if isinstance(e.code, int):
+            code = e.code
+        else:
+            code = 0 if e.code is None else 1
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, exit 1
         import traceback
 

@@ -21,3 +21,14 @@ def test_ruff_check_passes():
     proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *LINTED],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"ruff check {' '.join(LINTED)} failed:\n{proc.stdout}{proc.stderr}"
+
+
+def test_no_chained_conditional_expressions_in_the_package():
+    """House style (issue #35): a conditional expression never holds another (``a if x else b if y else c``);
+    such a choice is written as statements."""
+    import ast
+
+    chained = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in sorted((ROOT / "nemo_granular").rglob("*.py"))
+               for node in ast.walk(ast.parse(p.read_text()))
+               if isinstance(node, ast.IfExp) and (isinstance(node.body, ast.IfExp) or isinstance(node.orelse, ast.IfExp))]
+    assert not chained, chained

@@ -228,7 +228,10 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple = ()):
     parents = cfg.pop("defaults", None) if "defaults" in cfg else None
     if parents is None:
         return cfg
-    parents = [parents] if isinstance(parents, str) else list(parents) if OmegaConf.is_list(parents) else None
+    if isinstance(parents, str):
+        parents = [parents]
+    else:
+        parents = list(parents) if OmegaConf.is_list(parents) else None
     if parents is None or not all(isinstance(p, str) for p in parents):
         raise ValueError(f"{path}: defaults: must be a file name or a list of file names")
     merged = OmegaConf.create({})

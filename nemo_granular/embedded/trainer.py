@@ -109,8 +109,10 @@ class Trainer:
             hf_logging.disable_progress_bar()
         except ImportError:
             pass
-        self.device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                                   ("cpu" if cfg.device == "auto" else cfg.device))
+        if cfg.device == "auto":
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:
+            self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device: 'cuda' requested but no CUDA device is available")
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
@@ -489,7 +491,10 @@ class Trainer:
         n = len(per_step)
         for k in per_step[0]:
             vals = [m[k] for m in per_step]
-            rec[f"train/{k}"] = (min(vals) if k.endswith("_min") else max(vals)) if k in _EXTREMA else sum(vals) / n
+            if k not in _EXTREMA:
+                rec[f"train/{k}"] = sum(vals) / n
+            else:
+                rec[f"train/{k}"] = min(vals) if k.endswith("_min") else max(vals)
         if per_critic and per_critic[0]:
             for k in per_critic[0]:
                 rec[f"train/critic/{k}"] = sum(m[k] for m in per_critic) / n
@@ -545,8 +550,10 @@ class Trainer:
             progress.close()
         self.save_checkpoint()  # no-op when the last step's checkpoint is already written
         acc0, acc = self.sinks.first_accuracy, self.sinks.last_accuracy
-        accuracy = ("n/a" if acc is None else f"{acc:.3f}" if acc0 is None or self.step == 0
-                    else f"{acc0:.3f} → {acc:.3f}")
+        if acc is None:
+            accuracy = "n/a"
+        else:
+            accuracy = f"{acc:.3f}" if acc0 is None or self.step == 0 else f"{acc0:.3f} → {acc:.3f}"
         self.summary(f"done: {cfg.algorithm} step {self.step}/{cfg.rl.steps} ({self.samples} samples, "
                      f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
                      f"metrics {self.sinks.path}")

@@ -123,9 +123,12 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
     config, sd, reference = load_hf_dir(out, critic=False, origin=str(iter_dir))
     tok = step_dir / "policy" / "tokenizer"
     step = int(step_dir.name[5:]) if step_dir.name.startswith("step_") and step_dir.name[5:].isdigit() else None
+    if tok.is_dir():
+        tokenizer_dir = tok
+    else:
+        tokenizer_dir = out if (out / "tokenizer_config.json").exists() else None
     src = ExportSource(kind="megatron", what=what, path=step_dir, config=config, state_dict=sd, reference=reference,
-                       tokenizer_dir=tok if tok.is_dir() else (
-                           out if (out / "tokenizer_config.json").exists() else None),
+                       tokenizer_dir=tokenizer_dir,
                        generation_config_dir=out if (out / "generation_config.json").exists() else None,
                        train_config=train_cfg, algorithm=algorithm_of(train_cfg), step=step)
     layout = "×".join(f"{k}{v}" for k, v in saved_parallelism(run_cfg).items() if v > 1) or "no model parallelism"

@@ -46,7 +46,10 @@ class ModelFacts:
         attn = h * self.num_heads * hd * 2 + h * self.num_kv_heads * hd * 2
         mlp = 3 * h * self.moe_ffn_size * self.num_experts + h * self.num_experts if self.num_experts \
             else 3 * h * self.ffn_size
-        head = (0 if self.tied_embeddings else self.vocab_size * h) if lm_head else h
+        if not lm_head:
+            head = h
+        else:
+            head = 0 if self.tied_embeddings else self.vocab_size * h
         return self.num_layers * (attn + mlp) + self.vocab_size * h + head
 
 

@@ -78,7 +78,10 @@ def _venv_lines(plan: dict) -> list[str]:
     v = plan["venvs"]
     lines = [f"venvs     NEMO_RL_VENV_DIR={v['dir']}"]
     for e in v["entries"]:
-        state = "system Python" if e["path"] is None else ("built" if e["built"] else "MISSING")
+        if e["path"] is None:
+            state = "system Python"
+        else:
+            state = "built" if e["built"] else "MISSING"
         lines.append(f"          {e['role']}: {e['fqn']} — {state}" + (f" ({e['py_executable']})" if e["path"] else ""))
     return lines
 

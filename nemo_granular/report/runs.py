@@ -67,6 +67,17 @@ class Run:
         return max((r["step"] for r in self.recs), default=0)
 
 
+def _batch_text(prompts: int | None, samples: int | None, sppo: bool) -> str | None:
+    """How a run's step batch reads in the report (SPPO: one sample per prompt)."""
+    if prompts is None or samples is None:
+        return None
+    if not sppo:
+        return f"{prompts} prompts × {samples} samples"
+    if samples > 1:
+        return f"{prompts * samples} prompts × 1 sample (SPPO, equal samples)"
+    return f"{prompts} prompts × 1 sample (SPPO, equal prompts)"
+
+
 def _first(cfg: dict, *keys, default=None):
     for k in keys:
         v = lookup(cfg, k)
@@ -110,10 +121,7 @@ def _load_embedded(run: Path) -> Run:
         "task": (f"synthetic sums of {lookup(cfg, 'task.num_terms')} integers in [1, {lookup(cfg, 'task.max_term')}]"
                  if lookup(cfg, "task.kind", "arithmetic") == "arithmetic" else f"JSONL {lookup(cfg, 'task.path')}"),
         "steps": rl.get("steps"),
-        "batch": (None if prompts is None or G is None else
-                  (f"{prompts * G} prompts × 1 sample (SPPO, equal samples)" if sppo and G > 1 else
-                   f"{prompts} prompts × 1 sample (SPPO, equal prompts)" if sppo else
-                   f"{prompts} prompts × {G} samples")),
+        "batch": _batch_text(prompts, G, sppo),
         "samples_per_step": None if prompts is None or G is None else prompts * G,
         "lr": rl.get("lr"),
         "optimizer_steps_per_rollout": rl.get("minibatches_per_rollout"),
