@@ -26,7 +26,7 @@ import torch
 
 import reference as R
 
-from .loss_check import delimiter_ids, records, reference_kwargs
+from .loss_check import delimiter_ids, next_token_logprobs_entropy, records, reference_kwargs
 
 # prefixes wrappers add to parameter names (torch.compile, activation checkpointing, FSDP1)
 _WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
@@ -58,17 +58,6 @@ def first_global_batch(run_dir: Path, grad_recs: list[dict]) -> tuple[list[dict]
     return reached, unique
 
 
-def _forward(model, data, temperature: float):
-    """Float64 next-token log-probs ``[B, S-1]`` and entropies of softmax(logits / T), as NeMo-RL trains."""
-    ids, lengths = data["input_ids"], data["input_lengths"]
-    att = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
-    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1] / temperature
-    logp = torch.log_softmax(logits, -1)
-    lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
-    ent = -(logp.exp() * logp).sum(-1)
-    return lp, ent
-
-
 def check_gradients(run_dir: Path, model_dir: Path, temperature: float) -> dict:
     """The float64 reference's parameter gradients vs the worker's; what the comparison covered."""
     from transformers import AutoModelForCausalLM
@@ -87,7 +76,7 @@ def check_gradients(run_dir: Path, model_dir: Path, temperature: float) -> dict:
     total = torch.zeros((), dtype=torch.float64)
     pi_old_vs_worker = 0.0
     for rec in batch:
-        lp, ent = _forward(model, rec["data"], temperature)
+        lp, ent = next_token_logprobs_entropy(model, rec["data"], temperature)     # float64
         data = dict(rec["data"])
         zero = torch.zeros(lp.shape[0], 1, dtype=torch.float64)
         data["prev_logprobs"] = torch.cat([zero, lp.detach()], 1)

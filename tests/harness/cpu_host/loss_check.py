@@ -140,6 +140,16 @@ def group_bounds(rec: dict, ids) -> list[tuple[float, float]]:
     return out
 
 
+def next_token_logprobs_entropy(model, data: dict, temperature: float):
+    """A transformers forward of ``data``'s rows (attention over each row's length): the next-token log-probs
+    ``[B, S-1]`` and the entropies of softmax(logits / T) in at least float32, as NeMo-RL trains and scores."""
+    ids, lengths = data["input_ids"], data["input_lengths"]
+    att = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, -1)
+    return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
 def with_independent_pi_old(run_dir: Path, model_dir: Path, by_call: dict, temperature: float,
                             autocast: torch.dtype | None = torch.bfloat16) -> dict:
     """The records with ``prev_logprobs`` and ``prev_entropy`` replaced by a transformers forward of the weights
@@ -165,15 +175,13 @@ def with_independent_pi_old(run_dir: Path, model_dir: Path, by_call: dict, tempe
         for rec in recs:
             data = dict(rec["data"])
             ids, lengths = data["input_ids"], data["input_lengths"]
-            att = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
             with torch.no_grad(), precision():
-                logits = model(input_ids=ids, attention_mask=att).logits.float()
-            logp = torch.log_softmax(logits[:, :-1] / temperature, -1).double()
+                lp, ent = next_token_logprobs_entropy(model, data, temperature)
             zero = torch.zeros(ids.shape[0], 1, dtype=torch.float64)
             cols = torch.arange(ids.shape[1])[None, :]
             inside = (cols >= 1) & (cols < lengths[:, None])       # NeMo-RL's π_old columns: 1 .. length − 1
-            data["prev_logprobs"] = torch.cat([zero, logp.gather(-1, ids[:, 1:, None]).squeeze(-1)], 1) * inside
-            data["prev_entropy"] = torch.cat([zero, -(logp.exp() * logp).sum(-1)], 1) * inside
+            data["prev_logprobs"] = torch.cat([zero, lp.double()], 1) * inside
+            data["prev_entropy"] = torch.cat([zero, ent.double()], 1) * inside
             out[call].append(dict(rec, data=data))
     return out
 
