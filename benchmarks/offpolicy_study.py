@@ -109,13 +109,13 @@ def _weights(data, level, granularity):
     """Per-response mean token weight W_i, the mean weight over the level's units, and the ICE-POP
     [0.5, 2] masked token share — from the same π_old/π_gen weights the loss uses."""
     from nemo_granular.core.offpolicy import generation_weights
-    from nemo_granular.core.ratios import GroupIndex
+    from nemo_granular.core.scatter_index import ScatterIndex
 
     valid = data["token_mask"][:, 1:].double()
     q, gen = data["prev_logprobs"][:, 1:].double() * valid, data["generation_logprobs"][:, 1:].double() * valid
     ids = data["granular_group_ids"][:, 1:]
     G = int(ids.max()) + 1
-    index = GroupIndex.from_ids(ids, max(G, 1))
+    index = ScatterIndex.from_ids(ids, max(G, 1))
     counts = index.sum(valid)
     lvl = "token" if level == "none" else level
     w = generation_weights(q, gen, valid, level=lvl, index=index, counts=counts).weight * valid

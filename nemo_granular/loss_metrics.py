@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .core.fused import masked_extrema, prob_error_sums
+from .core.diagnostics import masked_extrema, prob_error_sums
 from .core.objective import LOG_RATIO_BOUND, aggregation_group_weights, aggregation_weights, plus_count_eps
 from .core.offpolicy import mismatch_sums
 

@@ -25,25 +25,16 @@ import torch
 
 from .config import parse_policy_loss_config
 from .core.advantages import first_response_index, sppo_critic_bce
-from .core.aggregation import safe_divide
 from .core.clipping import (
     ESPO_AUTO_TARGET_EPS,
     calibrate_espo_alpha,
     espo_entropy_clip_bounds,
     sspo_entropy_clip_bounds,
 )
-from .core.fused import (
-    FEW_GROUPS_MAX,
-    FewGroupIndex,
-    LinearizedLoss,
-    RowIndex,
-    compute_dtype,
-    finite_valid,
-    indicator,
-    masked_values,
-    substitute_nonfinite,
-)
+from .core.group_index import GroupIndex, RowIndex, make_group_index
 from .core.groups import build_delimiter_table, group_ids_for
+from .core.linearized_loss import LinearizedLoss
+from .core.masks import compute_dtype, finite_valid, indicator, masked_values, safe_divide, substitute_nonfinite
 from .core.objective import (
     COUNT_EPS,
     LOG_RATIO_BOUND,
@@ -58,7 +49,6 @@ from .core.objective import (
     surrogate_terms,
 )
 from .core.offpolicy import generation_weights, kl_penalty_per_token
-from .core.ratios import GroupIndex
 from .loss_metrics import metric_kinds, mismatch_metrics, policy_metrics
 from .loss_spec import PolicyLossSpec
 from .protocol import HostMember, LossInputType, LossType, MetricNormalizer, resolve
@@ -416,10 +406,10 @@ class GranularPolicyLoss:
         return ObjectiveResult(objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr,
                                is_oob_ratio)
 
-    def _grouped(self, index) -> bool:
-        """The clipped surrogate on a group plan without per-token weights beyond the
-        aggregation's: computed per group (:func:`~nemo_granular.core.objective.grouped_clipped_objective`)."""
-        return (isinstance(index, (GroupIndex, FewGroupIndex)) and self.granular.surrogate == "clipped"
+    def _grouped(self, index: GroupIndex | None) -> bool:
+        """The clipped surrogate on an index of several groups per row, without per-token weights beyond
+        the aggregation's: computed per group (:func:`~nemo_granular.core.objective.grouped_clipped_objective`)."""
+        return (index is not None and not index.one_group_per_row and self.granular.surrogate == "clipped"
                 and self.cfg.ratio_clip_c is None and not self.cfg.use_importance_sampling_correction)
 
     def _grouped_objective(self, b: PolicyBatch, index) -> ObjectiveResult:
@@ -442,11 +432,12 @@ class GranularPolicyLoss:
         return self._compiled_objective
 
     # ------------------------------------------------------------------ the steps
-    def _index(self, b: PolicyBatch):
-        """The scatter/gather plan of the configured groups (one group per row: no scatter)."""
+    def _index(self, b: PolicyBatch) -> GroupIndex:
+        """The :class:`~nemo_granular.core.group_index.GroupIndex` of the configured groups, whose members
+        are the valid tokens (one group per row: no scatter)."""
         g, like = self.granular, b.logp
         if g.granularity == "sequence":
-            return RowIndex(like.shape[0])
+            return RowIndex(b.valid)
         if b.group_ids is not None:
             ids = b.group_ids
             lo, hi = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist()) if ids.numel() else (0, 0)  # one sync
@@ -468,9 +459,7 @@ class GranularPolicyLoss:
             top = len(g.entropy_cut_points) + 1
         # ids are >= -1; the members of a group are its valid tokens (a token with an id but not
         # valid — masked, or non-finite — goes to no group)
-        if top <= FEW_GROUPS_MAX:
-            return FewGroupIndex(ids, max(top, 1), like.dtype, member=b.valid)
-        return GroupIndex.from_ids(ids, max(top, 1), member=b.valid)
+        return make_group_index(ids, max(top, 1), like.dtype, member=b.valid)
 
     def _bounds(self, b: PolicyBatch, ratios, per_token: bool = True):
         """([lo, hi] per token, [lo, hi] per group): numbers for `fixed` (clamp broadcasts them),
@@ -508,7 +497,7 @@ class GranularPolicyLoss:
         cfg = self.cfg
         kind = cfg.truncated_importance_sampling_type
         index = ratios.index
-        mask_index, mask_counts = (index, ratios.counts) if index is not None else (RowIndex(b.logp.shape[0]),
+        mask_index, mask_counts = (index, ratios.counts) if index is not None else (RowIndex(b.valid),
                                                                                    b.n_row[:, None])
         corr = generation_weights(b.prev, b.gen, b.valid, level=self.granular.is_level, index=index,
                                   counts=ratios.counts, kind=kind, ratio_max=cfg.truncated_importance_sampling_ratio,

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import reference as R
-from nemo_granular.core import aggregation as AG
 from nemo_granular.core import groups as G
+from nemo_granular.core import reference_forms as AG
 
 
 def _case(seed, B=5, T=10):

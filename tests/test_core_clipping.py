@@ -7,10 +7,11 @@ from hypothesis import strategies as st
 
 import reference as R
 from nemo_granular.core import clipping as C
+from nemo_granular.core import reference_forms as F
 
 
 def test_fixed_bounds():
-    lo, hi = C.fixed_clip_bounds(torch.zeros(2, 3), 3e-4, 4e-4)
+    lo, hi = F.fixed_clip_bounds(torch.zeros(2, 3), 3e-4, 4e-4)
     assert lo.shape == (2, 3) and torch.allclose(lo, torch.tensor(1 - 3e-4)) and torch.allclose(hi, torch.tensor(1 + 4e-4))
 
 
@@ -55,7 +56,7 @@ def _surrogate_case(seed, n=64, group_bounds=True):
 def test_clipped_surrogate_values_grads_indicators(dual, seed):
     r0, A, lo, hi = _surrogate_case(seed)
     r = r0.clone().requires_grad_(True)
-    c, low, high = C.clipped_surrogate(r, A, lo, hi, dual)
+    c, low, high = F.clipped_surrogate(r, A, lo, hi, dual)
     c.sum().backward()
     for k in range(r0.numel()):
         rk = torch.tensor(float(r0[k]), dtype=torch.float64, requires_grad=True)
@@ -77,7 +78,7 @@ def test_clipped_surrogate_values_grads_indicators(dual, seed):
 def test_dual_clip_caps_negative_advantage():
     r = torch.tensor([10.0, 10.0, 0.1])
     A = torch.tensor([-1.0, 1.0, -1.0])
-    c, low, high = C.clipped_surrogate(r, A, torch.full((3,), 0.8), torch.full((3,), 1.2), 3.0)
+    c, low, high = F.clipped_surrogate(r, A, torch.full((3,), 0.8), torch.full((3,), 1.2), 3.0)
     assert c.tolist() == pytest.approx([-3.0, 1.2, -0.8])
     assert low.tolist() == [False, False, True] and high.tolist() == [False, True, False]
 
@@ -86,7 +87,7 @@ def test_dual_clip_caps_negative_advantage():
 @given(seed=st.integers(0, 10_000), dual=st.sampled_from([None, 1.2, 3.0]))
 def test_property_surrogate_is_pessimistic(seed, dual):
     r0, A, lo, hi = _surrogate_case(seed, n=32)
-    c, low, high = C.clipped_surrogate(r0, A, lo, hi, dual)
+    c, low, high = F.clipped_surrogate(r0, A, lo, hi, dual)
     clipped = torch.maximum(torch.minimum(r0, hi), lo) * A
     bound = torch.minimum(r0 * A, clipped)
     if dual is None:
@@ -103,7 +104,7 @@ def test_cispo_surrogate_values_grads(seed):
     r0, A, lo, hi = _surrogate_case(seed)
     logp0 = -torch.rand(r0.shape, generator=torch.Generator().manual_seed(seed)) * 3
     r, logp = r0.clone().requires_grad_(True), logp0.clone().requires_grad_(True)
-    C.cispo_surrogate(r, logp, A, lo, hi).sum().backward()
+    F.cispo_surrogate(r, logp, A, lo, hi).sum().backward()
     assert r.grad is None or not r.grad.any()
     for k in range(r0.numel()):
         lk = torch.tensor(float(logp0[k]), dtype=torch.float64, requires_grad=True)
@@ -121,7 +122,7 @@ def test_reinforce_surrogate_values_grads(dual):
     _, A, _, _ = _surrogate_case(4)
     logp0 = torch.randn(A.shape, generator=torch.Generator().manual_seed(4)) * 2  # some logp > C: the dual clip acts
     logp = logp0.clone().requires_grad_(True)
-    C.reinforce_surrogate(logp, A).sum().backward()
+    F.reinforce_surrogate(logp, A).sum().backward()
     R.assert_close(logp.grad, A, what="grad")
     from nemo_granular.core.objective import surrogate_terms
     terms = surrogate_terms("reinforce", torch.ones_like(A), logp0, A, 0.8, 1.2, dual)
@@ -146,11 +147,11 @@ def test_closed_form_surrogate_slopes_equal_autograd(kind):
     terms = surrogate_terms(kind, r0, logp0, A, lo, hi, None)
     r, logp = r0.clone().requires_grad_(True), logp0.clone().requires_grad_(True)
     if kind == "clipped":
-        c = C.clipped_surrogate(r, A, lo, hi)[0]
+        c = F.clipped_surrogate(r, A, lo, hi)[0]
     elif kind == "cispo":
-        c = C.cispo_surrogate(r, logp, A, lo, hi)
+        c = F.cispo_surrogate(r, logp, A, lo, hi)
     else:
-        c = C.reinforce_surrogate(logp, A)
+        c = F.reinforce_surrogate(logp, A)
     c.sum().backward()
     R.assert_close(terms.value, c.detach(), what="value")
     R.assert_close(terms.slope, r.grad if terms.through_ratio else logp.grad, what="slope")

@@ -1,6 +1,6 @@
 """The clipped objective written per group (``core.objective.grouped_clipped_objective``, the loss's
 path for group granularities) against a naive float64 autograd computation of docs/algorithms/math.md
-§2–§5, and the plans' multi-channel group sums (``GroupIndex.sums`` / ``FewGroupIndex.sums``)
+§2–§5, and the plans' multi-channel group sums (``ScatterIndex.sums`` / ``FewGroupIndex.sums``)
 against a one-hot sum: contiguous segments (run sums), interleaved ids (the scatter fallback), few
 groups (one-hot matmul); tokens that carry an id but are not valid belong to no group."""
 
@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_granular.core.fused import FewGroupIndex, row_constant
+from nemo_granular.core.group_index import FewGroupIndex
+from nemo_granular.core.masks import row_constant
 from nemo_granular.core.objective import COUNT_EPS, aggregation_group_weights, grouped_clipped_objective
-from nemo_granular.core.ratios import GroupIndex
+from nemo_granular.core.scatter_index import ScatterIndex
 
 F64 = torch.float64
 
@@ -38,7 +39,7 @@ def _plan(kind, ids, valid):
     G = int(ids.max()) + 1
     if kind == "few":
         return FewGroupIndex(ids, G, F64, member=valid), G
-    return GroupIndex.from_ids(ids, G, member=valid), G
+    return ScatterIndex.from_ids(ids, G, member=valid), G
 
 
 def _onehot(ids, valid, G):

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import reference as R
 from nemo_granular.core import groups as G
-from nemo_granular.core import ratios as Q
+from nemo_granular.core import reference_forms as Q
 
 
 def _batch(seed, B=3, T=9):

@@ -41,7 +41,7 @@ class Fault:
 
 FAULTS = (
     # 1. the loss's backward drops the upstream gradient: d(c·loss) = d(loss) for every c
-    Fault("backward_ignores_upstream_gradient", "core/fused.py",
+    Fault("backward_ignores_upstream_gradient", "core/linearized_loss.py",
           "return (grad * grad_out).to(ctx.logp_dtype), None, None",
           "return grad.to(ctx.logp_dtype), None, None",
           ("tests/test_loss_presets.py::test_backward_honours_upstream_gradient[sspo-plain]",)),

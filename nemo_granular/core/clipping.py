@@ -1,4 +1,11 @@
-"""Clip bounds and the per-token surrogates: clipped (PPO), CISPO, REINFORCE (docs/algorithms/math.md §3, §4)."""
+"""Clip bounds (docs/algorithms/math.md §3) and the clipped surrogate's terms (§4), as the loss runs them.
+
+The bounds are per token or per group from the mean π_old entropy (``fixed`` bounds are two numbers
+the loss passes as such); :func:`clip_terms` is the clipped surrogate with its derivative with
+respect to the ratio in closed form, on 0/1 masks. The readable autograd forms of the surrogates
+(``clipped_surrogate``, ``cispo_surrogate``, ``reinforce_surrogate``) are the reference they are
+tested against: :mod:`nemo_granular.core.reference_forms`.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +13,18 @@ import math
 
 import torch
 
+from .masks import indicator
+
 __all__ = [
-    "fixed_clip_bounds",
     "sspo_entropy_clip_bounds",
     "espo_entropy_clip_bounds",
-    "clipped_surrogate",
-    "cispo_surrogate",
-    "reinforce_surrogate",
     "calibrate_espo_alpha",
     "ESPO_AUTO_TARGET_EPS",
+    "clip_terms",
 ]
 
 # `espo.alpha: auto`: the mean ε of the first rollout is the middle of GSPO's 3e-4 / 4e-4 (math.md §3)
 ESPO_AUTO_TARGET_EPS = 3.5e-4
-
-
-def fixed_clip_bounds(like: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fixed` bounds (docs/algorithms/math.md §3): lo = 1 − ε_low, hi = 1 + ε_high, broadcast to ``like``."""
-    lo = torch.full_like(like, 1.0 - eps_low, dtype=torch.float32)
-    hi = torch.full_like(like, 1.0 + eps_high, dtype=torch.float32)
-    return lo, hi
 
 
 def sspo_entropy_clip_bounds(
@@ -66,53 +65,26 @@ def calibrate_espo_alpha(mean_entropy: float, vocab_size: int, target_eps: float
     return target_eps * math.log(vocab_size) / mean_entropy
 
 
-def clipped_surrogate(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    lo: torch.Tensor | float,
-    hi: torch.Tensor | float,
-    dual_clip: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate (PPO; docs/algorithms/math.md §4), to be maximised:
+def clip_terms(ratio, adv, lo, hi, dual_clip: float | None = None, ratio_clamped=None):
+    """Per-token clipped surrogate (docs/algorithms/math.md §4) and the derivative of it with respect to the ratio.
 
-    c = min(r·A, clip(r, lo, hi)·A); with dual clip C > 1 and A < 0: c = max(c, C·A).
-
-    Returns ``(c, clipped_low, clipped_high)``: a token is clipped low when A < 0 and r < lo,
-    high when A > 0 and r > hi — exactly the tokens whose gradient the min removes.
+    c = min(r·A, clip(r, lo, hi)·A), with dual clip C: c = max(c, C·A) where A < 0.
+    Returns ``(c, r_clamped, low, high, keep)``: ``keep`` = 1 where the min keeps the unclipped
+    branch, r·A ≤ clip(r)·A (then dc/dr = A), else the clip removes the gradient — low when A < 0
+    (r < lo), high when A > 0 (r > hi); the dual clip also removes it where it holds c at C·A.
+    So dc/dr = keep·A. ``ratio``/``lo``/``hi`` may be per-row ``[B, 1]`` tensors or numbers;
+    ``adv`` is ``[B, T]``; ``ratio_clamped`` = clip(r, lo, hi) when the caller has it (per group).
     """
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, lo, hi) * advantages  # lo/hi: tensors or numbers
-    c = torch.minimum(unclipped, clipped)
+    rc = torch.clamp(ratio, lo, hi) if ratio_clamped is None else ratio_clamped
+    ra, rca = ratio * adv, rc * adv
+    c = torch.minimum(ra, rca)
+    keep = indicator(torch.le, ra, rca, adv)  # one comparison instead of four (A's sign × the two bounds)
+    clipped = 1 - keep
+    low = indicator(torch.lt, adv, 0, adv).mul_(clipped)
+    high = clipped.sub_(low)
     if dual_clip is not None:
-        c = torch.where(advantages < 0, torch.maximum(c, dual_clip * advantages), c)
-    r = ratio.detach()
-    clipped_low = (advantages < 0) & (r < lo)
-    clipped_high = (advantages > 0) & (r > hi)
-    return c, clipped_low, clipped_high
-
-
-def cispo_surrogate(
-    ratio: torch.Tensor,
-    logp: torch.Tensor,
-    advantages: torch.Tensor,
-    lo: torch.Tensor | float,
-    hi: torch.Tensor | float,
-) -> torch.Tensor:
-    """CISPO surrogate (MiniMax-M1 §3.1; docs/algorithms/math.md §4), to be maximised:
-
-    c = sg[clip(r, lo, hi)] · A · logp.
-
-    The clipped ratio is only a weight: every token keeps its gradient clip(r)·A·∇logp (PPO's
-    min drops it where r leaves [lo, hi] in the direction of A). ``r`` is the token's granular
-    ratio (its group's s_g), so the weight is clipped per group.
-    """
-    return torch.clamp(ratio, lo, hi).detach() * advantages * logp
-
-
-def reinforce_surrogate(logp: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
-    """REINFORCE surrogate (docs/algorithms/math.md §4; NeMo-RL's ``disable_ppo_ratio``): c = A · logp.
-
-    No ratio: the gradient is A·∇logp whatever the groups; the granularity acts only through the
-    aggregation (§5) and the off-policy weights.
-    """
-    return advantages * logp
+        # for A >= 0, c >= 0 = C·min(A, 0): the max leaves it alone, so no mask is needed
+        floor = adv.clamp(max=0).mul_(dual_clip)
+        keep.sub_(indicator(torch.gt, floor, c, adv))
+        c = torch.maximum(c, floor)
+    return c, rc, low, high, keep

@@ -2,13 +2,12 @@
 
 One call of the loss goes: group ratios (§2) → per-token surrogate (§4) → aggregation weights
 (§5) → objective Σ W·c and its gradient with respect to the logprobs, written out (the objective
-is linear in the per-token surrogate, so d/dlogp is a product of known factors; see
-:mod:`nemo_granular.core.fused` for why no autograd graph is built). Inputs are 0/1 masks and
-values already 0 outside the valid tokens, in the compute dtype; ``index`` is the group plan
-(:class:`~nemo_granular.core.ratios.GroupIndex` or :class:`~nemo_granular.core.fused.RowIndex`),
-``None`` for token groups. The autograd forms of the same formulas (the reference for tests)
-are in :mod:`nemo_granular.core.ratios`, :mod:`~nemo_granular.core.clipping` and
-:mod:`~nemo_granular.core.aggregation`.
+is linear in the per-token surrogate, so d/dlogp is a product of known factors, handed to autograd
+by :class:`~nemo_granular.core.linearized_loss.LinearizedLoss`). Inputs are 0/1 masks and values
+already 0 outside the valid tokens, in the compute dtype (:mod:`nemo_granular.core.masks`);
+``index`` is a :class:`~nemo_granular.core.group_index.GroupIndex`, ``None`` for token groups.
+These are the functions the loss runs; the readable autograd forms of the same formulas, the
+reference they are tested against, are :mod:`nemo_granular.core.reference_forms`.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ from typing import Any
 
 import torch
 
-from .fused import clip_terms, indicator, row_constant
+from .clipping import clip_terms
+from .masks import indicator, row_constant
 
 __all__ = ["COUNT_EPS", "count_eps_dtype", "plus_count_eps", "LOG_RATIO_BOUND", "GroupRatios", "group_ratios",
            "SurrogateTerms", "surrogate_terms",
@@ -57,7 +57,7 @@ class GroupRatios:
     log_ratio: torch.Tensor              # ℓ_it = logp − logq, [B, T]
     ratio: torch.Tensor                  # value of r_it (s_g gathered to the group's tokens), [B, T]
     n_groups_row: torch.Tensor           # non-empty groups per row, [B]
-    index: Any = None                    # group plan; None: every token is its own group
+    index: Any = None                    # the GroupIndex; None: every token is its own group
     group_ratio: torch.Tensor | None = None   # s_g = exp(L_g), [B, G]
     counts: torch.Tensor | None = None        # |G_g| (valid tokens), [B, G]
     cap: torch.Tensor | None = None           # 1 where the clamp of L_g is inactive, [B, G]

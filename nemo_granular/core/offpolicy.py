@@ -2,7 +2,7 @@
 (docs/algorithms/math.md §10), NeMo-RL's truncations of it (tis, icepop, seq-mask-tis) applied to
 the ratio's groups, the mismatch diagnostics, and the KL penalty to a reference policy.
 
-Inputs are 0 outside the valid tokens. ``index`` is a group plan (``GroupIndex`` / ``RowIndex``)
+Inputs are 0 outside the valid tokens. ``index`` is a :class:`~nemo_granular.core.group_index.GroupIndex`
 or ``None`` for token groups; no function loops over groups or tokens.
 """
 
@@ -193,7 +193,7 @@ def mismatch_extrema(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Ten
 
     A maximum does not add over microbatches and the split needs a sort, so the trainers compute
     these once per step on the whole batch (0 where a set is empty)."""
-    from .ratios import GroupIndex
+    from .scatter_index import ScatterIndex
 
     d = ((logq - log_gen) * valid).abs()
     out = {"gen_mismatch_token_abs_max": float(d.amax()) if d.numel() else 0.0}
@@ -205,7 +205,7 @@ def mismatch_extrema(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Ten
         if G <= 0:
             out["gen_mismatch_group_abs_max"] = 0.0
         else:
-            idx = GroupIndex.from_ids(ids, G)
+            idx = ScatterIndex.from_ids(ids, G)
             n = idx.sum(valid.to(d.dtype))
             g = (idx.sum((logq - log_gen) * valid) / n.clamp(min=1)).abs() * n.clamp(max=1)
             out["gen_mismatch_group_abs_max"] = float(g.amax())

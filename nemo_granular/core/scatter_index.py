@@ -1,33 +1,24 @@
-"""Group reductions and group importance ratios (docs/algorithms/math.md §2).
-
-``group_sum`` / ``group_mean`` reduce a per-token ``[B, T]`` tensor into a per-group
-``[B, G]`` tensor with one ``scatter_add`` (autograd flows through it); ``gather_groups``
-broadcasts a per-group value back to its tokens.
-"""
+"""The scatter plan of a batch's groups: :class:`ScatterIndex`, the group index for many groups per
+row (SSPO's segments), with one ``scatter_add`` per sum, run-wise sums of consecutive tokens, and
+``index_select`` gathers (docs/algorithms/math.md §2; why these kernels: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import torch
 
-__all__ = [
-    "GroupIndex",
-    "group_sum",
-    "group_count",
-    "group_mean",
-    "gather_groups",
-    "group_log_ratio",
-    "shared_ratio",
-    "token_decomposed_ratio",
-]
+__all__ = ["ScatterIndex"]
 
 
-class GroupIndex:
-    """Scatter/gather plan of per-row group ids ``[B, T]`` into a ``[B, G]`` table, built once.
+class ScatterIndex:
+    """Scatter/gather plan of per-row group ids ``[B, T]`` into a ``[B, G]`` table, built once: the
+    :class:`~nemo_granular.core.group_index.GroupIndex` for any number of groups per row.
 
     Token (i, t) of group g maps to flat slot i·(G+1) + 1 + g; tokens with id −1 (and those
     ``mask`` excludes) map to the row's dummy slot i·(G+1), dropped by :meth:`sum` and read as 0
     by :meth:`gather`. Values may carry trailing channels (``[B, T, C]``).
     """
+
+    one_group_per_row = False
 
     def __init__(self, group_ids: torch.Tensor, num_groups: int, mask: torch.Tensor | None = None):
         ids = group_ids.long()
@@ -38,7 +29,7 @@ class GroupIndex:
         self._build((ids + 1).mul_(member).sub_(1), num_groups)
 
     @classmethod
-    def from_ids(cls, group_ids: torch.Tensor, num_groups: int, member: torch.Tensor | None = None) -> "GroupIndex":
+    def from_ids(cls, group_ids: torch.Tensor, num_groups: int, member: torch.Tensor | None = None) -> "ScatterIndex":
         """The plan for ids that are all >= −1 (the loss's own and the driver's): one integer add;
         ``member`` (0/1 floats): the tokens that may belong to a group (the others go to the dummy slot)."""
         self = cls.__new__(cls)
@@ -150,57 +141,3 @@ class GroupIndex:
         if getattr(self, "_flat32", None) is None:
             self._flat32 = self._slot.int()
         return self._flat32
-
-
-def group_sum(values: torch.Tensor, group_ids: torch.Tensor, num_groups: int) -> torch.Tensor:
-    """Σ of ``values`` over the tokens of each group: ``[B, T] -> [B, num_groups]``.
-
-    Tokens with id -1 are ignored (their value may be anything finite).
-    """
-    return GroupIndex(group_ids, num_groups).sum(values)
-
-
-def group_count(group_ids: torch.Tensor, num_groups: int, dtype=torch.float32) -> torch.Tensor:
-    """|G_ig|: number of tokens in each group, ``[B, num_groups]``."""
-    return group_sum((group_ids >= 0).to(dtype), group_ids, num_groups)
-
-
-def group_mean(
-    values: torch.Tensor, group_ids: torch.Tensor, num_groups: int, counts: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Mean of ``values`` over each group (0 for an empty group)."""
-    if counts is None:
-        counts = group_count(group_ids, num_groups, values.dtype)
-    return group_sum(values, group_ids, num_groups) / counts.clamp(min=1)
-
-
-def gather_groups(per_group: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Broadcast ``[B, G]`` per-group values to ``[B, T]`` tokens (0 outside any group)."""
-    return GroupIndex(group_ids, per_group.shape[1]).gather(per_group)
-
-
-def group_log_ratio(
-    log_ratio: torch.Tensor, group_ids: torch.Tensor, num_groups: int, counts: torch.Tensor | None = None
-) -> torch.Tensor:
-    """L_ig = mean over tokens t of group g of ℓ_it (docs/algorithms/math.md §2; GSPO eq. 6, SSPO eq. 9)."""
-    return group_mean(log_ratio, group_ids, num_groups, counts)
-
-
-def shared_ratio(group_log_ratio_: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """`shared` ratio (GSPO eq. 6, SSPO eq. 9): r_it = exp(L_{i,g(i,t)}).
-
-    Differentiated through the group mean, so each token of group g receives gradient
-    s_ig · A / |G_ig| · ∇logp_it.
-    """
-    return torch.exp(gather_groups(group_log_ratio_, group_ids))
-
-
-def token_decomposed_ratio(
-    group_log_ratio_: torch.Tensor, group_ids: torch.Tensor, logp: torch.Tensor
-) -> torch.Tensor:
-    """`token_decomposed` ratio (GSPO-token eq. 13; ESPO §3.3): r_it = sg[s_ig]·exp(logp_it − sg[logp_it]).
-
-    Its value is s_ig; its gradient flows through token t's own logprob only, scaled by s_ig.
-    """
-    s = torch.exp(gather_groups(group_log_ratio_, group_ids)).detach()
-    return s * torch.exp(logp - logp.detach())
