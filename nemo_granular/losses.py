@@ -140,7 +140,8 @@ class PolicyBatch:
 
 def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
                       cfg: PolicyLossSpec, assume_finite: bool = False) -> PolicyBatch:
-    """NeMo-RL's batch keys (every one the loss ``cfg`` uses) as a :class:`PolicyBatch`. NaN/inf
+    """The batch keys of :data:`nemo_granular.batch_schema.POLICY_BATCH` (every one the loss ``cfg``
+    uses; no other key of ``data`` is read) as a :class:`PolicyBatch`. NaN/inf
     tokens (in logp, π_old logp, advantage, and π_gen logp / entropy where they are used) leave the
     valid mask (math.md, Notation). ``assume_finite``: skip the finiteness test (the caller checks
     its results instead: a non-finite input anywhere makes them non-finite, and it calls again without)."""
@@ -248,14 +249,10 @@ class GranularPolicyLoss:
     `token_decomposed` form; [lo, hi] fixed or entropy-adaptive per group; Agg one of
     token_mean / seq_mean_token_mean / seq_mean_group_mean (global normalisation).
 
-    Batch keys (read once per call, :func:`read_policy_batch`): NeMo-RL's ``token_mask``,
-    ``sample_mask``, ``advantages``, ``prev_logprobs``, ``generation_logprobs``,
-    ``reference_policy_logprobs`` and ``curr_logprobs_unfiltered`` (when KL ≠ 0), ``rewards`` (the
-    NLL term), ``input_ids`` (segment groups cut here), plus ours:
-    ``prev_entropy`` (π_old full-vocabulary entropy, ``[B, S]``, same shift) and
-    ``granular_group_ids`` (int64 ``[B, S]``, −1 outside the response). Group ids are computed
-    here when absent (segment: from ``input_ids`` and the delimiter table; entropy_group:
-    from ``prev_entropy``).
+    Batch keys (read once per call, :func:`read_policy_batch`): the ones declared in
+    :data:`nemo_granular.batch_schema.POLICY_BATCH` — their shapes, dtypes, and when each is read
+    or required. Group ids are computed here when absent (segment: from ``input_ids`` and the
+    delimiter table; entropy_group: from ``prev_entropy``).
 
     Config: NeMo-RL's ``loss_fn`` keys with ``granular:`` (see :mod:`nemo_granular.config`).
     ``loss_type``, ``input_type`` and ``metric_normalizations`` are NeMo-RL's own enum members

@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nemo_granular"
 # reads runs and evals.json; the comparison that runs all three; the command-line dispatcher
 STACK = ["embedded", "evals", "report", "compare", "cli"]
 # the small leaf modules everything may use: no import of any other part of the package
-LEAVES = ["atomic", "cli_common", "lookup", "rundir"]
+LEAVES = ["atomic", "batch_schema", "cli_common", "lookup", "rundir"]
 
 
 def _module_name(path: Path) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from .. import atomic
 from ..advantages import build_advantage_estimator
+from ..batch_schema import POLICY_BATCH
 from ..cli_common import check_writable_dir
 from ..core.advantages import first_response_index
 from ..core.clipping import ESPO_AUTO_TARGET_EPS
@@ -52,9 +53,9 @@ from .warmstart import check_worked_solutions, decode_responses, greedy_accuracy
 
 PREEMPTED_EXIT_CODE = 99
 _EXTREMA = ("probs_ratio_min", "probs_ratio_clamped_min", "probs_ratio_max", "probs_ratio_clamped_max")
-# keys of every NeMo-RL batch the policy loss reads; the trainer builds exactly these
-BATCH_KEYS = ("input_ids", "input_lengths", "token_mask", "sample_mask", "generation_logprobs", "prev_logprobs",
-              "prev_entropy", "granular_group_ids", "advantages", "reference_policy_logprobs")
+# the policy batch's keys (nemo_granular.batch_schema) the trainer builds on every rollout: all but NeMo-RL's
+# curr_logprobs_unfiltered (optional: the loss's KL then reads π_θ itself)
+BATCH_KEYS = tuple(k.name for k in POLICY_BATCH if k.name != "curr_logprobs_unfiltered")
 
 
 def merge_metrics(acc: dict, new: dict) -> dict:
@@ -384,6 +385,9 @@ class Trainer:
         if isinstance(adv, tuple):
             adv, batch["returns"] = adv
         batch["advantages"] = adv
+        missing = [k for k in BATCH_KEYS if k not in batch]
+        if missing:  # a key the batch schema declares and the trainer failed to build
+            raise RuntimeError(f"the rollout batch lacks {missing} (nemo_granular.batch_schema.POLICY_BATCH)")
         return batch
 
     def critic_values(self, batch: dict) -> torch.Tensor:

@@ -5,14 +5,17 @@ global_valid_toks=)`` where every per-token data tensor is ``[B, S]`` indexed by
 (used as ``[:, 1:]``), per-sample tensors are 1-D ``[B]``, and the global counts are those of
 the whole optimizer step (``nemo_rl/models/*/data.py:process_global_batch``). A value loss
 gets ``logits`` = right-shifted values ``[B, S]``. ``check_*`` raise ``AssertionError`` with
-the violated rule; :class:`ContractRecorder` wraps a loss and checks every call.
+the violated rule; :class:`ContractRecorder` wraps a loss and checks every call. The policy batch's
+keys, shapes and dtypes are ``nemo_granular.batch_schema.POLICY_BATCH``'s.
 """
 
 from __future__ import annotations
 
 import torch
 
-POLICY_KEYS = ("token_mask", "sample_mask", "advantages", "prev_logprobs", "generation_logprobs")
+from nemo_granular.batch_schema import GUARANTEED_KEYS, POLICY_BATCH
+
+POLICY_KEYS = GUARANTEED_KEYS  # every policy-loss call carries them
 VALUE_KEYS = ("token_mask", "sample_mask", "rewards")
 
 
@@ -35,6 +38,11 @@ def check_policy_loss_call(next_token_logprobs, data, global_valid_seqs, global_
     for k in POLICY_KEYS:
         assert k in data, f"data['{k}'] missing"
     _common(data, B, S)
+    for key in POLICY_BATCH:  # the declared shape of every schema key present
+        if key.name in data and torch.is_tensor(data[key.name]):
+            want = {"[B]": (B,), "[B, S]": (B, S), "[B, S-1]": (B, S - 1)}[key.shape]
+            got = tuple(data[key.name].shape)
+            assert got == want, f"data['{key.name}'] has shape {got}, the batch schema says {key.shape} = {want}"
     tm = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
     assert torch.is_tensor(global_valid_toks) and global_valid_toks.dim() == 0, "global_valid_toks must be a scalar"
     assert torch.is_tensor(global_valid_seqs) and global_valid_seqs.dim() == 0, "global_valid_seqs must be a scalar"
