@@ -423,14 +423,17 @@ NODE_ENV=$LOG_DIR/node_env.sh
     # under pyxis HOME is an empty read-only directory, and caches default under it (Triton's
     # ~/.triton/cache, vLLM's: NeMo-RL's vllm_worker uses ~/.cache/vllm): job-scoped ones in the
     # container's /tmp (writable, as for Ray's temp dirs). A value you set is kept: the image
-    # defines none of them, so pyxis passes the host's
-    for cache in TRITON_CACHE_DIR=triton VLLM_CACHE_ROOT=vllm TORCHINDUCTOR_CACHE_DIR=torchinductor XDG_CACHE_HOME=cache; do
+    # defines none of them, so pyxis passes the host's. Megatron-Bridge's HF config loader
+    # (AutoBridge.from_hf_pretrained: NeMo-RL's HF->Megatron import, the eval job's export) takes
+    # a file lock in ~/.cache/huggingface whatever HF_HOME says, unless MEGATRON_CONFIG_LOCK_DIR
+    for cache in TRITON_CACHE_DIR=triton VLLM_CACHE_ROOT=vllm TORCHINDUCTOR_CACHE_DIR=torchinductor XDG_CACHE_HOME=cache \
+        MEGATRON_CONFIG_LOCK_DIR=megatron-config-locks; do
       name=${cache%%=*}
       [[ -z "${!name:-}" ]] || continue
-      # XDG_CACHE_HOME only where HOME is not writable: uv's cache is $XDG_CACHE_HOME/uv, and in a
-      # root container NeMo-RL's image has its uv cache in /root/.cache/uv
+      # XDG_CACHE_HOME and the lock folder only where HOME is not writable: uv's cache is
+      # $XDG_CACHE_HOME/uv, and in a root container NeMo-RL's image has its uv cache in /root/.cache/uv
       # shellcheck disable=SC2016  # expanded on the node, not here
-      [[ "$name" == XDG_CACHE_HOME ]] && printf '[[ -d "${HOME:-}" && -w "${HOME:-}" ]] || '
+      [[ "$name" == XDG_CACHE_HOME || "$name" == MEGATRON_CONFIG_LOCK_DIR ]] && printf '[[ -d "${HOME:-}" && -w "${HOME:-}" ]] || '
       printf 'export %s=%q\n' "$name" "/tmp/nemo-granular-$SLURM_JOB_ID/${cache#*=}"
     done
   fi

@@ -216,14 +216,16 @@ container_prelude() {
 }
 container_caches() {
   # under pyxis HOME is an empty read-only directory: the eval and report jobs' compile caches (vLLM's
-  # for run_eval, Triton's, torch-inductor's) and, where HOME cannot be written, XDG_CACHE_HOME,
+  # for run_eval, Triton's, torch-inductor's) and, where HOME cannot be written, XDG_CACHE_HOME and
+  # MEGATRON_CONFIG_LOCK_DIR (the export's Megatron-Bridge locks in ~/.cache/huggingface otherwise),
   # job-scoped in the container's /tmp, as launch.sh gives its steps; a value that reached the container
   # (yours) is kept. Not in the submission's check step: it compiles nothing, and a `uv run` there
   # (NEMO_RL_PYTHON) must fail with uv's own reason, not find a fresh cache and fail later
   # shellcheck disable=SC2016  # expanded in the container
   printf '%s' 'ng_c=/tmp/nemo-granular-${SLURM_JOB_ID:-$$} && export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$ng_c/triton} ' \
     'VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$ng_c/vllm} TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ng_c/torchinductor} && ' \
-    '{ [[ -d "${HOME:-}" && -w "${HOME:-}" ]] || export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$ng_c/cache}; } && '
+    '{ [[ -d "${HOME:-}" && -w "${HOME:-}" ]] || export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$ng_c/cache} ' \
+    'MEGATRON_CONFIG_LOCK_DIR=${MEGATRON_CONFIG_LOCK_DIR:-$ng_c/megatron-config-locks}; } && '
 }
 
 # The checks before anything is submitted, all at once (each is mostly NeMo-RL's import, tens of

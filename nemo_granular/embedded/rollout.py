@@ -14,8 +14,13 @@ import torch
 
 from ..core.entropy import logprobs_and_entropy_from_logits
 
+# the passes that need no gradient (sampling, pi_old) run in inference mode: the same kernels on the same
+# inputs as under no_grad (hence the same numbers, tests/test_embedded_speed.py), without autograd's version
+# counters and view tracking on every small op of a token-by-token decode. Their results are copied out (an
+# inference tensor can be neither updated in place nor saved for backward outside inference mode).
+NO_AUTOGRAD = torch.inference_mode
 
-@torch.no_grad()
+
 def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, greedy: bool,
              device, autocast_dtype=None) -> dict:
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
@@ -25,10 +30,10 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempe
         kwargs.update(do_sample=False)
     else:  # transformers' generate applies top_k=50 unless told otherwise
         kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, output_logits=True)
-    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+    with NO_AUTOGRAD(), torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         out = model.generate(**enc, **kwargs)
     Lp = enc["input_ids"].shape[1]
-    resp = out.sequences[:, Lp:]
+    resp = out.sequences[:, Lp:].clone()
     if resp.shape[1] == 0:
         resp = torch.full((resp.shape[0], 1), tokenizer.eos_token_id, device=device)
     eos = resp == tokenizer.eos_token_id
@@ -36,7 +41,7 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempe
     first_eos = torch.argmax(eos.to(torch.int8), dim=-1)
     resp_len = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, resp.shape[1]))
     gen_lp = torch.zeros(resp.shape, dtype=torch.float32, device=device)
-    if not greedy:
+    if not greedy:  # (outside inference mode: the stacked logits and what follows are ordinary tensors)
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [B, L, V]
         gen_lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)
     return dict(prompt_ids=enc["input_ids"], prompt_attention=enc["attention_mask"], response_ids=resp,
@@ -91,11 +96,11 @@ def next_token_logprobs(model, batch: dict, temperature: float, autocast_dtype=N
     return torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
 
 
-@torch.no_grad()
 def old_policy_pass(model, batch: dict, temperature: float, chunk_size: int, autocast_dtype=None) -> None:
     """π_old logprobs and full-vocabulary entropy in one pass; stored as ``[B, S]`` with column 0 = 0."""
-    logits = sequence_logits(model, batch["input_ids"], batch["input_lengths"], temperature, autocast_dtype)
-    lp, ent = logprobs_and_entropy_from_logits(logits, batch["input_ids"][:, 1:], chunk_size)
-    zero = torch.zeros_like(lp[:, :1])
+    with NO_AUTOGRAD():
+        logits = sequence_logits(model, batch["input_ids"], batch["input_lengths"], temperature, autocast_dtype)
+        lp, ent = logprobs_and_entropy_from_logits(logits, batch["input_ids"][:, 1:], chunk_size)
+    zero = torch.zeros(lp.shape[0], 1, dtype=lp.dtype, device=lp.device)  # the cats below: ordinary tensors
     batch["prev_logprobs"] = torch.cat([zero, lp], dim=1)
     batch["prev_entropy"] = torch.cat([zero, ent], dim=1)

@@ -1,0 +1,65 @@
+"""The embedded trainer's and the benchmark suite's faster paths compute what the plain paths compute.
+
+Issue #36 item 9 made the default demo faster without changing a number it produces: these tests run
+the same short work both ways in one process and require the results to be equal bit for bit (no
+tolerance; no timing is asserted anywhere).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_granular.embedded import rollout as R
+from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
+
+TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
+        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
+        "rl.micro_batch_size=4", "rl.max_new_tokens=12", "rl.eval_every=1", "task.heldout_size=8",
+        "logger.progress=false", "logger.tensorboard=false", "threads=1"]
+
+
+def _records(path: Path) -> list[dict]:
+    """metrics.jsonl without what a run measures of itself (seconds)."""
+    return [{k: v for k, v in json.loads(line).items() if k != "wall_time" and not k.startswith("timing/")}
+            for line in path.read_text().splitlines()]
+
+
+def _train(out: Path, algorithm: str, *extra: str):
+    from nemo_granular.embedded.trainer import Trainer
+
+    t = Trainer(load_train_config(LOCAL_CONFIGS / f"{algorithm}.yaml", [*TINY, "rl.steps=3", f"output_dir={out}",
+                                                                        *extra]), log=lambda m: None)
+    assert t.run() == 0
+    return _records(out / "metrics.jsonl"), {k: v.clone() for k, v in t.policy.state_dict().items()}
+
+
+@pytest.mark.parametrize("algorithm", ["sspo", "sppo"])
+def test_sampling_and_pi_old_in_inference_mode_give_the_no_grad_numbers(tmp_path, monkeypatch, algorithm):
+    """Sampling and the π_old pass run in inference mode (no autograd bookkeeping): every metric of a short
+    run (rewards, ratios, clip fractions, losses, held-out accuracy) and the trained weights equal a run
+    whose no-gradient passes run under plain ``no_grad``, as they did before."""
+    fast, fast_w = _train(tmp_path / "fast", algorithm)
+    monkeypatch.setattr(R, "NO_AUTOGRAD", torch.no_grad)
+    slow, slow_w = _train(tmp_path / "slow", algorithm)
+    assert len(fast) == 4 and fast == slow
+    assert fast_w.keys() == slow_w.keys() and all(torch.equal(fast_w[k], slow_w[k]) for k in fast_w)
+
+
+def test_generate_returns_ordinary_tensors():
+    """What ``generate`` returns may be updated in place and used in a graph (an inference tensor may not)."""
+    from nemo_granular.embedded import models as M
+
+    torch.manual_seed(0)
+    cfg = load_train_config(LOCAL_CONFIGS / "grpo.yaml", TINY)
+    tok = M.build_tokenizer()
+    model = M.build_policy(cfg.model, tok).eval()
+    gen = R.generate(model, tok, ["Q:1+2+3+4\n"] * 3, max_new_tokens=5, temperature=1.0, greedy=False,
+                     device=torch.device("cpu"))
+    batch = R.to_nemo_batch(gen, tok.pad_token_id)
+    R.old_policy_pass(model, batch, 1.0, 1024)
+    for value in [*gen.values(), batch["prev_logprobs"], batch["prev_entropy"]]:
+        assert not value.is_inference()
