@@ -403,7 +403,9 @@ def test_docs_name_the_gpu_device_glob():
 
 
 CACHES = {"TRITON_CACHE_DIR": "triton", "VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
-          "XDG_CACHE_HOME": "cache"}
+          "XDG_CACHE_HOME": "cache", "MEGATRON_CONFIG_LOCK_DIR": "megatron-config-locks"}
+HOME_ONLY = ("XDG_CACHE_HOME", "MEGATRON_CONFIG_LOCK_DIR")   # set only where HOME cannot be written
+RAY = "RAY_AUTH_TOKEN_PATH"
 
 
 def _step_env(tmp_path: Path, **env) -> dict:
@@ -432,7 +434,7 @@ def test_container_steps_get_writable_compile_caches(tmp_path):
     assert _step_env(tmp_path / "a") == {k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}
     # a writable HOME (a root container): its XDG cache, uv's with it, stays
     assert _step_env(tmp_path / "a", HOME=str(tmp_path)) == {
-        **{k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}, "XDG_CACHE_HOME": ""}
+        **{k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}, **dict.fromkeys(HOME_ONLY, "")}
     # the user's own value
     r, calls = _launch(tmp_path / "b", CONTAINER="img.sqsh", MOUNTS=mounts,
                        **{**unset, "TRITON_CACHE_DIR": "/lustre/triton", "XDG_CACHE_HOME": "/lustre/cache"})
@@ -453,8 +455,8 @@ RUN_CLEANUP = 'case "$*" in *"enroot remove"*) shift $(($# - 3)); exec "$@" ;; e
 
 def test_eval_and_report_jobs_in_a_container_get_writable_compile_caches(tmp_path):
     """Issue 33.9b for submit_comparison.sh's own jobs: the eval job runs NeMo-RL's run_eval (vLLM's
-    cache: ~/.cache/vllm) and the report job Python, in the image, under a HOME pyxis leaves empty and
-    read-only. Their --wrap scripts, run here (srun: the container step's ``bash -c SCRIPT``; python:
+    cache: ~/.cache/vllm; its local Ray's token: ~/.ray/auth_token) and the report job Python, in the
+    image, under a HOME pyxis leaves empty and read-only. Their --wrap scripts, run here (srun: the container step's ``bash -c SCRIPT``; python:
     prints the variables), get launch.sh's job-scoped caches; a value of the user's is kept."""
     checkout, py = _fake_nemo_rl(tmp_path)
     mounts = f"/tmp:/tmp,{ROOT}:{ROOT}"
@@ -468,25 +470,36 @@ def test_eval_and_report_jobs_in_a_container_get_writable_compile_caches(tmp_pat
     run = tmp_path / "run"
     run.mkdir()
     (run / "srun").write_text('#!/usr/bin/env bash\nshift $(($# - 3)); exec "$@"\n')    # bash -c SCRIPT
-    (run / "python").write_text("#!/usr/bin/env bash\n" + "".join(f'echo "{k}=${{{k}:-}}"\n' for k in CACHES))
+    (run / "python").write_text("#!/usr/bin/env bash\n" + "".join(f'echo "{k}=${{{k}:-}}"\n' for k in (*CACHES, RAY))
+                                + f'[[ -z "${{{RAY}:-}}" ]] || echo "token=$(stat -c %a "${RAY}") $(wc -c <"${RAY}")"\n')
     for f in ("srun", "python"):
         (run / f).chmod(0o755)
 
-    def step_env(wrap: str, **env) -> dict:
+    def step_env(wrap: str, keys=CACHES, **env) -> dict:
         out = subprocess.run(["sh", "-c", wrap], capture_output=True, text=True, timeout=30, cwd=tmp_path,
-                             env={**_env(tmp_path, **{k: None for k in CACHES}), "PATH": f"{run}:{os.environ['PATH']}",
-                                  "SLURM_JOB_ID": "7", "HOME": str(tmp_path / "no-home"), **env})
+                             env={**_env(tmp_path, **{k: None for k in (*CACHES, RAY, "RAY_AUTH_TOKEN")}),
+                                  "PATH": f"{run}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+                                  "HOME": str(tmp_path / "no-home"), **env})
         assert out.returncode == 0, out.stderr
-        return dict(line.split("=", 1) for line in out.stdout.splitlines() if line.split("=", 1)[0] in CACHES)
+        return dict(line.split("=", 1) for line in out.stdout.splitlines() if line.split("=", 1)[0] in keys)
 
     for wrap in wraps:
         assert "--container-image=img.sqsh" in wrap, wrap
         assert step_env(wrap) == {k: f"/tmp/nemo-granular-7/{d}" for k, d in CACHES.items()}, wrap
         home = tmp_path / "home"
         home.mkdir(exist_ok=True)
-        assert step_env(wrap, HOME=str(home))["XDG_CACHE_HOME"] == ""     # a writable HOME keeps its cache
+        writable = step_env(wrap, HOME=str(home))     # a writable HOME keeps its cache
+        assert [writable[k] for k in HOME_ONLY] == ["", ""], writable
         mine = step_env(wrap, TRITON_CACHE_DIR="/lustre/triton", XDG_CACHE_HOME="/lustre/cache")
         assert (mine["TRITON_CACHE_DIR"], mine["XDG_CACHE_HOME"]) == ("/lustre/triton", "/lustre/cache"), mine
+        # run_eval's local ray.init() writes a token to ~/.ray/auth_token: a job-scoped one instead
+        # (the user's only, 64 hex digits), unless HOME is writable or the user gave one
+        token = Path("/tmp/nemo-granular-7/ray_auth_token")
+        token.unlink(missing_ok=True)
+        assert step_env(wrap, keys=(RAY, "token")) == {RAY: str(token), "token": "600 64"}, wrap
+        assert step_env(wrap, keys=(RAY,), HOME=str(home)) == {RAY: ""}
+        assert step_env(wrap, keys=(RAY,), RAY_AUTH_TOKEN="mine") == {RAY: ""}
+        token.unlink()
 
 
 def _fake_enroot(d: Path, listed: list[str]) -> Path:

@@ -32,3 +32,20 @@ def test_no_chained_conditional_expressions_in_the_package():
                for node in ast.walk(ast.parse(p.read_text()))
                if isinstance(node, ast.IfExp) and (isinstance(node.body, ast.IfExp) or isinstance(node.orelse, ast.IfExp))]
     assert not chained, chained
+
+
+SOURCED = {"scripts/nemo_rl_env.sh"}   # meant for `source`, not to be run
+
+
+def test_scripts_with_a_shebang_are_executable_in_git():
+    """The docs run the launchers by path (``/lustre/nemo-granular/slurm/submit_comparison.sh ...``):
+    a script git holds without its executable bit fails there with "Permission denied" (found when
+    the Slurm tests started running docs/slurm.md's stories word for word). Every tracked file of
+    slurm/, scripts/ and tests/harness/ that starts with ``#!`` has mode 100755, but sourced ones."""
+    listed = subprocess.run(["git", "ls-files", "-s", "slurm", "scripts", "tests/harness"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    if not listed:
+        pytest.skip("not a git checkout")
+    modes = {line.split("\t")[1]: line.split()[0] for line in listed}
+    shebang = [p for p in modes if p not in SOURCED and (ROOT / p).read_bytes()[:2] == b"#!"]
+    assert shebang and not [p for p in shebang if modes[p] != "100755"], {p: modes[p] for p in shebang}
