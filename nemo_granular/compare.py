@@ -266,9 +266,10 @@ def _finished(run: Path, steps: int) -> bool:
     return steps in recorded
 
 
-def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> None:
+def _evaluate(run: Path, suite: str, max_samples: int | None, label: str, score_cache: Path | None = None) -> None:
     """``nemo-granular eval-checkpoints`` on one finished run (output in ``<run>/evals.log``); skipped
-    when ``evals.json`` already holds every suite with the run's newest checkpoint (``--resume``)."""
+    when ``evals.json`` already holds every suite with the run's newest checkpoint (``--resume``).
+    ``score_cache``: scores kept by a key of all their inputs (the runs of a seed share step 0)."""
     from .embedded.checkpoint import STEP_RE, step_dirs
     from .evals.suite import protocols_for
 
@@ -285,6 +286,8 @@ def _evaluate(run: Path, suite: str, max_samples: int | None, label: str) -> Non
     args = ["eval-checkpoints", str(run), "--suite", suite]
     if max_samples is not None:
         args += ["--max-samples", str(max_samples)]
+    if score_cache is not None:
+        args += ["--score-cache", str(score_cache)]
     with (run / "evals.log").open("w") as fh, _started(args, f"evaluation of {label}") as proc:
         for line in proc.stdout:
             fh.write(line)
@@ -444,12 +447,16 @@ def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max
         print(f"benchmark suite {suite!r}: 0/{len(plan)} runs evaluated", file=sys.stderr, flush=True)
 
         def evaluate(item):
-            _evaluate(item["run"], suite, max_samples, f"{item['alg']} seed{item['seed']}")
+            _evaluate(item["run"], suite, max_samples, f"{item['alg']} seed{item['seed']}", out / "score-cache")
             with lock:  # two runs may finish at once: each count printed once, in order
                 finished.append(item["run"])
                 print(f"benchmark suite {suite!r}: {len(finished)}/{len(plan)} runs evaluated", file=sys.stderr,
                       flush=True)
-        _run_all(jobs, [lambda item=item: evaluate(item) for item in plan])
+        # algorithm by algorithm: the first run of each seed scores the step 0 (the warm start) that its other
+        # runs then read from the score cache, instead of two runs of one seed scoring it side by side
+        algs = list(dict.fromkeys(item["alg"] for item in plan))
+        order = sorted(plan, key=lambda item: (algs.index(item["alg"]), item["seed"]))
+        _run_all(jobs, [lambda item=item: evaluate(item) for item in order])
     total = time.time() - t0
     timing = {"warm start (s)": t_warm, "training (s)": t_train - t_warm, "benchmark suite (s)": total - t_train,
               "total wall (s)": total, "jobs": jobs}

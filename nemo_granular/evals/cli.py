@@ -70,6 +70,10 @@ def build_parser():
                    help="a JSONL benchmark (repeatable; default: the run's held-out synthetic levels)")
     e.add_argument("--max-samples", type=int, default=None,
                    help="cap samples per problem (CPU time); the report states the number used")
+    e.add_argument("--score-cache", default=None, metavar="DIR",
+                   help="keep each score in DIR under a key of everything that determines it (policy and tokenizer "
+                        "files, benchmark file, setting, seed, code, versions) and reuse it (compare: the step 0 "
+                        "that the runs of one seed share is scored once)")
     return ap
 
 
@@ -155,7 +159,8 @@ def main(argv: list[str]) -> int:
                 continue
             files = dict(args.benchmark) if args.benchmark else None
             embedded.evaluate_run(run, protocols, files, max_samples=args.max_samples, steps=steps,
-                                  log=lambda m: print(m, file=sys.stderr, flush=True))
+                                  log=lambda m: print(m, file=sys.stderr, flush=True),
+                                  score_cache=Path(args.score_cache) if args.score_cache else None)
             print(f"{run}: {run / 'evals.json'}")
             continue
         if kind != "nemo-rl":

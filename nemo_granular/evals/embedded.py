@@ -12,10 +12,18 @@ run's own task and seed (:func:`write_synthetic_benchmarks`):
 Scores are avg@k: the mean of the 0/1 verifier reward over every sample of every problem,
 sampled with the protocol's temperature (greedy at 0). Step 0 is the policy the RL run started
 from (``model.init_from``, the warm start in ``nemo-granular compare``).
+
+With a score cache (``--score-cache DIR``; ``compare`` gives one to every run) a score is stored under a
+key of everything that determines it (:func:`score_key`: the policy's and tokenizer's files, the
+benchmark file, the setting, the generation length, the sampling seed, the answer pattern, the code that
+generates and verifies, the thread count and the library versions) and read back instead of being
+computed again: in ``compare`` the algorithms of one seed start from the same warm start, so its step 0
+is scored once per seed, not once per run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -103,6 +111,54 @@ def score(model, tokenizer, problems: list[tuple[str, str]], setting: Setting, m
     return correct / len(prompts)
 
 
+# source files whose code determines a score (generation, decoding, verification, the model classes)
+_SCORE_SOURCES = (("evals", "embedded.py"), ("embedded", "rollout.py"), ("embedded", "task.py"),
+                  ("embedded", "warmstart.py"), ("embedded", "models.py"))
+
+
+def _hash_files(h, root: Path) -> None:
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(root)).encode() + b"\0")
+        h.update(f.read_bytes())
+        h.update(b"\0")
+
+
+def score_key(policy: Path, tokenizer: Path, benchmark: Path, setting: Setting, max_new_tokens: int, seed: int,
+              answer_pattern) -> str:
+    """The cache key of one :func:`score`: a hash of every input it reads and of the code and versions that
+    compute it (the contents of the files, not their paths; results are reproducible at a fixed thread count)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    h = hashlib.sha256()
+    for root in (policy, tokenizer):
+        _hash_files(h, Path(root))
+    h.update(Path(benchmark).read_bytes())
+    here = Path(__file__).resolve().parents[1]
+    versions = {}
+    for pkg in ("torch", "transformers", "tokenizers"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    pattern = getattr(answer_pattern, "pattern", answer_pattern)
+    h.update(json.dumps({"setting": [setting.samples, setting.temperature, setting.top_p],
+                         "max_new_tokens": max_new_tokens, "seed": seed, "answer_pattern": pattern,
+                         "threads": torch.get_num_threads(), "versions": versions,
+                         "code": [hashlib.sha256((here / d / f).read_bytes()).hexdigest() for d, f in _SCORE_SOURCES]},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+def _cached_score(cache: Path | None, key: str | None) -> float | None:
+    if cache is None or key is None:
+        return None
+    try:
+        value = json.loads((cache / f"{key}.json").read_text())["score"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _policy_dirs(run: Path, cfg: dict) -> dict[int, Path]:
     from ..embedded.checkpoint import STEP_RE, step_dirs
 
@@ -123,13 +179,15 @@ def available_steps(run: Path) -> list[int]:
 
 
 def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str, Path] | None = None,
-                 max_samples: int | None = None, log=print, steps: list[int] | None = None) -> dict:
+                 max_samples: int | None = None, log=print, steps: list[int] | None = None,
+                 score_cache: Path | None = None) -> dict:
     """Evaluate the checkpoints each protocol asks for (best: every ``every``-th step; last: step 0
     and the last) on the benchmark files; merge the scores into ``<run>/evals.json``. ``max_samples``
     caps the samples per problem (CPU time); the table states the number used. ``steps``: exactly
     these checkpoints for every protocol (each must exist: a one-line error names those that do).
     When the run's final step (``rl.steps``) has no checkpoint, one line says so and which step is
-    evaluated as the last, and each protocol's ``select_note`` in evals.json records it."""
+    evaluated as the last, and each protocol's ``select_note`` in evals.json records it. ``score_cache``: a
+    directory of scores by :func:`score_key`, read before and written after each score."""
     import yaml
 
     from ..embedded.models import load_pretrained_policy, load_tokenizer, tokenizer_dir
@@ -180,20 +238,32 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
                        "max_new_tokens": new_tokens[k], "file": str(benchmark_files[k])} for k, v in sets.items()}
         results = {}
         for step in chosen:
-            if step not in cache:
-                path = policies[step]
-                cache.clear()  # one model in memory at a time
-                cache[step] = (load_pretrained_policy(str(path)), load_tokenizer(tokenizer_dir(str(path))))
-            model, tok = cache[step]
-            results[step] = {}
+            results[step], reused = {}, 0
             for k, v in sets.items():  # a protocol with the same setting (e.g. capped samples) reuses the score
                 memo_key = (step, k, setting)
                 if memo_key not in memo:
-                    memo[memo_key] = score(model, tok, v, setting, new_tokens[k], seed=seed * 1009 + step,
-                                           answer_pattern=task.get("answer_pattern"))
+                    path = policies[step]
+                    key = None
+                    if score_cache is not None:
+                        key = score_key(path, Path(tokenizer_dir(str(path))), Path(benchmark_files[k]), setting,
+                                        new_tokens[k], seed * 1009 + step, task.get("answer_pattern"))
+                    memo[memo_key] = _cached_score(score_cache, key)
+                    if memo[memo_key] is not None:
+                        reused += 1
+                    else:
+                        if step not in cache:  # loaded only for a score that is computed
+                            cache.clear()  # one model in memory at a time
+                            cache[step] = (load_pretrained_policy(str(path)), load_tokenizer(tokenizer_dir(str(path))))
+                        model, tok = cache[step]
+                        memo[memo_key] = score(model, tok, v, setting, new_tokens[k], seed=seed * 1009 + step,
+                                               answer_pattern=task.get("answer_pattern"))
+                        if key is not None:
+                            score_cache.mkdir(parents=True, exist_ok=True)
+                            atomic.write_text(score_cache / f"{key}.json", json.dumps({"score": memo[memo_key]}))
                 results[step][k] = memo[memo_key]
             log(f"[evals {run.name}] {proto.name} step {step}: " +
-                ", ".join(f"{k} {s:.3f}" for k, s in results[step].items()))
+                ", ".join(f"{k} {s:.3f}" for k, s in results[step].items()) +
+                (f" ({reused} from the score cache)" if reused else ""))
         data = merge_write(run / "evals.json", run.name, "embedded", proto.name,
                            {"description": proto.description + " — embedded: on the held-out synthetic levels",
                             "select": proto.select,
