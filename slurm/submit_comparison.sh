@@ -217,8 +217,7 @@ container_prelude() {
 container_caches() {
   # under pyxis HOME is an empty read-only directory: the eval and report jobs' compile caches (vLLM's
   # for run_eval, Triton's, torch-inductor's) and, where HOME cannot be written, XDG_CACHE_HOME,
-  # MEGATRON_CONFIG_LOCK_DIR (the export's Megatron-Bridge locks in ~/.cache/huggingface otherwise)
-  # and a Ray token file,
+  # MEGATRON_CONFIG_LOCK_DIR (the export's Megatron-Bridge locks in ~/.cache/huggingface otherwise),
   # job-scoped in the container's /tmp, as launch.sh gives its steps; a value that reached the container
   # (yours) is kept. Not in the submission's check step: it compiles nothing, and a `uv run` there
   # (NEMO_RL_PYTHON) must fail with uv's own reason, not find a fresh cache and fail later
@@ -227,12 +226,16 @@ container_caches() {
     'VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-$ng_c/vllm} TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$ng_c/torchinductor} && ' \
     '{ [[ -d "${HOME:-}" && -w "${HOME:-}" ]] || export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$ng_c/cache} ' \
     'MEGATRON_CONFIG_LOCK_DIR=${MEGATRON_CONFIG_LOCK_DIR:-$ng_c/megatron-config-locks}; } && '
-  # run_eval's local Ray (NeMo-RL's init_ray: ray.init()) writes a fresh token to ~/.ray/auth_token
-  # (Ray 2.60, token auth): where HOME cannot be written, a job-scoped one for it, unless you gave one
-  # shellcheck disable=SC2016  # expanded in the container
-  printf '%s' '{ [[ -d "${HOME:-}" && -w "${HOME:-}" ]] || [[ -n "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_PATH:-}" ]] || ' \
-    '{ mkdir -p "$ng_c" && (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d " \n" >"$ng_c/ray_auth_token") ' \
-    '&& export RAY_AUTH_TOKEN_PATH=$ng_c/ray_auth_token; }; } && '
+}
+ray_token() {
+  # run_eval's local Ray (NeMo-RL's init_ray: a plain ray.init()) writes a fresh token to ~/.ray/auth_token
+  # (Ray 2.60, token auth): under pyxis HOME is read-only (it fails), on bare metal it is the shared home
+  # whose token later plain ray.init() calls pick up. A job-scoped one on the node instead, only the
+  # job's user's, unless you gave one
+  # shellcheck disable=SC2016  # expanded in the job
+  printf '%s' 'ng_t=/tmp/nemo-granular-${SLURM_JOB_ID:-$$} && { [[ -n "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_PATH:-}" ]] || ' \
+    '{ mkdir -p "$ng_t" && (umask 077 && od -An -tx1 -N32 /dev/urandom | tr -d " \n" >"$ng_t/ray_auth_token") ' \
+    '&& export RAY_AUTH_TOKEN_PATH=$ng_t/ray_auth_token; }; } && '
 }
 
 # The checks before anything is submitted, all at once (each is mostly NeMo-RL's import, tens of
@@ -359,7 +362,7 @@ wrapped() {  # wrapped nemo-granular ARGS... -> a --wrap script: cd WORKDIR, ven
   # (CHECK: a command run first in the same place, e.g. the eval preflight; the job stops if it fails)
   local cmd prefix mounts=${MOUNTS:-} env_arg
   cmd=$(printf '%q ' "$@")
-  prefix=$(printf 'cd %q && ' "$WORKDIR")
+  prefix=$(printf 'cd %q && ' "$WORKDIR")$(ray_token)
   [[ -n "${VENV:-}" ]] && prefix+=$(printf 'source %q/bin/activate && ' "$VENV")
   [[ -n "${SETUP_COMMAND:-}" ]] && prefix+="$SETUP_COMMAND && "
   if [[ -n "${CONTAINER:-}" ]]; then

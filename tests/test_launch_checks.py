@@ -492,12 +492,13 @@ def test_eval_and_report_jobs_in_a_container_get_writable_compile_caches(tmp_pat
         assert [writable[k] for k in HOME_ONLY] == ["", ""], writable
         mine = step_env(wrap, TRITON_CACHE_DIR="/lustre/triton", XDG_CACHE_HOME="/lustre/cache")
         assert (mine["TRITON_CACHE_DIR"], mine["XDG_CACHE_HOME"]) == ("/lustre/triton", "/lustre/cache"), mine
-        # run_eval's local ray.init() writes a token to ~/.ray/auth_token: a job-scoped one instead
-        # (the user's only, 64 hex digits), unless HOME is writable or the user gave one
+        # run_eval's local ray.init() writes a token to ~/.ray/auth_token (read-only here, the shared
+        # home on bare metal): a job-scoped one instead (the user's only, 64 hex digits), unless the
+        # user gave one
         token = Path("/tmp/nemo-granular-7/ray_auth_token")
-        token.unlink(missing_ok=True)
-        assert step_env(wrap, keys=(RAY, "token")) == {RAY: str(token), "token": "600 64"}, wrap
-        assert step_env(wrap, keys=(RAY,), HOME=str(home)) == {RAY: ""}
+        for home_dir in (tmp_path / "no-home", home):
+            token.unlink(missing_ok=True)
+            assert step_env(wrap, keys=(RAY, "token"), HOME=str(home_dir)) == {RAY: str(token), "token": "600 64"}
         assert step_env(wrap, keys=(RAY,), RAY_AUTH_TOKEN="mine") == {RAY: ""}
         token.unlink()
 

@@ -68,12 +68,15 @@ import shlex
 import shutil
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import yaml
+
+from docs_story import bash_block, bash_blocks, story, substitute
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM = ROOT / "slurm"
@@ -84,6 +87,8 @@ LOOP_DRIVER = ROOT / "tests" / "harness" / "nemo_rl_loop_driver.py"
 PYXIS = SLURM / "local_cluster" / "pyxis"            # the local cluster's pyxis (srun + enter.sh)
 MAKE_IMAGE = SLURM / "local_cluster" / "make_image.sh"
 SHIMS = ROOT / "tests" / "harness" / "host_shims"
+IMAGE_BIN, IMAGE_BIN_INSIDE = ROOT / "tests" / "harness" / "image_bin", "/opt/test_bin"
+IMAGE_PATH = "/opt/nemo_rl_venv/bin:/root/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SMOKE = ROOT / "examples" / "configs" / "local" / "smoke.yaml"
 PKGS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge",
         "ip": "iproute2", "shellcheck": "shellcheck", "unshare": "util-linux", "chroot": "coreutils", "mount": "mount"}
@@ -192,6 +197,7 @@ def cluster(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")   # never the real HOME: Ray 2.60 writes ~/.ray/auth_token there
     env = {**os.environ, "HOME": str(home), "NG_SLURM_DIR": str(state), "NG_SLURM_PREFIX": prefix, "NG_SLURM_SUBNET": "10.231.78",
            "NG_SLURM_CTLD_PORT": "16827", "NG_SLURM_SLURMD_PORT": "16828", "NG_SLURM_NODES": "2",
+           "NG_SLURM_NOGRES_NODES": "1",   # ngt3, partition nogres: a site that declares no GPUs to Slurm
            "NG_SLURM_FAKE_GPUS": str(FAKE_GPUS),   # GRES gpu:2 per node (device-less) -> GRES detection
            "NG_PYXIS_STATE": str(state / "pyxis"),   # the containers' /tmp: removed with the cluster
            "NG_SLURM_HEAD_LOOPBACK": "1",   # ngt1 also maps to 127.0.1.1 (Debian/Ubuntu): the head must not bind it
@@ -251,9 +257,11 @@ def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = (),
         layers += [f"{ROOT / 'tests' / 'harness' / 'cpu_stand_ins'}:/opt/cpu_stand_ins/cpu_stand_ins",
                    f"{SHIMS}:/opt/cpu_stand_ins/host_shims"]     # (the stand-ins find te_stub beside them)
         worker_pth += ["/opt/cpu_stand_ins", "import cpu_stand_ins; cpu_stand_ins.install()"]
-    # NeMo-RL's docker/Dockerfile sets TORCH_CUDA_ARCH_LIST (its Policy refuses Megatron without it)
+    # the test images' `python` first on PATH: it dispatches `python -m nemo_granular.run_*` (and the
+    # preflight) to the stand-in driver named by NG_STAND_IN_DRIVER (tests/harness/image_bin/python)
+    layers.append(f"{IMAGE_BIN}:{IMAGE_BIN_INSIDE}")
     args = ["bash", str(MAKE_IMAGE), str(dest), "--venv", sys.prefix, "--env", "PYTHONPATH=" + ":".join(path),
-            "--env", f"TORCH_CUDA_ARCH_LIST={IMAGE_CUDA_ARCHS}"]
+            "--env", f"PATH={IMAGE_BIN_INSIDE}:{IMAGE_PATH}"]
     if nemo_rl is not None:
         args += ["--nemo-rl", str(nemo_rl)]
     for layer in layers:
@@ -429,7 +437,8 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
            "SETUP_COMMAND": f'echo "$(hostname) $(ulimit -Sn) $(ulimit -Hn) ${{UV_CACHE_DIR-unset}} '
                             f'$(command -v python) $UV_PROJECT_ENVIRONMENT $NEMO_RL_VENV_DIR $PWD '
                             f'$([[ -e {outside} ]] && echo outside || echo no-outside) '
-                            f'$([[ -e $HOME ]] && echo home || echo no-home)" >>{facts}',
+                            f'$HOME $([[ -w $HOME ]] && echo writable || echo read-only) '
+                            f'$([[ -e {home} ]] && echo host-home || echo no-host-home) $(id -un)" >>{facts}',
            "PREEMPT_RESEND": "2", "DRIVER_HANDLES_PREEMPT": "1"}
     job = _submit(cluster, tmp_path, "ng-pre", _driver_cmd(run_dir, steps, every=100, slow=True, python="python"),
                   env=env, soft_nofile=1024)
@@ -483,6 +492,9 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     # the job's named containers removed at the end of each attempt: a step per node, on the host
     cleanup = steps_by_kind.pop("cleanup")
     assert len(cleanup) == 4 and not [a for argv in cleanup for a in argv if a.startswith("--container")], cleanup
+    # ... and gone: the emulation keeps named containers across jobs (pyxis' global scope) until then
+    kept = sorted(p.name for p in Path(cluster.env["NG_PYXIS_STATE"]).glob("ngt*/pyxis_*"))
+    assert not [k for k in kept if k.endswith(f"-{job}")], kept
     for kind, lines in steps_by_kind.items():
         name = f"ray-worker-{job}" if kind == "workers" else f"ray-head-{job}"
         for argv in lines:
@@ -492,14 +504,15 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
                     "--container-env=NEMO_RL_VENV_DIR"} <= set(argv), (kind, argv)
     # every step on both nodes, inside the container: the soft file limit raised (ray.sub: 65535,
     # at most the hard limit), no host UV_CACHE_DIR, the image's python and UV_PROJECT_ENVIRONMENT,
-    # the job's NEMO_RL_VENV_DIR, the workdir; nothing of the host outside MOUNTS, no $HOME
+    # the job's NEMO_RL_VENV_DIR, the workdir; nothing of the host outside MOUNTS, not the host's
+    # $HOME: the container user's (not root), empty and read-only, as enroot's
     rows = [line.split() for line in facts.read_text().splitlines()]
     assert {r[0] for r in rows} == {"ngt1", "ngt2"} and len(rows) >= 8, rows
     for _host, soft, hard, uv, *inside in rows:
         assert int(soft) == (65535 if hard == "unlimited" or int(hard) >= 65535 else int(hard)) > 1024, rows
         assert uv == "unset", rows
-        assert inside == ["/opt/nemo_rl_venv/bin/python", "/opt/nemo_rl_venv", str(shared / "venvs"), str(shared),
-                          "no-outside", "no-home"], rows
+        assert inside == [f"{IMAGE_BIN_INSIDE}/python", "/opt/nemo_rl_venv", str(shared / "venvs"), str(shared),
+                          "no-outside", pwd.getpwnam("nobody").pw_dir, "read-only", "no-host-home", "nobody"], rows
     # preempted: checkpoint confirmed (exit 99), requeued once, resumed with no step lost or repeated
     assert int(cluster.job_fields(job)["Restarts"]) == 1, info
     assert "driver exited with code 99 after SIGUSR1" in launcher, info
@@ -572,7 +585,7 @@ def test_scripts_pass_shellcheck():
         reason = _ensure_debian_packages()
         if reason or shutil.which("shellcheck") is None:
             pytest.skip(reason or "shellcheck not installable")
-    scripts = sorted(str(p) for p in SLURM.rglob("*.sh")) + [str(PYXIS / "srun")]
+    scripts = sorted(str(p) for p in SLURM.rglob("*.sh")) + [str(PYXIS / n) for n in ("srun", "enroot")] + [str(IMAGE_BIN / "python")]
     assert len(scripts) >= 5, scripts
     r = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -605,6 +618,21 @@ def test_submit_comparison_runs_both_losses_and_builds_the_report(cluster, tmp_p
     assert all("START_RAY=0" in p.read_text() for p in launcher)   # 1-node embedded runs need no Ray
 
 
+CONTAINER_STORIES = "### Containers: NeMo-RL's release container, or a main checkout"   # docs/slurm.md
+LAUNCH_STORY = "## One launch story: a comparison on a real cluster"
+
+
+def _cluster_names(images: dict, lustre: Path, nodes: int) -> list[tuple[str, str]]:
+    """The only changes the docs' launch stories get (docs_story.substitute): the images, the
+    shared file system (``/lustre``: the test's folder; nemo-granular's checkout is this
+    repository, so MOUNTS gets it too), the local cluster's nodes and GPUs per node."""
+    return [("/lustre/images/nemo-rl-v0.7.0.sqsh", str(images["release"])),
+            ("/lustre/images/nemo-rl-7ea279abf.sqsh", str(images["deps"])),
+            ("/lustre/nemo-granular", str(ROOT)), ("MOUNTS=/lustre:/lustre", f"MOUNTS=/lustre:/lustre,{ROOT}:{ROOT}"),
+            ("/lustre", str(lustre)),
+            ("-nodes 8", f"-nodes {nodes}"), ("-nodes=8", f"-nodes={nodes}"), ("gpu:8", f"gpu:{FAKE_GPUS}")]
+
+
 def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     """A NeMo-RL checkout as the launch story has one (WORKDIR): its package, examples and project."""
     dest.mkdir(parents=True)
@@ -614,20 +642,45 @@ def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     return dest
 
 
+def _stage_espo_benchmarks(lustre: Path) -> Path:
+    """The launch stories' ``--data-dir /lustre/benchmarks``, staged as docs/slurm.md says, from
+    local copies of the dataset repositories (no network here)."""
+    from test_stage_benchmarks import write_mirror
+
+    write_mirror(lustre / "mirror")
+    bench = lustre / "benchmarks"
+    staged = subprocess.run([sys.executable, "-m", "nemo_granular", "stage-benchmarks", "--suite", "espo",
+                             "--data-dir", str(bench), "--mirror", str(lustre / "mirror")],
+                            capture_output=True, text=True, timeout=300)
+    assert staged.returncode == 0, staged.stderr
+    return bench
+
+
 EVAL_LAUNCHER = ROOT / "tests" / "harness" / "nemo_rl_eval_launcher.py"
 ANSWER = "2"     # what the tiny model of the NeMo-RL comparison answers to every problem
 
 
 @pytest.mark.nemo_rl
-def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, images, tmp_path):
-    """ESPO vs GSPO on Qwen3-30B-A3B as a user submits it (WORKDIR = the NeMo-RL checkout, no
-    NEMO_RL_SRC in the environment), on a pyxis cluster (the local cluster's pyxis: CONTAINER =
-    the ``deps`` image, built from the NeMo-RL checkout that MOUNTS holds, Megatron only in its
-    prebuilt Megatron worker venv, with nemo-granular's checkout mounted and no VENV; the
-    training, eval and report jobs all run in containers; the submit host runs the preflight with
-    its own Python), on a tiny Qwen3-MoE (``policy.model_name``) that answers ``\\boxed{2}`` to
-    everything, with the NeMo-RL driver replaced by tests/harness/nemo_rl_logger_driver.py
-    (NEMO_RL_PYTHON): NeMo-RL's own load_config and Logger (TensorBoard) write the run
+@pytest.mark.parametrize("story_kind", ["container", "bare_metal"])
+def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, images, tmp_path,
+                                                                      story_kind):
+    """ESPO vs GSPO on Qwen3-30B-A3B as docs/slurm.md's launch stories submit it: the page's
+    commands, run word for word but the cluster's names (``_cluster_names``) and the CPU additions
+    said below (WORKDIR = the NeMo-RL checkout, no NEMO_RL_SRC in the environment).
+
+    ``bare_metal``: the story's step 5 (TORCH_CUDA_ARCH_LIST exported, no container, no VENV:
+    nemo-granular and NeMo-RL from the submitting shell's Python, which stands in for NeMo-RL's
+    locked venv: ``NEMO_RL_PYTHON`` is that Python running the stand-in driver, in place of
+    ``uv run python``).
+    ``container``: story (b), on a pyxis cluster
+    (the local cluster's pyxis, its tasks as a non-root user: CONTAINER = the ``deps`` image,
+    built from the NeMo-RL checkout that MOUNTS holds, Megatron only in its prebuilt Megatron
+    worker venv, with nemo-granular's checkout mounted and no VENV; the checks before submission,
+    the training, eval and report jobs all run in containers). Both with one node per run (the local
+    cluster has two: the runs side by side), on a tiny Qwen3-MoE
+    (``policy.model_name``) that answers ``\\boxed{2}`` to everything, with the NeMo-RL driver
+    replaced by tests/harness/nemo_rl_logger_driver.py (the test image's ``python`` runs it for
+    ``-m nemo_granular.run_grpo``: NG_STAND_IN_DRIVER): NeMo-RL's own load_config and Logger (TensorBoard) write the run
     directories, and a real Megatron checkpoint of the run's "trained" weights (the model plus
     seeded noise) is written by NeMo-RL's and Megatron-Bridge's code in the image's Megatron
     worker venv. Each run's eval job (--eval-suite espo) must pass the eval preflight in its
@@ -653,41 +706,48 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
 
     cfgs = ROOT / "examples" / "configs"
     checkout = _nemo_rl_checkout(nemo_rl_src, tmp_path / "NeMo-RL")
-    out, preflight, bench = tmp_path / "cmp", tmp_path / "preflight.log", tmp_path / "benchmarks"
+    preflight, bench = tmp_path / "preflight.log", tmp_path / "benchmarks"
     model = tmp_path / "tiny-qwen3-moe"
     make_answering_model(model, f"\\boxed{{{ANSWER}}}")
-    # the launch story's --data-dir, staged as docs/slurm.md says (from local copies of the dataset
-    # repositories: no network here); the jobs run offline, so the eval preflight in each eval
-    # job's container passes only if it finds every ESPO benchmark staged there
-    from test_stage_benchmarks import write_mirror
-
-    write_mirror(tmp_path / "mirror")
-    staged = subprocess.run([sys.executable, "-m", "nemo_granular", "stage-benchmarks", "--suite", "espo",
-                             "--data-dir", str(bench), "--mirror", str(tmp_path / "mirror")],
-                            capture_output=True, text=True, timeout=300)
-    assert staged.returncode == 0, staged.stderr
+    # the jobs run offline, so the eval preflight in each eval job's container passes only if it
+    # finds every ESPO benchmark staged there
+    assert _stage_espo_benchmarks(tmp_path) == bench
     staged_keys = ("aime24", "aime25", "math500", "hmmt25")
     assert sorted(p.name for p in bench.glob("*.jsonl")) == sorted(f"{k}.jsonl" for k in staged_keys)
     keys = ("aime24",)      # evaluated (CI time: each benchmark is one run_eval, a NeMo-RL import and a Ray start)
-    pyxis = _pyxis_env(cluster, images["deps"], [tmp_path, ROOT])
-    env = _env(cluster.env, {**pyxis, "PATH": f"{PYXIS}:{Path(sys.executable).parent}:{cluster.env['PATH']}",
-                             "NEMO_RL_PYTHON": f"python {NRL_DRIVER}", "NG_FAKE_STEP_SECONDS": "0.2",
-                             "WORKDIR": str(checkout), "NG_FAKE_PREFLIGHT": "1",
-                             "NG_FAKE_PREFLIGHT_LOG": str(preflight),
-                             "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    # docs/slurm.md's story (b), word for word but the cluster's names (docs_story.py); on CPU, the
+    # eval job's additions for the local cluster's 2 GPUs per node (vLLM TP 2; the run's is 4), the one
+    # benchmark, transformers in place of vLLM, one math-verify worker (NeMo-RL's MathEnvironment
+    # starts num_workers Ray actors); after `--`, a short run of the tiny model
+    container = story_kind == "container"
+    nodes = 1    # the two runs side by side on the two nodes (a two-node Ray in the image: the preemption test)
+    eval_args = ('"--data-dir /lustre/benchmarks"', f'"--data-dir /lustre/benchmarks --gpus-per-node 2 --tensor-parallel 2 '
+                 f'--benchmarks {",".join(keys)} --launcher {EVAL_LAUNCHER} env.math.num_workers=1"')
+    if container:
+        script = substitute(story(bash_blocks(CONTAINER_STORIES)[0], "b", skip=("git clone",)),
+                            [eval_args, ("/lustre/images/nemo-rl-7ea279abf.sqsh", str(images["deps"]))])
+        out, logs = tmp_path / "comparisons" / "espo-vs-gspo", tmp_path / "slurm-logs"
+    else:
+        script = substitute(story(bash_block(LAUNCH_STORY, "submit_comparison.sh --seed 0 --nodes 8")),
+                            [eval_args, ("ACCOUNT", "ngtest"), ("PARTITION", "local")])
+        out = tmp_path / "comparisons" / "espo-vs-gspo-seed0"
+        logs = out / "slurm-logs"
+    script = substitute(script, _cluster_names(images, tmp_path, nodes=nodes), each=False)
+    script = script.rstrip("\n") + f" -- grpo.max_num_steps=4 grpo.val_period=2 policy.model_name={model}\n"
+    env = _env(cluster.env, {"PATH": f"{PYXIS}:{Path(sys.executable).parent}:{cluster.env['PATH']}", "VENV": None,
+                             "NG_STAND_IN_DRIVER": str(NRL_DRIVER), "NG_FAKE_STEP_SECONDS": "0.2",
+                             "NG_FAKE_PREFLIGHT": "1", "NG_FAKE_PREFLIGHT_LOG": str(preflight),
                              "NEMO_RL_SRC": None})  # (on the submit host NeMo-RL stays importable through PYTHONPATH)
+    if not container:    # `uv run python` in NeMo-RL's locked venv: this Python with the stand-in driver
+        env["NEMO_RL_PYTHON"] = f"{sys.executable} {NRL_DRIVER}"
+        worker_python = _bare_metal_megatron_worker_venv(checkout)
+        # NeMo-RL's venv of a bare `uv sync` has no Megatron (its `mcore` extra is the worker venv's)
+        megatron = {Path(os.environ[v]).resolve() for v in ("MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC") if os.environ.get(v)}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                            if p and Path(p).resolve() not in megatron)
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "2",
-                        "--train-sbatch", "--time=4:00:00 --gres=gpu:2", "--eval-suite", "espo",
-                        # the local cluster's 2 GPUs per node: the eval's vLLM TP 2 (the run's is 4); one
-                        # math-verify worker (NeMo-RL's MathEnvironment starts num_workers Ray actors)
-                        "--eval-args", f"--data-dir {bench} --gpus-per-node 2 --tensor-parallel 2 "
-                                       f"--benchmarks {','.join(keys)} --launcher {EVAL_LAUNCHER} "
-                                       "env.math.num_workers=1",
-                        str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"), str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml"),
-                        "--", "grpo.max_num_steps=4", "grpo.val_period=2", f"policy.model_name={model}"],
-                       env=env, capture_output=True, text=True, cwd=tmp_path)
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, script + r.stdout + r.stderr
     ids = (out / "job_ids.txt").read_text().split()
     assert len(ids) == 5, r.stdout        # 2 training jobs, 2 eval jobs, the report
     # the preflight ran for both configs before any submission (the submit host; both at once, in
@@ -695,7 +755,7 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     checked = preflight.read_text().splitlines()
     assert sorted(c.split()[0] for c in checked[:2]) == [str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
                                                          str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml")], checked
-    assert all("grpo.seed=3" in c and "cluster.num_nodes=2" in c and "cluster.gpus_per_node=2" in c
+    assert all("grpo.seed=0" in c and f"cluster.num_nodes={nodes}" in c and "cluster.gpus_per_node=2" in c
                for c in checked[:2]), checked
     # the training jobs got the GPUs and the long limit, the report job its own small allocation
     for job in ids[:4]:
@@ -714,18 +774,20 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     for name in ("espo_qwen3_30b_a3b_megatron", "gspo_qwen3_30b_a3b_megatron"):
         run = out / name
         assert list((run / "logs").glob("exp_*/tensorboard/events.out.tfevents.*")), _explain(cluster, out, ids[0])
-        drv = next((out / "slurm-logs").glob(f"cmp-{name}-*/driver.log")).read_text()
+        drv = next(logs.glob(f"cmp-{name}-*/driver.log")).read_text()
         # the launcher appended the allocation to the NeMo-RL command line
-        assert "cluster.num_nodes=2" in drv and "gpus/node=2" in drv, drv
-        # a two-node job: its Ray cluster (head + one worker, both in the image) was up on both nodes
-        launcher = next((out / "slurm-logs").glob(f"cmp-{name}-*/launcher.log")).read_text()
-        assert "RAY_NODES alive=2 expected=2" in launcher, launcher
-        # the checkpoint: Megatron's, written in the image's Megatron worker venv
-        assert f"with /opt/ray_venvs/{MEGATRON_WORKER}/bin/python" in drv, drv
+        assert f"cluster.num_nodes={nodes}" in drv and "gpus/node=2" in drv, drv
+        # its Ray cluster was up (the head, in the image with CONTAINER)
+        launcher = next(logs.glob(f"cmp-{name}-*/launcher.log")).read_text()
+        assert f"RAY_NODES alive={nodes} expected={nodes}" in launcher, launcher
+        # the checkpoint: Megatron's, written in the Megatron worker venv (the image's; bare metal:
+        # the checkout's, which step 4 builds)
+        exporter = f"/opt/ray_venvs/{MEGATRON_WORKER}/bin/python" if container else str(worker_python)
+        assert f"with {exporter}" in drv, drv
         assert (run / "checkpoints" / "step_4" / "policy" / "weights" / "latest_checkpointed_iteration.txt").is_file()
         ev = next(out.glob(f"slurm-cmp-eval-{name}-*.out")).read_text()
         # the export ran with the Megatron worker venv's Python (the eval job's own has no Megatron-Bridge)
-        assert f"Megatron checkpoints exported by /opt/ray_venvs/{MEGATRON_WORKER}/bin/python" in ev, ev
+        assert f"Megatron checkpoints exported by {exporter}" in ev, ev
         # NeMo-RL's run_eval in the checkout, the benchmark from its staged file (the eval preflight
         # checked every benchmark of the suite first); only the one asked for
         assert f"(cd {checkout} && {EVAL_LAUNCHER} --config" in ev, ev
@@ -751,6 +813,28 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     assert any(line.startswith("| ESPO reaches a higher final validation accuracy than GSPO") and "ESPO 0." in line
                for line in report.splitlines()), report
     assert str(model) in report
+
+
+def _bare_metal_megatron_worker_venv(checkout: Path) -> Path:
+    """What the bare-metal story's step 4 (``preflight --build-venvs``) leaves in the checkout: NeMo-RL's
+    Megatron worker venv under ``<checkout>/venvs`` (NEMO_RL_VENV_DIR's default), the only Python with
+    Megatron-LM and Megatron-Bridge (NeMo-RL's ``mcore`` extra). Here it is this environment's packages
+    with the Megatron sources and the shared CPU stand-ins in place of Transformer Engine and CUDA (as
+    the ``deps`` image's worker venv has them: docs/nemo-rl.md §7); its python path."""
+    venv = checkout / "venvs" / MEGATRON_WORKER
+    pyver = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    base = Path(os.path.realpath(sys.executable))
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(base)
+    (venv / "pyvenv.cfg").write_text(f"home = {base.parent}\ninclude-system-site-packages = false\n"
+                                     f"version = {sys.version_info[0]}.{sys.version_info[1]}\n")
+    site = venv / "lib" / pyver / "site-packages"
+    site.mkdir(parents=True)
+    sources = [os.environ[v] for v in ("MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC") if os.environ.get(v)]
+    lines = [*sources, str(ROOT / "tests" / "harness"), "import cpu_stand_ins; cpu_stand_ins.install()",
+             sysconfig.get_paths()["purelib"]]
+    (site / "image_worker.pth").write_text("\n".join(lines) + "\n")
+    return venv / "bin" / "python"
 
 
 def _assert_exported_weights(exported: Path, trained: Path, initial: Path) -> None:
@@ -848,11 +932,14 @@ def real_preflight_dry_runs(request, tmp_path_factory):
     there): their CPU, four NeMo-RL imports, then overlaps the cluster tests' idle waits (Slurm
     holds a requeued job ~30 s) instead of adding to the module's time. The test waits for them.
 
-    As the launch story runs it (docs/slurm.md step 5): 8 nodes x 8 GPUs, WORKDIR = the NeMo-RL
-    checkout, NeMo-RL importable only there (``NEMO_RL_PYTHON`` = a plain Python, whose ``-m`` puts
-    the working directory first on ``sys.path``). ``good``: the shipped ESPO/GSPO Qwen3-30B-A3B
-    pair (``run_grpo``); ``bad``: the shipped SPPO config (``run_sppo``: ``--driver sppo``,
-    ``ppo.seed``) next to ESPO's config before its Megatron fix."""
+    ``good``: docs/slurm.md's bare-metal story (step 5), the page's commands word for word but
+    ``/lustre`` (the test's folder, nemo-granular's checkout this repository) and the account and
+    partition, with ``--dry-run`` added: the shipped ESPO/GSPO Qwen3-30B-A3B pair (``run_grpo``), 8
+    nodes x 8 GPUs, WORKDIR = the NeMo-RL checkout, NeMo-RL importable only there
+    (``NEMO_RL_PYTHON`` = a plain Python for ``uv run python``, which needs NeMo-RL's locked venv:
+    its ``-m`` puts the working directory first on ``sys.path``), the ESPO benchmarks staged in
+    ``--data-dir`` (the story runs offline). ``bad``: the shipped SPPO config (``run_sppo``:
+    ``--driver sppo``, ``ppo.seed``) next to ESPO's config before its Megatron fix."""
     runs: dict[str, subprocess.Popen] = {}
     wanted = any(getattr(item, "originalname", item.name) == REAL_PREFLIGHT_DRY_RUNS for item in request.session.items)
     if wanted and os.environ.get("NEMO_RL_SRC"):
@@ -860,12 +947,18 @@ def real_preflight_dry_runs(request, tmp_path_factory):
         checkout = _nemo_rl_checkout(Path(os.environ["NEMO_RL_SRC"]).resolve(), d / "NeMo-RL")
         env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(checkout),
                                 **_without_nemo_rl_src(dict(os.environ))})
-        for name, cfgs in (("good", DRY_RUN_SHIPPED), ("bad", (DRY_RUN_SPPO, DRY_RUN_FIXTURE))):
-            args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(d / name), "--seed", "3",
-                    "--nodes", "8", "--train-sbatch", "--gres=gpu:8 --time=4:00:00", *cfgs,
-                    "--", "~logger.mlflow", "logger.monitor_gpus=false"]
-            runs[name] = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                          cwd=d, start_new_session=True)
+        _stage_espo_benchmarks(d)
+        script = substitute(story(bash_block(LAUNCH_STORY, "submit_comparison.sh --seed 0 --nodes 8")), [
+            ("/slurm/submit_comparison.sh ", "/slurm/submit_comparison.sh --dry-run "),
+            ("/lustre/nemo-granular", str(ROOT)), ("/lustre", str(d)), ("ACCOUNT", "ngtest"), ("PARTITION", "local")])
+        runs["good"] = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, cwd=d, start_new_session=True)
+        runs["good"].out = d / "comparisons" / "espo-vs-gspo-seed0"
+        args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(d / "bad"), "--seed", "3",
+                "--nodes", "8", "--train-sbatch", "--gres=gpu:8 --time=4:00:00", DRY_RUN_SPPO, DRY_RUN_FIXTURE,
+                "--", "~logger.mlflow", "logger.monitor_gpus=false"]
+        runs["bad"] = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                       cwd=d, start_new_session=True)
         runs["dir"] = d
     yield runs
     for proc in runs.values():
@@ -888,8 +981,8 @@ def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_r
     (good_out, good_err), (bad_out, bad_err) = good.communicate(timeout=600), bad.communicate(timeout=600)
     assert good.returncode == 0, good_out + good_err
     sbatch = [line for line in good_err.splitlines() if line.startswith("sbatch")]
-    assert len(sbatch) == 3 and all("grpo.seed=3" in line and "\\~logger.mlflow" in line for line in sbatch[:2]), good_err
-    assert not (real_preflight_dry_runs["dir"] / "good").exists()
+    assert len(sbatch) == 5 and all("grpo.seed=0" in line for line in sbatch[:2]), good_err   # 2 runs, 2 evals, the report
+    assert not good.out.exists() and good.out.parent.is_dir() is False, good.out
     assert bad.returncode == 1 and "sbatch" not in bad_err and not bad_out, bad_out + bad_err
     assert bad_err.splitlines() == [
         f"submit_comparison: preflight: {DRY_RUN_FIXTURE}: policy.logprob_chunk_size=2048 needs "
@@ -921,8 +1014,8 @@ def test_submit_comparison_preflights_in_the_image_with_its_python(cluster, nemo
     every config must run in the image, as one one-task container step (``srun --ntasks=1`` with
     launch.sh's container options), with the image's ``python`` (``uv run`` fails there), before
     anything is submitted. The step runs as enroot runs a user's container (the local cluster's
-    pyxis with ``NG_PYXIS_USER=nobody``: not root, HOME an empty directory it cannot write, uv with
-    no index and an empty cache). Configs: the shipped SSPO config (passes: no line) and a copy of
+    pyxis, by default: ``nobody``, not root, HOME an empty directory it cannot write, uv with no
+    index and an empty cache). Configs: the shipped SSPO config (passes: no line) and a copy of
     the GSPO config outside MOUNTS (the jobs would not see it: refused in the image, one line); exit
     1, nothing written. An explicit ``NEMO_RL_PYTHON="uv run python"`` still wins, and then fails in
     the image with uv's own reason; a container step that cannot start stops the submission with one
@@ -935,7 +1028,7 @@ def test_submit_comparison_preflights_in_the_image_with_its_python(cluster, nemo
     shutil.copy(ROOT / "examples" / "configs" / "gspo_qwen2.5_math_1.5b.yaml", hidden)
     srun_log, out = tmp_path / "srun.log", shared / "cmp"
     env = _env(cluster.env, {**_pyxis_env(cluster, images["release"], [shared, ROOT], srun_log),
-                             "WORKDIR": "/opt/nemo-rl", "NEMO_RL_PYTHON": None, "NG_PYXIS_USER": "nobody",
+                             "WORKDIR": "/opt/nemo-rl", "NEMO_RL_PYTHON": None,
                              **_without_nemo_rl_src(cluster.env)})
     args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(out), "--nodes", "1",
             "--train-sbatch", f"--gres=gpu:{FAKE_GPUS} --time=4:00:00", str(shipped), str(hidden)]
@@ -1322,20 +1415,29 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
 
 # ------------------------------------------------------- one-node jobs, submitted together ---
 
-def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jobs: dict, image: Path) -> None:
+def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jobs: dict, images: dict) -> None:
     """``one_node_jobs["ok"]`` and ``["bad"]`` (see there)."""
     shipped = ROOT / "examples" / "configs" / "sspo_qwen2.5_math_1.5b.yaml"
-    checkout = "/opt/nemo-rl"        # NeMo-RL inside the release image
-    srun_log, run = d / "srun.log", d / "ok-run"
-    overrides = ["grpo.seed=3", "--config", str(shipped), "~logger.mlflow", "+logger.note=checked",
-                 "grpo.max_num_steps=2", f"checkpointing.checkpoint_dir={run}/checkpoints", f"logger.log_dir={run}/logs"]
-    ok_cmd = ["python", str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", *overrides]   # the image's python
-    env = {**_pyxis_env(cluster, image, [d, ROOT], srun_log),
-           "WORKDIR": checkout, "BASE_LOG_DIR": str(d / "ok" / "slurm-logs"), "START_RAY": "0",
-           "NG_FAKE_STEP_SECONDS": "0.1", **_without_nemo_rl_src(cluster.env)}
-    jobs["ok"] = SimpleNamespace(job=_submit(cluster, d / "ok", "ng-pf-ok", ok_cmd, nodes=1, env=env),
-                                 workdir=d / "ok", cmd=ok_cmd, checkout=checkout, srun_log=srun_log, run=run,
-                                 config=shipped, image=image)
+    srun_log, run = d / "srun.log", d / "runs" / "sspo_qwen2.5_math_1.5b"
+    # docs/slurm.md's story (a), word for word but the cluster's names; after it, a short run and
+    # the override forms ~key and +key=value, which the preflight must pass on to the driver
+    extra = ["grpo.max_num_steps=2", "~logger.mlflow", "+logger.note=checked"]
+    script = substitute(story(bash_blocks(CONTAINER_STORIES)[0], "a", skip=("git clone",)),
+                        [("/lustre/images/nemo-rl-v0.7.0.sqsh", str(images["release"]))])
+    script = substitute(script, _cluster_names(images, d, nodes=1), each=False).rstrip("\n") + f" {' '.join(extra)}\n"
+    (d / "data").mkdir()      # NG_DATA_DIR: the MATH files the stand-in driver does not read
+    (d / "ok").mkdir()
+    env = _env(cluster.env, {"PATH": f"{PYXIS}:{cluster.env['PATH']}", "VENV": None, "NG_SRUN_LOG": str(srun_log),
+                             "NG_STAND_IN_DRIVER": str(NRL_DRIVER), "START_RAY": "0", "NG_FAKE_STEP_SECONDS": "0.1",
+                             **_without_nemo_rl_src(cluster.env)})
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
+                       cwd=d / "ok", timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("Submitted batch job "), script + r.stdout + r.stderr
+    cmd = ["python", "-m", "nemo_granular.run_grpo", "--config", str(shipped),
+           f"checkpointing.checkpoint_dir={run}/checkpoints", f"logger.log_dir={run}/logs", *extra]
+    jobs["ok"] = SimpleNamespace(job=r.stdout.split()[-1], workdir=d / "ok", logs=d / "slurm-logs", name="nemo-granular",
+                                 cmd=cmd, checkout="/opt/nemo-rl", srun_log=srun_log, run=run, config=shipped,
+                                 image=images["release"])
 
     bad_cfg = d / "sspo_before_defer_fix.yaml"   # as every shipped Megatron config resolved before its fix
     bad_cfg.write_text(f"defaults: {shipped}\npolicy:\n  megatron_cfg:\n    defer_fp32_logits: false\n")
@@ -1354,14 +1456,15 @@ def one_node_jobs(cluster, images, tmp_path_factory):
     """The one-node jobs of the next three tests, submitted at once (longest first): the cluster
     runs two side by side instead of one test's job after the other's.
 
-    * ``ok``: the REAL preflight passes a shipped config inside the job, launched as with NeMo-RL's
-      release container under pyxis (the local cluster's pyxis with the ``release`` image, which
-      records the srun lines): WORKDIR = the image's NeMo-RL (/opt/nemo-rl), nemo-granular from its
-      mounted checkout, no VENV, NeMo-RL not importable on the host side (no ``NEMO_RL_SRC``, not on
-      ``PYTHONPATH``). The driver's Python is the image's ``python`` running
-      tests/harness/nemo_rl_logger_driver.py, a stand-in whose ``-m nemo_granular preflight`` is the real CLI and whose ``-m
-      nemo_granular.run_grpo`` a short stand-in run (the real one needs GPUs). Its command line
-      has ``--config`` between overrides and the override forms ``~key`` and ``+key=value``;
+    * ``ok``: the REAL preflight passes a shipped config inside the job, launched by docs/slurm.md's
+      story (a), NeMo-RL's release container under pyxis: the page's commands word for word but the
+      cluster's names (the local cluster's pyxis with the ``release`` image, which records the srun
+      lines): WORKDIR = the image's NeMo-RL (/opt/nemo-rl), nemo-granular from its mounted
+      checkout, no VENV, NeMo-RL not importable on the host side (no ``NEMO_RL_SRC``, not on
+      ``PYTHONPATH``). The driver's Python is the image's ``python``; the test image's runs
+      tests/harness/nemo_rl_logger_driver.py for ``-m nemo_granular.run_grpo`` (NG_STAND_IN_DRIVER),
+      a short stand-in run (the real one needs GPUs), and the real ``nemo-granular preflight``. Its
+      command line ends with the override forms ``~key`` and ``+key=value``;
     * ``bad``: the REAL preflight, with the real Python (``python -m nemo_granular.run_grpo``, as a
       COMMAND string), of a config NeMo-RL's Megatron worker rejects at init;
     * ``probe``: Ray refuses the readiness probe;
@@ -1372,7 +1475,7 @@ def one_node_jobs(cluster, images, tmp_path_factory):
     d = tmp_path_factory.mktemp("one-node")
     jobs: dict[str, SimpleNamespace] = {}
     if os.environ.get("NEMO_RL_SRC"):
-        _submit_real_preflight_jobs(cluster, d, Path(os.environ["NEMO_RL_SRC"]).resolve(), jobs, images["release"])
+        _submit_real_preflight_jobs(cluster, d, Path(os.environ["NEMO_RL_SRC"]).resolve(), jobs, images)
 
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "the-token-the-head-starts-with-0123456789",
            "SETUP_COMMAND": '[[ $SLURM_STEP_ID == 0 ]] || export RAY_AUTH_TOKEN=a-different-token-9876543210'}
@@ -1401,6 +1504,18 @@ def one_node_jobs(cluster, images, tmp_path_factory):
                                                env={"START_RAY": "0", "COMMAND": 'echo "gpus=$NG_GPUS_PER_NODE"'}),
                                    workdir=d / "gpus")
 
+    # a node without GRES (a site that declares no GPUs to Slurm) that has two GPU devices: the
+    # launcher counts them (NG_GPU_DEVICE_GLOB: two device files made here, and the two that are no GPU)
+    devices = d / "nogres-dev"
+    devices.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
+        (devices / name).touch()
+    jobs["nogres"] = SimpleNamespace(job=_submit(cluster, d / "nogres", "ng-nogres", [], nodes=1,
+                                                 sbatch=("--partition=nogres",),
+                                                 env={"NG_GPU_DEVICE_GLOB": f"{devices}/nvidia[0-9]*",
+                                                      "COMMAND": 'echo "gpus=$NG_GPUS_PER_NODE"'}),
+                                     workdir=d / "nogres")
+
     log = d / "off-preflight.log"
     off_cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", "--config"]   # no config: exit 2
     env = {"PREFLIGHT": "0", "START_RAY": "0", "CLUSTER_OVERRIDES": "0", "NG_FAKE_PREFLIGHT": "1",
@@ -1411,11 +1526,12 @@ def one_node_jobs(cluster, images, tmp_path_factory):
 
 
 def _finished(cluster: Cluster, j: SimpleNamespace, name: str, state: str) -> tuple[Path, str]:
-    """Wait for one of ``one_node_jobs``; assert its final state; its log directory and explanation."""
+    """Wait for one of ``one_node_jobs``; assert its final state; its log directory and explanation
+    (under the job's BASE_LOG_DIR when it has one: ``j.logs``, its job name ``j.name``)."""
     got = cluster.wait_terminal(j.job, timeout=480)
     info = _explain(cluster, j.workdir, j.job)
     assert got == state, info
-    return j.workdir / "slurm-logs" / f"{name}-{j.job}", info
+    return getattr(j, "logs", j.workdir / "slurm-logs") / f"{getattr(j, 'name', name)}-{j.job}", info
 
 
 @pytest.mark.v070
@@ -1431,8 +1547,8 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     launcher = (logs / "launcher.log").read_text()
     # the exact argv: the driver's Python, --driver, the config, the driver's overrides in order
     # (options removed, ~key and +key=value kept), then the cluster overrides from the allocation
-    words = [w for w in j.cmd[4:] if w not in ("--config", str(j.config))]
-    argv = [*j.cmd[:2], "-m", "nemo_granular", "preflight", "--driver", "grpo", str(j.config), *words,
+    words = [w for w in j.cmd[3:] if w not in ("--config", str(j.config))]
+    argv = [j.cmd[0], "-m", "nemo_granular", "preflight", "--driver", "grpo", str(j.config), *words,
             "cluster.num_nodes=1", f"cluster.gpus_per_node={FAKE_GPUS}"]
     steps = _srun_lines(j.srun_log)
     assert sorted(steps) == ["cleanup", "driver", "preflight"] and len(steps["preflight"]) == 1, steps
@@ -1528,6 +1644,71 @@ def test_gpus_per_node_come_from_the_jobs_request_not_the_nodes_gres(cluster, on
     logs, info = _finished(cluster, j, "ng-gpus", "COMPLETED")
     assert "gpus=1" in (logs / "driver.log").read_text(), info
     assert "gpus_per_node=1 (job asked: 1, node gres: 'gpu:2')" in (logs / "launcher.log").read_text(), info
+
+
+def test_container_steps_run_as_the_user_with_the_images_venv_linked_into_its_uv_cache_and_names_persist(
+        cluster, images, tmp_path):
+    """What the local cluster's pyxis shows of a real container (issue 33, items 2 and 6): a step
+    runs as a non-root user (``nobody``, the job's user in a user namespace), HOME its empty home in
+    a read-only root, and the image's venv takes its packages from the image's /root/.cache/uv, as
+    NeMo-RL's Dockerfile links them (``uv sync --link-mode symlink``): a mount over that folder, as
+    ray.sub's ``UV_CACHE_DIR_OVERRIDE`` makes, leaves ``import torch`` failing; launch.sh and
+    submit_comparison.sh refuse it (tests/test_launch_checks.py). ``--container-remap-root`` is root.
+    A named container persists across jobs (pyxis' default ``container_scope=global``) until
+    ``enroot remove``: the reason launch.sh names its containers after the job and removes them."""
+    env = _env(cluster.env, {"PATH": f"{PYXIS}:{cluster.env['PATH']}"})
+    cache = tmp_path / "uv-cache"
+    cache.mkdir()
+
+    def step(*opts: str, cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["srun", "--nodes=1", "--ntasks=1", f"--container-image={images['release']}",
+                               "--no-container-mount-home", *opts, "bash", "-c", cmd],
+                              env=env, capture_output=True, text=True, timeout=120)
+
+    user = step(cmd='id -un; echo "$HOME"; python -c "import torch; print(torch.__file__)"; touch "$HOME/x" 2>&1; true')
+    lines = user.stdout.splitlines()
+    assert user.returncode == 0 and lines[:3] == [
+        "nobody", pwd.getpwnam("nobody").pw_dir,
+        f"/opt/nemo_rl_venv/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages/torch/__init__.py"
+    ] and "Read-only file system" in lines[3], user.stdout + user.stderr
+    hidden = step(f"--container-mounts={cache}:/root/.cache/uv", cmd="python -c 'import torch'")
+    assert hidden.returncode != 0 and "No module named 'torch'" in hidden.stderr, hidden.stderr
+    root = step("--container-remap-root", cmd="id -u")
+    assert root.returncode == 0 and root.stdout.split() == ["0"], root.stdout + root.stderr
+
+    # a named container outlives its job (pyxis' default global scope): a later job's step that
+    # names it runs in it, on its image, whatever --container-image says, until enroot removes it
+    other = tmp_path / "other-image"
+    subprocess.run(["bash", str(MAKE_IMAGE), str(other), "--venv", sys.prefix, "--env", "NG_IMAGE=other"],
+                   check=True, capture_output=True)
+    show = 'cat /tmp/mark 2>/dev/null || echo no-mark; echo "image=${NG_IMAGE:-first}"'
+    first = step("-w", "ngt1", "--container-name=kept", cmd="echo kept > /tmp/mark")
+    again = subprocess.run(["srun", "-w", "ngt1", f"--container-image={other}", "--container-name=kept",
+                            "--no-container-mount-home", "bash", "-c", show], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert first.returncode == 0 and again.stdout.split() == ["kept", "image=first"], again.stdout + again.stderr
+    listed = subprocess.run(["srun", "-w", "ngt1", "bash", "-c", "enroot list; enroot remove -f pyxis_kept"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and listed.stdout.split() == ["pyxis_kept"], listed.stdout + listed.stderr
+    fresh = subprocess.run(["srun", "-w", "ngt1", f"--container-image={other}", "--container-name=kept",
+                            "--no-container-mount-home", "bash", "-c", show], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert fresh.stdout.split() == ["no-mark", "image=other"], fresh.stdout + fresh.stderr
+
+
+def test_a_node_without_gres_gives_ray_and_the_driver_its_gpu_devices(cluster, one_node_jobs):
+    """``one_node_jobs["nogres"]``: on ngt3, a node the cluster declares without GRES (partition
+    nogres), neither the job nor the node says how many GPUs there are; the launcher counts the head
+    node's GPU devices (2, not nvidiactl / nvidia-uvm), and Ray and the driver get 2, not 0."""
+    j = one_node_jobs["nogres"]
+    logs, info = _finished(cluster, j, "ng-nogres", "COMPLETED")
+    assert "gres" not in cluster.job_fields(j.job).get("TresPerNode", ""), info
+    assert "gpus=2" in (logs / "driver.log").read_text(), info
+    launcher = (logs / "launcher.log").read_text()
+    assert re.search(r"gpus_per_node=2 \(job asked: none, node gres: '[^']*'\) from 2 GPU devices", launcher), info
+    nodes = json.loads((logs / "ray_nodes.json").read_text())
+    assert [n["node_name"] for n in nodes["nodes"]] == ["ngt3"], nodes
+    assert [n["resources"].get("GPU") for n in nodes["nodes"]] == [2.0], nodes
 
 
 def test_failed_readiness_probe_prints_rays_own_reason(cluster, one_node_jobs):

@@ -7,6 +7,10 @@
 
 NG_SLURM_DIR=${NG_SLURM_DIR:-/tmp/ng-slurm}
 NG_SLURM_NODES=${NG_SLURM_NODES:-2}
+# nodes after those, without GRES (a site that declares no GPUs to Slurm), in partition `nogres`
+NG_SLURM_NOGRES_NODES=${NG_SLURM_NOGRES_NODES:-0}
+# shellcheck disable=SC2034  # used by up.sh / down.sh
+NG_SLURM_ALL_NODES=$((NG_SLURM_NODES + NG_SLURM_NOGRES_NODES))
 NG_SLURM_PREFIX=${NG_SLURM_PREFIX:-ngn}
 NG_SLURM_SUBNET=${NG_SLURM_SUBNET:-10.231.77}      # /24; .1 is the controller, .11.. the nodes
 NG_SLURM_CTLD_PORT=${NG_SLURM_CTLD_PORT:-16817}

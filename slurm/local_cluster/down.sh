@@ -11,11 +11,11 @@ source "$HERE/_common.sh"
 
 # Cancel jobs first so their steps end cleanly.
 if [[ -f "$NG_SLURM_DIR/slurm.conf" ]] && [[ -f "$NG_SLURM_DIR/run/slurmctld.pid" ]]; then
-  SLURM_CONF=$NG_SLURM_DIR/slurm.conf timeout 10 scancel --full --quiet --partition=local 2>/dev/null || true
+  SLURM_CONF=$NG_SLURM_DIR/slurm.conf timeout 10 scancel --full --quiet 2>/dev/null || true
 fi
 
 # slurmd of every node, then every process left in a node's network namespace (job steps, Ray).
-for i in $(seq 1 "$NG_SLURM_NODES"); do
+for i in $(seq 1 "$NG_SLURM_ALL_NODES"); do
   ng_kill_pidfile "$NG_SLURM_DIR/run/slurmd-$(ng_node_name "$i").pid"
   nsf=/run/netns/$(ng_netns "$i")
   [[ -e "$nsf" ]] || continue
@@ -34,7 +34,7 @@ done
 ng_kill_pidfile "$NG_SLURM_DIR/run/slurmctld.pid"
 ng_kill_pidfile "$NG_SLURM_DIR/munge/munged.pid"
 
-for i in $(seq 1 "$NG_SLURM_NODES"); do
+for i in $(seq 1 "$NG_SLURM_ALL_NODES"); do
   ip link del "$(ng_veth_host "$i")" 2>/dev/null || true
   ip netns del "$(ng_netns "$i")" 2>/dev/null || true
 done

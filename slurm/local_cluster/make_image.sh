@@ -8,8 +8,12 @@
 # The image, as NeMo-RL's Dockerfile lays it out:
 #   /opt/nemo_rl_venv          the driver's venv (UV_PROJECT_ENVIRONMENT): bin/python, the console
 #                              scripts of PREFIX (ray, ...) rewritten for this path, and PREFIX's
-#                              site-packages (read-only layer); its interpreter is PREFIX's base
-#                              Python, a layer at the same path as on this machine
+#                              site-packages, a link into the uv cache (below); its interpreter is
+#                              PREFIX's base Python, a layer at the same path as on this machine
+#   /root/.cache/uv            uv's cache, which the venvs' packages link into (the Dockerfile's
+#                              `uv sync --link-mode symlink`): PREFIX's site-packages as a read-only
+#                              layer at /root/.cache/uv/archive-v0/image-site-packages, so that a
+#                              mount over /root/.cache/uv hides every package, as in NeMo-RL's image
 #   /opt/ray_venvs/CLASS_FQN   a prebuilt worker venv per --worker-venv (NEMO_RL_VENV_DIR): the same
 #                              packages, as the image prefetches the venvs of NeMo-RL's registry;
 #                              with --worker-pth, a .pth in the worker venvs' own site-packages holds
@@ -18,9 +22,11 @@
 #                              extra is only in its Megatron worker's venv)
 #   /opt/nemo-rl               the NeMo-RL checkout the image was built from (--nemo-rl DIR)
 #   /root/.local/bin/uv        PREFIX's uv, when it has one (NeMo-RL's image installs uv there)
-# IMAGE_DIR/env holds the image's environment: PATH (the venv first, then /root/.local/bin), VIRTUAL_ENV,
-# UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv, NEMO_RL_VENV_DIR=/opt/ray_venvs, then each --env
-# (e.g. PYTHONPATH=/opt/nemo-rl: the real image installs NeMo-RL into its venv instead).
+# IMAGE_DIR/env holds the image's environment, the variables NeMo-RL's docker/Dockerfile sets (7ea279abf
+# and v0.7.0; no VIRTUAL_ENV): PATH (the venv first, then /root/.local/bin), UV_PROJECT_ENVIRONMENT,
+# UV_LINK_MODE, NEMO_RL_VENV_DIR=/opt/ray_venvs, NEMO_GYM_VENV_DIR, NRL_CONTAINER, TORCH_CUDA_ARCH_LIST,
+# RAY_USAGE_STATS_ENABLED, RAY_ENABLE_UV_RUN_RUNTIME_ENV, then each --env (e.g. PYTHONPATH=/opt/nemo-rl:
+# the real image installs NeMo-RL into its venv instead).
 # IMAGE_DIR/rootfs is the image's own tree, IMAGE_DIR/layers its read-only layers (SRC DEST).
 set -euo pipefail
 die() { echo "make_image: $*" >&2; exit 2; }
@@ -73,10 +79,13 @@ make_venv() {  # make_venv DEST [PTH_LINE...]: a venv at DEST with PREFIX's pack
   if (( $# )); then   # its own site-packages: a .pth of the lines, then the driver venv's packages
     mkdir -p "$IMAGE/rootfs$dest/lib/$pyver/site-packages"
     printf '%s\n' "$@" "/opt/nemo_rl_venv/lib/$pyver/site-packages" >"$IMAGE/rootfs$dest/lib/$pyver/site-packages/image_worker.pth"
-  else
-    layer "$site" "$dest/lib/$pyver/site-packages"
+  else   # the packages are the uv cache's (one link for the folder; the real image links each package)
+    mkdir -p "$IMAGE/rootfs$dest/lib/$pyver"
+    ln -s "$UV_SITE" "$IMAGE/rootfs$dest/lib/$pyver/site-packages"
   fi
 }
+UV_SITE=/root/.cache/uv/archive-v0/image-site-packages
+layer "$site" "$UV_SITE"
 make_venv /opt/nemo_rl_venv
 for w in "${workers[@]}"; do make_venv "/opt/ray_venvs/$w" "${worker_pth[@]}"; done
 mkdir -p "$IMAGE/rootfs/opt/ray_venvs"
@@ -85,9 +94,14 @@ mkdir -p "$IMAGE/rootfs/opt/ray_venvs"
 for l in "${layers[@]}"; do layer "${l%%:*}" "${l#*:}"; done
 {
   echo "PATH=/opt/nemo_rl_venv/bin:/root/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-  echo "VIRTUAL_ENV=/opt/nemo_rl_venv"
-  echo "UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv"
+  echo "NRL_CONTAINER=1"
+  echo "RAY_USAGE_STATS_ENABLED=0"
+  echo "RAY_ENABLE_UV_RUN_RUNTIME_ENV=0"
   echo "NEMO_RL_VENV_DIR=/opt/ray_venvs"
+  echo "NEMO_GYM_VENV_DIR=/opt/gym_venvs"
+  echo "UV_PROJECT_ENVIRONMENT=/opt/nemo_rl_venv"
+  echo "UV_LINK_MODE=copy"
+  echo "TORCH_CUDA_ARCH_LIST=9.0 10.0"
   for e in "${envs[@]}"; do echo "$e"; done
 } >"$IMAGE/env"
 echo "make_image: $IMAGE (python $base, packages of $VENV${NRL:+, NeMo-RL $NRL})"

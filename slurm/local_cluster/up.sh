@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start a real Slurm cluster with NG_SLURM_NODES (default 2) compute nodes on THIS machine.
+# Start a real Slurm cluster with NG_SLURM_NODES (default 2) compute nodes on THIS machine (and
+# NG_SLURM_NOGRES_NODES more without GRES, in partition `nogres`).
 #
 # Each compute node is a network namespace with its own IP on a private bridge, its own hostname
 # (a UTS namespace) and its own slurmd; slurmctld and munged run on the host. It is a test bed for
@@ -87,7 +88,7 @@ ip link add "$NG_SLURM_BRIDGE" type bridge
 ip addr add "$CTLD_IP/24" dev "$NG_SLURM_BRIDGE"
 ip link set "$NG_SLURM_BRIDGE" up
 printf 'nameserver 127.0.0.1\noptions timeout:1 attempts:1\n' >"$NG_SLURM_DIR/resolv.conf"
-for i in $(seq 1 "$NG_SLURM_NODES"); do
+for i in $(seq 1 "$NG_SLURM_ALL_NODES"); do
   ns=$(ng_netns "$i"); vh=$(ng_veth_host "$i")
   ip netns add "$ns"
   ip link add "$vh" type veth peer name "${vh}p"
@@ -107,7 +108,7 @@ sed -i "\|${NG_HOSTS_TAG}\$|d" /etc/hosts
 if [[ "${NG_SLURM_HEAD_LOOPBACK:-0}" == 1 ]]; then
   echo "127.0.1.1 $(ng_node_name 1) ${NG_HOSTS_TAG}" >>/etc/hosts
 fi
-for i in $(seq 1 "$NG_SLURM_NODES"); do
+for i in $(seq 1 "$NG_SLURM_ALL_NODES"); do
   echo "$(ng_node_ip "$i") $(ng_node_name "$i") ${NG_HOSTS_TAG}" >>/etc/hosts
 done
 
@@ -162,18 +163,23 @@ CONF=$NG_SLURM_DIR/slurm.conf
   echo "SchedulerParameters=defer_batch=0,sched_interval=2"
   echo "SchedulerTimeSlice=5"
   (( FAKE_GPUS > 0 )) && echo "GresTypes=gpu"
-  for i in $(seq 1 "$NG_SLURM_NODES"); do
-    echo "NodeName=$(ng_node_name "$i") NodeAddr=$(ng_node_ip "$i") NodeHostname=$(ng_node_name "$i") ${TOPO}${GRES_NODE}RealMemory=1000 State=UNKNOWN"
+  for i in $(seq 1 "$NG_SLURM_ALL_NODES"); do
+    gres=$GRES_NODE
+    (( i <= NG_SLURM_NODES )) || gres=""
+    echo "NodeName=$(ng_node_name "$i") NodeAddr=$(ng_node_ip "$i") NodeHostname=$(ng_node_name "$i") ${TOPO}${gres}RealMemory=1000 State=UNKNOWN"
   done
   echo "PartitionName=local Nodes=${NG_SLURM_PREFIX}[1-$NG_SLURM_NODES] Default=YES MaxTime=INFINITE State=UP"
+  if (( NG_SLURM_NOGRES_NODES > 0 )); then
+    echo "PartitionName=nogres Nodes=${NG_SLURM_PREFIX}[$((NG_SLURM_NODES + 1))-$NG_SLURM_ALL_NODES] MaxTime=INFINITE State=UP"
+  fi
 } >"$CONF"
-for i in $(seq 1 "$NG_SLURM_NODES"); do mkdir -p "$NG_SLURM_DIR/spool/$(ng_node_name "$i")"; done
+for i in $(seq 1 "$NG_SLURM_ALL_NODES"); do mkdir -p "$NG_SLURM_DIR/spool/$(ng_node_name "$i")"; done
 printf 'export SLURM_CONF=%q\n' "$CONF" >"$NG_SLURM_DIR/env.sh"
 export SLURM_CONF=$CONF
 
 # ---- daemons ------------------------------------------------------------------------------------
 slurmctld -c -f "$CONF" || ng_die "slurmctld did not start (see $NG_SLURM_DIR/log/slurmctld.log)"
-for i in $(seq 1 "$NG_SLURM_NODES"); do
+for i in $(seq 1 "$NG_SLURM_ALL_NODES"); do
   name=$(ng_node_name "$i")
   # own netns (IP), own mount ns (fail-fast resolv.conf) and own UTS ns (hostname = node name)
   # shellcheck disable=SC2016  # the inner script gets its values as arguments
@@ -188,12 +194,12 @@ done
 # ---- wait until every node is idle --------------------------------------------------------------
 for _ in $(seq 1 120); do
   idle=$(sinfo -h -N -t idle -o '%N' 2>/dev/null | sort -u | wc -l || true)
-  (( idle >= NG_SLURM_NODES )) && break
+  (( idle >= NG_SLURM_ALL_NODES )) && break
   sleep 0.5
 done
-if (( idle < NG_SLURM_NODES )); then
+if (( idle < NG_SLURM_ALL_NODES )); then
   sinfo -N >&2 || true
-  ng_die "only $idle of $NG_SLURM_NODES nodes became idle (logs: $NG_SLURM_DIR/log)"
+  ng_die "only $idle of $NG_SLURM_ALL_NODES nodes became idle (logs: $NG_SLURM_DIR/log)"
 fi
 trap - EXIT
-ng_log "cluster up: $NG_SLURM_NODES nodes idle; run: source $NG_SLURM_DIR/env.sh"
+ng_log "cluster up: $NG_SLURM_ALL_NODES nodes idle; run: source $NG_SLURM_DIR/env.sh"

@@ -7,18 +7,22 @@
 # * the file system is the image: the image directory's rootfs/ (read-only) and its layers
 #   (read-only), over the node's /usr and /etc as the image's base system; the node's other
 #   directories ($HOME, /work, /opt, ...) do not exist inside. /tmp is the container's own: one per
-#   --container-name per node and job, shared by the steps that name it (as a named container's
-#   file system is), a fresh one per step otherwise;
+#   --container-name per node, shared by the steps that name it and kept across jobs (as a named
+#   container's file system is under pyxis' default global scope), a fresh one per step otherwise;
 # * --container-mounts SRC:DST[:ro|:rw] are bind-mounted; $HOME only without --no-container-mount-home;
 # * environment (pyxis' --container-env help): every exported variable of the step is set, but the
 #   image's values (IMAGE/env) take precedence, except for the variables named in --container-env;
 # * the working directory is --container-workdir (it must exist inside), else /.
-# * NG_PYXIS_USER=NAME (in the step's environment; default: the step's own user, root on the test
-#   cluster): the task runs as that non-root user, as enroot runs a user's container, with HOME its
-#   home directory, empty and not writable (the root is the image's, read-only), and uv with no index
-#   and an empty cache (UV_OFFLINE=1; UV_CACHE_DIR and XDG_CACHE_HOME unset).
-# Network, PIDs, /dev (with /dev/shm) and /sys are the node's, as in an enroot container. Unlike
-# enroot's, the image's own directories are read-only (only /tmp and the mounts are writable).
+# * the task runs as a non-root user, as enroot runs a user's container: NG_PYXIS_USER (in the
+#   step's environment; default `nobody`), mapped in a user namespace to the step's own user (root on
+#   the test cluster) as enroot maps the submitting user: inside, the task is that user with no
+#   capabilities, and the job's files, the image's and the mounts' (owned by the step's user outside)
+#   are its own, as a user's container and its files are the user's under enroot. HOME is that user's home
+#   directory, empty and not writable: the container's root is read-only (only /tmp, /dev and the
+#   mounts are writable). uv has no index and an empty cache (UV_OFFLINE=1; UV_CACHE_DIR and
+#   XDG_CACHE_HOME unset). --container-remap-root (NG_PYXIS_REMAP_ROOT=1) runs the task as root.
+# Network, PIDs, /dev (with /dev/shm) and /sys are the node's, as in an enroot container. The image's
+# own directories are read-only, as with pyxis' --container-readonly.
 set -euo pipefail
 if [[ -z "${NG_PYXIS_INNER:-}" ]]; then
   NG_PYXIS_INNER=1 exec unshare --mount --propagation private bash "${BASH_SOURCE[0]}" "$@"
@@ -26,12 +30,25 @@ fi
 unset NG_PYXIS_INNER
 image=${NG_PYXIS_IMAGE:?} mounts=${NG_PYXIS_MOUNTS:-} workdir=${NG_PYXIS_WORKDIR:-} name=${NG_PYXIS_NAME:-}
 envs=${NG_PYXIS_ENV:-} mount_home=${NG_PYXIS_MOUNT_HOME:-1} user=${NG_PYXIS_USER:-}
-unset NG_PYXIS_IMAGE NG_PYXIS_MOUNTS NG_PYXIS_WORKDIR NG_PYXIS_NAME NG_PYXIS_ENV NG_PYXIS_MOUNT_HOME NG_PYXIS_USER
+if [[ "${NG_PYXIS_REMAP_ROOT:-0}" == 1 ]]; then user=""; else user=${user:-nobody}; fi
+unset NG_PYXIS_IMAGE NG_PYXIS_MOUNTS NG_PYXIS_WORKDIR NG_PYXIS_NAME NG_PYXIS_ENV NG_PYXIS_MOUNT_HOME NG_PYXIS_USER \
+  NG_PYXIS_REMAP_ROOT
 die() { echo "pyxis (emulation): $*" >&2; exit 125; }
 
-# the container's own /tmp: per named container (job, node, name), else per step
+# the container's own /tmp: a named container's is kept on its node across jobs, as pyxis' default
+# container_scope=global keeps an enroot container pyxis_<name>, until `enroot remove` (../pyxis/enroot);
+# a step that names an existing container runs in it, with the image it was created from, whatever
+# --container-image says (as pyxis starts an existing container instead of importing the image).
+# An unnamed step's is its own.
 state=${NG_PYXIS_STATE:-/tmp/ng-pyxis}/${SLURM_JOB_ID:-nojob}/$(hostname)
-if [[ -n "$name" ]]; then ctmp=$state/named-$name/tmp; else ctmp=$state/step-${SLURM_STEP_ID:-0}.${SLURM_PROCID:-0}/tmp; fi
+if [[ -n "$name" ]]; then
+  named=${NG_PYXIS_STATE:-/tmp/ng-pyxis}/$(hostname)/pyxis_$name
+  mkdir -p "$named/tmp"
+  if [[ -s "$named/image" ]]; then image=$(<"$named/image"); else printf '%s\n' "$image" >"$named/image"; fi
+  ctmp=$named/tmp
+else
+  ctmp=$state/step-${SLURM_STEP_ID:-0}.${SLURM_PROCID:-0}/tmp
+fi
 mkdir -p "$ctmp" && chmod 1777 "$ctmp"
 
 root=$state/root-${SLURM_STEP_ID:-0}.${SLURM_PROCID:-0}.$$
@@ -85,9 +102,10 @@ as_user=()
 if [[ -n "$user" ]]; then
   IFS=: read -r _ _ uid gid _ uhome _ < <(getent passwd "$user") || true
   [[ "${uid:-0}" != 0 ]] || die "NG_PYXIS_USER=$user: not a non-root user of $(hostname)"
-  [[ -e "$root$uhome" ]] || mkdir -p "$root$uhome"   # empty, root's: not writable
-  as_user=("--userspec=$uid:$gid" "--groups=$gid")
+  [[ -e "$root$uhome" ]] || mkdir -p "$root$uhome"   # empty; the root is read-only below
+  as_user=(unshare "--map-user=$uid" "--map-group=$gid")
 fi
+mount -o remount,ro "$root"   # the container's own root (its submounts keep their own flags)
 
 # the image's environment wins, except for the variables named in --container-env
 declare -A from_host=()
@@ -104,4 +122,8 @@ if [[ -n "$user" ]]; then
   unset UV_CACHE_DIR XDG_CACHE_HOME
 fi
 # shellcheck disable=SC2016  # expanded inside the container
-exec chroot "${as_user[@]}" "$root" /bin/bash -c 'cd "$1" && shift && exec "$@"' _ "$workdir" "$@"
+enter='cd "$1" && shift && exec "$@"'
+if (( ${#as_user[@]} )); then   # the user namespace first: the kernel refuses one to a chrooted process
+  exec "${as_user[@]}" "--root=$root" /bin/bash -c "$enter" _ "$workdir" "$@"
+fi
+exec chroot "$root" /bin/bash -c "$enter" _ "$workdir" "$@"
