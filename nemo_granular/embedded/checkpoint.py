@@ -11,6 +11,10 @@ required files present, JSON parseable, safetensors headers covering the files, 
 and ``rng.pt`` loadable, sizes equal to the manifest. The newest complete checkpoint wins; each
 one skipped is reported on one line naming the file, and when none is usable the error names
 the file that broke the newest one.
+
+:class:`CheckpointWriter` writes the trainer's checkpoints this way, and
+:func:`restore_optimizers_and_rng` loads a validated one's optimizer and RNG states back (the
+trainer itself sets its step counters and models).
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import random
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,3 +243,92 @@ def write_failure_reason(err: BaseException, where: Path) -> str:
     if full or "os error 28" in text:
         return os.strerror(errno.ENOSPC)
     return text
+
+
+# ---------------------------------------------------------------------------- the trainer's checkpoints
+class CheckpointWriter:
+    """Writes a run's ``checkpoints/step_N`` (atomically, as the module docstring says) and prunes all
+    but the newest ``keep``. Remembers the newest complete checkpoint (``last``): a step already on
+    disk (the one the run resumed from, or the last step's after a periodic save) is not written twice."""
+
+    def __init__(self, ckpt_dir: Path, keep: int):
+        self.dir, self.keep = ckpt_dir, keep
+        self.last: Path | None = None
+        self._saved_step: int | None = None
+
+    def resumed_from(self, path: Path, step: int) -> None:
+        """The run continues from ``path`` (step ``step``): that is the newest checkpoint."""
+        self._saved_step = step
+        self.last = path
+
+    def save(self, step: int, *, policy, tokenizer, critic, opt, critic_opt, state: dict, config: str) -> Path:
+        """Write ``step_N`` of ``step``: the models (``critic`` may be None), the optimizer and RNG states,
+        ``state`` (trainer_state.json) and ``config`` (config.yaml). A write that fails (disk full,
+        quota, I/O error) removes its temporary directory and raises :class:`CheckpointWriteError`: one
+        line naming the checkpoint."""
+        final = self.dir / f"step_{step:06d}"
+        try:
+            return self._save(step, policy, tokenizer, critic, opt, critic_opt, state, config)
+        except BaseException as err:  # a second Ctrl-C mid-write too: no half-written directory left behind
+            reason = write_failure_reason(err, self.dir) if is_write_failure(err) else None
+            shutil.rmtree(self.dir / f".tmp_{final.name}_{os.getpid()}", ignore_errors=True)
+            if reason is None:
+                raise
+            kept = (f"the newest complete checkpoint is {self.last}" if self.last
+                    else "no checkpoint of this run was written")
+            raise CheckpointWriteError(f"cannot write checkpoint {final}: {reason} ({kept})") from err
+
+    def _save(self, step, policy, tokenizer, critic, opt, critic_opt, state, config) -> Path:
+        name = f"step_{step:06d}"
+        final = self.dir / name
+        if self._saved_step == step and final.is_dir():
+            return final  # already on disk (e.g. the checkpoint this run resumed from)
+        tmp = self.dir / f".tmp_{name}_{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        policy.save_pretrained(str(tmp / "policy"), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        if critic is not None:
+            critic.save_pretrained(str(tmp / "critic"), safe_serialization=True)
+        ordinary_file_modes(tmp)  # safetensors creates its files 0600; every other file is 0666 - umask
+        if os.environ.get("NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"):  # test hook: widen the write window
+            time.sleep(float(os.environ["NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"]))
+        torch.save({"policy": opt.state_dict(), "critic": critic_opt.state_dict() if critic_opt else None},
+                   tmp / "optimizer.pt")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
+        (tmp / "config.yaml").write_text(config)
+        write_manifest(tmp)  # fsyncs every file, then records the sizes
+        if final.exists():  # a same-step leftover (e.g. an unusable one): set aside, never half-replaced
+            old = self.dir / f".tmp_old_{name}_{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        fsync_dir(self.dir)
+        atomic.write_text(self.dir / "latest", name + "\n")
+        self._saved_step = step
+        self.last = final
+        for stale in step_dirs(self.dir)[self.keep:]:  # prune: the newest ``keep`` stay
+            shutil.rmtree(stale, ignore_errors=True)
+        return final
+
+
+def restore_optimizers_and_rng(loaded: LoadedCheckpoint, opt, critic_opt) -> None:
+    """Load the optimizer states (the critic's when both sides have one) and the RNG states that
+    ``loaded`` saved. An optimizer state that does not fit the model raises :class:`CheckpointError`
+    naming ``optimizer.pt``."""
+    try:
+        opt.load_state_dict(loaded.optimizer["policy"])
+        if critic_opt is not None and loaded.optimizer.get("critic"):
+            critic_opt.load_state_dict(loaded.optimizer["critic"])
+    except (ValueError, KeyError, RuntimeError) as err:
+        raise CheckpointError(f"{loaded.path / 'optimizer.pt'}: does not fit this model "
+                              f"({str(err).splitlines()[0]})") from None
+    rng = loaded.rng
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if rng.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])

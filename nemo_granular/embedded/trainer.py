@@ -6,15 +6,16 @@ advantages through the estimator's ``compute_advantage``, then several optimizer
 rollout (minibatches), each split into microbatches that call ``GranularPolicyLoss`` with
 NeMo-RL's keys, ``[:, 1:]`` shift and global normalisation. SPPO's critic is trained on the
 deduplicated prompts alone with ``SequenceValueLoss``.
+
+This module is the RL step and the loop around it; where the records go (:mod:`.sinks`), what
+the run says on stderr (:mod:`.progress`), the run directory (:mod:`.output_dir`) and the
+checkpoints (:mod:`.checkpoint`) live beside it.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -33,64 +34,21 @@ from ..core.groups import group_ids_for
 from ..core.offpolicy import batch_mismatch_extrema
 from ..losses import GranularPolicyLoss, SequenceValueLoss
 from . import models as M
-from .checkpoint import (
-    CheckpointError,
-    CheckpointWriteError,
-    NothingToResume,
-    find_resumable,
-    fsync_dir,
-    is_write_failure,
-    ordinary_file_modes,
-    step_dirs,
-    write_failure_reason,
-    write_manifest,
-)
+from .checkpoint import CheckpointWriter, restore_optimizers_and_rng
 from .config import TrainConfig, dump_config
 from .mismatch import generation_seed, perturbed_copy
+from .output_dir import plan_start, prepare_output_dir
+from .progress import Progress, start_line
 from .rollout import generate, next_token_logprobs, old_policy_pass, to_nemo_batch
+from .sinks import RATIO_EXTREMA, MetricSinks, merge_metrics
 from .task import build_task, verify
 from .warmstart import check_worked_solutions, decode_responses, greedy_accuracy, warm_start
 
 PREEMPTED_EXIT_CODE = 99
-_EXTREMA = ("probs_ratio_min", "probs_ratio_clamped_min", "probs_ratio_max", "probs_ratio_clamped_max")
+STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: PREEMPTED_EXIT_CODE, signal.SIGUSR1: PREEMPTED_EXIT_CODE}
 # the policy batch's keys (nemo_granular.batch_schema) the trainer builds on every rollout: all but NeMo-RL's
 # curr_logprobs_unfiltered (optional: the loss's KL then reads π_θ itself)
 BATCH_KEYS = tuple(k.name for k in POLICY_BATCH if k.name != "curr_logprobs_unfiltered")
-
-
-def merge_metrics(acc: dict, new: dict) -> dict:
-    """NeMo-RL's reduction of per-microbatch metric dicts: sum, min/max for the ratio extrema."""
-    for k, v in new.items():
-        if k not in acc:
-            acc[k] = v
-        elif k in _EXTREMA:
-            acc[k] = min(acc[k], v) if k.endswith("_min") else max(acc[k], v)
-        else:
-            acc[k] += v
-    return acc
-
-
-# what a run writes into its output directory; a fresh run refuses a directory holding any of them
-RUN_ARTIFACTS = ("metrics.jsonl", "metrics.superseded.jsonl", "checkpoints", "tensorboard")
-STOP_EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: PREEMPTED_EXIT_CODE, signal.SIGUSR1: PREEMPTED_EXIT_CODE}
-
-
-def existing_run_artifacts(out: Path) -> list[str]:
-    """The artifacts of an earlier run in ``out`` (empty directories do not count)."""
-    found = []
-    for name in RUN_ARTIFACTS:
-        p = out / name
-        if p.is_file() or (p.is_dir() and any(p.iterdir())):
-            found.append(name + ("/" if p.is_dir() else ""))
-    return found
-
-
-def checkpoint_plan(start: int, steps: int, every: int) -> str:
-    """What the checkpoints of steps ``start+1..steps`` will be, as the start line says it: a run
-    shorter than ``checkpoint.every`` writes one checkpoint, at the end."""
-    if not every or (start // every + 1) * every >= steps:  # no multiple of ``every`` before the last step
-        return "checkpoint at the end"
-    return f"checkpoints every {every} steps" + ("" if steps % every == 0 else " and at the end")
 
 
 class Trainer:
@@ -119,19 +77,19 @@ class Trainer:
         self.autocast = torch.bfloat16 if self.device.type == "cuda" else None
         self.out = Path(cfg.output_dir)
         self.ckpt_dir = self.out / "checkpoints"
+        self.checkpoints = CheckpointWriter(self.ckpt_dir, cfg.checkpoint.keep)
         self._stop_signal = None
         self._old_handlers: dict = {}
         self.step = 0
         self.samples = 0
         self.wall = 0.0
         self.espo_alpha = None
-        self.last_checkpoint: Path | None = None
-        self._saved_step: int | None = None
         self.sinks = None
 
         # 1. where to write and what to start from: only reads, so a refusal leaves everything as it was
         check_writable_dir(self.out, "output_dir")
-        latest, self._unusable = self._plan_start(resume, force)
+        latest, self._unusable = plan_start(self.out, self.ckpt_dir, resume, force,
+                                            {"algorithm": cfg.algorithm, "seed": cfg.seed}, self.log)
         self.resumed = latest is not None
         self.force = force and not self.resumed
         # 2. inputs that can be missing or malformed, before the start line
@@ -147,7 +105,7 @@ class Trainer:
         self.sppo = cfg.algorithm == "sppo"
         self.warmstart_info = None
         # 3. the start line; from here a stop signal is honoured (checkpoint, then exit)
-        self.log(self._start_line(latest))
+        self.log(start_line(cfg, self.device, self.out, latest))
         self._install_signal_handlers()
         try:
             self._set_up(latest)
@@ -189,65 +147,9 @@ class Trainer:
         if latest:
             self._load_state(latest)
         # 4. the first write: only now is an earlier run's output replaced (--force) or extended
-        self._prepare_output_dir()
+        prepare_output_dir(self.out, self.ckpt_dir, self.force, self._unusable, self.log)
         self.sinks = MetricSinks(self.out, cfg, resume_step=self.step if latest else None, log=self.log)
         atomic.write_text(self.out / "config.yaml", dump_config(cfg))
-
-    def _plan_start(self, resume, force):
-        """(checkpoint to resume or None, unusable checkpoints newer than it); raises one-line errors."""
-        if resume:
-            try:
-                loaded, unusable = find_resumable(self.ckpt_dir, warn=self.log)
-            except NothingToResume:
-                if resume != "auto":
-                    raise
-            else:
-                state = loaded.state
-                for key in ("algorithm", "seed"):
-                    mine = self.cfg.algorithm if key == "algorithm" else self.cfg.seed
-                    if key in state and state[key] != mine:
-                        raise ValueError(f"--resume: {loaded.path} was written with {key}={state[key]!r}, the "
-                                         f"config says {key}={mine!r} (a different run: choose another output_dir)")
-                return loaded, unusable
-        existing = existing_run_artifacts(self.out)
-        if existing and not force:
-            raise FileExistsError(
-                f"output_dir {self.out} already holds a run ({', '.join(existing)}): add --resume to continue "
-                "it, --force to start over (deletes them), or choose another output_dir=")
-        return None, []
-
-    def _start_line(self, latest) -> str:
-        cfg = self.cfg
-        dev = self.device.type + (f" ({torch.cuda.get_device_name(self.device)})" if self.device.type == "cuda" else "")
-        head = f"train {cfg.algorithm} (seed {cfg.seed}) on {dev}"
-        if latest:
-            start = int(latest.state["step"])
-            return (f"{head}: resuming at step {start} of {cfg.rl.steps} from {latest.path} "
-                    f"→ {self.out}/ (metrics.jsonl; {checkpoint_plan(start, cfg.rl.steps, cfg.checkpoint.every)})")
-        warm = not cfg.model.init_from and cfg.warmstart.enabled
-        steps = f"{cfg.rl.steps} RL step{'s' if cfg.rl.steps != 1 else ''}"
-        if warm:  # rl.steps=0: a warm start alone, as compare starts one (not "then 0 RL steps")
-            steps = "warm start only, no RL steps" if cfg.rl.steps == 0 else f"warm start, then {steps}"
-        return (f"{head}: {steps} → {self.out}/ (metrics.jsonl; "
-                f"{checkpoint_plan(0, cfg.rl.steps, cfg.checkpoint.every)})")
-
-    def _prepare_output_dir(self):
-        self.out.mkdir(parents=True, exist_ok=True)
-        if self.force:
-            removed = existing_run_artifacts(self.out)
-            for name in removed:
-                p = self.out / name.rstrip("/")
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-            if removed:
-                self.log(f"--force: removed the earlier run's {', '.join(removed)} from {self.out}")
-        if self.ckpt_dir.is_dir():  # leftovers of a write that was killed
-            for tmp in self.ckpt_dir.glob(".tmp_*"):
-                shutil.rmtree(tmp, ignore_errors=True)
-            for bad in self._unusable:  # kept for inspection, out of the way of resume and pruning
-                aside = bad.with_name(bad.name + ".unusable")
-                shutil.rmtree(aside, ignore_errors=True)
-                os.replace(bad, aside)
-                self.log(f"moved the unusable checkpoint {bad.name} to {aside.name}")
 
     # ------------------------------------------------------------------ signals
     def _install_signal_handlers(self):
@@ -274,83 +176,29 @@ class Trainer:
         self.log(f"{name} received: will save a checkpoint {when} and exit {STOP_EXIT_CODES[signum]}{more}")
 
     # ------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_N`` atomically. A write that fails (disk full, quota, I/O error) removes
-        its temporary directory and raises :class:`CheckpointWriteError`: one line naming the checkpoint."""
-        final = self.ckpt_dir / f"step_{self.step:06d}"
-        try:
-            return self._save_checkpoint()
-        except BaseException as err:  # a second Ctrl-C mid-write too: no half-written directory left behind
-            reason = write_failure_reason(err, self.ckpt_dir) if is_write_failure(err) else None
-            shutil.rmtree(self.ckpt_dir / f".tmp_{final.name}_{os.getpid()}", ignore_errors=True)
-            if reason is None:
-                raise
-            kept = (f"the newest complete checkpoint is {self.last_checkpoint}" if self.last_checkpoint
-                    else "no checkpoint of this run was written")
-            raise CheckpointWriteError(f"cannot write checkpoint {final}: {reason} ({kept})") from err
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint of this run (the one it resumed from, until it writes one)."""
+        return self.checkpoints.last
 
-    def _save_checkpoint(self) -> Path:
-        name = f"step_{self.step:06d}"
-        final = self.ckpt_dir / name
-        if self._saved_step == self.step and final.is_dir():
-            return final  # already on disk (e.g. the checkpoint this run resumed from)
-        tmp = self.ckpt_dir / f".tmp_{name}_{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self.policy.save_pretrained(str(tmp / "policy"), safe_serialization=True)
-        self.tokenizer.save_pretrained(str(tmp / "tokenizer"))
-        if self.critic is not None:
-            self.critic.save_pretrained(str(tmp / "critic"), safe_serialization=True)
-        ordinary_file_modes(tmp)  # safetensors creates its files 0600; every other file is 0666 - umask
-        if os.environ.get("NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"):  # test hook: widen the write window
-            time.sleep(float(os.environ["NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"]))
-        torch.save({"policy": self.opt.state_dict(),
-                    "critic": self.critic_opt.state_dict() if self.critic_opt else None}, tmp / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "rng.pt")
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_N`` of the current step (:meth:`.checkpoint.CheckpointWriter.save`:
+        atomic; a failed write raises ``CheckpointWriteError``, one line naming the checkpoint)."""
         state = {"step": self.step, "samples": self.samples, "wall_time": self.wall, "algorithm": self.cfg.algorithm,
                  "data_position": self.step, "espo_alpha": self.espo_alpha, "seed": self.cfg.seed}
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
-        (tmp / "config.yaml").write_text(dump_config(self.cfg))
-        write_manifest(tmp)  # fsyncs every file, then records the sizes
-        if final.exists():  # a same-step leftover (e.g. an unusable one): set aside, never half-replaced
-            old = self.ckpt_dir / f".tmp_old_{name}_{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        fsync_dir(self.ckpt_dir)
-        atomic.write_text(self.ckpt_dir / "latest", name + "\n")
-        self._saved_step = self.step
-        self.last_checkpoint = final
-        self._prune()
-        return final
-
-    def _prune(self):
-        for old in step_dirs(self.ckpt_dir)[self.cfg.checkpoint.keep:]:
-            shutil.rmtree(old, ignore_errors=True)
+        return self.checkpoints.save(self.step, policy=self.policy, tokenizer=self.tokenizer, critic=self.critic,
+                                     opt=self.opt, critic_opt=self.critic_opt, state=state,
+                                     config=dump_config(self.cfg))
 
     def _load_state(self, loaded):
-        path, state = loaded.path, loaded.state
+        state = loaded.state
         self.step, self.samples, self.wall = int(state["step"]), int(state["samples"]), float(state["wall_time"])
         self.espo_alpha = state.get("espo_alpha")
         if self.espo_alpha is not None:
             self.loss_fn.set_espo_alpha(self.espo_alpha)
-        try:
-            self.opt.load_state_dict(loaded.optimizer["policy"])
-            if self.critic_opt is not None and loaded.optimizer.get("critic"):
-                self.critic_opt.load_state_dict(loaded.optimizer["critic"])
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise CheckpointError(f"{path / 'optimizer.pt'}: does not fit this model "
-                                  f"({str(err).splitlines()[0]})") from None
-        rng = loaded.rng
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if rng.get("cuda") is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        self._saved_step = self.step
-        self.last_checkpoint = path  # the start line said "resuming at step … from <path>": not said twice
+        restore_optimizers_and_rng(loaded, self.opt, self.critic_opt)
+        # the start line said "resuming at step … from <path>": not said twice
+        self.checkpoints.resumed_from(loaded.path, self.step)
 
     # ------------------------------------------------------------------ one RL step
     def rollout(self, step: int) -> dict:
@@ -394,7 +242,9 @@ class Trainer:
         """V(s_p) logits as NeMo-RL's right-shifted values ``[B, S]``: at the first response column.
 
         Only the unique prompts are forwarded (causality: the value at the last prompt token does
-        not depend on the response), then scattered back to every row.
+        not depend on the response), then scattered back to every row. They are forwarded in
+        ``torch.unique``'s sorted order, not in ``sppo.critic.unique_prompts``' first-occurrence order:
+        a batched forward's last bits depend on a row's position, and runs stay bit-identical to earlier ones.
         """
         prompts = prompt_only(batch["input_ids"], batch["token_mask"], self.tokenizer.pad_token_id)
         unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
@@ -495,7 +345,7 @@ class Trainer:
         n = len(per_step)
         for k in per_step[0]:
             vals = [m[k] for m in per_step]
-            if k not in _EXTREMA:
+            if k not in RATIO_EXTREMA:
                 rec[f"train/{k}"] = sum(vals) / n
             else:
                 rec[f"train/{k}"] = min(vals) if k.endswith("_min") else max(vals)
@@ -578,119 +428,9 @@ class Trainer:
         return STOP_EXIT_CODES[self._stop_signal]
 
 
-class Progress:
-    """A tqdm bar when stderr is a terminal and ``logger.progress`` is on; else one plain line
-    every ``logger.log_every`` steps (and at the last step). Accuracy shows its latest value."""
-
-    def __init__(self, cfg: TrainConfig, step: int, accuracy: float | None, log):
-        self.total, self.every, self.log = cfg.rl.steps, cfg.logger.log_every, log
-        self.acc = accuracy
-        self.t0, self.step0 = time.time(), step
-        self.bar = None
-        if cfg.logger.progress and sys.stderr.isatty() and step < cfg.rl.steps:
-            from tqdm.auto import tqdm
-            self.bar = tqdm(total=cfg.rl.steps, initial=step, desc=cfg.algorithm, dynamic_ncols=True, file=sys.stderr)
-
-    def update(self, rec: dict) -> None:
-        self.acc = rec.get("validation/accuracy", self.acc)
-        clip = rec.get("train/clip_frac_low", 0.0) + rec.get("train/clip_frac_high", 0.0)
-        fields = {"reward": f"{rec['train/reward']:.3f}", "clip": f"{clip:.4f}"}
-        if self.acc is not None:
-            fields["acc"] = f"{self.acc:.3f}"
-        if self.bar is not None:
-            self.bar.update(1)
-            self.bar.set_postfix(fields)
-            return
-        step = rec["step"]
-        if self.every and (step % self.every == 0 or step == self.total):
-            rate = (time.time() - self.t0) / max(1, step - self.step0)
-            self.log(f"step {step}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in fields.items())
-                     + f" ({rate:.2f} s/step)")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 def prompt_only(input_ids: torch.Tensor, token_mask: torch.Tensor, pad_id: int) -> torch.Tensor:
     """The prompt of each row (tokens before the first response token), right padded, trimmed."""
     first = first_response_index(token_mask > 0)
     width = max(1, int(first.max()))
     col = torch.arange(width, device=input_ids.device)[None, :]
     return torch.where(col < first[:, None], input_ids[:, :width], torch.full_like(input_ids[:, :width], pad_id))
-
-
-class MetricSinks:
-    """metrics.jsonl (always), TensorBoard and wandb (when enabled and installed).
-
-    On resume the records past the checkpoint's step (steps that are redone) move to
-    ``metrics.superseded.jsonl``: nothing already written is lost."""
-
-    def __init__(self, out: Path, cfg: TrainConfig, resume_step: int | None, log=None):
-        self.path = out / "metrics.jsonl"
-        self.last_step = self.first_accuracy = self.last_accuracy = None
-        if resume_step is not None and self.path.exists():
-            keep, drop = [], []
-            for line in self.path.read_text().splitlines():
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                    ok = int(rec["step"]) <= resume_step
-                except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a kill
-                    rec, ok = None, False
-                (keep if ok else drop).append(line)
-                if ok:
-                    self._track(rec)
-            if drop:
-                with (out / "metrics.superseded.jsonl").open("a") as fh:
-                    fh.write("".join(line + "\n" for line in drop))
-                if log:
-                    log(f"{len(drop)} metrics.jsonl record(s) past step {resume_step} moved to "
-                        "metrics.superseded.jsonl (those steps are redone)")
-            atomic.write_text(self.path, "".join(line + "\n" for line in keep))
-        self.fh = self.path.open("a")
-        self.tb = self.wandb = None
-        if cfg.logger.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(str(out / "tensorboard"))
-            except ImportError:
-                self.tb = None
-        if cfg.logger.wandb:
-            try:
-                import wandb
-                self.wandb = wandb.init(project=cfg.logger.wandb_project, name=cfg.name, dir=str(out),
-                                        mode=cfg.logger.wandb_mode, config=cfg.model_dump(mode="json"))
-            except ImportError:
-                self.wandb = None
-
-    def _track(self, rec: dict) -> None:
-        self.last_step = rec["step"]
-        acc = rec.get("validation/accuracy")
-        if isinstance(acc, (int, float)):
-            self.first_accuracy = acc if self.first_accuracy is None else self.first_accuracy
-            self.last_accuracy = acc
-
-    def write(self, rec: dict) -> None:
-        self.fh.write(json.dumps(rec) + "\n")
-        self.fh.flush()
-        self._track(rec)
-        # a Unix time is no curve (and float32 TensorBoard scalars would round it to minutes): metrics.jsonl only
-        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)
-                   and not k.endswith("_unix")}
-        if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, rec["step"])
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=rec["step"])
-
-    def close(self):
-        if self.fh.closed:
-            return
-        self.fh.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
