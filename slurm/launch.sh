@@ -73,6 +73,7 @@ NOFILE_LIMIT=${NOFILE_LIMIT:-65535} # soft `ulimit -n` on every node (Ray's larg
 UV_CACHE_DIR_OVERRIDE=${UV_CACHE_DIR_OVERRIDE:-}  # refused with CONTAINER (NeMo-RL's image needs its /root/.cache/uv)
 RAY_TMP_BASE=${RAY_TMP_BASE:-/tmp}  # Ray's --temp-dir is $RAY_TMP_BASE/rayng<jobid>_<node>
 RAY_WAIT_TIMEOUT=${RAY_WAIT_TIMEOUT:-1800}  # includes each node's import of CONTAINER (ray.sub gives its workers 1800 s)
+RAY_HEAD_TRIES=${RAY_HEAD_TRIES:-3}  # starts of a Ray head that exits before Ray says "Ray runtime started."
 WATCH_INTERVAL=${WATCH_INTERVAL:-5}
 RAY_WATCH_FAILURES=${RAY_WATCH_FAILURES:-3}  # the watchdog fails after this many failed ray.nodes() probes in a row
 DRIVER_STOP_GRACE=${DRIVER_STOP_GRACE:-20}  # seconds between SIGTERM and SIGKILL when failing
@@ -482,6 +483,11 @@ ray_exit_why() {  # ray_exit_why LOG...: what `ray start --block` reported when 
   echo "Ray reports ${procs:-a process} exited${last:+; the last error in its log: $last}"
 }
 
+ray_start_error() {  # ray_start_error < LOG: the last exception or ERROR line `ray start` printed
+  # ("Exception: The current node timed out during startup. ...")
+  sed 's/\x1b\[[0-9;]*m//g' | grep -E '^[A-Za-z_.]*(Error|Exception)\b|ERROR' | tail -n1 | cut -c1-300
+}
+
 preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a line: the preflight's
   # `preflight: error: ...` lines (exit 1), else its one-line reason (exit 2: `nemo-granular
   # preflight: ...`), else the last lines (e.g. a Python that has no nemo_granular)
@@ -508,6 +514,7 @@ check_steps() {
       esac
       why=$(last_error "${logs[@]}")
       [[ -n "$why" || "$name" == watch ]] || why=$(ray_exit_why "${logs[@]}")
+      [[ -n "$why" || "$name" == watch ]] || why=$(cat "${logs[@]}" 2>/dev/null | ray_start_error)
       if [[ "$name" == watch ]]; then
         if (( rc == 4 )); then
           # a lost node (not the run's fault): requeued within MAX_RESTARTS. Slurm requeues a
@@ -601,25 +608,42 @@ CLEAR_STEP_VARS='for ng_v in $(compgen -e); do if [[ $ng_v =~ ^(PMI|PMIX|MPI|OMP
 
 start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
   # ------------------------------------------------------------------ 1. Ray head -----------------
-  srun "${SRUN_COMMON[@]}" "${HEAD_CONTAINER[@]}" --nodes=1 --ntasks=1 -w "$HEAD" --output="$LOG_DIR/ray-head.log" --open-mode=append \
-    bash -c "source '$NODE_ENV' && $CLEAR_STEP_VARS && exec ray start --head --node-ip-address=$HEAD_IP --port=$RAY_PORT \
-      --ray-client-server-port=$RAY_CLIENT_SERVER_PORT --include-dashboard=false --temp-dir=${RAY_TMP}_head $RAY_COMMON \
-      \${SLURMD_NODENAME:+--node-name=\$SLURMD_NODENAME}" &
-  STEP_PIDS[ray-head]=$!
-  log "starting the Ray head on $HEAD (srun pid ${STEP_PIDS[ray-head]})"
-  deadline=$((SECONDS + RAY_WAIT_TIMEOUT))
-  until timeout 2 bash -c "exec 3<>/dev/tcp/$HEAD_IP/$RAY_PORT" 2>/dev/null; do
-    check_steps
-    (( SECONDS < deadline )) || fail "the Ray head did not open $RAY_ADDRESS_HEAD within ${RAY_WAIT_TIMEOUT}s (see $LOG_DIR/ray-head.log)"
-    [[ -z "$SIGNALED" ]] || fail "signalled (SIG$SIGNALED) before the Ray cluster was up; nothing to checkpoint"
-    nap 1
+  # Ready when `ray start` prints "Ray runtime started.": its raylet has registered with the GCS.
+  # The GCS port opens before that, and on an overloaded node `ray start` gives the raylet 30 s
+  # (hard-coded in Ray 2.60's node.py), then raises "The current node timed out during startup"
+  # and exits 1: nothing has run yet, so the head is started again, RAY_HEAD_TRIES times in all
+  local head_try=1 from rc why
+  while :; do
+    from=$(( $(stat -c %s "$LOG_DIR/ray-head.log" 2>/dev/null || echo 0) + 1 ))   # this try's part of the log
+    srun "${SRUN_COMMON[@]}" "${HEAD_CONTAINER[@]}" --nodes=1 --ntasks=1 -w "$HEAD" --output="$LOG_DIR/ray-head.log" --open-mode=append \
+      bash -c "source '$NODE_ENV' && $CLEAR_STEP_VARS && exec ray start --head --node-ip-address=$HEAD_IP --port=$RAY_PORT \
+        --ray-client-server-port=$RAY_CLIENT_SERVER_PORT --include-dashboard=false --temp-dir=${RAY_TMP}_head $RAY_COMMON \
+        \${SLURMD_NODENAME:+--node-name=\$SLURMD_NODENAME}" &
+    STEP_PIDS[ray-head]=$!
+    log "starting the Ray head on $HEAD (srun pid ${STEP_PIDS[ray-head]}$( (( head_try == 1 )) || echo ", try $head_try of $RAY_HEAD_TRIES"))"
+    deadline=$((SECONDS + RAY_WAIT_TIMEOUT))
+    until tail -c "+$from" "$LOG_DIR/ray-head.log" 2>/dev/null | grep -q "Ray runtime started"; do
+      if (( head_try < RAY_HEAD_TRIES )) && [[ -z "$SIGNALED" ]] && ! kill -0 "${STEP_PIDS[ray-head]}" 2>/dev/null; then
+        rc=0; wait "${STEP_PIDS[ray-head]}" 2>/dev/null || rc=$?
+        unset "STEP_PIDS[ray-head]"
+        why=$(tail -c "+$from" "$LOG_DIR/ray-head.log" 2>/dev/null | ray_start_error)
+        log "the Ray head exited (code $rc) before it started${why:+: $why}; starting it again"
+        head_try=$((head_try + 1))
+        continue 2
+      fi
+      check_steps
+      (( SECONDS < deadline )) || fail "the Ray head did not start within ${RAY_WAIT_TIMEOUT}s (see $LOG_DIR/ray-head.log)"
+      [[ -z "$SIGNALED" ]] || fail "signalled (SIG$SIGNALED) before the Ray cluster was up; nothing to checkpoint"
+      nap 1
+    done
+    break
   done
-  log "Ray head is listening on $RAY_ADDRESS_HEAD"
+  log "Ray head is up at $RAY_ADDRESS_HEAD"
 
   # ------------------------------------------------------------------ 2. Ray workers --------------
   if (( NNODES > 1 )); then
     wlist=$(IFS=,; echo "${WORKERS[*]}")
-    # the head is listening already: a few tries ride out a slow GCS; a node that cannot start Ray
+    # the head is up already: a few tries ride out a slow GCS; a node that cannot start Ray
     # ends its step (and so the job) within seconds
     srun "${SRUN_COMMON[@]}" "${WORKER_CONTAINER[@]}" --nodes=$((NNODES - 1)) --ntasks=$((NNODES - 1)) -w "$wlist" \
       --output="$LOG_DIR/ray-worker-%N.log" --open-mode=append \

@@ -207,8 +207,13 @@ def _launch(tmp_path: Path, cmd: tuple[str, ...] = ("true",), fakes: dict | None
     return r, _calls(log)
 
 
+# a fake srun's --output file ($out), and what `ray start --head` prints there once its raylet has
+# registered with the GCS (Ray 2.60's scripts.py; the launcher waits for it)
+SRUN_OUT = 'out=/dev/null; for a; do [[ "$a" == --output=* ]] && out=${a#--output=}; done\n'
+HEAD_STARTED = 'echo "2026-11-30 11:24:35,462 SUCC scripts.py:1085 -- Ray runtime started." >>"$out"; '
 # the Ray head's and the watchdog's steps run until they are stopped, as the real ones do
-RAY_SRUN = 'case "$*" in *"ray start"*|*"ray_cluster.py\' watch"*) exec sleep 60 ;; esac; exit 0'
+RAY_SRUN = (SRUN_OUT + 'case "$*" in *"ray start --head"*) ' + HEAD_STARTED + 'exec sleep 60 ;;\n'
+            '  *"ray start"*|*"ray_cluster.py\' watch"*) exec sleep 60 ;; esac; exit 0')
 
 
 def _launch_ray(tmp_path: Path, cmd: tuple[str, ...] = ("true",), scontrol: str = "",
@@ -595,7 +600,8 @@ def test_ray_head_and_workers_start_without_the_steps_slurm_and_pmi_variables(tm
     (fake / "ray").write_text(f'#!/usr/bin/env bash\nenv >"{envs}/$([[ " $* " == *" --head "* ]] && echo head || '
                               f'echo worker).env"\nexec sleep 60 </dev/null >/dev/null 2>&1\n')   # (not holding our pipes)
     (fake / "ray").chmod(0o755)
-    srun = ('case "$*" in *"ray start"*) export SLURM_PROCID=1 SLURM_STEP_ID=2 PMI_RANK=1 PMIX_RANK=1 '
+    srun = (SRUN_OUT + 'case "$*" in *"ray start --head"*) ' + HEAD_STARTED + ';; esac\n'
+            'case "$*" in *"ray start"*) export SLURM_PROCID=1 SLURM_STEP_ID=2 PMI_RANK=1 PMIX_RANK=1 '
             'OMPI_COMM_WORLD_RANK=1; shift $(($# - 3)); exec "$@" ;; *"ray_cluster.py\' watch"*) exec sleep 60 ;; '
             'esac; exit 0')
     hosts = '[[ "$1 $2" == "show hostnames" ]] && { echo n1; echo n2; exit 0; }\n'
@@ -710,8 +716,7 @@ def test_launch_passes_ray_watch_failures_to_the_watchdog(tmp_path):
 # the watchdog reports a lost node (its ERROR line in watch.log, exit 4) while the driver runs
 # the job was submitted with --exclude=n5 (scontrol show job)
 EXC_N5 = '[[ "$1 $2" == "show job" ]] && { echo "   ReqNodeList=(null) ExcNodeList=n5"; exit 0; }\n'
-NODE_LOST_SRUN = ('out=""; for a; do [[ "$a" == --output=* ]] && out=${a#--output=}; done\n'
-                  'case "$*" in *"ray start"*) exec sleep 60 ;;\n'
+NODE_LOST_SRUN = (SRUN_OUT + 'case "$*" in *"ray start"*) ' + HEAD_STARTED + 'exec sleep 60 ;;\n'
                   '  *"ray_cluster.py\' watch"*) sleep 1; echo "ERROR: Ray node lost: n2 (10.0.0.2) — 1 of 2 nodes '
                   'alive" >>"$out"; lost=$(sed -n "s/.*--lost-out=\'\\([^\']*\\)\'.*/\\1/p" <<<"$*"); '
                   'echo n2 >>"$lost"; exit 4 ;;\n'
@@ -767,8 +772,8 @@ raylet.wait()
 cli_logger.error("Some Ray subprocesses exited unexpectedly:")   # scripts.py's words before the details
 scripts._log_unexpected_subprocess_exit_details([("raylet", raylet)], logs, None)
 """
-RAY_DIES_SRUN = ('out=""; for a; do [[ "$a" == --output=* ]] && out=${a#--output=}; done\n'
-                 'case "$*" in *"ray start"*) sleep 2; ' + f'{sys.executable} "$(dirname "$0")/ray_report.py"'
+RAY_DIES_SRUN = (SRUN_OUT + 'case "$*" in *"ray start"*) ' + HEAD_STARTED + 'sleep 2; '
+                 f'{sys.executable} "$(dirname "$0")/ray_report.py"'
                  ' >>"$out" 2>&1; exit 1 ;;\n'
                  '  *"ray_cluster.py\' watch"*|*driver.sh) exec sleep 60 ;; esac; exit 0')
 
@@ -792,6 +797,47 @@ def test_a_dead_ray_head_fails_the_job_with_rays_own_reason(tmp_path):
         "[2026-11-29 18:07:48,708 E 11 11] (raylet) node_manager.cc:34: marked dead by the GCS; see "
         f"{tmp_path}/logs/job-7/ray-head.log"), status
     assert status["reason"] in r.stdout, r.stdout
+
+
+
+# what `ray start --head` prints when its raylet does not register within Ray 2.60's fixed 30 s
+# (node.py), then exit 1; the fake head does this on its first FAILS starts (a count in $tries)
+HEAD_TIMEOUT = ("Exception: The current node timed out during startup. This could happen because some of the "
+                "raylet failed to startup or the GCS has become overloaded.")
+HEAD_TIMES_OUT_SRUN = (SRUN_OUT + 'tries="$(dirname "$0")/head_tries"\n'
+                       'case "$*" in *"ray start --head"*) echo x >>"$tries"\n'
+                       '    if (( $(wc -l <"$tries") <= FAILS )); then sleep 1; { echo "Traceback (most recent call last):";'
+                       f' echo "  File \"ray/_private/node.py\", line 440, in __init__"; echo "{HEAD_TIMEOUT}"; }} >>"$out";'
+                       ' exit 1; fi\n    ' + HEAD_STARTED + 'exec sleep 60 ;;\n'
+                       '  *"ray_cluster.py\' watch"*) exec sleep 60 ;; esac; exit 0')
+
+
+@pytest.mark.parametrize("fails", [2, 3])
+def test_a_ray_head_that_times_out_in_its_start_is_started_again(tmp_path, fails):
+    """A CI run's Ray head step exited 1 46 s after its GCS port opened, with no report of a dead
+    process: what `ray start --head` does when its raylet has not registered within Ray 2.60's fixed
+    30 s on an overloaded node. The launcher took the open port for a started head and failed the job
+    when the step exited. Now the head is ready when Ray prints "Ray runtime started."; a head that
+    exits before that is started again, RAY_HEAD_TRIES (3) times in all, each retry a line with
+    Ray's error; the third failure fails the job with that error (not "a node or its Ray process died")."""
+    r, calls = _launch(tmp_path, ("true",), {"srun": HEAD_TIMES_OUT_SRUN}, START_RAY="1", FAILS=str(fails),
+                       DRIVER_STOP_GRACE="2", MAX_RESTARTS="0")
+    heads = [c for c in calls if c[0] == "srun" and "ray start --head" in " ".join(c)]
+    retries = [line.split("] ", 1)[1] for line in r.stdout.splitlines() if "before it started" in line]
+    log = tmp_path / "logs" / "job-7" / "ray-head.log"
+    assert len(heads) == 3 and log.read_text().count(HEAD_TIMEOUT) == fails, (heads, r.stdout + r.stderr)
+    assert retries == [f"the Ray head exited (code 1) before it started: {HEAD_TIMEOUT[:300]}; starting it again"] * 2
+    assert [re.sub(r"srun pid \d+", "srun pid N", line.split("] ", 1)[1]) for line in r.stdout.splitlines()
+            if "starting the Ray head on" in line] == ["starting the Ray head on n1 (srun pid N)",
+                                                       "starting the Ray head on n1 (srun pid N, try 2 of 3)",
+                                                       "starting the Ray head on n1 (srun pid N, try 3 of 3)"], r.stdout
+    status = json.loads((tmp_path / "logs" / "job-7" / "status.json").read_text())
+    if fails == 2:   # the third start: the job runs (the driver `true`)
+        assert r.returncode == 0 and status["reason"] == "driver finished", (status, r.stdout + r.stderr)
+        assert "Ray head is up at" in r.stdout
+    else:
+        assert r.returncode == 1 and status["reason"] == (
+            f"the ray-head step exited (code 1): {HEAD_TIMEOUT[:300]}; see {log}"), (status, r.stdout + r.stderr)
 
 
 # ---------------------------------------------------------------- 11. preemption, honestly ---------

@@ -362,8 +362,12 @@ def _explain(cluster: Cluster, workdir: Path, job: str) -> str:
         if src.is_file():
             shutil.copyfile(src, keep / src.name)
     parts = []
-    for p in sorted(workdir.rglob("*")):
-        if p.parent == keep or not p.is_file() or p.stat().st_size >= 2_000_000:
+    files = [p for p in workdir.rglob("*") if p.parent != keep and p.is_file() and p.stat().st_size < 2_000_000]
+    # the steps' own logs (ray-head.log: Ray's error) before the rest; launcher.log only where no
+    # slurm-<job>.out holds the same lines (a CI log shows only the start and the end of a long message)
+    has_out = any(p.name == f"slurm-{job}.out" for p in files)
+    for p in sorted(files, key=lambda p: (p.suffix != ".out", p.name == "launcher.log", str(p))):
+        if p.name == "launcher.log" and has_out:
             continue
         if p.suffix in (".out", ".log", ".json"):
             parts.append(f"--- {p.relative_to(workdir)}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:]))
