@@ -178,6 +178,44 @@ def test_trainer_calls_plugin_with_nemo_rl_contract(tmp_path, algorithm):
     assert ends == sorted(ends) and ends[-1] - ends[0] >= steps[-1]["timing/train/total_step_time"] - 1e-6
 
 
+
+def test_critic_values_are_each_rows_prompt_forwarded_alone(tmp_path):
+    """SPPO's V(prompt) in the trainer: the unique prompts go through the critic once
+    (``sppo.critic.unique_prompts``) and come back to every row at its first response column. The
+    reference here forwards each row's prompt (the tokens before its first response token) alone, with
+    no padding, and reads the scalar head. The rows (the embedded task's prompts all have one length,
+    so these are drawn here): prompts of 3, 5 and 7 tokens, each repeated with other responses, and a
+    prompt that is another's prefix."""
+    from nemo_granular.embedded.trainer import Trainer
+
+    t = Trainer(_cfg("sppo", tmp_path, "rl.steps=1"), log=lambda m: None)
+    try:
+        pad = t.tokenizer.pad_token_id
+        gen = torch.Generator().manual_seed(0)
+        vocab = torch.tensor([i for i in range(t.critic.config.vocab_size) if i != pad])
+        prompts = [vocab[torch.randint(len(vocab), (n,), generator=gen)] for n in (3, 5, 7)]
+        prompts.append(prompts[2][:4])
+        rows = [0, 1, 0, 2, 3, 1, 2, 0]
+        S = 12
+        input_ids = torch.full((len(rows), S), pad)
+        token_mask = torch.zeros(len(rows), S)
+        for b, k in enumerate(rows):
+            n = len(prompts[k])
+            input_ids[b, :n] = prompts[k]
+            length = 1 + b % 4        # responses of different lengths, then padding
+            input_ids[b, n:n + length] = vocab[torch.randint(len(vocab), (length,), generator=gen)]
+            token_mask[b, n:n + length] = 1
+        with torch.no_grad():
+            values = t.critic_values({"input_ids": input_ids, "token_mask": token_mask})
+            ref = torch.stack([t.critic(input_ids=prompts[k][None]).logits[0, 0].float() for k in rows])
+    finally:
+        t.close()
+    first = torch.tensor([len(prompts[k]) for k in rows])
+    at = values.gather(1, first[:, None])[:, 0]
+    torch.testing.assert_close(at, ref, rtol=0, atol=1e-7)   # measured: 7.5e-9
+    assert values.abs().sum() == at.abs().sum()      # nothing written elsewhere
+
+
 def test_moe_policy_trains(tmp_path):
     from nemo_granular.embedded.trainer import Trainer
 

@@ -33,6 +33,7 @@ from ..core.clipping import ESPO_AUTO_TARGET_EPS
 from ..core.groups import group_ids_for
 from ..core.offpolicy import batch_mismatch_extrema
 from ..losses import GranularPolicyLoss, SequenceValueLoss
+from ..sppo.critic import unique_prompts
 from . import models as M
 from .checkpoint import CheckpointWriter, restore_optimizers_and_rng
 from .config import TrainConfig, dump_config
@@ -242,17 +243,17 @@ class Trainer:
         """V(s_p) logits as NeMo-RL's right-shifted values ``[B, S]``: at the first response column.
 
         Only the unique prompts are forwarded (causality: the value at the last prompt token does
-        not depend on the response), then scattered back to every row. They are forwarded in
-        ``torch.unique``'s sorted order, not in ``sppo.critic.unique_prompts``' first-occurrence order:
-        a batched forward's last bits depend on a row's position, and runs stay bit-identical to earlier ones.
+        not depend on the response), then scattered back to every row: ``sppo.critic.unique_prompts``
+        (the de-duplication of the NeMo-RL critic path), each row's prompt being the tokens before its
+        first response token.
         """
-        prompts = prompt_only(batch["input_ids"], batch["token_mask"], self.tokenizer.pad_token_id)
-        unique, inverse = torch.unique(prompts, dim=0, return_inverse=True)
-        attention = (unique != self.tokenizer.pad_token_id).long()
+        col = first_response_index(batch["token_mask"] > 0)   # each row's prompt length
+        unique, inverse = unique_prompts(batch["input_ids"], self.tokenizer.pad_token_id, lengths=col)
+        lengths = torch.zeros(unique.shape[0], dtype=col.dtype, device=col.device).scatter(0, inverse, col)
+        attention = (torch.arange(unique.shape[1], device=col.device)[None, :] < lengths[:, None]).long()
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             v = self.critic(input_ids=unique, attention_mask=attention).logits[:, 0].float()
         v = v[inverse]
-        col = first_response_index(batch["token_mask"] > 0)
         values = torch.zeros_like(batch["token_mask"], dtype=v.dtype)
         return values.scatter(1, col[:, None], v[:, None])
 
@@ -426,11 +427,3 @@ class Trainer:
         # how to continue is the launcher's to say (train: one `resume with:` line; compare: `compare --resume`)
         self.log(f"stopped by {name} at step {self.step}/{self.cfg.rl.steps}: checkpoint {self.last_checkpoint}")
         return STOP_EXIT_CODES[self._stop_signal]
-
-
-def prompt_only(input_ids: torch.Tensor, token_mask: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """The prompt of each row (tokens before the first response token), right padded, trimmed."""
-    first = first_response_index(token_mask > 0)
-    width = max(1, int(first.max()))
-    col = torch.arange(width, device=input_ids.device)[None, :]
-    return torch.where(col < first[:, None], input_ids[:, :width], torch.full_like(input_ids[:, :width], pad_id))
