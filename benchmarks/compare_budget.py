@@ -23,8 +23,12 @@ ALGS = "grpo,gspo,sspo,espo,sppo"
 
 def timed(args: list[str]) -> float:
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "nemo_granular", "compare", "--algorithms", ALGS, *args], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "nemo_granular", "compare", "--algorithms", ALGS, *args],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.time() - t0
 
 
@@ -41,9 +45,14 @@ def main() -> None:
             full = timed(["--out", f"{tmp}/full"])
             rows.append(("full (defaults: warm start + 100 RL steps each)", full, 600.0))
             print(f"full: {full:.0f} s (budget 600 s)")
-    md = ["## Embedded comparison wall time (`benchmarks/compare_budget.py`)", "",
-          f"Machine: {machine()}. Five algorithms ({ALGS}), one seed, two runs at a time, one thread each.", "",
-          "| setting | wall time (s) | budget (s) | ratio to budget |", "|---|---|---|---|"]
+    md = [
+        "## Embedded comparison wall time (`benchmarks/compare_budget.py`)",
+        "",
+        f"Machine: {machine()}. Five algorithms ({ALGS}), one seed, two runs at a time, one thread each.",
+        "",
+        "| setting | wall time (s) | budget (s) | ratio to budget |",
+        "|---|---|---|---|",
+    ]
     md += [f"| {name} | {t:.0f} | {b:.0f} | {t / b:.2f} |" for name, t, b in rows]
     update_section("compare_budget", "\n".join(md))
 

@@ -44,11 +44,19 @@ def make_model(hidden, layers, vocab, seed=0):
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
-                                   num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1),
-                                   num_key_value_heads=1, head_dim=64,
-                                   max_position_embeddings=8192, num_labels=1, pad_token_id=PAD,
-                                   classifier_dropout=0.0)
+    cfg = transformers.Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=8192,
+        num_labels=1,
+        pad_token_id=PAD,
+        classifier_dropout=0.0,
+    )
     return transformers.Qwen3ForTokenClassification(cfg).float()
 
 
@@ -60,7 +68,7 @@ def analytic_flops(lengths, hidden, layers, inter, n_heads, n_kv, head_dim):
     mlp = 3 * hidden * inter
     per_token = 2 * (layers * (attn_proj + mlp) + hidden)
     lengths = torch.as_tensor(lengths, dtype=torch.float64)
-    return float(per_token * lengths.sum() + 2 * layers * n_heads * head_dim * (lengths ** 2).sum())
+    return float(per_token * lengths.sum() + 2 * layers * n_heads * head_dim * (lengths**2).sum())
 
 
 def make_batch(n_prompts, n_per_prompt, p_range, r_range, vocab, seed=0):
@@ -77,10 +85,15 @@ def make_batch(n_prompts, n_per_prompt, p_range, r_range, vocab, seed=0):
     tm = torch.zeros(len(rows), S)
     for i, (r, p) in enumerate(zip(rows, plen)):
         ids[i, : len(r)] = r
-        tm[i, p: len(r)] = 1
+        tm[i, p : len(r)] = 1
     B = len(rows)
-    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows]), "token_mask": tm,
-            "sample_mask": torch.ones(B), "rewards": torch.randint(0, 2, (B,), generator=g).float()}
+    return {
+        "input_ids": ids,
+        "input_lengths": torch.tensor([len(r) for r in rows]),
+        "token_mask": tm,
+        "sample_mask": torch.ones(B),
+        "rewards": torch.randint(0, 2, (B,), generator=g).float(),
+    }
 
 
 def _attn(ids, lengths):
@@ -121,15 +134,29 @@ def measure(model, data, reps):
         model(input_ids=i, attention_mask=_attn(i, n)).logits.sum().backward()
 
     c = model.config
-    af = lambda L: analytic_flops(L, c.hidden_size, c.num_hidden_layers, c.intermediate_size,  # noqa: E731
-                                  c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+
+    def af(L):
+        return analytic_flops(
+            L,
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.intermediate_size,
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+
     model.eval()
     res = {
-        "rows_full": ids.shape[0], "rows_query": q["num_unique"], "width_full": ids.shape[1],
+        "rows_full": ids.shape[0],
+        "rows_query": q["num_unique"],
+        "width_full": ids.shape[1],
         "width_short": q["input_ids"].shape[1],
-        "tokens_full": int(lens.sum()), "tokens_query": int(q["input_lengths"].sum()),
+        "tokens_full": int(lens.sum()),
+        "tokens_query": int(q["input_lengths"].sum()),
         "tokens_train_short": int(t["input_lengths"].sum()),
-        "analytic_full": af(lens), "analytic_query": af(q["input_lengths"]),
+        "analytic_full": af(lens),
+        "analytic_query": af(q["input_lengths"]),
         "analytic_train_short": af(t["input_lengths"]),
         "counted_full": _counted_flops(lambda: fwd(ids, lens)),
         "counted_query": _counted_flops(lambda: fwd(q["input_ids"], q["input_lengths"])),
@@ -187,7 +214,8 @@ def main(argv=None):
             f"{r['tokens_full']} → {r['tokens_query']} | {r['analytic_full'] / r['analytic_query']:.1f}× | "
             f"{r['counted_full'] / r['counted_query']:.1f}× | "
             f"{r['t_get_full']:.3f} s / {r['t_get_query']:.3f} s = {r['t_get_full'] / r['t_get_query']:.1f}× | "
-            f"{r['t_train_full']:.3f} s / {r['t_train_short']:.3f} s = {r['t_train_full'] / r['t_train_short']:.1f}× |")
+            f"{r['t_train_full']:.3f} s / {r['t_train_short']:.3f} s = {r['t_train_full'] / r['t_train_short']:.1f}× |"
+        )
     lines += [
         "",
         "Training is not de-duplicated (one short row per sample, see `build_value_train_batch`), so its"

@@ -46,12 +46,14 @@ def _group(device):
     import socket
 
     import torch.distributed as dist
+
     if not dist.is_initialized():
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
     return dist.group.WORLD
 
 
@@ -102,10 +104,12 @@ def main(argv=None):
     if nemo is not None:
         mu = nemo[2]
         cont["NeMo-RL log-prob pass (chunk_size null)"] = lambda: mu.from_parallel_logits_to_logprobs(
-            logits, target, 0, V, group, inference_only=True, chunk_size=None)
+            logits, target, 0, V, group, inference_only=True, chunk_size=None
+        )
     cont["ours: entropy (chunk_size null)"] = lambda: vocab_parallel_entropy(logits, group, None)
     cont["ours: logprob + entropy (chunk_size null)"] = lambda: vocab_parallel_logprob_and_entropy(
-        logits, target, group, 0, None)
+        logits, target, group, 0, None
+    )
     cont[f"ours: entropy, one chunk of all {N} positions"] = lambda: vocab_parallel_entropy(logits, group, N)
     rows = []
     with torch.no_grad():
@@ -114,22 +118,30 @@ def main(argv=None):
             peak = _peak(call, device)
             ms = _time(call, device, args.repeats)
             rows.append((name, peak, ms))
-            print(f"  {name:55s} peak extra {peak / 2**20 if peak is not None else float('nan'):9.1f} MiB  "
-                  f"{ms:9.1f} ms", flush=True)
+            print(
+                f"  {name:55s} peak extra {peak / 2**20 if peak is not None else float('nan'):9.1f} MiB  {ms:9.1f} ms",
+                flush=True,
+            )
     rows_per_chunk = chunk_rows(None, V)
     block = rows_per_chunk * V * 4
     f32_all = N * V * 4
-    L = [f"## π_old entropy pass: peak extra memory (`benchmarks/entropy_memory.py`"
-         f"{' --device cuda' if device.type == 'cuda' else ''})", "",
-         f"Machine: {machine()}; device: {device}. bf16 logits [1, {N}, {V}] ({N * V * 2 / 2**20:.0f} MiB); "
-         f"a float32 copy of them is {f32_all / 2**20:.0f} MiB. With `logprob_chunk_size: null` our pass works in "
-         f"chunks of {rows_per_chunk} positions (`MAX_BLOCK_ELEMENTS` = {MAX_BLOCK_ELEMENTS} floats ÷ 2V): at most "
-         f"two float32 blocks of {block / 2**20:.0f} MiB (the exponentials, and on CPU the float32 cast a mixed-dtype "
-         f"op makes of one bf16 chunk). Peak extra = "
-         + ("`torch.cuda.max_memory_allocated` minus the memory allocated before the call"
-            if device.type == "cuda" else "resident high-water mark (`VmHWM`, reset) minus the resident size before "
-                                          "the call")
-         + f"; time = median of {args.repeats} calls.", ""]
+    L = [
+        f"## π_old entropy pass: peak extra memory (`benchmarks/entropy_memory.py`"
+        f"{' --device cuda' if device.type == 'cuda' else ''})",
+        "",
+        f"Machine: {machine()}; device: {device}. bf16 logits [1, {N}, {V}] ({N * V * 2 / 2**20:.0f} MiB); "
+        f"a float32 copy of them is {f32_all / 2**20:.0f} MiB. With `logprob_chunk_size: null` our pass works in "
+        f"chunks of {rows_per_chunk} positions (`MAX_BLOCK_ELEMENTS` = {MAX_BLOCK_ELEMENTS} floats ÷ 2V): at most "
+        f"two float32 blocks of {block / 2**20:.0f} MiB (the exponentials, and on CPU the float32 cast a mixed-dtype "
+        f"op makes of one bf16 chunk). Peak extra = "
+        + (
+            "`torch.cuda.max_memory_allocated` minus the memory allocated before the call"
+            if device.type == "cuda"
+            else "resident high-water mark (`VmHWM`, reset) minus the resident size before the call"
+        )
+        + f"; time = median of {args.repeats} calls.",
+        "",
+    ]
     if why:
         L += [f"NeMo-RL row skipped: {why}.", ""]
     base = rows[0][1] if nemo is not None else None

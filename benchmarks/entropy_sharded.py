@@ -102,10 +102,17 @@ def run_tp(tp: int, args) -> dict:
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(tp)]
     med = {k: max(statistics.median(r["times"][k]) for r in ranks) for k in ("logprob", "fused")}
     best = {k: max(min(r["times"][k]) for r in ranks) for k in ("logprob", "fused")}
-    return {"tp": tp, "logprob_ms": 1e3 * med["logprob"], "fused_ms": 1e3 * med["fused"],
-            "ratio": med["fused"] / med["logprob"], "best_logprob_ms": 1e3 * best["logprob"],
-            "best_fused_ms": 1e3 * best["fused"], "best_ratio": best["fused"] / best["logprob"],
-            "peak_logprob": ranks[0]["peaks"]["logprob"], "peak_fused": ranks[0]["peaks"]["fused"]}
+    return {
+        "tp": tp,
+        "logprob_ms": 1e3 * med["logprob"],
+        "fused_ms": 1e3 * med["fused"],
+        "ratio": med["fused"] / med["logprob"],
+        "best_logprob_ms": 1e3 * best["logprob"],
+        "best_fused_ms": 1e3 * best["fused"],
+        "best_ratio": best["fused"] / best["logprob"],
+        "peak_logprob": ranks[0]["peaks"]["logprob"],
+        "peak_fused": ranks[0]["peaks"]["fused"],
+    }
 
 
 def main(argv=None) -> None:
@@ -137,11 +144,16 @@ def main(argv=None) -> None:
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r['tp']} | {args.vocab // r['tp']} | {r['logprob_ms']:.1f} | {r['fused_ms']:.1f} | "
-                     f"{r['ratio']:.2f} | {r['best_ratio']:.2f} | {r['peak_logprob']:.1f} | {r['peak_fused']:.1f} |")
-    lines += ["", f"Machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
-                  f"load average at the end {os.getloadavg()[0]:.1f} (the CPU is shared: ratios are more meaningful "
-                  f"than absolute times); total {wall:.0f} s."]
+        lines.append(
+            f"| {r['tp']} | {args.vocab // r['tp']} | {r['logprob_ms']:.1f} | {r['fused_ms']:.1f} | "
+            f"{r['ratio']:.2f} | {r['best_ratio']:.2f} | {r['peak_logprob']:.1f} | {r['peak_fused']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Machine: {machine()}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}; "
+        f"load average at the end {os.getloadavg()[0]:.1f} (the CPU is shared: ratios are more meaningful "
+        f"than absolute times); total {wall:.0f} s.",
+    ]
     md = "\n".join(lines)
     print(md)
     if not args.no_report:

@@ -74,8 +74,10 @@ def make_batch(B: int, S: int, device, seed: int = 0):
 def make_loss(name: str) -> GranularPolicyLoss:
     table = torch.zeros(VOCAB, dtype=torch.bool)
     table[::DELIMITER_EVERY] = True
-    return GranularPolicyLoss({"granular": {"algorithm": name, "espo": {"vocab_size": VOCAB}},
-                               "reference_policy_kl_penalty": 0.0}, delimiter_table=table)
+    return GranularPolicyLoss(
+        {"granular": {"algorithm": name, "espo": {"vocab_size": VOCAB}}, "reference_policy_kl_penalty": 0.0},
+        delimiter_table=table,
+    )
 
 
 def _sync(device):
@@ -129,9 +131,14 @@ def bench_losses(B, seq_lens, repeats, device, warmup=2):
             fns[name], datas[name] = loss, data
             if name.endswith("+ids"):
                 g = loss.granular
-                ids = group_ids_for(g.granularity, data["token_mask"] > 0, token_ids=data["input_ids"],
-                                    entropy=data["prev_entropy"], delimiter_table=loss.delimiter_table,
-                                    entropy_cut_points=g.entropy_cut_points)
+                ids = group_ids_for(
+                    g.granularity,
+                    data["token_mask"] > 0,
+                    token_ids=data["input_ids"],
+                    entropy=data["prev_entropy"],
+                    delimiter_table=loss.delimiter_table,
+                    entropy_cut_points=g.entropy_cut_points,
+                )
                 datas[name] = {**data, "granular_group_ids": ids}
         times = {name: [] for name in names}
         order = random.Random(S)
@@ -151,10 +158,23 @@ def bench_losses(B, seq_lens, repeats, device, warmup=2):
         for name in names:
             t = statistics.median(times[name])
             m = memory_bytes(fns[name], logp, datas[name], gvs, gvt, device)
-            rows.append(dict(preset=name, S=S, tokens=ntok, ms=t, x_time=t / base_t, us_per_tok=1e3 * t / ntok,
-                             mem_mb=m / 2**20, x_mem=m / max(base_m, 1)))
-            print(f"  S={S:5d} {name:11s} {t:9.2f} ms  x{t / base_t:5.2f}  {1e3 * t / ntok:7.3f} us/tok  "
-                  f"{m / 2**20:8.2f} MB  x{m / max(base_m, 1):5.2f}", flush=True)
+            rows.append(
+                dict(
+                    preset=name,
+                    S=S,
+                    tokens=ntok,
+                    ms=t,
+                    x_time=t / base_t,
+                    us_per_tok=1e3 * t / ntok,
+                    mem_mb=m / 2**20,
+                    x_mem=m / max(base_m, 1),
+                )
+            )
+            print(
+                f"  S={S:5d} {name:11s} {t:9.2f} ms  x{t / base_t:5.2f}  {1e3 * t / ntok:7.3f} us/tok  "
+                f"{m / 2**20:8.2f} MB  x{m / max(base_m, 1):5.2f}",
+                flush=True,
+            )
     return rows
 
 
@@ -168,8 +188,10 @@ def bench_entropy(vocabs, positions, repeats, device, warmup=1):
         t_lp, t_both = [], []
         with torch.no_grad():
             for k in range(warmup + repeats):
-                for out, call in ((t_lp, partial(logprobs_from_logits, z, tgt)),
-                                  (t_both, partial(logprobs_and_entropy_from_logits, z, tgt))):
+                for out, call in (
+                    (t_lp, partial(logprobs_from_logits, z, tgt)),
+                    (t_both, partial(logprobs_and_entropy_from_logits, z, tgt)),
+                ):
                     _sync(device)
                     t0 = time.perf_counter()
                     call()
@@ -184,21 +206,30 @@ def bench_entropy(vocabs, positions, repeats, device, warmup=1):
 
 
 def to_markdown(args, device, loss_rows, ent_rows) -> str:
-    mem_kind = ("peak extra `torch.cuda.max_memory_allocated` during forward+backward" if device.type == "cuda"
-                else "bytes of tensors saved for backward (`saved_tensors_hooks`, deduplicated by storage); "
-                     "temporaries freed during forward are not counted")
-    lines = ["## Loss overhead (`benchmarks/loss_overhead.py`" + (" --quick" if args.quick else "") + ")", "",
-             f"Machine: {machine()}; device: {device}.", "",
-             f"Forward+backward of `GranularPolicyLoss` per preset given logprobs and entropy, B={args.B} rows, "
-             f"median of {args.repeats} repeats interleaved over the presets in a shuffled order each round; "
-             "×grpo = ratio to the `grpo` preset measured in the same run. "
-             f"Memory: {mem_kind}. Synthetic vocabulary {VOCAB} with every {DELIMITER_EVERY}th id a delimiter.",
-             "",
-             "| preset | S | tokens | ms | ×grpo | µs/token | mem MB | mem ×grpo |",
-             "|---|---|---|---|---|---|---|---|"]
+    mem_kind = (
+        "peak extra `torch.cuda.max_memory_allocated` during forward+backward"
+        if device.type == "cuda"
+        else "bytes of tensors saved for backward (`saved_tensors_hooks`, deduplicated by storage); "
+        "temporaries freed during forward are not counted"
+    )
+    lines = [
+        "## Loss overhead (`benchmarks/loss_overhead.py`" + (" --quick" if args.quick else "") + ")",
+        "",
+        f"Machine: {machine()}; device: {device}.",
+        "",
+        f"Forward+backward of `GranularPolicyLoss` per preset given logprobs and entropy, B={args.B} rows, "
+        f"median of {args.repeats} repeats interleaved over the presets in a shuffled order each round; "
+        "×grpo = ratio to the `grpo` preset measured in the same run. "
+        f"Memory: {mem_kind}. Synthetic vocabulary {VOCAB} with every {DELIMITER_EVERY}th id a delimiter.",
+        "",
+        "| preset | S | tokens | ms | ×grpo | µs/token | mem MB | mem ×grpo |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in loss_rows:
-        lines.append(f"| {r['preset']} | {r['S']} | {r['tokens']} | {r['ms']:.2f} | {r['x_time']:.2f} | "
-                     f"{r['us_per_tok']:.3f} | {r['mem_mb']:.2f} | {r['x_mem']:.2f} |")
+        lines.append(
+            f"| {r['preset']} | {r['S']} | {r['tokens']} | {r['ms']:.2f} | {r['x_time']:.2f} | "
+            f"{r['us_per_tok']:.3f} | {r['mem_mb']:.2f} | {r['x_mem']:.2f} |"
+        )
     largest = max(r["S"] for r in loss_rows)
     smallest = min(r["S"] for r in loss_rows)
     own = [r for r in loss_rows if r["preset"] != "grpo" and not r["preset"].endswith("+ids")]
@@ -212,26 +243,41 @@ def to_markdown(args, device, loss_rows, ent_rows) -> str:
     met = worst["x_time"] <= 1.5
     with_ids = [r for r in loss_rows if r["preset"].endswith("+ids") and r["S"] == largest]
     worst_ids = max(with_ids, key=lambda r: r["x_time"]) if with_ids else None
-    lines += ["", "`<preset>` rows: the loss computes the group ids itself (segment table / entropy ranking per "
-                  "call). `<preset>+ids` rows: `granular_group_ids` precomputed once per rollout and passed in the "
-                  "batch — what the embedded trainer and the NeMo-RL driver policy do.", "",
-              f"Target granular ≤ 1.5× GRPO time: **{'met' if met else 'NOT met'}** at S={largest} "
-                  f"(worst {worst['preset']} {worst['x_time']:.2f}×); worst over all sizes "
-                  f"{worst_any['preset']} at S={worst_any['S']}: {worst_any['x_time']:.2f}×."
-              + (f" With precomputed ids: **{'met' if worst_ids['x_time'] <= 1.5 else 'NOT met'}** at S={largest} "
-                 f"(worst {worst_ids['preset']} {worst_ids['x_time']:.2f}×)." if worst_ids else ""),
-              "Linearity (µs/token at S=" + str(largest) + " ÷ µs/token at S=" + str(smallest) + "; 1.0 = linear, "
-              "< 1 = per-call overhead amortised, > 1 = super-linear): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in lin.items()) + ".",
-              "Noise gauge: `sppo` runs exactly the same policy-loss computation as `grpo` (only the advantage "
-              "estimator differs), so its ×grpo column shows the run-to-run noise of this machine.", "",
-              f"Fused logprob+entropy vs logprob-only on float32 logits (median of {args.repeats}):", "",
-              "| V | positions | logprob ms | logprob+entropy ms | ratio |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "`<preset>` rows: the loss computes the group ids itself (segment table / entropy ranking per "
+        "call). `<preset>+ids` rows: `granular_group_ids` precomputed once per rollout and passed in the "
+        "batch — what the embedded trainer and the NeMo-RL driver policy do.",
+        "",
+        f"Target granular ≤ 1.5× GRPO time: **{'met' if met else 'NOT met'}** at S={largest} "
+        f"(worst {worst['preset']} {worst['x_time']:.2f}×); worst over all sizes "
+        f"{worst_any['preset']} at S={worst_any['S']}: {worst_any['x_time']:.2f}×."
+        + (
+            f" With precomputed ids: **{'met' if worst_ids['x_time'] <= 1.5 else 'NOT met'}** at S={largest} "
+            f"(worst {worst_ids['preset']} {worst_ids['x_time']:.2f}×)."
+            if worst_ids
+            else ""
+        ),
+        "Linearity (µs/token at S=" + str(largest) + " ÷ µs/token at S=" + str(smallest) + "; 1.0 = linear, "
+        "< 1 = per-call overhead amortised, > 1 = super-linear): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in lin.items())
+        + ".",
+        "Noise gauge: `sppo` runs exactly the same policy-loss computation as `grpo` (only the advantage "
+        "estimator differs), so its ×grpo column shows the run-to-run noise of this machine.",
+        "",
+        f"Fused logprob+entropy vs logprob-only on float32 logits (median of {args.repeats}):",
+        "",
+        "| V | positions | logprob ms | logprob+entropy ms | ratio |",
+        "|---|---|---|---|---|",
+    ]
     for r in ent_rows:
         lines.append(f"| {r['V']} | {r['N']} | {r['lp_ms']:.2f} | {r['both_ms']:.2f} | {r['ratio']:.2f} |")
     worst_e = max(r["ratio"] for r in ent_rows)
-    lines += ["", f"Target entropy+logprob ≤ 1.5× logprob alone: **{'met' if worst_e <= 1.5 else 'NOT met'}** "
-                  f"(worst {worst_e:.2f}×)."]
+    lines += [
+        "",
+        f"Target entropy+logprob ≤ 1.5× logprob alone: **{'met' if worst_e <= 1.5 else 'NOT met'}** "
+        f"(worst {worst_e:.2f}×).",
+    ]
     return "\n".join(lines) + "\n"
 
 

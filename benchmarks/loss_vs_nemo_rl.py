@@ -50,8 +50,9 @@ from peers import load_nemo_rl
 OURS = ("grpo", "gspo", "gspo_token", "sspo+ids", "sspo_no_ec+ids", "espo+ids")
 LEVELS = ("full", "minimal")
 KL_OFF = dict(reference_policy_kl_penalty=0.0)
-GSPO_MODE = dict(KL_OFF, ratio_clip_min=3e-4, ratio_clip_max=4e-4, token_level_loss=False,
-                 sequence_level_importance_ratios=True)
+GSPO_MODE = dict(
+    KL_OFF, ratio_clip_min=3e-4, ratio_clip_max=4e-4, token_level_loss=False, sequence_level_importance_ratios=True
+)
 
 
 def load_nemo_rl_next(path: str | None):
@@ -78,14 +79,20 @@ def load_nemo_rl_next(path: str | None):
 def _ours(name: str, level: str, data):
     preset = name.removesuffix("+ids")
     base = make_loss(preset)
-    loss = GranularPolicyLoss({**base.cfg.model_dump(exclude_unset=True), "metrics_level": level},
-                              delimiter_table=base.delimiter_table)
+    loss = GranularPolicyLoss(
+        {**base.cfg.model_dump(exclude_unset=True), "metrics_level": level}, delimiter_table=base.delimiter_table
+    )
     if not name.endswith("+ids"):
         return loss, data
     g = loss.granular
-    ids = group_ids_for(g.granularity, data["token_mask"] > 0, token_ids=data["input_ids"],
-                        entropy=data["prev_entropy"], delimiter_table=loss.delimiter_table.to(data["input_ids"].device),
-                        entropy_cut_points=g.entropy_cut_points)
+    ids = group_ids_for(
+        g.granularity,
+        data["token_mask"] > 0,
+        token_ids=data["input_ids"],
+        entropy=data["prev_entropy"],
+        delimiter_table=loss.delimiter_table.to(data["input_ids"].device),
+        entropy_cut_points=g.entropy_cut_points,
+    )
     return loss, {**data, "granular_group_ids": ids}
 
 
@@ -105,8 +112,11 @@ def contenders(today, nxt, data):
         mode = "token" if name in ("grpo",) else "GSPO"
         for level in LEVELS:
             loss, d = _ours(name, level, data)
-            peers = {"today": f"NeMo-RL today: {mode}", "next": f"NeMo-RL next: {mode} {level}",
-                     "next_min": f"NeMo-RL next: {mode} minimal"}
+            peers = {
+                "today": f"NeMo-RL today: {mode}",
+                "next": f"NeMo-RL next: {mode} {level}",
+                "next_min": f"NeMo-RL next: {mode} minimal",
+            }
             out[f"{name} {level}"] = (loss, d, peers)
     return out
 
@@ -143,8 +153,11 @@ def bench(today, nxt, args, device):
                         times[name].append((clock() - t0) * 1e3)
             ntok = int(gvt.item())
             for name, (fn, d, peers) in cont.items():
-                xs = {col: statistics.median(a / b for a, b in zip(times[name], times[p]))
-                      for col, p in peers.items() if p in times}
+                xs = {
+                    col: statistics.median(a / b for a, b in zip(times[name], times[p]))
+                    for col, p in peers.items()
+                    if p in times
+                }
                 mem = memory_bytes(fn, logp, d, gvs, gvt, device) / 2**20
                 row = dict(name=name, S=S, threads=nt, tokens=ntok, ms=statistics.median(times[name]), mem=mem, **xs)
                 rows.append(row)
@@ -158,40 +171,64 @@ def _x(r, col):
 
 
 def to_markdown(args, device, rows, why) -> str:
-    mem_kind = ("peak extra `torch.cuda.max_memory_allocated` of forward+backward" if device.type == "cuda"
-                else "bytes autograd saves for backward")
-    L = [f"## Against NeMo-RL's loss, today's and the rewrite (`benchmarks/loss_vs_nemo_rl.py`"
-         f"{' --quick' if args.quick else ''})", "",
-         f"Machine: {machine()}; device: {device}; clock: {args.clock}"
-         + (" (process CPU time: the machine was shared with other jobs)" if args.clock == "cpu" else "") + ".",
-         f"NeMo-RL today: `NEMO_RL_SRC` ({why.get('today') or 'loaded'}); NeMo-RL next: pull request 3751's "
-         f"`loss_functions.py` ({why.get('next') or 'loaded'}).", "",
-         f"B={args.B}, float32, KL off; {args.repeats} rounds, each contender once per round in a shuffled order. "
-         "× today = time ÷ today's `ClippedPGLossFn` of the same math (it has only `full` metrics); × next = "
-         "÷ the rewrite of the same math at the same `metrics_level`; × next min = ÷ the rewrite's fastest mode "
-         f"(`minimal`) of the same math. mem = {mem_kind}.", ""]
+    mem_kind = (
+        "peak extra `torch.cuda.max_memory_allocated` of forward+backward"
+        if device.type == "cuda"
+        else "bytes autograd saves for backward"
+    )
+    L = [
+        f"## Against NeMo-RL's loss, today's and the rewrite (`benchmarks/loss_vs_nemo_rl.py`"
+        f"{' --quick' if args.quick else ''})",
+        "",
+        f"Machine: {machine()}; device: {device}; clock: {args.clock}"
+        + (" (process CPU time: the machine was shared with other jobs)" if args.clock == "cpu" else "")
+        + ".",
+        f"NeMo-RL today: `NEMO_RL_SRC` ({why.get('today') or 'loaded'}); NeMo-RL next: pull request 3751's "
+        f"`loss_functions.py` ({why.get('next') or 'loaded'}).",
+        "",
+        f"B={args.B}, float32, KL off; {args.repeats} rounds, each contender once per round in a shuffled order. "
+        "× today = time ÷ today's `ClippedPGLossFn` of the same math (it has only `full` metrics); × next = "
+        "÷ the rewrite of the same math at the same `metrics_level`; × next min = ÷ the rewrite's fastest mode "
+        f"(`minimal`) of the same math. mem = {mem_kind}.",
+        "",
+    ]
     largest = max(args.seq_lens)
-    tgt = ["| target: ours ≤ NeMo-RL's fastest mode of the same math (`minimal`) | threads | S | × next min | |",
-           "|---|---|---|---|---|"]
+    tgt = [
+        "| target: ours ≤ NeMo-RL's fastest mode of the same math (`minimal`) | threads | S | × next min | |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        if r["S"] == largest and r["name"].endswith(" minimal") and not r["name"].startswith("NeMo-RL") \
-                and "next_min" in r:
-            tgt.append(f"| {r['name']} | {r['threads']} | {r['S']} | {r['next_min']:.2f} | "
-                       f"{'met' if r['next_min'] <= 1.0 else '**not met**'} |")
+        if (
+            r["S"] == largest
+            and r["name"].endswith(" minimal")
+            and not r["name"].startswith("NeMo-RL")
+            and "next_min" in r
+        ):
+            tgt.append(
+                f"| {r['name']} | {r['threads']} | {r['S']} | {r['next_min']:.2f} | "
+                f"{'met' if r['next_min'] <= 1.0 else '**not met**'} |"
+            )
     if len(tgt) > 2:
         L += tgt + [""]
-    L += ["| threads | S | tokens | loss | ms | × today | × next | × next min | mem MB |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    L += [
+        "| threads | S | tokens | loss | ms | × today | × next | × next min | mem MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        L.append(f"| {r['threads']} | {r['S']} | {r['tokens']} | {r['name']} | {r['ms']:.2f} | {_x(r, 'today')} | "
-                 f"{_x(r, 'next')} | {_x(r, 'next_min')} | {r['mem']:.2f} |")
+        L.append(
+            f"| {r['threads']} | {r['S']} | {r['tokens']} | {r['name']} | {r['ms']:.2f} | {_x(r, 'today')} | "
+            f"{_x(r, 'next')} | {_x(r, 'next_min')} | {r['mem']:.2f} |"
+        )
     return "\n".join(L) + "\n"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nemo-rl-next", default=os.environ.get("NEMO_RL_NEXT"),
-                    help="the rewrite's loss_functions.py (or a checkout of pull request 3751's head)")
+    ap.add_argument(
+        "--nemo-rl-next",
+        default=os.environ.get("NEMO_RL_NEXT"),
+        help="the rewrite's loss_functions.py (or a checkout of pull request 3751's head)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     ap.add_argument("--quick", action="store_true", help="small sizes, few rounds (a smoke run)")
     ap.add_argument("--B", type=int, default=64)

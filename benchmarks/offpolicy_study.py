@@ -57,8 +57,9 @@ PROMPT = "Q:3+4+5+6=?\nA:"
 
 def _model(seed: int, L: int, tokenizer):
     torch.manual_seed(seed)
-    cfg = ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                      max_positions=L + 32)
+    cfg = ModelConfig(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_positions=L + 32
+    )
     policy = M.build_policy(cfg, tokenizer)
     with torch.no_grad():  # sharper next-token distributions; EOS never likelier than a typical token, so L holds
         emb = policy.get_input_embeddings().weight
@@ -69,8 +70,15 @@ def _model(seed: int, L: int, tokenizer):
 
 def _batch(engine, policy, tokenizer, B: int, L: int, good: torch.Tensor, gen_seed: int):
     torch.manual_seed(gen_seed)
-    gen = generate(engine, tokenizer, [PROMPT] * B, max_new_tokens=L, temperature=TEMPERATURE, greedy=False,
-                   device=torch.device("cpu"))
+    gen = generate(
+        engine,
+        tokenizer,
+        [PROMPT] * B,
+        max_new_tokens=L,
+        temperature=TEMPERATURE,
+        greedy=False,
+        device=torch.device("cpu"),
+    )
     batch = to_nemo_batch(gen, tokenizer.pad_token_id)
     old_policy_pass(policy, batch, TEMPERATURE, 256)
     mask = batch["token_mask"]
@@ -81,8 +89,10 @@ def _batch(engine, policy, tokenizer, B: int, L: int, good: torch.Tensor, gen_se
 
 
 def _loss_fn(granularity: str, level: str, vocab: int, tokenizer):
-    cfg = {"reference_policy_kl_penalty": 0.0, "granular": {"algorithm": PRESETS[granularity],
-                                                            "espo": {"alpha": 1.0, "vocab_size": vocab}}}
+    cfg = {
+        "reference_policy_kl_penalty": 0.0,
+        "granular": {"algorithm": PRESETS[granularity], "espo": {"alpha": 1.0, "vocab_size": vocab}},
+    }
     if level != "none":
         cfg.update(use_importance_sampling_correction=True)
         cfg["granular"]["is_level"] = level
@@ -92,9 +102,14 @@ def _loss_fn(granularity: str, level: str, vocab: int, tokenizer):
 def _grad(policy, fn, batch, granularity):
     g = fn.granular
     data = {k: v for k, v in batch.items() if torch.is_tensor(v)}
-    data["granular_group_ids"] = group_ids_for(granularity, data["token_mask"] > 0, token_ids=data["input_ids"],
-                                               entropy=data["prev_entropy"], delimiter_table=fn.delimiter_table,
-                                               entropy_cut_points=g.entropy_cut_points)
+    data["granular_group_ids"] = group_ids_for(
+        granularity,
+        data["token_mask"] > 0,
+        token_ids=data["input_ids"],
+        entropy=data["prev_entropy"],
+        delimiter_table=fn.delimiter_table,
+        entropy_cut_points=g.entropy_cut_points,
+    )
     gvs = data["sample_mask"].sum()
     gvt = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum()
     policy.zero_grad(set_to_none=True)
@@ -125,9 +140,10 @@ def _weights(data, level, granularity):
     else:
         present = counts.clamp(max=1)
         w_mean = float((index.sum(w) / counts.clamp(min=1) * present).sum() / present.sum())
-    ess = float(w_row.sum() ** 2 / (w_row.numel() * (w_row ** 2).sum()))
-    pop = generation_weights(q, gen, valid, level=lvl, index=index, counts=counts, kind="icepop", ratio_max=2.0,
-                             ratio_min=0.5)
+    ess = float(w_row.sum() ** 2 / (w_row.numel() * (w_row**2).sum()))
+    pop = generation_weights(
+        q, gen, valid, level=lvl, index=index, counts=counts, kind="icepop", ratio_max=2.0, ratio_min=0.5
+    )
     masked = float(pop.oob_token.sum() / valid.sum())
     return w_mean, ess, masked
 
@@ -159,16 +175,28 @@ def run(seeds, sigmas, lengths, B, out_dir: Path, log=print):
                         grad, m, data = _grad(policy, fn, batch, gran)
                         base = grad if level == "none" else base
                         w_mean, ess, masked = _weights(data, level, gran)
-                        rows.append(dict(
-                            seed=seed, sigma=sigma, length=L, granularity=gran, level=level,
-                            response_length=n_tok / B, w_mean=w_mean if level != "none" else 1.0,
-                            ess=ess if level != "none" else 1.0, masked=masked if level != "none" else 0.0,
-                            scale=float(grad.norm() / base.norm()),
-                            cos_target=float(torch.nn.functional.cosine_similarity(grad, targets[gran], dim=0)),
-                            gen_mismatch_abs_mean=m["gen_mismatch_abs_mean"], gen_kl_k3=m["gen_kl_k3"],
-                            gen_mismatch_group_abs_mean=m["gen_mismatch_group_abs_mean"]))
-                log(f"seed {seed} L {L} σ {sigma}: mean response length {n_tok / B:.0f}, "
-                    f"mean |δ| {rows[-1]['gen_mismatch_abs_mean']:.4f} ({time.time() - t0:.1f} s)")
+                        rows.append(
+                            dict(
+                                seed=seed,
+                                sigma=sigma,
+                                length=L,
+                                granularity=gran,
+                                level=level,
+                                response_length=n_tok / B,
+                                w_mean=w_mean if level != "none" else 1.0,
+                                ess=ess if level != "none" else 1.0,
+                                masked=masked if level != "none" else 0.0,
+                                scale=float(grad.norm() / base.norm()),
+                                cos_target=float(torch.nn.functional.cosine_similarity(grad, targets[gran], dim=0)),
+                                gen_mismatch_abs_mean=m["gen_mismatch_abs_mean"],
+                                gen_kl_k3=m["gen_kl_k3"],
+                                gen_mismatch_group_abs_mean=m["gen_mismatch_group_abs_mean"],
+                            )
+                        )
+                log(
+                    f"seed {seed} L {L} σ {sigma}: mean response length {n_tok / B:.0f}, "
+                    f"mean |δ| {rows[-1]['gen_mismatch_abs_mean']:.4f} ({time.time() - t0:.1f} s)"
+                )
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "results.json.tmp"
     tmp.write_text(json.dumps(rows, indent=1))
@@ -191,23 +219,40 @@ def summarise(rows):
     out = {}
     for k in keys:
         sel = [r for r in rows if (r["granularity"], r["level"], r["sigma"], r["length"]) == k]
-        out[k] = {m: _mean_sd([r[m] for r in sel]) for m in ("w_mean", "ess", "masked", "scale", "cos_target",
-                                                               "response_length", "gen_mismatch_abs_mean",
-                                                               "gen_kl_k3")}
+        out[k] = {
+            m: _mean_sd([r[m] for r in sel])
+            for m in (
+                "w_mean",
+                "ess",
+                "masked",
+                "scale",
+                "cos_target",
+                "response_length",
+                "gen_mismatch_abs_mean",
+                "gen_kl_k3",
+            )
+        }
         out[k]["n"] = len(sel)
     return out
 
 
 def table(summary) -> str:
-    lines = ["| groups | level | σ | L (mean) | mean abs δ | mean weight | ESS | ‖g‖/‖g_none‖ | cos(g, g*) | "
-             "ICE-POP masked |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| groups | level | σ | L (mean) | mean abs δ | mean weight | ESS | ‖g‖/‖g_none‖ | cos(g, g*) | "
+        "ICE-POP masked |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (gran, level, sigma, L), s in summary.items():
+
         def f(m, d=3, s=s):
             mu, sd = s[m]
             return f"{mu:.{d}f} ± {sd:.{d}f}"
-        lines.append(f"| {gran} | {level} | {sigma} | {L} ({s['response_length'][0]:.0f}) | "
-                     f"{s['gen_mismatch_abs_mean'][0]:.4f} | {f('w_mean')} | {f('ess')} | {f('scale')} | "
-                     f"{f('cos_target')} | {f('masked')} |")
+
+        lines.append(
+            f"| {gran} | {level} | {sigma} | {L} ({s['response_length'][0]:.0f}) | "
+            f"{s['gen_mismatch_abs_mean'][0]:.4f} | {f('w_mean')} | {f('ess')} | {f('scale')} | "
+            f"{f('cos_target')} | {f('masked')} |"
+        )
     return "\n".join(lines)
 
 
@@ -221,9 +266,12 @@ def plots(summary, out_dir: Path):
     sigmas = sorted({k[2] for k in summary})
     lengths = sorted({k[3] for k in summary})
     sig = sigmas[len(sigmas) // 2]
-    for metric, label, logy in (("w_mean", "mean π_old/π_gen weight", True), ("ess", "ESS of response weights", False),
-                                ("cos_target", "cos(corrected gradient, on-π_old gradient)", False),
-                                ("scale", "‖g‖ / ‖g uncorrected‖", True)):
+    for metric, label, logy in (
+        ("w_mean", "mean π_old/π_gen weight", True),
+        ("ess", "ESS of response weights", False),
+        ("cos_target", "cos(corrected gradient, on-π_old gradient)", False),
+        ("scale", "‖g‖ / ‖g uncorrected‖", True),
+    ):
         fig, axes = plt.subplots(1, len(grans), figsize=(4 * len(grans), 3.2), sharey=True)
         for ax, gran in zip(axes, grans):
             for level in LEVELS:
@@ -247,9 +295,14 @@ def plots(summary, out_dir: Path):
     fig, axes = plt.subplots(1, len(grans), figsize=(4 * len(grans), 3.2), sharey=True)
     for ax, gran in zip(axes, grans):
         for level in LEVELS[1:]:
-            ax.errorbar(sigmas, [summary[(gran, level, s, L)]["w_mean"][0] for s in sigmas],
-                        yerr=[summary[(gran, level, s, L)]["w_mean"][1] for s in sigmas], marker="o", capsize=3,
-                        label=level)
+            ax.errorbar(
+                sigmas,
+                [summary[(gran, level, s, L)]["w_mean"][0] for s in sigmas],
+                yerr=[summary[(gran, level, s, L)]["w_mean"][1] for s in sigmas],
+                marker="o",
+                capsize=3,
+                label=level,
+            )
         ax.set_yscale("log")
         ax.set_title(f"{gran}, L = {L}")
         ax.set_xlabel("generation mismatch σ")
@@ -262,8 +315,12 @@ def plots(summary, out_dir: Path):
 
 def write_doc_table(doc: Path, text: str) -> None:
     src = doc.read_text()
-    new = re.sub(r"(<!-- offpolicy-study:begin[^\n]*-->\n)(?:.*?\n)?(<!-- offpolicy-study:end -->)",
-                 lambda m: m.group(1) + text + "\n" + m.group(2), src, flags=re.S)
+    new = re.sub(
+        r"(<!-- offpolicy-study:begin[^\n]*-->\n)(?:.*?\n)?(<!-- offpolicy-study:end -->)",
+        lambda m: m.group(1) + text + "\n" + m.group(2),
+        src,
+        flags=re.S,
+    )
     tmp = doc.with_name(doc.name + ".tmp")
     tmp.write_text(new)
     tmp.replace(doc)
@@ -274,10 +331,15 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--seeds", type=int, default=None)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--out", default=None, help="results.json and plots (default: docs/algorithms/offpolicy; "
-                    "--quick: runs/offpolicy_study_quick/, and the doc is left alone)")
-    ap.add_argument("--doc", default=None,
-                    help="the page whose table is rewritten (default: docs/algorithms/offpolicy.md)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="results.json and plots (default: docs/algorithms/offpolicy; "
+        "--quick: runs/offpolicy_study_quick/, and the doc is left alone)",
+    )
+    ap.add_argument(
+        "--doc", default=None, help="the page whose table is rewritten (default: docs/algorithms/offpolicy.md)"
+    )
     ap.add_argument("--from-json", default=None, help="re-render the table and plots from a results.json")
     a = ap.parse_args(argv)
     sigmas = [0.05] if a.quick else [0.02, 0.05, 0.1]

@@ -79,6 +79,7 @@ def _load_functions(path: Path, names: tuple[str, ...], env: dict) -> dict:
     module-level imports — accelerate, tensordict, ... — are not needed by these helpers and not
     installed here, so only the function definitions are compiled, with ``env`` as globals)."""
     import ast
+
     tree = ast.parse(path.read_text(), str(path))
     keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names]
     missing = set(names) - {n.name for n in keep}
@@ -96,11 +97,19 @@ def load_verl_trl():
     found, why = {}, {}
     roots = [Path(p) for p in os.environ.get("PEERS_PATH", "").split(os.pathsep) if p]
     for key, rel, names, env in (
-            ("verl", "verl/utils/torch_functional.py",
-             ("entropy_from_logits_with_chunking", "logprobs_from_logits_v2"), {}),
-            ("trl", "trl/trainer/utils.py", ("selective_log_softmax", "entropy_from_logits",
-                                             "selective_log_softmax_and_entropy"),
-             {"is_triton_available": lambda: False})):
+        (
+            "verl",
+            "verl/utils/torch_functional.py",
+            ("entropy_from_logits_with_chunking", "logprobs_from_logits_v2"),
+            {},
+        ),
+        (
+            "trl",
+            "trl/trainer/utils.py",
+            ("selective_log_softmax", "entropy_from_logits", "selective_log_softmax_and_entropy"),
+            {"is_triton_available": lambda: False},
+        ),
+    ):
         path = next((r / rel for r in roots if (r / rel).is_file()), None)
         if path is None:
             why[key] = f"no {key} source on PEERS_PATH (unpack `pip download --no-deps {key}` there)"
@@ -155,17 +164,33 @@ def loss_contenders(nemo, data):
     if nemo is not None:
         Fn, Cfg, _ = nemo
         out[TOKEN_PEER] = (Fn(Cfg(reference_policy_kl_penalty=0.0)), data, None)
-        out[GSPO_PEER] = (Fn(Cfg(reference_policy_kl_penalty=0.0, ratio_clip_min=3e-4, ratio_clip_max=4e-4,
-                                 token_level_loss=False, sequence_level_importance_ratios=True)), data, None)
+        out[GSPO_PEER] = (
+            Fn(
+                Cfg(
+                    reference_policy_kl_penalty=0.0,
+                    ratio_clip_min=3e-4,
+                    ratio_clip_max=4e-4,
+                    token_level_loss=False,
+                    sequence_level_importance_ratios=True,
+                )
+            ),
+            data,
+            None,
+        )
     for name, spec in PRESETS.items():
         peer = TOKEN_PEER if spec["granularity"] == "token" else GSPO_PEER
         loss = make_loss(name)
         out[name] = (loss, data, peer)
         if spec["granularity"] in ("segment", "entropy_group"):
             g = loss.granular
-            ids = group_ids_for(g.granularity, data["token_mask"] > 0, token_ids=data["input_ids"],
-                                entropy=data["prev_entropy"], delimiter_table=loss.delimiter_table,
-                                entropy_cut_points=g.entropy_cut_points)
+            ids = group_ids_for(
+                g.granularity,
+                data["token_mask"] > 0,
+                token_ids=data["input_ids"],
+                entropy=data["prev_entropy"],
+                delimiter_table=loss.delimiter_table,
+                entropy_cut_points=g.entropy_cut_points,
+            )
             out[f"{name}+ids"] = (loss, {**data, "granular_group_ids": ids}, peer)
     return out
 
@@ -178,7 +203,7 @@ def bench_losses(nemo, B, seq_lens, threads, repeats, warmup=2):
     rows = []
     for nt in threads:
         torch.set_num_threads(nt)
-        for S in (seq_lens if nt == threads[0] else [max(seq_lens)]):  # more threads: the largest size only
+        for S in seq_lens if nt == threads[0] else [max(seq_lens)]:  # more threads: the largest size only
             data, logp, gvs, gvt = make_batch(B, S, torch.device("cpu"))
             ntok = int(gvt.item())
             cont = loss_contenders(nemo, data)
@@ -198,15 +223,27 @@ def bench_losses(nemo, B, seq_lens, threads, repeats, warmup=2):
             for name, (fn, d, peer) in cont.items():
                 peak = peak_extra_bytes(partial(fwd_bwd, fn, logp, d, gvs, gvt))
                 saved = memory_bytes(fn, logp, d, gvs, gvt, torch.device("cpu"))
-                x_peer = (statistics.median(a / b for a, b in zip(times[name], times[peer]))
-                          if peer in times else None)
-                row = dict(name=name, peer=peer, S=S, threads=nt, tokens=ntok, ms=med[name], rounds=rounds,
-                           us_tok=1e3 * med[name] / ntok, peak_mb=None if peak is None else peak / 2**20,
-                           saved_mb=saved / 2**20, x_peer=x_peer)
+                x_peer = statistics.median(a / b for a, b in zip(times[name], times[peer])) if peer in times else None
+                row = dict(
+                    name=name,
+                    peer=peer,
+                    S=S,
+                    threads=nt,
+                    tokens=ntok,
+                    ms=med[name],
+                    rounds=rounds,
+                    us_tok=1e3 * med[name] / ntok,
+                    peak_mb=None if peak is None else peak / 2**20,
+                    saved_mb=saved / 2**20,
+                    x_peer=x_peer,
+                )
                 rows.append(row)
                 x = f"x{x_peer:.2f} vs {peer}" if x_peer is not None else ""
-                print(f"  threads={nt} S={S:5d} {name:22s} {med[name]:8.2f} ms {row['us_tok']:7.3f} us/tok "
-                      f"peak {row['peak_mb'] or 0:7.1f} MB saved {row['saved_mb']:6.2f} MB  {x}", flush=True)
+                print(
+                    f"  threads={nt} S={S:5d} {name:22s} {med[name]:8.2f} ms {row['us_tok']:7.3f} us/tok "
+                    f"peak {row['peak_mb'] or 0:7.1f} MB saved {row['saved_mb']:6.2f} MB  {x}",
+                    flush=True,
+                )
     torch.set_num_threads(threads[0])
     return rows
 
@@ -214,8 +251,10 @@ def bench_losses(nemo, B, seq_lens, threads, repeats, warmup=2):
 # ----------------------------------------------------------------------------- part 2
 def _gloo_group():
     import torch.distributed as dist
+
     if not dist.is_initialized():
         import socket
+
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -225,12 +264,15 @@ def _gloo_group():
 
 def entropy_contenders(nemo, peers, chunk):
     """name -> callable(z [N, V], targets [N]) -> (logp, H or None)."""
+
     def plain(z, t):
         return torch.log_softmax(z, -1).gather(-1, t[:, None]).squeeze(-1), None
 
-    out = {"log_softmax+gather (baseline)": plain,
-           "ours: logprob only": lambda z, t: (logprobs_from_logits(z, t, chunk), None),
-           "ours: logprob+entropy": lambda z, t: logprobs_and_entropy_from_logits(z, t, chunk)}
+    out = {
+        "log_softmax+gather (baseline)": plain,
+        "ours: logprob only": lambda z, t: (logprobs_from_logits(z, t, chunk), None),
+        "ours: logprob+entropy": lambda z, t: logprobs_and_entropy_from_logits(z, t, chunk),
+    }
     if nemo is not None:
         mu = nemo[2]
         group = _gloo_group()
@@ -240,11 +282,14 @@ def entropy_contenders(nemo, peers, chunk):
             H = -mu.ChunkedDistributedEntropy.apply(z[None], chunk, group, True)[0]  # it returns Σ p·log p
             lp = mu.ChunkedDistributedLogprob.apply(z[None], t[None], 0, V, chunk, group, True)[0]
             return lp, H
+
         out["NeMo-RL: ChunkedDistributedEntropy + ChunkedDistributedLogprob"] = nemo_fn
     if "verl" in peers:
         v = peers["verl"]
-        out["verl: entropy_from_logits_with_chunking + logprobs_from_logits_v2"] = \
-            lambda z, t: (v["logprobs_from_logits_v2"](z, t), v["entropy_from_logits_with_chunking"](z, chunk))
+        out["verl: entropy_from_logits_with_chunking + logprobs_from_logits_v2"] = lambda z, t: (
+            v["logprobs_from_logits_v2"](z, t),
+            v["entropy_from_logits_with_chunking"](z, chunk),
+        )
     if "trl" in peers:
         f = peers["trl"]["selective_log_softmax_and_entropy"]
         out["TRL: selective_log_softmax_and_entropy"] = lambda z, t: f(z, t, entropy_requires_grad=False)
@@ -260,7 +305,7 @@ def bench_entropy(nemo, peers, vocabs, positions, chunk, threads, repeats, warmu
     rows = []
     for nt in threads:
         torch.set_num_threads(nt)
-        for V in (vocabs if nt == threads[0] else [max(vocabs)]):  # more threads: the largest vocabulary only
+        for V in vocabs if nt == threads[0] else [max(vocabs)]:  # more threads: the largest vocabulary only
             g = torch.Generator().manual_seed(V)
             z = torch.randn(positions, V, generator=g) * 3
             tgt = torch.randint(0, V, (positions,), generator=g)
@@ -282,10 +327,23 @@ def bench_entropy(nemo, peers, vocabs, positions, chunk, threads, repeats, warmu
                     err = None if H is None else float((H.double() - H_ref).abs().max())
                     t = statistics.median(times[name])
                     x_base = statistics.median(a / b for a, b in zip(times[name], base_t))
-                    rows.append(dict(name=name, V=V, N=positions, threads=nt, ms=t, x_base=x_base,
-                                     peak_mb=None if peak is None else peak / 2**20, err=err))
-                    print(f"  threads={nt} V={V:6d} N={positions} {name:70s} {t:9.2f} ms x{x_base:5.2f} "
-                          f"peak {rows[-1]['peak_mb'] or 0:8.1f} MB err {err if err is not None else '-'}", flush=True)
+                    rows.append(
+                        dict(
+                            name=name,
+                            V=V,
+                            N=positions,
+                            threads=nt,
+                            ms=t,
+                            x_base=x_base,
+                            peak_mb=None if peak is None else peak / 2**20,
+                            err=err,
+                        )
+                    )
+                    print(
+                        f"  threads={nt} V={V:6d} N={positions} {name:70s} {t:9.2f} ms x{x_base:5.2f} "
+                        f"peak {rows[-1]['peak_mb'] or 0:8.1f} MB err {err if err is not None else '-'}",
+                        flush=True,
+                    )
             del z
     torch.set_num_threads(threads[0])
     return rows
@@ -297,51 +355,71 @@ def _fmt(x, spec=".2f", none="–"):
 
 
 def to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows) -> str:
-    L = [f"## Side by side with the peers (`benchmarks/peers.py`{' --quick' if args.quick else ''})", "",
-         f"Machine: {machine()}; CPU only (no GPU was lent to this session, so there are no GPU numbers). "
-         "The 2-core machine was shared with other jobs while this ran: read the ratios (each contender "
-         "interleaved with its peer in the same process), not the absolute times.", ""]
+    L = [
+        f"## Side by side with the peers (`benchmarks/peers.py`{' --quick' if args.quick else ''})",
+        "",
+        f"Machine: {machine()}; CPU only (no GPU was lent to this session, so there are no GPU numbers). "
+        "The 2-core machine was shared with other jobs while this ran: read the ratios (each contender "
+        "interleaved with its peer in the same process), not the absolute times.",
+        "",
+    ]
     largest = max(args.seq_lens)
     if nemo_why:
         L += [f"**NeMo-RL column skipped**: {nemo_why}.", ""]
+
     # targets
     def worst(names, nt=1):
-        rs = [r for r in loss_rows if r["name"] in names and r["S"] == largest and r["threads"] == nt
-              and r["x_peer"] is not None]
+        rs = [
+            r
+            for r in loss_rows
+            if r["name"] in names and r["S"] == largest and r["threads"] == nt and r["x_peer"] is not None
+        ]
         return max(rs, key=lambda r: r["x_peer"]) if rs else None
+
     tgt = []
     if not nemo_why:
-        for label, names, limit in (("`grpo` vs NeMo-RL token-level", ["grpo"], 1.0),
-                                    ("`gspo` vs NeMo-RL GSPO", ["gspo"], 1.0),
-                                    ("`sspo`/`espo` (ids precomputed) vs NeMo-RL GSPO",
-                                     ["sspo+ids", "sspo_no_ec+ids", "espo+ids"], 1.3)):
+        for label, names, limit in (
+            ("`grpo` vs NeMo-RL token-level", ["grpo"], 1.0),
+            ("`gspo` vs NeMo-RL GSPO", ["gspo"], 1.0),
+            ("`sspo`/`espo` (ids precomputed) vs NeMo-RL GSPO", ["sspo+ids", "sspo_no_ec+ids", "espo+ids"], 1.3),
+        ):
             for nt in args.threads:
                 w = worst(names, nt)
                 if w:
-                    tgt.append(f"| {label}, {nt} thread{'s' if nt > 1 else ''}, S={largest} | ≤ {limit}× | "
-                               f"{w['x_peer']:.2f}× ({w['name']}) | "
-                               f"{'met' if w['x_peer'] <= limit else '**not met**'} |")
+                    tgt.append(
+                        f"| {label}, {nt} thread{'s' if nt > 1 else ''}, S={largest} | ≤ {limit}× | "
+                        f"{w['x_peer']:.2f}× ({w['name']}) | "
+                        f"{'met' if w['x_peer'] <= limit else '**not met**'} |"
+                    )
     ents = [r for r in ent_rows if r["name"] == "ours: logprob+entropy"]
     for r in ents:
         chunk_mb = args.chunk * r["V"] * 4 / 2**20
         ok = r["x_base"] <= 1.2 and (r["peak_mb"] is None or r["peak_mb"] <= chunk_mb * 1.05)
-        tgt.append(f"| logprob+entropy vs log_softmax+gather, V={r['V']}, {r['threads']} thread"
-                   f"{'s' if r['threads'] > 1 else ''} | ≤ 1.2×, peak ≤ one chunk ({chunk_mb:.0f} MB) | "
-                   f"{r['x_base']:.2f}×, peak {_fmt(r['peak_mb'], '.1f')} MB | {'met' if ok else '**not met**'} |")
+        tgt.append(
+            f"| logprob+entropy vs log_softmax+gather, V={r['V']}, {r['threads']} thread"
+            f"{'s' if r['threads'] > 1 else ''} | ≤ 1.2×, peak ≤ one chunk ({chunk_mb:.0f} MB) | "
+            f"{r['x_base']:.2f}×, peak {_fmt(r['peak_mb'], '.1f')} MB | {'met' if ok else '**not met**'} |"
+        )
     L += ["| target | limit | measured | |", "|---|---|---|---|", *tgt, ""]
-    L += [f"### Policy loss, forward + backward (B={args.B}, float32, KL off)", "",
-          f"Rounds: {args.repeats} at the largest S, proportionally more at smaller S; every round runs each "
-          "contender once in a shuffled order. ms = median over rounds; × peer = median over rounds of "
-          "(time ÷ the time of the NeMo-RL loss of the same math in the same round). peak = extra resident "
-          "memory of one call; saved = bytes autograd keeps for backward. `sppo` runs exactly `grpo`'s "
-          "computation (only its advantage estimator differs): the spread between the two rows is this "
-          "machine's noise.", "",
-          "| threads | S | tokens | loss | ms | × peer | µs/token | peak MB | saved MB |",
-          "|---|---|---|---|---|---|---|---|---|"]
+    L += [
+        f"### Policy loss, forward + backward (B={args.B}, float32, KL off)",
+        "",
+        f"Rounds: {args.repeats} at the largest S, proportionally more at smaller S; every round runs each "
+        "contender once in a shuffled order. ms = median over rounds; × peer = median over rounds of "
+        "(time ÷ the time of the NeMo-RL loss of the same math in the same round). peak = extra resident "
+        "memory of one call; saved = bytes autograd keeps for backward. `sppo` runs exactly `grpo`'s "
+        "computation (only its advantage estimator differs): the spread between the two rows is this "
+        "machine's noise.",
+        "",
+        "| threads | S | tokens | loss | ms | × peer | µs/token | peak MB | saved MB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in loss_rows:
         peer = f"{r['x_peer']:.2f} ({'tok' if r['peer'] == TOKEN_PEER else 'GSPO'})" if r["x_peer"] is not None else "–"
-        L.append(f"| {r['threads']} | {r['S']} | {r['tokens']} | {r['name']} | {r['ms']:.2f} | {peer} | "
-                 f"{r['us_tok']:.3f} | {_fmt(r['peak_mb'], '.1f')} | {r['saved_mb']:.2f} |")
+        L.append(
+            f"| {r['threads']} | {r['S']} | {r['tokens']} | {r['name']} | {r['ms']:.2f} | {peer} | "
+            f"{r['us_tok']:.3f} | {_fmt(r['peak_mb'], '.1f')} | {r['saved_mb']:.2f} |"
+        )
     small = min(args.seq_lens)
     lin = []
     for name in dict.fromkeys(r["name"] for r in loss_rows):
@@ -349,18 +427,29 @@ def to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows) -> str:
         b = [r for r in loss_rows if r["name"] == name and r["S"] == largest and r["threads"] == args.threads[0]]
         if a and b:
             lin.append(f"{name} {b[0]['us_tok'] / a[0]['us_tok']:.2f}")
-    L += ["", f"Linearity (µs/token at S={largest} ÷ at S={small}, {args.threads[0]} thread; 1 = linear, < 1 = "
-          "per-call overhead amortised): " + ", ".join(lin) + ".", ""]
-    L += [f"### π_old pass: logprob (+ entropy) from float32 logits (no grad, chunk {args.chunk} positions, "
-          f"{args.entropy_repeats} rounds; × = median over rounds of time ÷ the baseline's time in the same round)", ""]
+    L += [
+        "",
+        f"Linearity (µs/token at S={largest} ÷ at S={small}, {args.threads[0]} thread; 1 = linear, < 1 = "
+        "per-call overhead amortised): " + ", ".join(lin) + ".",
+        "",
+    ]
+    L += [
+        f"### π_old pass: logprob (+ entropy) from float32 logits (no grad, chunk {args.chunk} positions, "
+        f"{args.entropy_repeats} rounds; × = median over rounds of time ÷ the baseline's time in the same round)",
+        "",
+    ]
     for k, v in peer_why.items():
         L.append(f"*{k} skipped*: {v}.")
-    L += ["",
-          "| threads | V | positions | helper | ms | × log_softmax+gather | peak MB | max abs err of H vs float64 |",
-          "|---|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "| threads | V | positions | helper | ms | × log_softmax+gather | peak MB | max abs err of H vs float64 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in ent_rows:
-        L.append(f"| {r['threads']} | {r['V']} | {r['N']} | {r['name']} | {r['ms']:.2f} | {r['x_base']:.2f} | "
-                 f"{_fmt(r['peak_mb'], '.1f')} | {_fmt(r['err'], '.2e')} |")
+        L.append(
+            f"| {r['threads']} | {r['V']} | {r['N']} | {r['name']} | {r['ms']:.2f} | {r['x_base']:.2f} | "
+            f"{_fmt(r['peak_mb'], '.1f')} | {_fmt(r['err'], '.2e')} |"
+        )
     return "\n".join(L) + "\n"
 
 
@@ -395,8 +484,11 @@ def main(argv=None):
     print(f"machine: {machine()}")
     t0 = time.time()
     loss_rows = [] if args.skip_loss else bench_losses(nemo, args.B, args.seq_lens, args.threads, args.repeats)
-    ent_rows = [] if args.skip_entropy else bench_entropy(nemo, peers, args.vocabs, args.positions, args.chunk,
-                                                          args.threads, args.entropy_repeats)
+    ent_rows = (
+        []
+        if args.skip_entropy
+        else bench_entropy(nemo, peers, args.vocabs, args.positions, args.chunk, args.threads, args.entropy_repeats)
+    )
     md = to_markdown(args, nemo_why, peer_why, loss_rows, ent_rows)
     md += f"\nTotal {time.time() - t0:.0f} s.\n"
     print()

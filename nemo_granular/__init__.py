@@ -11,9 +11,14 @@ import importlib
 __version__ = "0.1.0"
 # the public names, imported on first use (PEP 562): `nemo-granular` sub-commands that refuse bad input
 # (a missing config file, an unknown key) answer before torch is imported (seconds)
-_EXPORTS = {"GranularPolicyLoss": ".losses", "SequenceValueLoss": ".losses",
-            "build_advantage_estimator": ".advantages", "GranularConfig": ".config",
-            "PolicyLossConfig": ".config", "PRESETS": ".config"}
+_EXPORTS = {
+    "GranularPolicyLoss": ".losses",
+    "SequenceValueLoss": ".losses",
+    "build_advantage_estimator": ".advantages",
+    "GranularConfig": ".config",
+    "PolicyLossConfig": ".config",
+    "PRESETS": ".config",
+}
 __all__ = [*_EXPORTS, "__version__"]
 
 

@@ -28,8 +28,11 @@ class GRPOEstimator:
         self.last_metrics: dict = {}
 
     def _options(self):
-        return dict(leave_one_out=self.cfg.use_leave_one_out_baseline, normalize_std=self.cfg.normalize_rewards,
-                    eps=self.cfg.epsilon)
+        return dict(
+            leave_one_out=self.cfg.use_leave_one_out_baseline,
+            normalize_std=self.cfg.normalize_rewards,
+            eps=self.cfg.epsilon,
+        )
 
     def compute_advantage(self, prompt_ids, rewards, mask, **kwargs):
         adv = grpo_advantages(rewards.float(), prompt_group_index(prompt_ids.to(rewards.device)), **self._options())
@@ -48,13 +51,15 @@ class ESPOEstimator(GRPOEstimator):
         if verification_failed is None and repeated_batch is not None and key in repeated_batch:
             verification_failed = repeated_batch[key]
         if verification_failed is None:
-            raise KeyError(f"ESPO advantage needs the per-response '{key}' flag (verification_failed= or "
-                           f"repeated_batch['{key}'])")
+            raise KeyError(
+                f"ESPO advantage needs the per-response '{key}' flag (verification_failed= or repeated_batch['{key}'])"
+            )
         failed = torch.as_tensor(verification_failed, device=rewards.device).bool().reshape(-1)
         if failed.shape[0] != rewards.shape[0]:
             raise ValueError(f"'{key}' has {failed.shape[0]} entries but rewards has {rewards.shape[0]}")
-        adv = espo_advantages(rewards.float(), prompt_group_index(prompt_ids.to(rewards.device)), failed,
-                              **self._options())
+        adv = espo_advantages(
+            rewards.float(), prompt_group_index(prompt_ids.to(rewards.device)), failed, **self._options()
+        )
         self.last_metrics = {"verification_failed_frac": failed.float().mean().item()}
         return _broadcast(adv, mask)
 

@@ -19,11 +19,17 @@ COMMANDS = {
     "train": ("nemo_granular.embedded.cli", "train_main", "train a policy with the embedded trainer"),
     "compare": ("nemo_granular.compare", "main", "run several algorithms side by side, write report.md"),
     "export": ("nemo_granular.export.cli", "main", "export a checkpoint to Hugging Face format"),
-    "eval-checkpoints": ("nemo_granular.evals.cli", "main",
-                         "evaluate every checkpoint of runs on a paper benchmark suite (evals.json)"),
+    "eval-checkpoints": (
+        "nemo_granular.evals.cli",
+        "main",
+        "evaluate every checkpoint of runs on a paper benchmark suite (evals.json)",
+    ),
     "preflight": ("nemo_granular.preflight.cli", "main", "check a run_grpo/run_sppo config offline, print the plan"),
-    "stage-benchmarks": ("nemo_granular.evals.staging", "main",
-                         "write the paper suites' benchmarks as <data-dir>/<key>.jsonl for offline eval jobs"),
+    "stage-benchmarks": (
+        "nemo_granular.evals.staging",
+        "main",
+        "write the paper suites' benchmarks as <data-dir>/<key>.jsonl for offline eval jobs",
+    ),
 }
 
 
@@ -48,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         # asked for (--help): the usage on stdout, exit 0; no command at all: a usage error, stderr, exit 2
         stream = sys.stdout if argv else sys.stderr
-        print("usage: nemo-granular {" + ",".join(COMMANDS) + "} [options]   (nemo-granular --version)\n",
-              file=stream)
+        print("usage: nemo-granular {" + ",".join(COMMANDS) + "} [options]   (nemo-granular --version)\n", file=stream)
         for name, (_, _, text) in COMMANDS.items():
             print(f"  {name:<10} {text}", file=stream)
         if not argv:

@@ -31,8 +31,15 @@ from pathlib import Path
 
 from .cli_common import INTERRUPTED_EXIT_CODE, ArgumentParser, check_writable_dir, command_prefix
 
-SMOKE = ["warmstart.max_steps=150", "rl.steps=10", "rl.prompts_per_step=8", "rl.generations_per_prompt=4",
-         "rl.minibatches_per_rollout=2", "rl.eval_every=5", "logger.log_every=5"]
+SMOKE = [
+    "warmstart.max_steps=150",
+    "rl.steps=10",
+    "rl.prompts_per_step=8",
+    "rl.generations_per_prompt=4",
+    "rl.minibatches_per_rollout=2",
+    "rl.eval_every=5",
+    "logger.log_every=5",
+]
 # a config whose rl.generations_per_prompt is 1 (``sppo_equal_prompts``: SPPO at GRPO's prompts per step,
 # one sample each, the paper's setting) keeps it under --smoke: the smoke budget's G would make it plain SPPO
 SMOKE_ONE_SAMPLE = [o for o in SMOKE if not o.startswith("rl.generations_per_prompt=")]
@@ -71,8 +78,8 @@ class _Children:
 
 
 _CHILDREN = _Children()
-RUN_ENV = {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}   # every run's, on top of ours
-_ZYGOTE: list = []   # the zygote the runs are forked from, while ``compare`` trains and evaluates
+RUN_ENV = {"OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "PYTHONUNBUFFERED": "1"}  # every run's, on top of ours
+_ZYGOTE: list = []  # the zygote the runs are forked from, while ``compare`` trains and evaluates
 
 
 def _start(args: list[str]):
@@ -82,8 +89,14 @@ def _start(args: list[str]):
     env = dict(os.environ, **RUN_ENV)
     if _ZYGOTE and _ZYGOTE[0] is not None:
         return _ZYGOTE[0].start(args, env=env)
-    return subprocess.Popen([sys.executable, "-m", "nemo_granular", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, text=True, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "nemo_granular", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+        start_new_session=True,
+    )
 
 
 class RunFailed(RuntimeError):
@@ -120,8 +133,10 @@ def _train(config: Path, args: list[str], log: Path, label: str, append: bool = 
     from .embedded.cli import RESUME_HINT
 
     last = ""
-    with log.open("a" if append else "w") as fh, _started(["train", "--config", str(config), *args],
-                                                          f"run {label}") as proc:
+    with (
+        log.open("a" if append else "w") as fh,
+        _started(["train", "--config", str(config), *args], f"run {label}") as proc,
+    ):
         for line in proc.stdout:
             fh.write(line)
             fh.flush()
@@ -145,8 +160,11 @@ def _run_all(jobs: int, calls: list) -> None:
         for f in futures:
             f.result()
     except KeyboardInterrupt:
-        print("compare: Ctrl-C: the running runs save a checkpoint and stop (Ctrl-C again aborts them)",
-              file=sys.stderr, flush=True)
+        print(
+            "compare: Ctrl-C: the running runs save a checkpoint and stop (Ctrl-C again aborts them)",
+            file=sys.stderr,
+            flush=True,
+        )
         for f in futures:
             f.cancel()
         pool.shutdown(wait=True)
@@ -179,8 +197,9 @@ def _warmstart_state(d: Path, key: str) -> tuple[str, Path | None]:
     except (OSError, ValueError, CheckpointError):
         return "new", None
     if loaded.state.get("step") != 0:
-        raise FileExistsError(f"{d}: holds a checkpoint past step 0 ({loaded.path.name}), not a warm start: "
-                              "move the folder away")
+        raise FileExistsError(
+            f"{d}: holds a checkpoint past step 0 ({loaded.path.name}), not a warm start: move the folder away"
+        )
     return ("done" if step0_record(d) is not None else "checkpointed"), loaded.path / "policy"
 
 
@@ -198,8 +217,17 @@ def _warm_starts(plan: list[dict], per_alg: dict, out: Path, config_dir: Path, j
         if cfg.model.init_from or not cfg.warmstart.enabled:
             continue  # nothing to warm-start: each run starts from its own config
         key, parts = warmstart_key(cfg)
-        g = groups.setdefault(key, {"key": key, "parts": parts, "alg": item["alg"], "seed": item["seed"],
-                                    "dir": out / "warmstart" / f"seed{item['seed']}-{key}", "items": []})
+        g = groups.setdefault(
+            key,
+            {
+                "key": key,
+                "parts": parts,
+                "alg": item["alg"],
+                "seed": item["seed"],
+                "dir": out / "warmstart" / f"seed{item['seed']}-{key}",
+                "items": [],
+            },
+        )
         g["items"].append(item)
     notes, calls = [], []
     for g in groups.values():
@@ -208,27 +236,43 @@ def _warm_starts(plan: list[dict], per_alg: dict, out: Path, config_dir: Path, j
         how = {"done": "reused", "checkpointed": "resumed", "new": "computed"}[state]
         notes.append(f"seed{g['seed']}-{g['key']} ({how})")
         if state == "done":
-            print(f"[{label}] reusing the cached warm start {g['dir']} (same key: same config, code and versions)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{label}] reusing the cached warm start {g['dir']} (same key: same config, code and versions)",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         earlier = g["dir"].is_dir()
         if state == "checkpointed":
-            print(f"[{label}] continuing the interrupted warm start {g['dir']} from its checkpoint (not redone)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{label}] continuing the interrupted warm start {g['dir']} from its checkpoint (not redone)",
+                file=sys.stderr,
+                flush=True,
+            )
         elif earlier:
-            print(f"[{label}] the interrupted warm start {g['dir']} left no checkpoint: starting it again",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{label}] the interrupted warm start {g['dir']} left no checkpoint: starting it again",
+                file=sys.stderr,
+                flush=True,
+            )
         g["dir"].mkdir(parents=True, exist_ok=True)
         if not (g["dir"] / "key.json").is_file():  # the folder names its key before anything is trained
             (g["dir"] / "key.json").write_text(json.dumps({"key": g["key"], **g["parts"]}, indent=1))
-        args = ["--resume" if state == "checkpointed" else "--force", *per_alg[g["alg"]], f"seed={g['seed']}",
-                f"output_dir={g['dir']}", "rl.steps=0", "name=warmstart"]
+        args = [
+            "--resume" if state == "checkpointed" else "--force",
+            *per_alg[g["alg"]],
+            f"seed={g['seed']}",
+            f"output_dir={g['dir']}",
+            "rl.steps=0",
+            "name=warmstart",
+        ]
 
         def call(g=g, args=args, label=label, append=earlier):
             _train(config_dir / f"{g['alg']}.yaml", args, g["dir"] / "train.log", label, append=append)
             state, g["policy"] = _warmstart_state(g["dir"], g["key"])
             if state != "done":
                 raise RunFailed(f"warm start {g['dir']} wrote no complete step-0 checkpoint and record")
+
         calls.append(call)
     _run_all(jobs, calls)
     for g in groups.values():
@@ -297,10 +341,20 @@ def _evaluate(run: Path, suite: str, max_samples: int | None, label: str, score_
     print(f"[{label}] benchmark suite {suite!r} evaluated ({run / 'evals.json'})", file=sys.stderr, flush=True)
 
 
-def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Path, config_dir: Path,
-            jobs: int | None = None, smoke: bool = False, overrides: list[str] | None = None,
-            force: bool = False, resume: bool = False, suite: str | None = "all",
-            eval_max_samples: int | None = 8) -> Path:
+def compare(
+    algorithms: list[str],
+    seeds: int | None,
+    steps: int | None,
+    out: Path,
+    config_dir: Path,
+    jobs: int | None = None,
+    smoke: bool = False,
+    overrides: list[str] | None = None,
+    force: bool = False,
+    resume: bool = False,
+    suite: str | None = "all",
+    eval_max_samples: int | None = 8,
+) -> Path:
     from .embedded.config import load_train_config
 
     # 1. every argument and every run's config checked before anything is written or run
@@ -352,11 +406,14 @@ def compare(algorithms: list[str], seeds: int | None, steps: int | None, out: Pa
             plan.append({"alg": alg, "seed": s, "run": run, "cfg": cfg, "init": None, "common": per_alg[alg]})
     previous = [n for n in ("report.md", "runs", "warmstart") if (out / n).exists()]
     if resume and not ((out / "runs").is_dir() or (out / "warmstart").is_dir()):
-        raise FileNotFoundError(f"--resume: nothing to resume in --out {out} (no runs/ or warmstart/); drop --resume "
-                                "to start a comparison")
+        raise FileNotFoundError(
+            f"--resume: nothing to resume in --out {out} (no runs/ or warmstart/); drop --resume to start a comparison"
+        )
     if previous and not (force or resume):
-        raise FileExistsError(f"--out {out} already holds a comparison ({', '.join(previous)}): add --resume to "
-                              "continue it, --force to redo it, or choose another --out")
+        raise FileExistsError(
+            f"--out {out} already holds a comparison ({', '.join(previous)}): add --resume to "
+            "continue it, --force to redo it, or choose another --out"
+        )
     out.mkdir(parents=True, exist_ok=True)
     if force:
         shutil.rmtree(out / "runs", ignore_errors=True)
@@ -389,7 +446,7 @@ def _start_zygote() -> None:
             return
         try:
             _ZYGOTE.append(Zygote(dict(os.environ, **RUN_ENV)))
-        except (OSError, RuntimeError, AttributeError):   # AttributeError: no socket.send_fds (not Unix)
+        except (OSError, RuntimeError, AttributeError):  # AttributeError: no socket.send_fds (not Unix)
             _ZYGOTE.append(None)
 
 
@@ -424,8 +481,12 @@ def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max
     for item in plan:
         run = item["run"]
         if resume and _finished(run, item["cfg"].rl.steps):  # no process started just to find nothing to do
-            print(f"[{item['alg']} seed{item['seed']}] finished earlier (step {item['cfg'].rl.steps} checkpointed and "
-                  f"recorded): kept, not restarted", file=sys.stderr, flush=True)
+            print(
+                f"[{item['alg']} seed{item['seed']}] finished earlier (step {item['cfg'].rl.steps} checkpointed and "
+                f"recorded): kept, not restarted",
+                file=sys.stderr,
+                flush=True,
+            )
             continue
         flags = []
         if resume and step_dirs(run / "checkpoints"):
@@ -436,9 +497,15 @@ def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max
         args = [*flags, *item["common"], f"seed={item['seed']}", f"output_dir={run}"]
         if item["init"] is not None:
             args.append(f"model.init_from={item['init']}")
-        calls.append(lambda item=item, args=args, append=bool(flags): _train(
-            config_dir / f"{item['alg']}.yaml", args, item["run"] / "train.log", f"{item['alg']} seed{item['seed']}",
-            append=append))
+        calls.append(
+            lambda item=item, args=args, append=bool(flags): _train(
+                config_dir / f"{item['alg']}.yaml",
+                args,
+                item["run"] / "train.log",
+                f"{item['alg']} seed{item['seed']}",
+                append=append,
+            )
+        )
     _run_all(jobs, calls)
     t_train = time.time() - t0
     if suite:  # 4. the benchmark suite on every run's checkpoints
@@ -450,19 +517,28 @@ def _stages(plan, per_alg, out, config_dir, jobs, resume, smoke, suite, eval_max
             _evaluate(item["run"], suite, max_samples, f"{item['alg']} seed{item['seed']}", out / "score-cache")
             with lock:  # two runs may finish at once: each count printed once, in order
                 finished.append(item["run"])
-                print(f"benchmark suite {suite!r}: {len(finished)}/{len(plan)} runs evaluated", file=sys.stderr,
-                      flush=True)
+                print(
+                    f"benchmark suite {suite!r}: {len(finished)}/{len(plan)} runs evaluated",
+                    file=sys.stderr,
+                    flush=True,
+                )
+
         # algorithm by algorithm: the first run of each seed scores the step 0 (the warm start) that its other
         # runs then read from the score cache, instead of two runs of one seed scoring it side by side
         algs = list(dict.fromkeys(item["alg"] for item in plan))
         order = sorted(plan, key=lambda item: (algs.index(item["alg"]), item["seed"]))
         _run_all(jobs, [lambda item=item: evaluate(item) for item in order])
     total = time.time() - t0
-    timing = {"warm start (s)": t_warm, "training (s)": t_train - t_warm, "benchmark suite (s)": total - t_train,
-              "total wall (s)": total, "jobs": jobs}
+    timing = {
+        "warm start (s)": t_warm,
+        "training (s)": t_train - t_warm,
+        "benchmark suite (s)": total - t_train,
+        "total wall (s)": total,
+        "jobs": jobs,
+    }
     if cache_notes:
         timing["warm-start cache key"] = "; ".join(cache_notes)
-    _stop_zygote()   # nothing more to run
+    _stop_zygote()  # nothing more to run
     from .report import report_from_runs
 
     print(f"writing the report: {out / 'report.md'}", file=sys.stderr, flush=True)
@@ -534,29 +610,51 @@ def main(argv: list[str]) -> int:
 def _main(argv: list[str]) -> int:
     from .embedded.config import LOCAL_CONFIGS
 
-    ap = ArgumentParser(prog="nemo-granular compare",
-                        description="Run algorithms side by side (same data, seed and sample budget) "
-                                    "and write report.md with plots.")
-    ap.add_argument("--algorithms", default=None,
-                    help=f"comma-separated config names from --config-dir (default: {DEFAULT_ALGORITHMS})")
-    ap.add_argument("--seeds", type=int, default=None,
-                    help=f"number of seeds (0..N-1; default {DEFAULT_SEEDS}, {SMOKE_SEEDS} with --smoke: every "
-                         "claim gets a 95%% interval over seeds)")
+    ap = ArgumentParser(
+        prog="nemo-granular compare",
+        description="Run algorithms side by side (same data, seed and sample budget) and write report.md with plots.",
+    )
+    ap.add_argument(
+        "--algorithms",
+        default=None,
+        help=f"comma-separated config names from --config-dir (default: {DEFAULT_ALGORITHMS})",
+    )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help=f"number of seeds (0..N-1; default {DEFAULT_SEEDS}, {SMOKE_SEEDS} with --smoke: every "
+        "claim gets a 95%% interval over seeds)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="RL steps per run, >= 1 (default: the config's)")
-    ap.add_argument("--out", default=DEFAULT_OUT,
-                    help="directory for the runs, warm starts, report.md and plots (default: %(default)s); "
-                         "refused when it already holds a comparison, unless --resume or --force")
+    ap.add_argument(
+        "--out",
+        default=DEFAULT_OUT,
+        help="directory for the runs, warm starts, report.md and plots (default: %(default)s); "
+        "refused when it already holds a comparison, unless --resume or --force",
+    )
     ap.add_argument("--config-dir", default=None, help=f"where <algorithm>.yaml live (default: {LOCAL_CONFIGS})")
     ap.add_argument("--jobs", type=int, default=None, help="parallel runs (default: number of cores, max 2)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny budget (CI): smoke.yaml's settings for every run, except that a config of one sample "
-                         "per prompt (sppo_equal_prompts) keeps one")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny budget (CI): smoke.yaml's settings for every run, except that a config of one sample "
+        "per prompt (sppo_equal_prompts) keeps one",
+    )
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--force", action="store_true", help="redo a comparison whose --out already holds one")
-    mode.add_argument("--resume", action="store_true",
-                      help="continue an interrupted comparison in --out (runs resume from their checkpoints)")
-    ap.add_argument("--from-runs", nargs="+", default=None, metavar="RUN_DIR",
-                    help="only build the report from finished run directories")
+    mode.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted comparison in --out (runs resume from their checkpoints)",
+    )
+    ap.add_argument(
+        "--from-runs",
+        nargs="+",
+        default=None,
+        metavar="RUN_DIR",
+        help="only build the report from finished run directories",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     args = ap.parse_args(argv)
     from .report import report_from_runs
@@ -564,23 +662,34 @@ def _main(argv: list[str]) -> int:
     if args.from_runs:
         if args.resume:
             raise ValueError("--resume continues a comparison's runs; --from-runs only builds a report")
-        training = [opt for opt, given in (("--algorithms", args.algorithms is not None),
-                                           ("--seeds", args.seeds is not None), ("--steps", args.steps is not None),
-                                           ("--jobs", args.jobs is not None), ("--smoke", args.smoke),
-                                           ("--config-dir", args.config_dir is not None),
-                                           ("key=value overrides", bool(args.overrides))) if given]
+        training = [
+            opt
+            for opt, given in (
+                ("--algorithms", args.algorithms is not None),
+                ("--seeds", args.seeds is not None),
+                ("--steps", args.steps is not None),
+                ("--jobs", args.jobs is not None),
+                ("--smoke", args.smoke),
+                ("--config-dir", args.config_dir is not None),
+                ("key=value overrides", bool(args.overrides)),
+            )
+            if given
+        ]
         if training:
-            raise ValueError(f"{', '.join(training)}: not with --from-runs, which only builds a report from the run "
-                             "directories it names (choose the runs by naming their directories)")
+            raise ValueError(
+                f"{', '.join(training)}: not with --from-runs, which only builds a report from the run "
+                "directories it names (choose the runs by naming their directories)"
+            )
         runs = [Path(p) for p in args.from_runs]
-        for run in runs:   # embedded (metrics.jsonl) or NeMo-RL (TensorBoard events) run directories
+        for run in runs:  # embedded (metrics.jsonl) or NeMo-RL (TensorBoard events) run directories
             if not run.is_dir():
                 raise FileNotFoundError(f"--from-runs {run}: no such directory")
         check_writable_dir(args.out, "--out")
         args.out = str(Path(args.out).absolute())
         if (Path(args.out) / "report.md").exists() and not args.force:
-            raise FileExistsError(f"--out {args.out} already holds a report.md: add --force to replace it, "
-                                  "or choose another --out")
+            raise FileExistsError(
+                f"--out {args.out} already holds a report.md: add --force to replace it, or choose another --out"
+            )
         created = not Path(args.out).exists()
         try:
             report = report_from_runs(runs, Path(args.out))
@@ -592,9 +701,18 @@ def _main(argv: list[str]) -> int:
         try:
             algorithms = _algorithm_list(DEFAULT_ALGORITHMS if args.algorithms is None else args.algorithms)
             config_dir = Path(LOCAL_CONFIGS if args.config_dir is None else args.config_dir)
-            report = compare(algorithms=algorithms, seeds=args.seeds, steps=args.steps, out=Path(args.out),
-                             config_dir=config_dir, jobs=args.jobs, smoke=args.smoke, overrides=args.overrides,
-                             force=args.force, resume=args.resume)
+            report = compare(
+                algorithms=algorithms,
+                seeds=args.seeds,
+                steps=args.steps,
+                out=Path(args.out),
+                config_dir=config_dir,
+                jobs=args.jobs,
+                smoke=args.smoke,
+                overrides=args.overrides,
+                force=args.force,
+                resume=args.resume,
+            )
         except CompareInterrupted as err:
             print(f"nemo-granular compare: {err}; continue with: {continue_command(argv)}", file=sys.stderr)
             return INTERRUPTED_EXIT_CODE

@@ -199,8 +199,10 @@ class PolicyLossConfig(BaseModel):
     @classmethod
     def _dual_clip_above_one(cls, v):
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not v > 1:
-            raise ValueError(f"ratio_clip_c must exceed 1 representing a lower bound of the ratios, got {v}. "
-                             "(NeMo-RL refuses it at its first call)")
+            raise ValueError(
+                f"ratio_clip_c must exceed 1 representing a lower bound of the ratios, got {v}. "
+                "(NeMo-RL refuses it at its first call)"
+            )
         return v
 
     @field_validator("truncated_importance_sampling_type", mode="before")
@@ -249,11 +251,15 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> str:
         loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",) and not str(p).startswith("function"))
         name = f"{prefix}.{loc}" if prefix and loc else (prefix or loc)
         msg = e["msg"].removeprefix("Value error, ")
-        if e.get("type") in ("literal_error", "enum", "greater_than", "greater_than_equal", "less_than_equal",
-                             "less_than") and "input" in e:
+        if (
+            e.get("type")
+            in ("literal_error", "enum", "greater_than", "greater_than_equal", "less_than_equal", "less_than")
+            and "input" in e
+        ):
             msg += f" (got {e['input']!r})"
-        already_named = name and (msg.startswith(name + ".") or msg.startswith(name + ":") or
-                                  (prefix and msg.startswith(prefix + ".")))
+        already_named = name and (
+            msg.startswith(name + ".") or msg.startswith(name + ":") or (prefix and msg.startswith(prefix + "."))
+        )
         lines.append(msg if already_named or not name else f"{name}: {msg}")
     return "; ".join(lines)
 
@@ -299,86 +305,149 @@ def parse_advantage_config(cfg) -> AdvantageConfig:
 # validation; "refused" = cannot apply to a granular ratio. docs/nemo-rl.md §3 is rendered from
 # this table and tests/test_nemo_rl_dropin.py compares it with the real ClippedPGLossConfig.
 NEMO_RL_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
-    "disable_ppo_ratio": ("bool", False, "NeMo-RL",
-                          "true: the REINFORCE surrogate A·logp (`surrogate: reinforce`) at any granularity; false "
-                          "leaves the surrogate to `granular`. Ignored under `force_on_policy_ratio: true` and refused "
-                          "with `use_cispo: true`, as in NeMo-RL"),
-    "token_level_loss": ("bool", True, "NeMo-RL",
-                         "true: `token_mean`; false: a per-sequence mean (`seq_mean_token_mean`, or "
-                         "`seq_mean_group_mean` when `granular.aggregation` or the preset says so); the KL term and "
-                         "the `loss` normaliser follow. Left out: the preset's aggregation decides (grpo: true). "
-                         "Refused when it contradicts an explicit `granular.aggregation`"),
-    "sequence_level_importance_ratios": ("bool", False, "NeMo-RL",
-                                         "true: NeMo-RL's GSPO mode; needs `granularity: sequence` and a per-sequence "
-                                         "loss (refused otherwise). false leaves the ratio's granularity to "
-                                         "`granular.granularity`"),
-    "ratio_clip_min": ("float", 0.2, "NeMo-RL",
-                       "ε_low of `fixed` clipping (and of CISPO's weight) at every granularity; left out: the "
-                       "preset's ε (grpo: 0.2). Not used by the entropy-adaptive clips. Also refused: < 0"),
+    "disable_ppo_ratio": (
+        "bool",
+        False,
+        "NeMo-RL",
+        "true: the REINFORCE surrogate A·logp (`surrogate: reinforce`) at any granularity; false "
+        "leaves the surrogate to `granular`. Ignored under `force_on_policy_ratio: true` and refused "
+        "with `use_cispo: true`, as in NeMo-RL",
+    ),
+    "token_level_loss": (
+        "bool",
+        True,
+        "NeMo-RL",
+        "true: `token_mean`; false: a per-sequence mean (`seq_mean_token_mean`, or "
+        "`seq_mean_group_mean` when `granular.aggregation` or the preset says so); the KL term and "
+        "the `loss` normaliser follow. Left out: the preset's aggregation decides (grpo: true). "
+        "Refused when it contradicts an explicit `granular.aggregation`",
+    ),
+    "sequence_level_importance_ratios": (
+        "bool",
+        False,
+        "NeMo-RL",
+        "true: NeMo-RL's GSPO mode; needs `granularity: sequence` and a per-sequence "
+        "loss (refused otherwise). false leaves the ratio's granularity to "
+        "`granular.granularity`",
+    ),
+    "ratio_clip_min": (
+        "float",
+        0.2,
+        "NeMo-RL",
+        "ε_low of `fixed` clipping (and of CISPO's weight) at every granularity; left out: the "
+        "preset's ε (grpo: 0.2). Not used by the entropy-adaptive clips. Also refused: < 0",
+    ),
     "ratio_clip_max": ("float", 0.2, "NeMo-RL", "ε_high, as `ratio_clip_min`"),
-    "ratio_clip_c": ("float | None", None, "NeMo-RL",
-                     "dual clip C for A < 0 on the granular ratio; refused when <= 1 (NeMo-RL: at its first "
-                     "call) and with CISPO"),
-    "reference_policy_kl_penalty": ("float", 0.01, "NeMo-RL",
-                                    "β of the KL term; 0: no reference logprobs needed"),
-    "reference_policy_kl_type": ("str", "k3", "NeMo-RL",
-                                 "k1 / k2 / k3; another value is refused when the loss is built (NeMo-RL: at its "
-                                 "first call)"),
+    "ratio_clip_c": (
+        "float | None",
+        None,
+        "NeMo-RL",
+        "dual clip C for A < 0 on the granular ratio; refused when <= 1 (NeMo-RL: at its first call) and with CISPO",
+    ),
+    "reference_policy_kl_penalty": ("float", 0.01, "NeMo-RL", "β of the KL term; 0: no reference logprobs needed"),
+    "reference_policy_kl_type": (
+        "str",
+        "k3",
+        "NeMo-RL",
+        "k1 / k2 / k3; another value is refused when the loss is built (NeMo-RL: at its first call)",
+    ),
     "kl_input_clamp_value": ("float | None", 20.0, "NeMo-RL", "as NeMo-RL's `calculate_kl`"),
     "kl_output_clamp_value": ("float | None", 10.0, "NeMo-RL", "as NeMo-RL's `calculate_kl`"),
-    "use_kl_in_reward": ("bool", False, "NeMo-RL",
-                         "true: no KL term in the loss (an estimator that reads it adds KL to the reward; `grpo` "
-                         "and `espo`, like NeMo-RL's `grpo`, do not)"),
-    "use_importance_sampling_correction": ("bool", False, "NeMo-RL",
-                                           "π_old/π_gen weights at `granular.is_level`: per token, or one per group "
-                                           "of the ratio — exp(Σδ) (`group_sum`, NeMo-RL's GSPO convention, the "
-                                           "default under `sequence_level_importance_ratios: true`) or exp(mean δ) "
-                                           "(`group_mean`, the default at every group granularity; math.md §10)"),
-    "truncated_importance_sampling_type": ("str | None", None, "NeMo-RL",
-                                           "tis / icepop on those weights (per token or per group), NeMo-RL's "
-                                           "checks; seq-mask-tis masks each group of the ratio (a whole response "
-                                           "for token and sequence groups) whose geometric-mean weight leaves "
-                                           "[min, max]"),
-    "truncated_importance_sampling_ratio": ("float | None", None, "NeMo-RL",
-                                            "> 0 when a type is set; set without a type: refused (NeMo-RL: at its "
-                                            "first call)"),
-    "truncated_importance_sampling_ratio_min": ("float | None", None, "NeMo-RL",
-                                                "<= `truncated_importance_sampling_ratio`; required for icepop and "
-                                                "seq-mask-tis; tis: 0 when null"),
+    "use_kl_in_reward": (
+        "bool",
+        False,
+        "NeMo-RL",
+        "true: no KL term in the loss (an estimator that reads it adds KL to the reward; `grpo` "
+        "and `espo`, like NeMo-RL's `grpo`, do not)",
+    ),
+    "use_importance_sampling_correction": (
+        "bool",
+        False,
+        "NeMo-RL",
+        "π_old/π_gen weights at `granular.is_level`: per token, or one per group "
+        "of the ratio — exp(Σδ) (`group_sum`, NeMo-RL's GSPO convention, the "
+        "default under `sequence_level_importance_ratios: true`) or exp(mean δ) "
+        "(`group_mean`, the default at every group granularity; math.md §10)",
+    ),
+    "truncated_importance_sampling_type": (
+        "str | None",
+        None,
+        "NeMo-RL",
+        "tis / icepop on those weights (per token or per group), NeMo-RL's "
+        "checks; seq-mask-tis masks each group of the ratio (a whole response "
+        "for token and sequence groups) whose geometric-mean weight leaves "
+        "[min, max]",
+    ),
+    "truncated_importance_sampling_ratio": (
+        "float | None",
+        None,
+        "NeMo-RL",
+        "> 0 when a type is set; set without a type: refused (NeMo-RL: at its first call)",
+    ),
+    "truncated_importance_sampling_ratio_min": (
+        "float | None",
+        None,
+        "NeMo-RL",
+        "<= `truncated_importance_sampling_ratio`; required for icepop and seq-mask-tis; tis: 0 when null",
+    ),
     "use_on_policy_kl_approximation": ("bool", False, "NeMo-RL", "as NeMo-RL"),
-    "force_on_policy_ratio": ("bool", False, "NeMo-RL",
-                              "π_old := sg(π_θ): every group ratio is 1 with its gradient; refused with CISPO"),
-    "use_cispo": ("bool", False, "NeMo-RL",
-                  "true: the CISPO surrogate sg(clip(r))·A·logp with NeMo-RL's checks (token-level loss, no "
-                  "dual clip, no forced ratio, no sequence-level ratios); CISPO at any granularity or "
-                  "aggregation: `algorithm: cispo`. false leaves the surrogate to `granular`"),
+    "force_on_policy_ratio": (
+        "bool",
+        False,
+        "NeMo-RL",
+        "π_old := sg(π_θ): every group ratio is 1 with its gradient; refused with CISPO",
+    ),
+    "use_cispo": (
+        "bool",
+        False,
+        "NeMo-RL",
+        "true: the CISPO surrogate sg(clip(r))·A·logp with NeMo-RL's checks (token-level loss, no "
+        "dual clip, no forced ratio, no sequence-level ratios); CISPO at any granularity or "
+        "aggregation: `algorithm: cispo`. false leaves the surrogate to `granular`",
+    ),
     "positive_example_nll_weight": ("float", 0.0, "NeMo-RL", "VAPO's NLL on correct responses, as NeMo-RL"),
 }
 
 # The keys NVIDIA-NeMo/RL pull request 3751 (the rewrite of ClippedPGLossFn) adds to
 # ClippedPGLossConfig; NeMo-RL 7ea279ab and v0.7.0 do not declare them (same columns as above)
 NEMO_RL_NEXT_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
-    "metrics_level": ("str", "full", "NeMo-RL",
-                      "`full` or `minimal`; minimal drops the diagnostics NeMo-RL's minimal mode drops (the "
-                      "`probs_ratio*` statistics, π_old-vs-π_gen errors, `approx_entropy`, and "
-                      "`sampling_importance_ratio` unless the IS correction is on), and so our mismatch "
-                      "diagnostics (`gen_mismatch_*`, `gen_kl_k3`, `is_oob_*_frac`) unless the correction is on; "
-                      "the granular metrics stay"),
-    "enable_torch_compile": ("bool", False, "NeMo-RL",
-                             "true: the tensor-only objective (ratios, surrogate, weights, closed-form gradient) "
-                             "is compiled with `torch.compile` on the first call, as NeMo-RL compiles its actor "
-                             "objective"),
+    "metrics_level": (
+        "str",
+        "full",
+        "NeMo-RL",
+        "`full` or `minimal`; minimal drops the diagnostics NeMo-RL's minimal mode drops (the "
+        "`probs_ratio*` statistics, π_old-vs-π_gen errors, `approx_entropy`, and "
+        "`sampling_importance_ratio` unless the IS correction is on), and so our mismatch "
+        "diagnostics (`gen_mismatch_*`, `gen_kl_k3`, `is_oob_*_frac`) unless the correction is on; "
+        "the granular metrics stay",
+    ),
+    "enable_torch_compile": (
+        "bool",
+        False,
+        "NeMo-RL",
+        "true: the tensor-only objective (ratios, surrogate, weights, closed-form gradient) "
+        "is compiled with `torch.compile` on the first call, as NeMo-RL compiles its actor "
+        "objective",
+    ),
 }
 
 # NeMo-RL's AdvEstimatorConfig keys as our `grpo` / `espo` estimators read them (same columns)
 NEMO_RL_ESTIMATOR_KEYS: dict[str, tuple[str, Any, str, str]] = {
-    "name": ("str", "grpo", "NeMo-RL",
-             "`grpo` and `espo` are ours (grpo: NeMo-RL's estimator's values), `sppo` is refused in run_grpo; "
-             "every other name is NeMo-RL's own estimator"),
+    "name": (
+        "str",
+        "grpo",
+        "NeMo-RL",
+        "`grpo` and `espo` are ours (grpo: NeMo-RL's estimator's values), `sppo` is refused in run_grpo; "
+        "every other name is NeMo-RL's own estimator",
+    ),
     "normalize_rewards": ("bool", True, "NeMo-RL", "divide by the group's std (+1e-6) where it is > 0"),
     "use_leave_one_out_baseline": ("bool", True, "NeMo-RL", "RLOO baseline: mean and std of the other responses"),
-    "reward_weights": ("list[float] | None", None, "NeMo-RL",
-                       "GDPO's; not read by `grpo` / `espo` (nor by NeMo-RL's grpo)"),
+    "reward_weights": (
+        "list[float] | None",
+        None,
+        "NeMo-RL",
+        "GDPO's; not read by `grpo` / `espo` (nor by NeMo-RL's grpo)",
+    ),
     "minus_baseline": ("bool", True, "NeMo-RL", "Reinforce++'s; not read by `grpo` / `espo` (nor by NeMo-RL's grpo)"),
 }
 
@@ -393,6 +462,8 @@ def render_key_table(keys: dict[str, tuple[str, Any, str, str]], last_column: st
 
     rows = [f"| key | type | NeMo-RL default | status | {last_column} |", "|---|---|---|---|---|"]
     pipe = "\\|"  # a `|` inside a cell
-    rows += [f"| `{k}` | {t.replace('|', pipe)} | `{show(d)}` | {status} | {note} |"
-             for k, (t, d, status, note) in keys.items()]
+    rows += [
+        f"| `{k}` | {t.replace('|', pipe)} | `{show(d)}` | {status} | {note} |"
+        for k, (t, d, status, note) in keys.items()
+    ]
     return "\n".join(rows)

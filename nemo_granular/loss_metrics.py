@@ -19,31 +19,64 @@ from .core.offpolicy import mismatch_sums
 __all__ = ["MINIMAL_SKIPS", "MISMATCH_METRICS", "metric_kinds", "policy_metrics", "mismatch_metrics"]
 
 TOKEN_METRICS = (
-    "probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error", "policy_kl_error",
-    "js_divergence_error", "approx_entropy", "clip_frac_low", "clip_frac_high", "clip_bound_low_mean",
-    "clip_bound_high_mean", "prev_entropy_mean", "nonfinite_token_frac",
+    "probs_ratio",
+    "probs_ratio_clamped",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "approx_entropy",
+    "clip_frac_low",
+    "clip_frac_high",
+    "clip_bound_low_mean",
+    "clip_bound_high_mean",
+    "prev_entropy_mean",
+    "nonfinite_token_frac",
 )
 SEQ_METRICS = ("clip_frac_low_groups", "clip_frac_high_groups", "groups_per_response", "group_size_mean")
 # π_old-vs-π_gen mismatch (docs/algorithms/math.md §10.3; maxima and the entropy split: per step, by the trainer)
 MISMATCH_TOKEN_METRICS = ("gen_mismatch_abs_mean", "gen_kl_k3")
 MISMATCH_SEQ_METRICS = ("gen_mismatch_group_abs_mean",)
-RAW_METRICS = ("num_valid_samples", "nonfinite_tokens", "positive_nll_loss",
-               "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max")
+RAW_METRICS = (
+    "num_valid_samples",
+    "nonfinite_tokens",
+    "positive_nll_loss",
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "probs_ratio_clamped_min",
+    "probs_ratio_clamped_max",
+)
 
 
 # what NeMo-RL's `metrics_level: minimal` leaves out (NVIDIA-NeMo/RL pull request 3751);
 # `sampling_importance_ratio` too, unless the importance-sampling correction is on
-MINIMAL_SKIPS = frozenset((
-    "probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min",
-    "probs_ratio_clamped_max", "token_mult_prob_error", "gen_kl_error", "policy_kl_error", "js_divergence_error",
-    "approx_entropy",
-))
+MINIMAL_SKIPS = frozenset(
+    (
+        "probs_ratio",
+        "probs_ratio_clamped",
+        "probs_ratio_min",
+        "probs_ratio_max",
+        "probs_ratio_clamped_min",
+        "probs_ratio_clamped_max",
+        "token_mult_prob_error",
+        "gen_kl_error",
+        "policy_kl_error",
+        "js_divergence_error",
+        "approx_entropy",
+    )
+)
 # ours, diagnostics like MINIMAL_SKIPS: at `minimal` only while the correction is on (it reads δ anyway)
 MISMATCH_METRICS = MISMATCH_TOKEN_METRICS + MISMATCH_SEQ_METRICS + ("is_oob_token_frac", "is_oob_group_frac")
 
 
-def metric_kinds(token_level: bool, granularity: str, truncation: str | None, level: str = "full",
-                 importance_correction: bool = False, is_level: str = "group_sum") -> dict[str, str]:
+def metric_kinds(
+    token_level: bool,
+    granularity: str,
+    truncation: str | None,
+    level: str = "full",
+    importance_correction: bool = False,
+    is_level: str = "group_sum",
+) -> dict[str, str]:
     """Metric name → ``MetricNormalizer`` value (``tokens`` / ``sequences`` / ``none``), as NeMo-RL's
     ``ClippedPGLossFn`` advertises them: ``loss`` and ``kl_penalty`` like the gradient
     (``token_level_loss``), ``is_oob_ratio`` by the truncation, ``sampling_importance_ratio``
@@ -59,8 +92,9 @@ def metric_kinds(token_level: bool, granularity: str, truncation: str | None, le
     if not full:
         kinds = {k: v for k, v in kinds.items() if k not in MINIMAL_SKIPS}
     if full or importance_correction:
-        kinds["sampling_importance_ratio"] = ("sequences" if granularity == "sequence" and is_level != "token"
-                                              else "tokens")
+        kinds["sampling_importance_ratio"] = (
+            "sequences" if granularity == "sequence" and is_level != "token" else "tokens"
+        )
         kinds.update({k: "tokens" for k in MISMATCH_TOKEN_METRICS})
         kinds.update({k: "sequences" for k in MISMATCH_SEQ_METRICS})
     if truncation is not None:
@@ -74,9 +108,19 @@ def mismatch_metrics(b, ratios, correction, gen_kl_k3=None) -> dict[str, torch.T
     """The π_old-vs-π_gen diagnostics of docs/algorithms/math.md §10.3 on the ratio's groups
     (:func:`~nemo_granular.core.offpolicy.mismatch_sums`); ``gen_kl_k3``: NeMo-RL's ``gen_kl_error``
     of the same call when it is the k3 estimator (the same sum, not computed twice)."""
-    return mismatch_sums(b.prev, b.gen, b.valid, b.w_tok, b.sample_mask * b.inv_gvs, index=ratios.index,
-                         counts=ratios.counts, n_groups_row=ratios.n_groups_row, correction=correction,
-                         gen_kl_k3=gen_kl_k3, count_dtype=b.count_dtype)
+    return mismatch_sums(
+        b.prev,
+        b.gen,
+        b.valid,
+        b.w_tok,
+        b.sample_mask * b.inv_gvs,
+        index=ratios.index,
+        counts=ratios.counts,
+        n_groups_row=ratios.n_groups_row,
+        correction=correction,
+        gen_kl_k3=gen_kl_k3,
+        count_dtype=b.count_dtype,
+    )
 
 
 def policy_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
@@ -143,8 +187,11 @@ def _full_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
 def _loss_values(sample_mask, penalized, kl_coef: float) -> dict[str, torch.Tensor]:
     """``loss``, ``num_valid_samples`` and ``kl_penalty`` (KL without β), as NeMo-RL reports them."""
     kl = penalized.kl
-    return {"loss": penalized.loss.detach(), "num_valid_samples": sample_mask.sum(),
-            "kl_penalty": kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl)}
+    return {
+        "loss": penalized.loss.detach(),
+        "num_valid_samples": sample_mask.sum(),
+        "kl_penalty": kl.detach() / kl_coef if kl_coef else torch.zeros_like(kl),
+    }
 
 
 def _minimal_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
@@ -174,8 +221,9 @@ def _minimal_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
         else:
             m["sampling_importance_ratio"] = tok(is_weight)
     m["positive_nll_loss"] = penalized.nll.detach()
-    m.update(_granular_metrics(b, result, tok, seq,
-                               per_token_bounds=g.surrogate == "reinforce" or ratios.index is None))
+    m.update(
+        _granular_metrics(b, result, tok, seq, per_token_bounds=g.surrogate == "reinforce" or ratios.index is None)
+    )
     return m
 
 
@@ -190,17 +238,34 @@ def _granular_metrics(b, result, tok, seq, per_token_bounds: bool, with_bounds: 
         row_tok = (sm * b.inv_gvt)[:, None]  # w_tok of a row's valid tokens
         m["clip_frac_low"], m["clip_frac_high"] = (terms.low * row_tok).sum(), (terms.high * row_tok).sum()
         if fraction_weights is None:
-            fraction_weights = aggregation_group_weights("seq_mean_group_mean", sm, b.inv_gvt, b.inv_gvs, b.n_row,
-                                                         ratios.counts, ratios.n_groups_row, b.count_dtype)
+            fraction_weights = aggregation_group_weights(
+                "seq_mean_group_mean",
+                sm,
+                b.inv_gvt,
+                b.inv_gvs,
+                b.n_row,
+                ratios.counts,
+                ratios.n_groups_row,
+                b.count_dtype,
+            )
         m["clip_frac_low_groups"] = (terms.low * fraction_weights).sum()
         m["clip_frac_high_groups"] = (terms.high * fraction_weights).sum()
     else:
         m["clip_frac_low"] = tok(terms.low)
         m["clip_frac_high"] = tok(terms.high)
         if fraction_weights is None:
-            fraction_weights = aggregation_weights("seq_mean_group_mean", b.valid, sm, b.inv_gvt, b.inv_gvs,
-                                                   b.n_row, ratios.index, ratios.counts, ratios.n_groups_row,
-                                                   b.count_dtype)
+            fraction_weights = aggregation_weights(
+                "seq_mean_group_mean",
+                b.valid,
+                sm,
+                b.inv_gvt,
+                b.inv_gvs,
+                b.n_row,
+                ratios.index,
+                ratios.counts,
+                ratios.n_groups_row,
+                b.count_dtype,
+            )
         fw = fraction_weights.reshape(-1)
         m["clip_frac_low_groups"] = torch.dot(terms.low.reshape(-1), fw)
         m["clip_frac_high_groups"] = torch.dot(terms.high.reshape(-1), fw)
@@ -235,9 +300,16 @@ def _ratio_statistics(b, result, surrogate: str, tok) -> dict[str, torch.Tensor]
     lo, hi = result.bounds
     if surrogate == "reinforce":
         r_min, r_max = masked_extrema([b.logp], live)
-        return {"probs_ratio": tok(b.logp), "probs_ratio_clamped": tok(b.logp), "probs_ratio_min": r_min,
-                "probs_ratio_max": r_max, "probs_ratio_clamped_min": r_min, "probs_ratio_clamped_max": r_max,
-                "clip_bound_low_mean": tok(lo), "clip_bound_high_mean": tok(hi)}
+        return {
+            "probs_ratio": tok(b.logp),
+            "probs_ratio_clamped": tok(b.logp),
+            "probs_ratio_min": r_min,
+            "probs_ratio_max": r_max,
+            "probs_ratio_clamped_min": r_min,
+            "probs_ratio_clamped_max": r_max,
+            "clip_bound_low_mean": tok(lo),
+            "clip_bound_high_mean": tok(hi),
+        }
     if ratios.index is None:  # token granularity: per-token statistics
         ratio, clamped = ratios.ratio, terms.ratio_clamped
         if torch.is_tensor(lo) and lo.dim() > 0:
@@ -246,9 +318,16 @@ def _ratio_statistics(b, result, surrogate: str, tok) -> dict[str, torch.Tensor]
             r_min, r_max = masked_extrema([ratio], live)
             rc_min = torch.where(torch.isinf(r_min), r_min, r_min.clamp(lo, hi))  # keep the ±inf sentinels
             rc_max = torch.where(torch.isinf(r_max), r_max, r_max.clamp(lo, hi))
-        return {"probs_ratio": tok(ratio), "probs_ratio_clamped": tok(clamped), "probs_ratio_min": r_min,
-                "probs_ratio_max": r_max, "probs_ratio_clamped_min": rc_min, "probs_ratio_clamped_max": rc_max,
-                "clip_bound_low_mean": tok(lo), "clip_bound_high_mean": tok(hi)}
+        return {
+            "probs_ratio": tok(ratio),
+            "probs_ratio_clamped": tok(clamped),
+            "probs_ratio_min": r_min,
+            "probs_ratio_max": r_max,
+            "probs_ratio_clamped_min": rc_min,
+            "probs_ratio_clamped_max": rc_max,
+            "clip_bound_low_mean": tok(lo),
+            "clip_bound_high_mean": tok(hi),
+        }
     # group table [B, G]: weight of a group = its token count
     lo_g, hi_g = result.group_bounds
     s, counts = ratios.group_ratio, ratios.counts
@@ -256,7 +335,13 @@ def _ratio_statistics(b, result, surrogate: str, tok) -> dict[str, torch.Tensor]
     rc_g = torch.clamp(s, lo_g, hi_g)
     live_g = counts.clamp(max=1) * b.row_on[:, None]
     r_min, r_max, rc_min, rc_max = masked_extrema([s, rc_g], live_g)
-    return {"probs_ratio": (s * gw).sum(), "probs_ratio_clamped": (rc_g * gw).sum(), "probs_ratio_min": r_min,
-            "probs_ratio_max": r_max, "probs_ratio_clamped_min": rc_min, "probs_ratio_clamped_max": rc_max,
-            "clip_bound_low_mean": (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g,
-            "clip_bound_high_mean": (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g}
+    return {
+        "probs_ratio": (s * gw).sum(),
+        "probs_ratio_clamped": (rc_g * gw).sum(),
+        "probs_ratio_min": r_min,
+        "probs_ratio_max": r_max,
+        "probs_ratio_clamped_min": rc_min,
+        "probs_ratio_clamped_max": rc_max,
+        "clip_bound_low_mean": (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g,
+        "clip_bound_high_mean": (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g,
+    }

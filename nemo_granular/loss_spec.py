@@ -19,25 +19,88 @@ __all__ = ["PRESETS", "GranularSpec", "PolicyLossSpec", "preset_value", "resolve
 
 # docs/algorithms/math.md §8 (ε of `fixed` clipping as (low, high); advantage estimator name)
 PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
-                 aggregation="token_mean", advantage="grpo"),
-    "gspo": dict(granularity="sequence", ratio="shared", clip="fixed", eps=(3e-4, 4e-4), surrogate="clipped",
-                 aggregation="seq_mean_token_mean", advantage="grpo"),
-    "gspo_token": dict(granularity="sequence", ratio="token_decomposed", clip="fixed", eps=(3e-4, 4e-4),
-                       surrogate="clipped", aggregation="seq_mean_token_mean", advantage="grpo"),
-    "sspo": dict(granularity="segment", ratio="shared", clip="sspo_entropy", eps=(0.2, 0.2), surrogate="clipped",
-                 aggregation="seq_mean_token_mean", advantage="grpo"),
-    "sspo_no_ec": dict(granularity="segment", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
-                       aggregation="seq_mean_token_mean", advantage="grpo"),
-    "espo": dict(granularity="entropy_group", ratio="token_decomposed", clip="espo_entropy", eps=(0.2, 0.2),
-                 surrogate="clipped", aggregation="seq_mean_group_mean", advantage="espo"),
-    "sppo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="clipped",
-                 aggregation="token_mean", advantage="sppo"),
+    "grpo": dict(
+        granularity="token",
+        ratio="shared",
+        clip="fixed",
+        eps=(0.2, 0.2),
+        surrogate="clipped",
+        aggregation="token_mean",
+        advantage="grpo",
+    ),
+    "gspo": dict(
+        granularity="sequence",
+        ratio="shared",
+        clip="fixed",
+        eps=(3e-4, 4e-4),
+        surrogate="clipped",
+        aggregation="seq_mean_token_mean",
+        advantage="grpo",
+    ),
+    "gspo_token": dict(
+        granularity="sequence",
+        ratio="token_decomposed",
+        clip="fixed",
+        eps=(3e-4, 4e-4),
+        surrogate="clipped",
+        aggregation="seq_mean_token_mean",
+        advantage="grpo",
+    ),
+    "sspo": dict(
+        granularity="segment",
+        ratio="shared",
+        clip="sspo_entropy",
+        eps=(0.2, 0.2),
+        surrogate="clipped",
+        aggregation="seq_mean_token_mean",
+        advantage="grpo",
+    ),
+    "sspo_no_ec": dict(
+        granularity="segment",
+        ratio="shared",
+        clip="fixed",
+        eps=(0.2, 0.2),
+        surrogate="clipped",
+        aggregation="seq_mean_token_mean",
+        advantage="grpo",
+    ),
+    "espo": dict(
+        granularity="entropy_group",
+        ratio="token_decomposed",
+        clip="espo_entropy",
+        eps=(0.2, 0.2),
+        surrogate="clipped",
+        aggregation="seq_mean_group_mean",
+        advantage="espo",
+    ),
+    "sppo": dict(
+        granularity="token",
+        ratio="shared",
+        clip="fixed",
+        eps=(0.2, 0.2),
+        surrogate="clipped",
+        aggregation="token_mean",
+        advantage="sppo",
+    ),
     # NeMo-RL's use_cispo / disable_ppo_ratio as presets: at token granularity they ARE those modes
-    "cispo": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="cispo",
-                  aggregation="token_mean", advantage="grpo"),
-    "reinforce": dict(granularity="token", ratio="shared", clip="fixed", eps=(0.2, 0.2), surrogate="reinforce",
-                      aggregation="token_mean", advantage="grpo"),
+    "cispo": dict(
+        granularity="token",
+        ratio="shared",
+        clip="fixed",
+        eps=(0.2, 0.2),
+        surrogate="cispo",
+        aggregation="token_mean",
+        advantage="grpo",
+    ),
+    "reinforce": dict(
+        granularity="token",
+        ratio="shared",
+        clip="fixed",
+        eps=(0.2, 0.2),
+        surrogate="reinforce",
+        aggregation="token_mean",
+        advantage="grpo",
+    ),
 }
 
 
@@ -58,17 +121,17 @@ class GranularSpec:
     """``loss_fn.granular`` resolved: every choice effective (docs/algorithms/math.md §2–§5, §10)."""
 
     algorithm: str
-    granularity: str                      # token | sequence | segment | entropy_group
-    ratio: str                            # shared | token_decomposed
-    surrogate: str                        # clipped | cispo | reinforce
+    granularity: str  # token | sequence | segment | entropy_group
+    ratio: str  # shared | token_decomposed
+    surrogate: str  # clipped | cispo | reinforce
     segment_delimiters: tuple[str, ...]
     entropy_top_fraction: float | tuple[float, ...]
-    clip: str                             # fixed | sspo_entropy | espo_entropy
-    sspo: Any                             # SSPOClipConfig (frozen)
-    espo: Any                             # ESPOClipConfig (frozen); alpha "auto" until calibrated
-    aggregation: str                      # token_mean | seq_mean_token_mean | seq_mean_group_mean
-    is_level: str                         # token | group_sum | group_mean: level of the π_old/π_gen weight
-    eps_low: float                        # ε of `fixed` clipping from `granular` (or the preset)
+    clip: str  # fixed | sspo_entropy | espo_entropy
+    sspo: Any  # SSPOClipConfig (frozen)
+    espo: Any  # ESPOClipConfig (frozen); alpha "auto" until calibrated
+    aggregation: str  # token_mean | seq_mean_token_mean | seq_mean_group_mean
+    is_level: str  # token | group_sum | group_mean: level of the π_old/π_gen weight
+    eps_low: float  # ε of `fixed` clipping from `granular` (or the preset)
     eps_high: float
 
     @property
@@ -87,8 +150,9 @@ class GranularSpec:
     def model_dump(self) -> dict[str, Any]:
         """The ``granular`` mapping with every field given (it resolves to this spec again)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update(segment_delimiters=list(self.segment_delimiters), sspo=self.sspo.model_dump(),
-                   espo=self.espo.model_dump())
+        out.update(
+            segment_delimiters=list(self.segment_delimiters), sspo=self.sspo.model_dump(), espo=self.espo.model_dump()
+        )
         if isinstance(self.entropy_top_fraction, tuple):
             out["entropy_top_fraction"] = list(self.entropy_top_fraction)
         return out
@@ -101,7 +165,7 @@ class PolicyLossSpec:
 
     granular: GranularSpec
     disable_ppo_ratio: bool
-    token_level_loss: bool | None         # as given; None: the aggregation decides (token_level)
+    token_level_loss: bool | None  # as given; None: the aggregation decides (token_level)
     sequence_level_importance_ratios: bool
     ratio_clip_min: float | None
     ratio_clip_max: float | None
@@ -152,9 +216,14 @@ class PolicyLossSpec:
         """The effective value of every NeMo-RL key (what ``ClippedPGLossConfig`` would hold)."""
         out = {k: getattr(self, k) for k in _NEMO_RL_FIELDS if k not in NEMO_RL_NEXT_FIELDS}
         g = self.granular
-        out.update(token_level_loss=self.token_level, ratio_clip_min=self.eps_low, ratio_clip_max=self.eps_high,
-                   use_cispo=g.surrogate == "cispo", disable_ppo_ratio=g.surrogate == "reinforce",
-                   sequence_level_importance_ratios=self.sequence_level_importance_ratios)
+        out.update(
+            token_level_loss=self.token_level,
+            ratio_clip_min=self.eps_low,
+            ratio_clip_max=self.eps_high,
+            use_cispo=g.surrogate == "cispo",
+            disable_ppo_ratio=g.surrogate == "reinforce",
+            sequence_level_importance_ratios=self.sequence_level_importance_ratios,
+        )
         return out
 
     def model_dump(self) -> dict[str, Any]:
@@ -179,12 +248,24 @@ def resolve_loss_spec(cfg) -> PolicyLossSpec:
     granularity = _granularity(cfg, aggregation)
     _check_truncated_is(cfg)
     granular = GranularSpec(
-        algorithm=g.algorithm, granularity=granularity, ratio=preset_value(g, "ratio"), surrogate=surrogate,
+        algorithm=g.algorithm,
+        granularity=granularity,
+        ratio=preset_value(g, "ratio"),
+        surrogate=surrogate,
         segment_delimiters=tuple(g.segment_delimiters),
-        entropy_top_fraction=(g.entropy_top_fraction if isinstance(g.entropy_top_fraction, (int, float))
-                              else tuple(g.entropy_top_fraction)),
-        clip=preset_value(g, "clip"), sspo=g.sspo, espo=g.espo, aggregation=aggregation,
-        is_level=_is_level(cfg, granularity), eps_low=preset_value(g, "eps_low"), eps_high=preset_value(g, "eps_high"))
+        entropy_top_fraction=(
+            g.entropy_top_fraction
+            if isinstance(g.entropy_top_fraction, (int, float))
+            else tuple(g.entropy_top_fraction)
+        ),
+        clip=preset_value(g, "clip"),
+        sspo=g.sspo,
+        espo=g.espo,
+        aggregation=aggregation,
+        is_level=_is_level(cfg, granularity),
+        eps_low=preset_value(g, "eps_low"),
+        eps_high=preset_value(g, "eps_high"),
+    )
     return PolicyLossSpec(granular=granular, **{k: getattr(cfg, k) for k in _NEMO_RL_FIELDS})
 
 
@@ -196,8 +277,10 @@ def _aggregation(cfg) -> str:
         return preset_value(g, "aggregation")
     if "aggregation" in g.model_fields_set:
         if (g.aggregation == "token_mean") != level:
-            raise ValueError(f"loss_fn.token_level_loss: {str(level).lower()} contradicts granular.aggregation "
-                             f"{g.aggregation!r}; drop one of the two")
+            raise ValueError(
+                f"loss_fn.token_level_loss: {str(level).lower()} contradicts granular.aggregation "
+                f"{g.aggregation!r}; drop one of the two"
+            )
         return g.aggregation
     preset = PRESETS[g.algorithm]["aggregation"]
     if level:
@@ -206,9 +289,12 @@ def _aggregation(cfg) -> str:
         agg = preset if preset != "token_mean" else "seq_mean_token_mean"
     if (preset == "token_mean") != level and "algorithm" in g.model_fields_set:
         # NeMo-RL's example configs set token_level_loss: true; say so when it overrides a preset
-        warnings.warn(f"loss_fn.token_level_loss: {str(level).lower()} overrides algorithm {g.algorithm!r}'s "
-                      f"aggregation {preset!r} (now {agg!r}); set token_level_loss: {str(not level).lower()} "
-                      "to keep the preset's", stacklevel=2)
+        warnings.warn(
+            f"loss_fn.token_level_loss: {str(level).lower()} overrides algorithm {g.algorithm!r}'s "
+            f"aggregation {preset!r} (now {agg!r}); set token_level_loss: {str(not level).lower()} "
+            "to keep the preset's",
+            stacklevel=2,
+        )
     return agg
 
 
@@ -217,9 +303,11 @@ def _surrogate(cfg, aggregation: str) -> str:
     surrogate (false, NeMo-RL's default, leaves it to ``granular``), with NeMo-RL's checks."""
     g = cfg.granular
     if cfg.use_cispo and cfg.disable_ppo_ratio:
-        raise ValueError("use_cispo is incompatible with disable_ppo_ratio; CISPO needs the pi_theta/pi_theta_old "
-                         "ratio but disable_ppo_ratio removes it (loss_fn.use_cispo: true, "
-                         "disable_ppo_ratio: true)")
+        raise ValueError(
+            "use_cispo is incompatible with disable_ppo_ratio; CISPO needs the pi_theta/pi_theta_old "
+            "ratio but disable_ppo_ratio removes it (loss_fn.use_cispo: true, "
+            "disable_ppo_ratio: true)"
+        )
     wanted = None
     if cfg.use_cispo:
         wanted = "cispo"
@@ -243,21 +331,32 @@ def _check_cispo(cfg, aggregation: str) -> None:
 
     def refuse(nemo: str, ours: str):
         raise ValueError(f"{nemo} ({key}: {ours})" if cfg.use_cispo else f"{key}: {ours}")
+
     if cfg.force_on_policy_ratio:
-        refuse("use_cispo is incompatible with force_on_policy_ratio; forcing ratio=1 removes the clipped "
-               "IS-weight that CISPO optimizes", "incompatible with force_on_policy_ratio, as in NeMo-RL")
+        refuse(
+            "use_cispo is incompatible with force_on_policy_ratio; forcing ratio=1 removes the clipped "
+            "IS-weight that CISPO optimizes",
+            "incompatible with force_on_policy_ratio, as in NeMo-RL",
+        )
     if cfg.sequence_level_importance_ratios:
-        refuse("use_cispo is incompatible with sequence_level_importance_ratios; CISPO uses token-level "
-               "importance weights", "incompatible with sequence_level_importance_ratios; for CISPO on "
-               "sequence ratios use granular.granularity: sequence")
+        refuse(
+            "use_cispo is incompatible with sequence_level_importance_ratios; CISPO uses token-level "
+            "importance weights",
+            "incompatible with sequence_level_importance_ratios; for CISPO on "
+            "sequence ratios use granular.granularity: sequence",
+        )
     if cfg.ratio_clip_c is not None:
-        refuse("use_cispo is incompatible with dual clipping (ratio_clip_c); the dual-clip block runs after the "
-               "CISPO loss assembly and would silently overwrite it. Set ratio_clip_c=null when use_cispo=True.",
-               "incompatible with dual clipping; set ratio_clip_c: null, as NeMo-RL requires")
+        refuse(
+            "use_cispo is incompatible with dual clipping (ratio_clip_c); the dual-clip block runs after the "
+            "CISPO loss assembly and would silently overwrite it. Set ratio_clip_c=null when use_cispo=True.",
+            "incompatible with dual clipping; set ratio_clip_c: null, as NeMo-RL requires",
+        )
     if cfg.use_cispo and aggregation != "token_mean":
-        refuse("use_cispo requires token_level_loss=True (LossType.TOKEN_LEVEL).",
-               "needs token_level_loss: true, as in NeMo-RL (CISPO with a per-sequence mean: "
-               "granular.algorithm: cispo with token_level_loss: false)")
+        refuse(
+            "use_cispo requires token_level_loss=True (LossType.TOKEN_LEVEL).",
+            "needs token_level_loss: true, as in NeMo-RL (CISPO with a per-sequence mean: "
+            "granular.algorithm: cispo with token_level_loss: false)",
+        )
 
 
 def _granularity(cfg, aggregation: str) -> str:
@@ -268,12 +367,16 @@ def _granularity(cfg, aggregation: str) -> str:
         return preset_value(g, "granularity")
     granularity = preset_value(g, "granularity") if {"granularity", "algorithm"} & g.model_fields_set else "sequence"
     if granularity != "sequence":
-        raise ValueError("loss_fn.sequence_level_importance_ratios: true conflicts with "
-                         f"granular.granularity={granularity!r} (use algorithm: gspo, or set it false)")
+        raise ValueError(
+            "loss_fn.sequence_level_importance_ratios: true conflicts with "
+            f"granular.granularity={granularity!r} (use algorithm: gspo, or set it false)"
+        )
     if aggregation == "token_mean":
-        raise ValueError("sequence-level importance sampling (e.g. GSPO) is mutually exclusive with "
-                         "token-level loss (loss_fn.sequence_level_importance_ratios: true needs a "
-                         "per-sequence loss, token_level_loss: false)")
+        raise ValueError(
+            "sequence-level importance sampling (e.g. GSPO) is mutually exclusive with "
+            "token-level loss (loss_fn.sequence_level_importance_ratios: true needs a "
+            "per-sequence loss, token_level_loss: false)"
+        )
     return granularity
 
 
@@ -295,26 +398,38 @@ def _check_truncated_is(cfg) -> None:
     lo = cfg.truncated_importance_sampling_ratio_min
     if kind is None:
         if hi is not None:
-            raise ValueError("Invalid truncated importance sampling type: None (loss_fn.truncated_importance_"
-                             "sampling_ratio is set but truncated_importance_sampling_type is null; NeMo-RL "
-                             "refuses it at its first call)")
+            raise ValueError(
+                "Invalid truncated importance sampling type: None (loss_fn.truncated_importance_"
+                "sampling_ratio is set but truncated_importance_sampling_type is null; NeMo-RL "
+                "refuses it at its first call)"
+            )
         return
     if not cfg.use_importance_sampling_correction:
-        raise ValueError("truncated importance sampling is only supported when use_importance_sampling_correction "
-                         f"is True (loss_fn.truncated_importance_sampling_type: {kind} needs "
-                         "use_importance_sampling_correction: true)")
+        raise ValueError(
+            "truncated importance sampling is only supported when use_importance_sampling_correction "
+            f"is True (loss_fn.truncated_importance_sampling_type: {kind} needs "
+            "use_importance_sampling_correction: true)"
+        )
     if hi is None or hi <= 0:
-        raise ValueError(f"truncated_importance_sampling_ratio should be positive (loss_fn.truncated_importance_"
-                         f"sampling_ratio: got {hi!r})")
+        raise ValueError(
+            f"truncated_importance_sampling_ratio should be positive (loss_fn.truncated_importance_"
+            f"sampling_ratio: got {hi!r})"
+        )
     if lo is not None and lo > hi:
-        raise ValueError("truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio "
-                         f"(loss_fn: truncated_importance_sampling_ratio_min {lo} > "
-                         f"truncated_importance_sampling_ratio {hi})")
+        raise ValueError(
+            "truncated_importance_sampling_ratio_min must be <= truncated_importance_sampling_ratio "
+            f"(loss_fn: truncated_importance_sampling_ratio_min {lo} > "
+            f"truncated_importance_sampling_ratio {hi})"
+        )
     if kind in ("icepop", "seq-mask-tis") and lo is None:
-        raise ValueError("truncated_importance_sampling_ratio_min should be set when truncated_importance_"
-                         f"sampling_type is 'icepop' or 'seq-mask-tis' (loss_fn: it is {kind})")
+        raise ValueError(
+            "truncated_importance_sampling_ratio_min should be set when truncated_importance_"
+            f"sampling_type is 'icepop' or 'seq-mask-tis' (loss_fn: it is {kind})"
+        )
     if kind == "seq-mask-tis" and cfg.sequence_level_importance_ratios:
-        raise ValueError("seq-mask-tis uses token-level IS correction with sequence-level masking, and is "
-                         "incompatible with sequence_level_importance_ratios=True (loss_fn."
-                         "truncated_importance_sampling_type: seq-mask-tis, sequence_level_importance_ratios: "
-                         "true)")
+        raise ValueError(
+            "seq-mask-tis uses token-level IS correction with sequence-level masking, and is "
+            "incompatible with sequence_level_importance_ratios=True (loss_fn."
+            "truncated_importance_sampling_type: seq-mask-tis, sequence_level_importance_ratios: "
+            "true)"
+        )

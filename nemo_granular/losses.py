@@ -53,8 +53,15 @@ from .loss_metrics import metric_kinds, mismatch_metrics, policy_metrics
 from .loss_spec import PolicyLossSpec
 from .protocol import HostMember, LossInputType, LossType, MetricNormalizer, resolve
 
-__all__ = ["GranularPolicyLoss", "SequenceValueLoss", "PolicyBatch", "read_policy_batch", "ObjectiveResult",
-           "kl_penalty_per_token", "LOG_RATIO_BOUND"]
+__all__ = [
+    "GranularPolicyLoss",
+    "SequenceValueLoss",
+    "PolicyBatch",
+    "read_policy_batch",
+    "ObjectiveResult",
+    "kl_penalty_per_token",
+    "LOG_RATIO_BOUND",
+]
 
 
 _EXTREMA = frozenset(("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max"))
@@ -66,12 +73,15 @@ def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> to
         raise _missing(name)
     x = data[name]
     if hasattr(x, "full_tensor"):
-        raise ValueError(f"data['{name}'] is a DTensor (DTensor context parallelism): precompute "
-                         "'granular_group_ids' on the driver instead of reading it in the loss")
+        raise ValueError(
+            f"data['{name}'] is a DTensor (DTensor context parallelism): precompute "
+            "'granular_group_ids' on the driver instead of reading it in the loss"
+        )
     x = x[:, 1:] if shift else x
     if tuple(x.shape) != tuple(like.shape):
-        raise ValueError(f"data['{name}'][:, 1:] has shape {tuple(x.shape)} but next_token_logprobs has "
-                         f"shape {tuple(like.shape)}")
+        raise ValueError(
+            f"data['{name}'][:, 1:] has shape {tuple(x.shape)} but next_token_logprobs has shape {tuple(like.shape)}"
+        )
     return x.to(like.device)
 
 
@@ -97,23 +107,23 @@ class PolicyBatch:
     only the penalties and the group plan read (``ref_logp``, ``curr_logp``, ``group_ids``,
     ``token_ids``: as given, masked where they are used). The loss reads ``data`` only here."""
 
-    logp: torch.Tensor            # log π_θ, detached
-    prev: torch.Tensor            # log π_old
+    logp: torch.Tensor  # log π_θ, detached
+    prev: torch.Tensor  # log π_old
     adv: torch.Tensor
-    gen: torch.Tensor             # log π_gen (π_old where absent, or non-finite and unused)
-    ent: torch.Tensor | None      # π_old entropy
-    mask: torch.Tensor            # token_mask, 0/1
-    valid: torch.Tensor           # mask without the non-finite tokens
-    sample_mask: torch.Tensor     # [B]
-    row_on: torch.Tensor          # sample_mask != 0, [B]
-    inv_gvt: torch.Tensor         # 1 / (global_valid_toks + 1e-8)
-    inv_gvs: torch.Tensor         # 1 / (global_valid_seqs + 1e-8)
+    gen: torch.Tensor  # log π_gen (π_old where absent, or non-finite and unused)
+    ent: torch.Tensor | None  # π_old entropy
+    mask: torch.Tensor  # token_mask, 0/1
+    valid: torch.Tensor  # mask without the non-finite tokens
+    sample_mask: torch.Tensor  # [B]
+    row_on: torch.Tensor  # sample_mask != 0, [B]
+    inv_gvt: torch.Tensor  # 1 / (global_valid_toks + 1e-8)
+    inv_gvs: torch.Tensor  # 1 / (global_valid_seqs + 1e-8)
     count_dtype: torch.dtype | None = None  # where per-row/group token counts take + 1e-8: token_mask's (NeMo-RL's)
-    group_ids: torch.Tensor | None = None   # granular_group_ids, int64, when given and the groups are not rows
-    token_ids: torch.Tensor | None = None   # input_ids, for segment groups cut here (no group ids given)
-    ref_logp: torch.Tensor | None = None    # log π_ref (reference_policy_logprobs), when β ≠ 0
-    curr_logp: torch.Tensor | None = None   # curr_logprobs_unfiltered (NeMo-RL's KL input), when β ≠ 0 and given
-    rewards: torch.Tensor | None = None     # [B], when the NLL term is on and the rewards are given
+    group_ids: torch.Tensor | None = None  # granular_group_ids, int64, when given and the groups are not rows
+    token_ids: torch.Tensor | None = None  # input_ids, for segment groups cut here (no group ids given)
+    ref_logp: torch.Tensor | None = None  # log π_ref (reference_policy_logprobs), when β ≠ 0
+    curr_logp: torch.Tensor | None = None  # curr_logprobs_unfiltered (NeMo-RL's KL input), when β ≠ 0 and given
+    rewards: torch.Tensor | None = None  # [B], when the NLL term is on and the rewards are given
     nll_count_dtype: torch.dtype | None = None  # where Σ correct + 1e-8 is formed (NeMo-RL's correct_mask dtype)
     # computed on first use (the group path of the loss needs neither as a [B, T] pass)
     _n_row: torch.Tensor | None = None
@@ -138,8 +148,14 @@ class PolicyBatch:
         return self._w_tok
 
 
-def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
-                      cfg: PolicyLossSpec, assume_finite: bool = False) -> PolicyBatch:
+def read_policy_batch(
+    next_token_logprobs: torch.Tensor,
+    data: Mapping,
+    global_valid_seqs,
+    global_valid_toks,
+    cfg: PolicyLossSpec,
+    assume_finite: bool = False,
+) -> PolicyBatch:
     """The batch keys of :data:`nemo_granular.batch_schema.POLICY_BATCH` (every one the loss ``cfg``
     uses; no other key of ``data`` is read) as a :class:`PolicyBatch`. NaN/inf
     tokens (in logp, π_old logp, advantage, and π_gen logp / entropy where they are used) leave the
@@ -153,15 +169,19 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
     token_mask = _key(data, "token_mask", L)
     sm = data["sample_mask"].to(L.device, dt).reshape(-1)
     if sm.shape[0] != L.shape[0]:
-        raise ValueError(f"data['sample_mask'] has shape {tuple(data['sample_mask'].shape)} but "
-                         f"next_token_logprobs has {L.shape[0]} rows")
+        raise ValueError(
+            f"data['sample_mask'] has shape {tuple(data['sample_mask'].shape)} but "
+            f"next_token_logprobs has {L.shape[0]} rows"
+        )
     A = _key(data, "advantages", L).to(dt)
     Q = L if cfg.force_on_policy_ratio else _key(data, "prev_logprobs", L).to(dt)
     G = _key(data, "generation_logprobs", L).to(dt) if "generation_logprobs" in data else None
     H = _key(data, "prev_entropy", L).to(dt) if "prev_entropy" in data else None
     if g.needs_entropy and H is None:
-        raise KeyError(f"data['prev_entropy'] is missing: algorithm {g.algorithm!r} (clip={g.clip}, "
-                       f"granularity={g.granularity}) needs the π_old entropy")
+        raise KeyError(
+            f"data['prev_entropy'] is missing: algorithm {g.algorithm!r} (clip={g.clip}, "
+            f"granularity={g.granularity}) needs the π_old entropy"
+        )
 
     mask_f = indicator(torch.gt, token_mask, 0, L)
     present = [x for x in (L, Q, A, G, H) if x is not None]
@@ -171,8 +191,9 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
         # π_old − π_gen (importance sampling; GSPO's full metrics) and of the entropy
         # (sequence groups) need them masked
         valid, logp, adv = mask_f, L, A
-        masked_pg = cfg.use_importance_sampling_correction or (cfg.metrics_level == "full" and
-                                                               g.granularity == "sequence")
+        masked_pg = cfg.use_importance_sampling_correction or (
+            cfg.metrics_level == "full" and g.granularity == "sequence"
+        )
         prev = Q * mask_f if masked_pg else Q
         gen = prev
         if G is not None:
@@ -204,10 +225,26 @@ def read_policy_batch(next_token_logprobs: torch.Tensor, data: Mapping, global_v
     inv_gvt, inv_gvs = 1 / _count(global_valid_toks, L), 1 / _count(global_valid_seqs, L)
     group_ids, token_ids = _group_keys(data, g.granularity, L)
     ref_logp, curr_logp, rewards, nll_count_dtype = _penalty_keys(data, cfg, token_mask.dtype, L)
-    return PolicyBatch(logp=logp, prev=prev, adv=adv, gen=gen, ent=ent, mask=mask_f, valid=valid, sample_mask=sm,
-                       row_on=indicator(torch.ne, sm, 0, sm), inv_gvt=inv_gvt, inv_gvs=inv_gvs,
-                       count_dtype=count_eps_dtype(token_mask), group_ids=group_ids, token_ids=token_ids,
-                       ref_logp=ref_logp, curr_logp=curr_logp, rewards=rewards, nll_count_dtype=nll_count_dtype)
+    return PolicyBatch(
+        logp=logp,
+        prev=prev,
+        adv=adv,
+        gen=gen,
+        ent=ent,
+        mask=mask_f,
+        valid=valid,
+        sample_mask=sm,
+        row_on=indicator(torch.ne, sm, 0, sm),
+        inv_gvt=inv_gvt,
+        inv_gvs=inv_gvs,
+        count_dtype=count_eps_dtype(token_mask),
+        group_ids=group_ids,
+        token_ids=token_ids,
+        ref_logp=ref_logp,
+        curr_logp=curr_logp,
+        rewards=rewards,
+        nll_count_dtype=nll_count_dtype,
+    )
 
 
 def _group_keys(data: Mapping, granularity: str, like: torch.Tensor):
@@ -233,8 +270,9 @@ def _penalty_keys(data: Mapping, cfg: PolicyLossSpec, token_mask_dtype: torch.dt
     if cfg.positive_example_nll_weight > 0 and "rewards" in data:
         rewards = data["rewards"].to(like.device, like.dtype).reshape(-1)
         # NeMo-RL: Σ correct_mask + 1e-8 in correct_mask's dtype (token_mask·sample_mask·float32)
-        nll_count_dtype = torch.promote_types(torch.promote_types(token_mask_dtype, data["sample_mask"].dtype),
-                                              torch.float32)
+        nll_count_dtype = torch.promote_types(
+            torch.promote_types(token_mask_dtype, data["sample_mask"].dtype), torch.float32
+        )
     return ref_logp, curr_logp, rewards, nll_count_dtype
 
 
@@ -261,8 +299,15 @@ class GranularPolicyLoss:
 
     input_type = HostMember(LossInputType.LOGPROB)
 
-    def __init__(self, cfg, use_fused_linear_logprobs: bool = False, *, tokenizer=None,
-                 delimiter_table: torch.Tensor | None = None, vocab_size: int | None = None):
+    def __init__(
+        self,
+        cfg,
+        use_fused_linear_logprobs: bool = False,
+        *,
+        tokenizer=None,
+        delimiter_table: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+    ):
         self.cfg: PolicyLossSpec = parse_policy_loss_config(cfg)  # resolved once, frozen
         self.use_fused_linear_logprobs = use_fused_linear_logprobs
         self.reference_policy_kl_penalty = self.cfg.kl_coef
@@ -271,9 +316,17 @@ class GranularPolicyLoss:
         if tokenizer is not None and self.delimiter_table is None and self.granular.granularity == "segment":
             self.set_tokenizer(tokenizer, vocab_size)
         self._loss_type = LossType.TOKEN_LEVEL if self.cfg.token_level else LossType.SEQUENCE_LEVEL
-        self._metric_kinds = {k: MetricNormalizer(v) for k, v in metric_kinds(
-            self.cfg.token_level, self.granular.granularity, self.cfg.truncated_importance_sampling_type,
-            self.cfg.metrics_level, self.cfg.use_importance_sampling_correction, self.granular.is_level).items()}
+        self._metric_kinds = {
+            k: MetricNormalizer(v)
+            for k, v in metric_kinds(
+                self.cfg.token_level,
+                self.granular.granularity,
+                self.cfg.truncated_importance_sampling_type,
+                self.cfg.metrics_level,
+                self.cfg.use_importance_sampling_correction,
+                self.granular.is_level,
+            ).items()
+        }
         self.metrics_level = self.cfg.metrics_level
         self.enable_torch_compile = self.cfg.enable_torch_compile
         # compiled lazily on the worker, after Ray has serialised the loss (as NeMo-RL does)
@@ -308,8 +361,9 @@ class GranularPolicyLoss:
         """``espo.alpha: auto`` with the `espo_entropy` clip, not set yet from a π_old pass."""
         return self.granular.clip == "espo_entropy" and self.granular.espo.alpha == "auto"
 
-    def calibrate_espo_alpha(self, prev_entropy: torch.Tensor, mask: torch.Tensor,
-                             target_eps: float = ESPO_AUTO_TARGET_EPS) -> float:
+    def calibrate_espo_alpha(
+        self, prev_entropy: torch.Tensor, mask: torch.Tensor, target_eps: float = ESPO_AUTO_TARGET_EPS
+    ) -> float:
         """Set α = target_eps·log|V|/H̄₀ (docs/algorithms/espo.md), H̄₀ the mean of the π_old entropy
         ``prev_entropy`` over the valid response tokens ``mask`` (same shape), and return it."""
         ent = prev_entropy.detach()
@@ -327,8 +381,9 @@ class GranularPolicyLoss:
         """Use ``alpha`` (a resumed run restores the α of its first rollout)."""
         self.cfg = self.cfg.with_espo_alpha(alpha)
 
-    def __call__(self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs,
-                 global_valid_toks, **kwargs) -> tuple[torch.Tensor, dict]:
+    def __call__(
+        self, next_token_logprobs: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks, **kwargs
+    ) -> tuple[torch.Tensor, dict]:
         # The workers call the loss inside the model's autocast (bf16 training): the loss computes in
         # its own dtype (compute_dtype), never in autocast's, whose bf16 matmuls would round the group
         # sums of the log-ratios (NeMo-RL's loss has no matmul; ours sums groups with one)
@@ -338,8 +393,10 @@ class GranularPolicyLoss:
             # non-finite tokens taken out of the valid mask (saves one pass per input key per call)
             loss, metrics, probes = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, True)
             # (the ratio extrema are ±inf by design when the call has no valid token)
-            if not (all(math.isfinite(v) or (k in _EXTREMA and not math.isnan(v)) for k, v in metrics.items())
-                    and all(math.isfinite(v) for v in probes)):
+            if not (
+                all(math.isfinite(v) or (k in _EXTREMA and not math.isnan(v)) for k, v in metrics.items())
+                and all(math.isfinite(v) for v in probes)
+            ):
                 loss, metrics, _ = self._call(next_token_logprobs, data, global_valid_seqs, global_valid_toks, False)
         return loss, metrics
 
@@ -368,7 +425,7 @@ class GranularPolicyLoss:
             if g.needs_entropy and not (result.grouped and terms.entropy_sum is not None):
                 probes.append(b.ent.sum())
             values = torch.stack([metrics[k] for k in names] + probes).tolist()  # one sync
-        return penalized.loss, dict(zip(names, values[:len(names)])), values[len(names):]
+        return penalized.loss, dict(zip(names, values[: len(names)])), values[len(names) :]
 
     def _objective(self, b: PolicyBatch, index) -> ObjectiveResult:
         """The tensor-only part (docs/algorithms/math.md §2–§5, off-policy weights §10): the objective
@@ -377,45 +434,76 @@ class GranularPolicyLoss:
         cfg, g = self.cfg, self.granular
         if self._grouped(index):
             return self._grouped_objective(b, index)
-        ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row, b.count_dtype)      # §2
+        ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row, b.count_dtype)  # §2
         # clipped surrogate with per-group bounds: clip(s_g, lo_g, hi_g) on the group table, one gather
         group_clip = index is not None and g.clip != "fixed" and g.surrogate == "clipped"
-        bounds, group_bounds = self._bounds(b, ratios, per_token=not group_clip)           # §3
+        bounds, group_bounds = self._bounds(b, ratios, per_token=not group_clip)  # §3
         rc = None
         if group_clip:
             rc = index.gather(torch.clamp(ratios.group_ratio, *group_bounds))
             bounds = group_bounds  # the metrics read the group tables
         terms = surrogate_terms(g.surrogate, ratios.ratio, b.logp, b.adv, *bounds, cfg.ratio_clip_c, rc)  # §4
-        if g.aggregation == "token_mean":                                                  # §5
+        if g.aggregation == "token_mean":  # §5
             weights = b.w_tok
         else:
-            weights = aggregation_weights(g.aggregation, b.valid, b.sample_mask, b.inv_gvt, b.inv_gvs, b.n_row,
-                                          index, ratios.counts, ratios.n_groups_row, b.count_dtype)
+            weights = aggregation_weights(
+                g.aggregation,
+                b.valid,
+                b.sample_mask,
+                b.inv_gvt,
+                b.inv_gvs,
+                b.n_row,
+                index,
+                ratios.counts,
+                ratios.n_groups_row,
+                b.count_dtype,
+            )
         per_group_mean = g.aggregation == "seq_mean_group_mean" or (index is None and g.aggregation != "token_mean")
         fraction_weights = weights if per_group_mean else None
         corr = is_oob_ratio = None
         if cfg.use_importance_sampling_correction:  # off-policy correction π_old/π_gen (detached), §10
             corr, is_oob_ratio = self._importance_weights(b, ratios)
             weights = weights * corr.weight
-        objective = (torch.dot(weights.reshape(-1), terms.value.reshape(-1)) if weights.shape == terms.value.shape
-                     else (weights * terms.value).sum())
+        objective = (
+            torch.dot(weights.reshape(-1), terms.value.reshape(-1))
+            if weights.shape == terms.value.shape
+            else (weights * terms.value).sum()
+        )
         grad = objective_logp_grad(weights, terms, ratios, g.ratio, b.valid, b.count_dtype)
-        return ObjectiveResult(objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr,
-                               is_oob_ratio)
+        return ObjectiveResult(
+            objective, grad, ratios, terms, bounds, group_bounds, fraction_weights, corr, is_oob_ratio
+        )
 
     def _grouped(self, index: GroupIndex | None) -> bool:
         """The clipped surrogate on an index of several groups per row, without per-token weights beyond
         the aggregation's: computed per group (:func:`~nemo_granular.core.objective.grouped_clipped_objective`)."""
-        return (index is not None and not index.one_group_per_row and self.granular.surrogate == "clipped"
-                and self.cfg.ratio_clip_c is None and not self.cfg.use_importance_sampling_correction)
+        return (
+            index is not None
+            and not index.one_group_per_row
+            and self.granular.surrogate == "clipped"
+            and self.cfg.ratio_clip_c is None
+            and not self.cfg.use_importance_sampling_correction
+        )
 
     def _grouped_objective(self, b: PolicyBatch, index) -> ObjectiveResult:
         """:meth:`_objective` for :meth:`_grouped` (docs/algorithms/math.md §2–§5, per group)."""
         g = self.granular
         bounds = (1.0 - self.cfg.eps_low, 1.0 + self.cfg.eps_high) if g.clip == "fixed" else self._entropy_bounds
         objective, grad, ratios, group_bounds, clip, omega = grouped_clipped_objective(
-            b.logp, b.prev, b.adv, b.valid, b.ent, index, g.ratio, bounds, g.aggregation, b.sample_mask, b.inv_gvt,
-            b.inv_gvs, b.count_dtype)
+            b.logp,
+            b.prev,
+            b.adv,
+            b.valid,
+            b.ent,
+            index,
+            g.ratio,
+            bounds,
+            g.aggregation,
+            b.sample_mask,
+            b.inv_gvt,
+            b.inv_gvs,
+            b.count_dtype,
+        )
         b.n_row = ratios.counts.sum(-1)  # the members are the valid tokens
         fraction_weights = omega if g.aggregation == "seq_mean_group_mean" else None
         return ObjectiveResult(objective, grad, ratios, clip, group_bounds, group_bounds, fraction_weights)
@@ -424,8 +512,7 @@ class GranularPolicyLoss:
         """:meth:`_objective` under ``torch.compile``, built on first use (NeMo-RL's settings for its
         actor objective: dynamic shapes, ``max-autotune-no-cudagraphs``)."""
         if self._compiled_objective is None:
-            self._compiled_objective = torch.compile(self._objective, dynamic=True,
-                                                     mode="max-autotune-no-cudagraphs")
+            self._compiled_objective = torch.compile(self._objective, dynamic=True, mode="max-autotune-no-cudagraphs")
         return self._compiled_objective
 
     # ------------------------------------------------------------------ the steps
@@ -439,20 +526,28 @@ class GranularPolicyLoss:
             ids = b.group_ids
             lo, hi = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist()) if ids.numel() else (0, 0)  # one sync
             if hi >= like.shape[1] or lo < -1:
-                raise ValueError(f"data['granular_group_ids'] holds id {hi if hi >= like.shape[1] else lo} outside "
-                                 f"-1..{like.shape[1] - 1} (ids must be per-row local, 0..G-1, -1 outside groups)")
+                raise ValueError(
+                    f"data['granular_group_ids'] holds id {hi if hi >= like.shape[1] else lo} outside "
+                    f"-1..{like.shape[1] - 1} (ids must be per-row local, 0..G-1, -1 outside groups)"
+                )
             top = hi + 1  # the table needs only the ids in use
         elif g.granularity == "segment":
             if self.delimiter_table is None:
-                raise ValueError("granular.granularity 'segment' needs a tokenizer (GranularPolicyLoss(..., "
-                                 "tokenizer=...)) or precomputed data['granular_group_ids']")
+                raise ValueError(
+                    "granular.granularity 'segment' needs a tokenizer (GranularPolicyLoss(..., "
+                    "tokenizer=...)) or precomputed data['granular_group_ids']"
+                )
             if b.token_ids is None:
                 raise _missing("input_ids")
             ids = group_ids_for("segment", b.mask > 0, token_ids=b.token_ids, delimiter_table=self.delimiter_table)
             top = int(ids.max()) + 1 if ids.numel() else 1
         else:  # entropy_group: at most len(cut points) + 1 groups
-            ids = group_ids_for(g.granularity, b.mask > 0, entropy=torch.where(b.valid > 0, b.ent, torch.nan),
-                                entropy_cut_points=g.entropy_cut_points)
+            ids = group_ids_for(
+                g.granularity,
+                b.mask > 0,
+                entropy=torch.where(b.valid > 0, b.ent, torch.nan),
+                entropy_cut_points=g.entropy_cut_points,
+            )
             top = len(g.entropy_cut_points) + 1
         # ids are >= -1; the members of a group are its valid tokens (a token with an id but not
         # valid — masked, or non-finite — goes to no group)
@@ -484,8 +579,10 @@ class GranularPolicyLoss:
         if self.vocab_size is None:
             raise ValueError("loss_fn.granular.espo.vocab_size is unset and no model vocabulary size was given")
         if self.espo_alpha_pending:
-            raise ValueError("loss_fn.granular.espo.alpha is 'auto' but no π_old pass has set it: call "
-                             "GranularPolicyLoss.calibrate_espo_alpha on the first rollout (the trainers do)")
+            raise ValueError(
+                "loss_fn.granular.espo.alpha is 'auto' but no π_old pass has set it: call "
+                "GranularPolicyLoss.calibrate_espo_alpha on the first rollout (the trainers do)"
+            )
 
     def _importance_weights(self, b: PolicyBatch, ratios):
         """π_old/π_gen at ``is_level``, truncated as configured on the ratio's groups (math.md §10), and
@@ -494,12 +591,21 @@ class GranularPolicyLoss:
         cfg = self.cfg
         kind = cfg.truncated_importance_sampling_type
         index = ratios.index
-        mask_index, mask_counts = (index, ratios.counts) if index is not None else (RowIndex(b.valid),
-                                                                                   b.n_row[:, None])
-        corr = generation_weights(b.prev, b.gen, b.valid, level=self.granular.is_level, index=index,
-                                  counts=ratios.counts, kind=kind, ratio_max=cfg.truncated_importance_sampling_ratio,
-                                  ratio_min=cfg.truncated_importance_sampling_ratio_min, mask_index=mask_index,
-                                  mask_counts=mask_counts, count_dtype=b.count_dtype)
+        mask_index, mask_counts = (index, ratios.counts) if index is not None else (RowIndex(b.valid), b.n_row[:, None])
+        corr = generation_weights(
+            b.prev,
+            b.gen,
+            b.valid,
+            level=self.granular.is_level,
+            index=index,
+            counts=ratios.counts,
+            kind=kind,
+            ratio_max=cfg.truncated_importance_sampling_ratio,
+            ratio_min=cfg.truncated_importance_sampling_ratio_min,
+            mask_index=mask_index,
+            mask_counts=mask_counts,
+            count_dtype=b.count_dtype,
+        )
         if kind == "seq-mask-tis":
             n_units = corr.unit_counts.clamp(max=1).sum(-1).clamp(min=1)
             return corr, (corr.oob_unit.sum(-1) / n_units * b.sample_mask).sum() * b.inv_gvs
@@ -542,11 +648,17 @@ class GranularPolicyLoss:
             w = torch.exp(curr - curr.detach())
         w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
         kl = self.reference_policy_kl_penalty * kl_penalty_per_token(
-            curr, ref, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value, w)
+            curr, ref, cfg.reference_policy_kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value, w
+        )
         # NeMo-RL has two loss types: a token mean, or per response then over responses
         level = "token_mean" if cfg.token_level else "seq_mean_token_mean"
-        weights = b.w_tok if cfg.token_level else aggregation_weights(
-            level, b.valid, b.sample_mask, b.inv_gvt, b.inv_gvs, b.n_row, count_dtype=b.count_dtype)
+        weights = (
+            b.w_tok
+            if cfg.token_level
+            else aggregation_weights(
+                level, b.valid, b.sample_mask, b.inv_gvt, b.inv_gvs, b.n_row, count_dtype=b.count_dtype
+            )
+        )
         return (kl * weights).sum()
 
 
@@ -569,18 +681,28 @@ class SequenceValueLoss:
     @property
     def metric_normalizations(self) -> dict:
         per_seq = resolve(MetricNormalizer.SEQUENCES)
-        return {"loss": per_seq, "bce": per_seq, "acc": per_seq, "brier": per_seq, "values_mean": per_seq,
-                "returns_mean": per_seq, "num_valid_samples": resolve(MetricNormalizer.NONE)}
+        return {
+            "loss": per_seq,
+            "bce": per_seq,
+            "acc": per_seq,
+            "brier": per_seq,
+            "values_mean": per_seq,
+            "returns_mean": per_seq,
+            "num_valid_samples": resolve(MetricNormalizer.NONE),
+        }
 
-    def __call__(self, logits: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
-                 **kwargs) -> tuple[torch.Tensor, dict]:
+    def __call__(
+        self, logits: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks, **kwargs
+    ) -> tuple[torch.Tensor, dict]:
         values = logits.squeeze(-1) if logits.dim() == 3 else logits
         if values.dim() != 2:
             raise ValueError(f"value logits must be [B, S] or [B, S, 1], got shape {tuple(logits.shape)}")
         token_mask = data["token_mask"].to(values.device)
         if token_mask.shape[1] < values.shape[1] or token_mask.shape[0] != values.shape[0]:
-            raise ValueError(f"data['token_mask'] has shape {tuple(token_mask.shape)} but the values have "
-                             f"shape {tuple(values.shape)}")
+            raise ValueError(
+                f"data['token_mask'] has shape {tuple(token_mask.shape)} but the values have "
+                f"shape {tuple(values.shape)}"
+            )
         token_mask = token_mask[:, : values.shape[1]]
         if "rewards" not in data:
             raise KeyError("data['rewards'] is missing (SPPO's critic regresses the binary reward)")

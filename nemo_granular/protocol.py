@@ -76,7 +76,7 @@ class _CompatEnum(enum.Enum):
         return eq if eq is NotImplemented else not eq
 
     def __hash__(self) -> int:
-        return hash(self._name_)   # enum.Enum.__hash__: NeMo-RL's members hash the same
+        return hash(self._name_)  # enum.Enum.__hash__: NeMo-RL's members hash the same
 
     def __reduce_ex__(self, protocol: int):
         return host_member, (type(self).__name__, self._value_)
@@ -101,11 +101,17 @@ class _LocalLossInputType(_CompatEnum):
     DRAFT = "draft"
 
 
-for _cls, _name in ((_LocalLossType, "LossType"), (_LocalMetricNormalizer, "MetricNormalizer"),
-                    (_LocalLossInputType, "LossInputType")):
+for _cls, _name in (
+    (_LocalLossType, "LossType"),
+    (_LocalMetricNormalizer, "MetricNormalizer"),
+    (_LocalLossInputType, "LossInputType"),
+):
     _cls.__name__ = _cls.__qualname__ = _name
-_LOCAL: dict[str, type[enum.Enum]] = {"LossType": _LocalLossType, "MetricNormalizer": _LocalMetricNormalizer,
-                                      "LossInputType": _LocalLossInputType}
+_LOCAL: dict[str, type[enum.Enum]] = {
+    "LossType": _LocalLossType,
+    "MetricNormalizer": _LocalMetricNormalizer,
+    "LossInputType": _LocalLossInputType,
+}
 
 _host = sys.modules.get(HOST_MODULE)
 USING_HOST_ENUMS = _host is not None and all(hasattr(_host, n) for n in ENUM_NAMES)
@@ -122,5 +128,13 @@ del _host, _cls, _name
 # kept for callers of the previous API: "NeMo-RL's enum classes are in use"
 HAVE_NEMO_RL = USING_HOST_ENUMS
 
-__all__ = ["LossType", "MetricNormalizer", "LossInputType", "HAVE_NEMO_RL", "USING_HOST_ENUMS", "host_member",
-           "resolve", "HostMember"]
+__all__ = [
+    "LossType",
+    "MetricNormalizer",
+    "LossInputType",
+    "HAVE_NEMO_RL",
+    "USING_HOST_ENUMS",
+    "host_member",
+    "resolve",
+    "HostMember",
+]

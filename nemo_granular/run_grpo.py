@@ -39,30 +39,46 @@ from typing import Any
 
 from .lookup import lookup
 
-__all__ = ["main", "parse_args", "check_supported_modes", "check_async_grpo", "check_config", "runtime_options",
-           "build_loss", "EstimatorMetricsLogger", "RUNTIME_SECTION"]
+__all__ = [
+    "main",
+    "parse_args",
+    "check_supported_modes",
+    "check_async_grpo",
+    "check_config",
+    "runtime_options",
+    "build_loss",
+    "EstimatorMetricsLogger",
+    "RUNTIME_SECTION",
+]
 
 RUNTIME_SECTION = "nemo_granular"
 ENTROPY_SOURCES = ("extension", "current_logits")
 ALLOW_RATIO_ONE = "allow_ratio_always_one"
 RUNTIME_KEYS = ("entropy_source", ALLOW_RATIO_ONE)
 # what NeMo-RL's examples/run_grpo.py refuses for async GRPO (async_grpo_train does not check them)
-ASYNC_GRPO_UNSUPPORTED = (("grpo", "use_dynamic_sampling"), ("grpo", "reward_scaling", "enabled"),
-                          ("grpo", "reward_shaping", "enabled"), ("data", "use_multiple_dataloader"))
+ASYNC_GRPO_UNSUPPORTED = (
+    ("grpo", "use_dynamic_sampling"),
+    ("grpo", "reward_scaling", "enabled"),
+    ("grpo", "reward_shaping", "enabled"),
+    ("data", "use_multiple_dataloader"),
+)
 
 
 # the same sentences in run_sppo (tests/test_user_text.py)
 OVERRIDES_HELP = "Unknown arguments are Hydra overrides (a.b=v, +a.b=v, ++a.b=v, ~a.b)."
-INSTALL_HINT = ("run it inside NeMo-RL's environment (v0.7.0 or main 7ea279ab) with nemo-granular installed into it: "
-                "`cd <NeMo-RL> && uv pip install --no-deps -e <nemo-granular>`, then `uv run python -m {prog} "
-                "--config ...` (docs/nemo-rl.md §1)")
+INSTALL_HINT = (
+    "run it inside NeMo-RL's environment (v0.7.0 or main 7ea279ab) with nemo-granular installed into it: "
+    "`cd <NeMo-RL> && uv pip install --no-deps -e <nemo-granular>`, then `uv run python -m {prog} "
+    "--config ...` (docs/nemo-rl.md §1)"
+)
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m nemo_granular.run_grpo",
-                                     usage="%(prog)s [-h] --config CONFIG [key=value ...]",
-                                     description="GRPO-family training (SSPO, ESPO, GSPO, GRPO) with nemo_granular "
-                                                 "on NeMo-RL. " + OVERRIDES_HELP)
+    parser = argparse.ArgumentParser(
+        prog="python -m nemo_granular.run_grpo",
+        usage="%(prog)s [-h] --config CONFIG [key=value ...]",
+        description="GRPO-family training (SSPO, ESPO, GSPO, GRPO) with nemo_granular on NeMo-RL. " + OVERRIDES_HELP,
+    )
     parser.add_argument("--config", type=str, required=True, help="YAML config (may inherit NeMo-RL examples)")
     return parser.parse_known_args(argv)
 
@@ -71,14 +87,19 @@ def check_supported_modes(config: Mapping[str, Any]) -> None:
     """Refuse trainers that cannot carry our per-token keys (one-line ``ValueError``)."""
     dp = config.get("data_plane") or {}
     if bool(dp.get("enabled", False)):
-        raise ValueError("data_plane.enabled: true is not supported by nemo_granular (the TransferQueue trainer "
-                         "moves a fixed field list and drops prev_entropy/granular_group_ids); set it to false")
+        raise ValueError(
+            "data_plane.enabled: true is not supported by nemo_granular (the TransferQueue trainer "
+            "moves a fixed field list and drops prev_entropy/granular_group_ids); set it to false"
+        )
     if lookup(config, ("loss_fn", "metrics_level")) == "minimal":
         from .nemo_rl.compat import require
+
         require("grpo_minimal_loss_metrics", "loss_fn.metrics_level: minimal (use full with run_grpo)")
     if config.get("async_rl") is not None:
-        raise ValueError("async_rl: the single-controller trainer is not supported by nemo_granular; "
-                         "use grpo.async_grpo with this script or the synchronous trainer")
+        raise ValueError(
+            "async_rl: the single-controller trainer is not supported by nemo_granular; "
+            "use grpo.async_grpo with this script or the synchronous trainer"
+        )
 
 
 def check_async_grpo(config: Mapping[str, Any]) -> None:
@@ -87,9 +108,11 @@ def check_async_grpo(config: Mapping[str, Any]) -> None:
         return
     for path in ASYNC_GRPO_UNSUPPORTED:
         if bool(lookup(config, path)):
-            raise ValueError(f"{'.'.join(path)}: true is not supported with async GRPO "
-                             "(grpo.async_grpo.enabled: true), "
-                             f"as in NeMo-RL's examples/run_grpo.py")
+            raise ValueError(
+                f"{'.'.join(path)}: true is not supported with async GRPO "
+                "(grpo.async_grpo.enabled: true), "
+                f"as in NeMo-RL's examples/run_grpo.py"
+            )
 
 
 def runtime_options(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -116,8 +139,10 @@ def check_config(config: Mapping[str, Any]) -> dict[str, Any]:
     opts = runtime_options(config)
     auto_alpha = lookup(config, ("loss_fn", "granular", "espo", "alpha")) == "auto"
     if auto_alpha and opts["entropy_source"] == "current_logits":
-        raise ValueError("loss_fn.granular.espo.alpha: auto is set from the π_old entropy on the driver, which "
-                         f"{RUNTIME_SECTION}.entropy_source: current_logits does not compute; give α as a number")
+        raise ValueError(
+            "loss_fn.granular.espo.alpha: auto is set from the π_old entropy on the driver, which "
+            f"{RUNTIME_SECTION}.entropy_source: current_logits does not compute; give α as a number"
+        )
     if not opts[ALLOW_RATIO_ONE]:
         check_ratio_is_active(dict(config), "grpo", f"{RUNTIME_SECTION}.{ALLOW_RATIO_ONE}")
     return opts
@@ -198,19 +223,22 @@ def _missing_nemo_rl() -> str | None:
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body needs NeMo-RL and GPUs
     from .nemo_rl.time_limit import StopWatch, check_save_every, install_stop_signal
 
-    install_stop_signal()   # first: SIGUSR1 (slurm/launch.sh's "save and stop") must never kill the driver
+    install_stop_signal()  # first: SIGUSR1 (slurm/launch.sh's "save and stop") must never kill the driver
     args, overrides = parse_args(argv)
     from .nemo_rl.configs import ConfigFileError, check_config_files
 
-    try:    # before NeMo-RL's algorithms are imported: a wrong path is answered at once
+    try:  # before NeMo-RL's algorithms are imported: a wrong path is answered at once
         check_config_files(args.config)
     except ConfigFileError as err:
         print(f"nemo_granular.run_grpo: {err}", file=sys.stderr)
         return 2
     missing = _missing_nemo_rl()
     if missing is not None:
-        print(f"nemo_granular.run_grpo: missing package '{missing}': "
-              + INSTALL_HINT.format(prog="nemo_granular.run_grpo"), file=sys.stderr)
+        print(
+            f"nemo_granular.run_grpo: missing package '{missing}': "
+            + INSTALL_HINT.format(prog="nemo_granular.run_grpo"),
+            file=sys.stderr,
+        )
         return 2
 
     from pydantic import ValidationError
@@ -236,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
         opts = check_config(config)
         check_save_every(bool(lookup(config, ("checkpointing", "enabled"))))
         master_config = MasterConfig(**config)
-    except (ValueError, FileNotFoundError) as err:   # ConfigFileError is a FileNotFoundError
+    except (ValueError, FileNotFoundError) as err:  # ConfigFileError is a FileNotFoundError
         if isinstance(err, ValidationError):
             first = err.errors()[0]
             msg = f"{args.config}: {'.'.join(str(x) for x in first['loc'])}: {first['msg']}"
@@ -255,13 +283,17 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
         return 2
     megatron_cfg = master_config.policy.get("megatron_cfg") or {}
     master_config.policy["generation"] = configure_generation_config(
-        gen_cfg, tokenizer, has_refit_draft_weights=bool((master_config.policy.get("draft") or {}).get("enabled")),
-        trains_mtp=bool(megatron_cfg.get("mtp_num_layers")))
+        gen_cfg,
+        tokenizer,
+        has_refit_draft_weights=bool((master_config.policy.get("draft") or {}).get("enabled")),
+        trains_mtp=bool(megatron_cfg.get("mtp_num_layers")),
+    )
 
     register_espo_environment()
     register_worker_extensions()
     dataset, val_dataset, task_to_env, val_task_to_env = setup_response_data(
-        tokenizer, master_config.data, master_config.env)
+        tokenizer, master_config.data, master_config.env
+    )
 
     install()
     vocab_size = _model_vocab_size(master_config.policy, tokenizer)
@@ -269,9 +301,21 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
     delimiter_table = getattr(getattr(loss_fn, "inner", loss_fn), "delimiter_table", None)
     factory = make_policy_factory(master_config, delimiter_table) if opts["entropy_source"] == "extension" else None
 
-    (policy, policy_generation, _gym, _clusters, dataloader, val_dataloader, _nemo_loss, logger, checkpointer,
-     grpo_state, master_config, teacher_worker_groups, alias_to_group_alias) = setup(
-        master_config, tokenizer, dataset, val_dataset, policy_factory=factory)
+    (
+        policy,
+        policy_generation,
+        _gym,
+        _clusters,
+        dataloader,
+        val_dataloader,
+        _nemo_loss,
+        logger,
+        checkpointer,
+        grpo_state,
+        master_config,
+        teacher_worker_groups,
+        alias_to_group_alias,
+    ) = setup(master_config, tokenizer, dataset, val_dataset, policy_factory=factory)
 
     logger = EstimatorMetricsLogger(logger)
     # NeMo-RL's time limit, SIGUSR1, NG_SAVE_EVERY_MINUTES (through the checkpointing dict the loop reads)
@@ -280,17 +324,39 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
     try:
         if async_on:
             async_grpo_train = compat.get("async_grpo_train")
-            async_grpo_train(policy=policy, policy_generation=policy_generation, dataloader=dataloader,
-                             val_dataloader=val_dataloader, tokenizer=tokenizer, loss_fn=loss_fn,
-                             task_to_env=task_to_env, val_task_to_env=val_task_to_env, logger=logger,
-                             checkpointer=checkpointer, grpo_save_state=grpo_state, master_config=master_config,
-                             max_trajectory_age_steps=compat.conf(master_config,
-                                                                  "grpo.async_grpo.max_trajectory_age_steps"),
-                             teacher_worker_groups=teacher_worker_groups, alias_to_group_alias=alias_to_group_alias)
+            async_grpo_train(
+                policy=policy,
+                policy_generation=policy_generation,
+                dataloader=dataloader,
+                val_dataloader=val_dataloader,
+                tokenizer=tokenizer,
+                loss_fn=loss_fn,
+                task_to_env=task_to_env,
+                val_task_to_env=val_task_to_env,
+                logger=logger,
+                checkpointer=checkpointer,
+                grpo_save_state=grpo_state,
+                master_config=master_config,
+                max_trajectory_age_steps=compat.conf(master_config, "grpo.async_grpo.max_trajectory_age_steps"),
+                teacher_worker_groups=teacher_worker_groups,
+                alias_to_group_alias=alias_to_group_alias,
+            )
         else:
             with compat.checkpoint_flush(checkpointer):
-                grpo_train(policy, policy_generation, dataloader, val_dataloader, tokenizer, loss_fn, task_to_env,
-                           val_task_to_env, logger, checkpointer, grpo_state, master_config)
+                grpo_train(
+                    policy,
+                    policy_generation,
+                    dataloader,
+                    val_dataloader,
+                    tokenizer,
+                    loss_fn,
+                    task_to_env,
+                    val_task_to_env,
+                    logger,
+                    checkpointer,
+                    grpo_state,
+                    master_config,
+                )
     finally:
         watch.stop()
         compat.shutdown_environments(task_to_env, val_task_to_env)
@@ -299,8 +365,9 @@ def main(argv: list[str] | None = None) -> int:  # pragma: no cover - the body n
         except Exception as err:  # noqa: BLE001
             print(f"error shutting down generation: {err}", file=sys.stderr)
     # 99 when NeMo-RL stopped at its time limit (or after SIGUSR1) before the end: slurm/launch.sh requeues
-    return watch.exit_code(grpo_state, master_config.grpo, master_config.checkpointing,
-                           None if async_on else dataloader)
+    return watch.exit_code(
+        grpo_state, master_config.grpo, master_config.checkpointing, None if async_on else dataloader
+    )
 
 
 if __name__ == "__main__":

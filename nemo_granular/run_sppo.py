@@ -51,15 +51,15 @@ def _import_nemo_rl() -> SimpleNamespace:
         import nemo_rl  # noqa: F401
     except ImportError as err:
         raise MissingDependencyError(
-            f"NeMo-RL is not installed (cannot import {err.name or 'nemo_rl'!r}); "
-            + INSTALL_HINT.format(prog=PROG)) from None
+            f"NeMo-RL is not installed (cannot import {err.name or 'nemo_rl'!r}); " + INSTALL_HINT.format(prog=PROG)
+        ) from None
     try:
         from omegaconf import OmegaConf
 
         from .nemo_rl import compat
         from .nemo_rl.configs import load_resolved
 
-        compat.version()        # refuses a NeMo-RL that is none of the supported versions, in one line
+        compat.version()  # refuses a NeMo-RL that is none of the supported versions, in one line
         ppo_module = compat.module("ppo")
         get_tokenizer, setup_response_data = compat.get("get_tokenizer"), compat.get("setup_response_data")
         init_ray, configure_generation_config = compat.get("init_ray"), compat.get("configure_generation_config")
@@ -69,17 +69,27 @@ def _import_nemo_rl() -> SimpleNamespace:
     except ImportError as err:
         raise MissingDependencyError(
             f"NeMo-RL is installed but {err.name or 'one of its modules'!r} cannot be imported ({err}); "
-            f"{PROG} needs NeMo-RL's PPO (nemo_rl.algorithms.ppo)") from None
-    return SimpleNamespace(OmegaConf=OmegaConf, ppo=ppo_module, compat=compat, get_tokenizer=get_tokenizer,
-                           setup_response_data=setup_response_data, init_ray=init_ray,
-                           configure_generation_config=configure_generation_config, load_resolved=load_resolved,
-                           get_next_experiment_dir=get_next_experiment_dir)
+            f"{PROG} needs NeMo-RL's PPO (nemo_rl.algorithms.ppo)"
+        ) from None
+    return SimpleNamespace(
+        OmegaConf=OmegaConf,
+        ppo=ppo_module,
+        compat=compat,
+        get_tokenizer=get_tokenizer,
+        setup_response_data=setup_response_data,
+        init_ray=init_ray,
+        configure_generation_config=configure_generation_config,
+        load_resolved=load_resolved,
+        get_next_experiment_dir=get_next_experiment_dir,
+    )
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog=f"python -m {PROG}", usage="%(prog)s [-h] --config CONFIG [key=value ...]",
-                                     description="SPPO (sequence-level PPO, scalar BCE critic) on NeMo-RL's PPO loop. "
-                                                 + OVERRIDES_HELP)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {PROG}",
+        usage="%(prog)s [-h] --config CONFIG [key=value ...]",
+        description="SPPO (sequence-level PPO, scalar BCE critic) on NeMo-RL's PPO loop. " + OVERRIDES_HELP,
+    )
     parser.add_argument("--config", required=True, help="YAML config (NeMo-RL PPO config + sppo: section)")
     return parser.parse_known_args(argv)
 
@@ -121,8 +131,9 @@ def _check_async(config, policy_generation=None) -> None:
     gen = config.policy["generation"] or {}
     vllm = gen.get("vllm_cfg") or {}
     if gen.get("backend") != "vllm" or not vllm.get("async_engine"):
-        raise ValueError("async PPO needs policy.generation.backend=vllm "
-                         "and policy.generation.vllm_cfg.async_engine=true")
+        raise ValueError(
+            "async PPO needs policy.generation.backend=vllm and policy.generation.vllm_cfg.async_engine=true"
+        )
     if not config.loss_fn.use_importance_sampling_correction:
         raise ValueError("async PPO needs loss_fn.use_importance_sampling_correction=true")
     if config.loss_fn.force_on_policy_ratio:
@@ -130,8 +141,10 @@ def _check_async(config, policy_generation=None) -> None:
     if (gen.get("colocated") or {}).get("enabled", True):
         raise ValueError("async PPO needs policy.generation.colocated.enabled=false")
     if conf(config, "ppo.max_num_epochs") != -1:
-        raise ValueError("async PPO does not support an epoch limit: set ppo.max_num_epochs=-1 and use "
-                         "ppo.max_num_steps to control the training length")
+        raise ValueError(
+            "async PPO does not support an epoch limit: set ppo.max_num_epochs=-1 and use "
+            "ppo.max_num_steps to control the training length"
+        )
     unsupported = {
         "ppo.use_dynamic_sampling": conf(config, "ppo.use_dynamic_sampling", False),
         "ppo.reward_scaling.enabled": conf(config, "ppo.reward_scaling.enabled", False),
@@ -141,18 +154,21 @@ def _check_async(config, policy_generation=None) -> None:
     }
     if policy_generation is not None:
         unsupported["FP8 KV-scale synchronization (policy.generation)"] = getattr(
-            policy_generation, "requires_kv_scale_sync", False)
+            policy_generation, "requires_kv_scale_sync", False
+        )
     for what, enabled in unsupported.items():
         if bool(enabled):
-            raise ValueError(f"{what} is not supported with async PPO (ppo.async_ppo.enabled: true), "
-                             f"as in NeMo-RL's examples/run_ppo.py")
+            raise ValueError(
+                f"{what} is not supported with async PPO (ppo.async_ppo.enabled: true), "
+                f"as in NeMo-RL's examples/run_ppo.py"
+            )
 
 
 def _startup(argv: list[str] | None):
     args, overrides = parse_args(argv)
     from .nemo_rl.configs import check_config_files
 
-    check_config_files(args.config)   # before NeMo-RL's algorithms are imported: a wrong path is answered at once
+    check_config_files(args.config)  # before NeMo-RL's algorithms are imported: a wrong path is answered at once
     nr = _import_nemo_rl()
     config, opts = prepare_config(nr, args.config, overrides)
     from .nemo_rl.time_limit import check_save_every
@@ -173,7 +189,7 @@ def _startup(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     from .nemo_rl.time_limit import StopWatch, install_stop_signal
 
-    install_stop_signal()   # first: SIGUSR1 (slurm/launch.sh's "save and stop") must never kill the driver
+    install_stop_signal()  # first: SIGUSR1 (slurm/launch.sh's "save and stop") must never kill the driver
     try:
         nr, args, config, opts = _startup(argv)
     except (MissingDependencyError, ValueError, FileNotFoundError) as err:
@@ -195,8 +211,20 @@ def main(argv: list[str] | None = None) -> int:
     dataset, val_dataset, task_to_env, val_task_to_env = nr.setup_response_data(tokenizer, config.data, config.env)
 
     with sppo_estimator_installed(nr.ppo):
-        (policy, policy_generation, value_model, _cluster, dataloader, val_dataloader, loss_fn, _mse_value_loss,
-         logger, checkpointer, ppo_state, master_config) = nr.ppo.setup(config, tokenizer, dataset, val_dataset)
+        (
+            policy,
+            policy_generation,
+            value_model,
+            _cluster,
+            dataloader,
+            val_dataloader,
+            loss_fn,
+            _mse_value_loss,
+            logger,
+            checkpointer,
+            ppo_state,
+            master_config,
+        ) = nr.ppo.setup(config, tokenizer, dataset, val_dataset)
         async_on = async_ppo_enabled(config)
         if async_on:
             try:
@@ -207,19 +235,36 @@ def main(argv: list[str] | None = None) -> int:
         value_loss_fn = SequenceValueLoss()
         if opts.prompt_only_critic:
             value_model = PromptOnlyValue(
-                value_model, tokenizer.pad_token_id,
+                value_model,
+                tokenizer.pad_token_id,
                 pad_to_multiple=config.value.get("make_sequence_length_divisible_by", 1) or 1,
-                dedup=opts.dedup_prompts, logger=logger if opts.log_diagnostics else None,
-                start_step=int(ppo_state["total_steps"]), diagnostics_prefix=opts.diagnostics_prefix)
+                dedup=opts.dedup_prompts,
+                logger=logger if opts.log_diagnostics else None,
+                start_step=int(ppo_state["total_steps"]),
+                diagnostics_prefix=opts.diagnostics_prefix,
+            )
         train = nr.compat.get("async_ppo_train") if async_on else nr.ppo.ppo_train
         print(f"🚀 Running SPPO ({'async' if async_on else 'sync'} PPO loop)", flush=True)
         with nr.compat.checkpoint_flush(checkpointer), StopWatch(nr.ppo, master_config.checkpointing) as watch:
             # NeMo-RL's time limit, SIGUSR1, NG_SAVE_EVERY_MINUTES (through the checkpointing dict the loop reads)
-            train(policy, policy_generation, value_model, dataloader, val_dataloader, tokenizer, loss_fn,
-                  value_loss_fn, task_to_env, val_task_to_env, logger, checkpointer, ppo_state, master_config)
+            train(
+                policy,
+                policy_generation,
+                value_model,
+                dataloader,
+                val_dataloader,
+                tokenizer,
+                loss_fn,
+                value_loss_fn,
+                task_to_env,
+                val_task_to_env,
+                logger,
+                checkpointer,
+                ppo_state,
+                master_config,
+            )
     # 99 when NeMo-RL stopped at its time limit (or after SIGUSR1) before the end: slurm/launch.sh requeues
-    return watch.exit_code(ppo_state, master_config.ppo, master_config.checkpointing,
-                           None if async_on else dataloader)
+    return watch.exit_code(ppo_state, master_config.ppo, master_config.checkpointing, None if async_on else dataloader)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,27 @@ import threading
 # what every embedded command imports before its first step (lazily, so their import is what costs). By
 # name, as the commands themselves are found (``COMMANDS`` in nemo_granular/cli.py): this module sits beside
 # ``compare`` and imports no part of the package, so the parts' import graph stays one-way (test_layering.py)
-PRELOAD = ("torch", "transformers", "tokenizers", "nemo_granular.embedded.cli", "nemo_granular.embedded.trainer",
-           "nemo_granular.evals.cli", "nemo_granular.evals.embedded", "transformers.generation.utils")
-MODEL_CLASSES = ("Qwen3Config", "Qwen3ForCausalLM", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                 "Qwen3ForSequenceClassification", "PreTrainedTokenizerFast", "AutoTokenizer", "AutoModelForCausalLM",
-                 "AutoModelForSequenceClassification")
+PRELOAD = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "nemo_granular.embedded.cli",
+    "nemo_granular.embedded.trainer",
+    "nemo_granular.evals.cli",
+    "nemo_granular.evals.embedded",
+    "transformers.generation.utils",
+)
+MODEL_CLASSES = (
+    "Qwen3Config",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    "Qwen3ForSequenceClassification",
+    "PreTrainedTokenizerFast",
+    "AutoTokenizer",
+    "AutoModelForCausalLM",
+    "AutoModelForSequenceClassification",
+)
 
 
 # ----------------------------------------------------------------------------- the zygote process
@@ -44,7 +60,7 @@ def _child(argv: list[str], env: dict, cwd: str, out_fd: int, others: list[int])
     try:
         for fd in others:
             os.close(fd)
-        os.setsid()   # its own session, as compare's runs always were: a terminal's Ctrl-C reaches compare only
+        os.setsid()  # its own session, as compare's runs always were: a terminal's Ctrl-C reaches compare only
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD, signal.SIGUSR1, signal.SIGPIPE):
             signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         os.dup2(out_fd, 1)
@@ -73,7 +89,7 @@ def _child(argv: list[str], env: dict, cwd: str, out_fd: int, others: list[int])
         try:
             import atexit
 
-            atexit._run_exitfuncs()   # what a normal interpreter exit runs (TensorBoard writers, ...)
+            atexit._run_exitfuncs()  # what a normal interpreter exit runs (TensorBoard writers, ...)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
@@ -91,7 +107,7 @@ def _serve(sock: socket.socket) -> None:
         sock.sendall((json.dumps(obj) + "\n").encode())
 
     while True:
-        while children:   # reap whatever ended
+        while children:  # reap whatever ended
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
@@ -100,7 +116,7 @@ def _serve(sock: socket.socket) -> None:
         if not select.select([sock], [], [], 0.1)[0]:
             continue
         msg, new_fds, _, _ = socket.recv_fds(sock, 1 << 20, 16)
-        if not msg:   # the caller closed its end: finish (the children keep running, as Popen's would)
+        if not msg:  # the caller closed its end: finish (the children keep running, as Popen's would)
             return
         buf += msg
         fds += new_fds
@@ -117,12 +133,12 @@ def _serve(sock: socket.socket) -> None:
 
 
 def _zygote_main(fd: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the caller decides; it ends the zygote by closing the socket
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the caller decides; it ends the zygote by closing the socket
     sock = socket.socket(fileno=fd)
     import importlib
     import logging
 
-    for name in ("torchao", "torch.utils._pytree"):   # import-time chatter (as `train` silences it)
+    for name in ("torchao", "torch.utils._pytree"):  # import-time chatter (as `train` silences it)
         logging.getLogger(name).setLevel(logging.ERROR)
     for module in PRELOAD:
         importlib.import_module(module)
@@ -169,11 +185,16 @@ class Zygote:
     def __init__(self, env: dict):
         self.env = dict(env)
         mine, theirs = socket.socketpair()
-        code = ("import sys; from nemo_granular.zygote import _zygote_main; "
-                "_zygote_main(int(sys.argv[1]))")
-        self._proc = subprocess.Popen([sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
-                                      env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True)
+        code = "import sys; from nemo_granular.zygote import _zygote_main; _zygote_main(int(sys.argv[1]))"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         theirs.close()
         self._sock = mine
         self._file = mine.makefile("rb")
@@ -199,7 +220,7 @@ class Zygote:
                     else:
                         self._exit_codes[msg["exit"]] = msg["rc"]
                     self._changed.notify_all()
-        except (OSError, ValueError):   # closed by close()
+        except (OSError, ValueError):  # closed by close()
             pass
         with self._changed:
             self._dead = True
@@ -209,8 +230,12 @@ class Zygote:
         """``python -m nemo_granular ARGV`` with ``env`` and ``cwd``, stdout and stderr merged into
         ``ForkedRun.stdout`` (text, line by line)."""
         read_fd, write_fd = os.pipe()
-        req = json.dumps({"argv": list(argv), "env": dict(env if env is not None else os.environ),
-                          "cwd": cwd or os.getcwd()}).encode() + b"\n"
+        req = (
+            json.dumps(
+                {"argv": list(argv), "env": dict(env if env is not None else os.environ), "cwd": cwd or os.getcwd()}
+            ).encode()
+            + b"\n"
+        )
         try:
             with self._send_lock, self._changed:
                 n = len(self._pids)
@@ -228,7 +253,7 @@ class Zygote:
         """End the zygote (runs it started keep running, as ``Popen``'s children would)."""
         try:
             try:
-                self._sock.shutdown(socket.SHUT_RDWR)   # EOF for the zygote (makefile() keeps the fd open)
+                self._sock.shutdown(socket.SHUT_RDWR)  # EOF for the zygote (makefile() keeps the fd open)
             except OSError:
                 pass
             self._file.close()

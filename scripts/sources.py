@@ -42,8 +42,8 @@ class SourceError(Exception):
 @dataclass(frozen=True)
 class Pin:
     name: str
-    repository: str   # owner/name on GitHub
-    revision: str     # a commit, tag=commit, or gitlink:TREE:PATH
+    repository: str  # owner/name on GitHub
+    revision: str  # a commit, tag=commit, or gitlink:TREE:PATH
     paths: tuple[str, ...]
 
 
@@ -146,13 +146,14 @@ class Cache:
             raise SourceError(f"{tree}: no readable {RECORD}: not a tree this command wrote; remove it") from None
         if held != commit:
             raise SourceError(f"{tree}: holds {held}, but {name} is pinned at {commit}; remove it and fill again")
-        if tree.stat().st_mode & 0o755 != 0o755:   # a tree written before fill() made it readable by all
+        if tree.stat().st_mode & 0o755 != 0o755:  # a tree written before fill() made it readable by all
             tree.chmod(0o755)
         return tree
 
     # -- filling ----------------------------------------------------------------------------------
     def _source_of(self, pin: Pin, commit: str) -> Path | None:
         """A git directory that has ``commit``: one of --from's, or a clone of the public repository."""
+
         def has(git_dir: Path) -> bool:
             return _git(git_dir, "cat-file", "-e", f"{commit}^{{commit}}").returncode == 0
 
@@ -198,16 +199,29 @@ class Cache:
         try:
             archive = _git(source, "archive", "--format=tar", commit, *pin.paths, binary=True)
             if archive.returncode != 0:
-                raise SourceError(f"{name}: git archive {commit[:12]} {' '.join(pin.paths)} failed in {source}: "
-                                  f"{archive.stderr.decode(errors='replace').strip().splitlines()[-1:]}")
+                raise SourceError(
+                    f"{name}: git archive {commit[:12]} {' '.join(pin.paths)} failed in {source}: "
+                    f"{archive.stderr.decode(errors='replace').strip().splitlines()[-1:]}"
+                )
             subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
-            (tmp / RECORD).write_text(json.dumps({"name": name, "repository": pin.repository, "commit": commit,
-                                                  "revision": pin.revision, "paths": list(pin.paths),
-                                                  "gitlinks": gitlinks}, indent=1) + "\n")
+            (tmp / RECORD).write_text(
+                json.dumps(
+                    {
+                        "name": name,
+                        "repository": pin.repository,
+                        "commit": commit,
+                        "revision": pin.revision,
+                        "paths": list(pin.paths),
+                        "gitlinks": gitlinks,
+                    },
+                    indent=1,
+                )
+                + "\n"
+            )
             # readable by every user, as a checkout is (mkdtemp makes it 0700): the local Slurm cluster's
             # container steps read it from the image as a non-root user (slurm/local_cluster/pyxis)
             tmp.chmod(0o755)
-            tmp.rename(tree)        # atomic: the tree appears whole or not at all
+            tmp.rename(tree)  # atomic: the tree appears whole or not at all
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return tree, f"{name} {commit[:12]}: filled {tree} from {source}"
@@ -226,8 +240,10 @@ class Cache:
                     if i:
                         first = alternatives[0]
                         commit = self.commit(first)
-                        notes.append(f"{var}: {first} ({commit[:12] if commit else 'its pin'}) is not in the cache; "
-                                     f"using {name} ({self.commit(name)[:12]}) in its place")
+                        notes.append(
+                            f"{var}: {first} ({commit[:12] if commit else 'its pin'}) is not in the cache; "
+                            f"using {name} ({self.commit(name)[:12]}) in its place"
+                        )
                     break
             else:
                 commit = self.commit(alternatives[0])
@@ -245,12 +261,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/sources.sh", description=__doc__.split("\n\n")[0])
     ap.add_argument("command", nargs="?", default="fill", choices=("fill", "env", "status"))
     ap.add_argument("world", nargs="?", help="env: the world (main or v0.7.0)")
-    ap.add_argument("--from", dest="sources", action="append", default=None, metavar="DIR",
-                    help="local git directories or mirrors (searched 3 levels deep); default: clone from GitHub")
-    ap.add_argument("--cache", help="the source cache (default: $NEMO_GRANULAR_SOURCES, or "
-                                    "${XDG_CACHE_HOME:-$HOME/.cache}/nemo-granular/sources)")
+    ap.add_argument(
+        "--from",
+        dest="sources",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="local git directories or mirrors (searched 3 levels deep); default: clone from GitHub",
+    )
+    ap.add_argument(
+        "--cache",
+        help="the source cache (default: $NEMO_GRANULAR_SOURCES, or "
+        "${XDG_CACHE_HOME:-$HOME/.cache}/nemo-granular/sources)",
+    )
     ap.add_argument("--world", dest="only", action="append", help="fill only this world's trees (repeatable)")
-    ap.add_argument("--pins", default=str(PINS), help=argparse.SUPPRESS)   # tests: a pins file of their own
+    ap.add_argument("--pins", default=str(PINS), help=argparse.SUPPRESS)  # tests: a pins file of their own
     args = ap.parse_args(argv)
     try:
         _, worlds = read_pins(Path(args.pins))
@@ -259,8 +284,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise SourceError(f"env: world {args.world!r} is not one of {', '.join(worlds)}")
             env, notes, missing = _cache(args).world(worlds[args.world])
             if missing:
-                print(f"NeMo-RL world {args.world}: not in the source cache {_cache(args).root}: {', '.join(missing)} "
-                      f"(fill it: bash scripts/sources.sh, or --from DIR offline)", file=sys.stderr)
+                print(
+                    f"NeMo-RL world {args.world}: not in the source cache {_cache(args).root}: {', '.join(missing)} "
+                    f"(fill it: bash scripts/sources.sh, or --from DIR offline)",
+                    file=sys.stderr,
+                )
                 return 3
             if notes:
                 print(f"NeMo-RL world {args.world}: {'; '.join(notes)}", file=sys.stderr)
@@ -288,8 +316,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sources: {line}")
         for world, trees in worlds.items():
             _, notes, missing = cache.world(trees)
-            print(f"sources: world {world}: " + (f"incomplete, missing {', '.join(missing)}" if missing
-                                                 else "complete" + "".join(f"; {n}" for n in notes)))
+            print(
+                f"sources: world {world}: "
+                + (
+                    f"incomplete, missing {', '.join(missing)}"
+                    if missing
+                    else "complete" + "".join(f"; {n}" for n in notes)
+                )
+            )
         return 0
     except SourceError as err:
         print(f"sources: {err}", file=sys.stderr)

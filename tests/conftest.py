@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-HARNESS = ROOT / "tests" / "harness"   # the test harness: helpers, stand-ins, drivers (tests/README.md)
+HARNESS = ROOT / "tests" / "harness"  # the test harness: helpers, stand-ins, drivers (tests/README.md)
 SHIMS = HARNESS / "host_shims"
 if str(HARNESS) not in sys.path:
     sys.path.insert(0, str(HARNESS))
@@ -57,7 +57,8 @@ if HOST_PATHS:
     exec(compile((SHIMS / "typing_shim" / "sitecustomize.py").read_text(), "sitecustomize", "exec"))
     sys.path[:0] = [p for p in HOST_PATHS if p not in sys.path]
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        HOST_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        HOST_PATHS + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
 
 STRICT = os.environ.get("CI", "").lower() == "true" or os.environ.get("NEMO_GRANULAR_NO_SKIP") == "1"
 
@@ -105,12 +106,27 @@ def megatron_workers(nemo_rl_src):
 # at most two Ray loops side by side (each head's ports are free ones, cpu_host.cluster.RayHead). The
 # longest units are handed out first (a stable sort; the rest keep file order), so the two workers end
 # together.
-HOST_RAY_UNITS = {"test_loop_actor_class": "host_ray", "test_loop_grpo": "host_ray", "test_loop_megatron": "host_ray",
-                  "test_loop_shipped_configs": "host_ray", "test_loop_sppo": "host_ray_ppo"}
-LONG_UNITS = ("host_ray", "test_megatron_worker", "host_ray_ppo", "test_export_megatron", "test_preflight_nemo_rl",
-              "test_megatron_worker_configs", "test_loop_dtensor_packing",
-              # the standalone world's (a CI rehearsal: 6.8, 3.7, 1.9, 1.4 min)
-              "test_learning", "test_compare", "test_wheel_install", "test_embedded_reliability")
+HOST_RAY_UNITS = {
+    "test_loop_actor_class": "host_ray",
+    "test_loop_grpo": "host_ray",
+    "test_loop_megatron": "host_ray",
+    "test_loop_shipped_configs": "host_ray",
+    "test_loop_sppo": "host_ray_ppo",
+}
+LONG_UNITS = (
+    "host_ray",
+    "test_megatron_worker",
+    "host_ray_ppo",
+    "test_export_megatron",
+    "test_preflight_nemo_rl",
+    "test_megatron_worker_configs",
+    "test_loop_dtensor_packing",
+    # the standalone world's (a CI rehearsal: 6.8, 3.7, 1.9, 1.4 min)
+    "test_learning",
+    "test_compare",
+    "test_wheel_install",
+    "test_embedded_reliability",
+)
 
 
 WORLD_MARKERS = {
@@ -134,12 +150,17 @@ def _loadgroup_works() -> bool:
 
 def pytest_configure(config):
     if config.getoption("dist", "no") == "loadgroup" and not _loadgroup_works():
-        raise pytest.UsageError(f"pytest-xdist's --dist loadgroup cannot group tests under pytest "
-                                f"{pytest.__version__}; install pytest<9.2 (pyproject.toml's test extra)")
+        raise pytest.UsageError(
+            f"pytest-xdist's --dist loadgroup cannot group tests under pytest "
+            f"{pytest.__version__}; install pytest<9.2 (pyproject.toml's test extra)"
+        )
     for name, what in WORLD_MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {what}")
-    config.addinivalue_line("markers", "needs_nemo_rl(name): tests a NeMo-RL name (compat.VERSIONED) or feature "
-                                       "(compat.FEATURES) one supported version lacks; skipped (documented) there only")
+    config.addinivalue_line(
+        "markers",
+        "needs_nemo_rl(name): tests a NeMo-RL name (compat.VERSIONED) or feature "
+        "(compat.FEATURES) one supported version lacks; skipped (documented) there only",
+    )
     # scripts/test.sh's pass on NeMo-RL's pinned transformers names the version it installed: a pass
     # that silently imported another transformers would prove nothing about the pin
     expected = os.environ.get("NEMO_GRANULAR_EXPECT_TRANSFORMERS")
@@ -147,8 +168,10 @@ def pytest_configure(config):
         import transformers
 
         if transformers.__version__ != expected:
-            raise pytest.UsageError(f"NEMO_GRANULAR_EXPECT_TRANSFORMERS={expected}, but transformers "
-                                    f"{transformers.__version__} is imported (from {transformers.__file__})")
+            raise pytest.UsageError(
+                f"NEMO_GRANULAR_EXPECT_TRANSFORMERS={expected}, but transformers "
+                f"{transformers.__version__} is imported (from {transformers.__file__})"
+            )
 
 
 def _version_skips(items) -> None:
@@ -160,17 +183,18 @@ def _version_skips(items) -> None:
 
     for item, name in marked:
         if name not in compat.VERSIONED and name not in compat.FEATURES:
-            raise pytest.UsageError(f"{item.nodeid}: needs_nemo_rl({name!r}) is in neither compat.VERSIONED nor "
-                                    f"compat.FEATURES")
+            raise pytest.UsageError(
+                f"{item.nodeid}: needs_nemo_rl({name!r}) is in neither compat.VERSIONED nor compat.FEATURES"
+            )
         if not HOST_PATHS:
-            continue      # no NeMo-RL at all: the test's nemo_rl_src fixture decides (a failure under CI)
+            continue  # no NeMo-RL at all: the test's nemo_rl_src fixture decides (a failure under CI)
         try:
             compat.require(name) if name in compat.FEATURES else compat.get(name)
         except (compat.NotInThisVersion, compat.VersionRefusal) as err:
             item.add_marker(pytest.mark.skip(reason=f"{VERSION_SKIP}{err}"))
 
 
-VERSION_SKIP = "needs_nemo_rl: "   # the reason's prefix that marks a documented version skip
+VERSION_SKIP = "needs_nemo_rl: "  # the reason's prefix that marks a documented version skip
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -224,10 +248,13 @@ def pytest_terminal_summary(terminalreporter):
         for line in _version_skipped:
             terminalreporter.write_line(f"  skipped in this NeMo-RL version (documented): {line}")
     else:
-        terminalreporter.write_line("no NeMo-RL in this run (the standalone world; scripts/test.sh runs the NeMo-RL worlds "
-                                      "from the source cache: bash scripts/sources.sh)")
+        terminalreporter.write_line(
+            "no NeMo-RL in this run (the standalone world; scripts/test.sh runs the NeMo-RL worlds "
+            "from the source cache: bash scripts/sources.sh)"
+        )
     if STRICT and _skipped:
         terminalreporter.write_line(
-            f"FAILED: {len(_skipped)} test(s) skipped under CI, where nothing may skip:", red=True)
+            f"FAILED: {len(_skipped)} test(s) skipped under CI, where nothing may skip:", red=True
+        )
         for nodeid in _skipped:
             terminalreporter.write_line(f"  {nodeid}", red=True)

@@ -84,13 +84,18 @@ class Recording(Mapping):
         return len(self.data)
 
 
-@pytest.mark.parametrize("cfg,extra", [
-    # segments cut in the loss from input_ids; the KL and NLL penalties with their optional keys
-    ({"granular": {"algorithm": "sspo"}, "reference_policy_kl_penalty": 0.1, "positive_example_nll_weight": 0.5},
-     ("rewards", "curr_logprobs_unfiltered")),
-    ({"granular": {"algorithm": "espo", "espo": {"vocab_size": 16, "alpha": 1.0}}}, ("granular_group_ids",)),
-    ({"granular": {"algorithm": "gspo"}, "use_importance_sampling_correction": True}, ()),
-])
+@pytest.mark.parametrize(
+    "cfg,extra",
+    [
+        # segments cut in the loss from input_ids; the KL and NLL penalties with their optional keys
+        (
+            {"granular": {"algorithm": "sspo"}, "reference_policy_kl_penalty": 0.1, "positive_example_nll_weight": 0.5},
+            ("rewards", "curr_logprobs_unfiltered"),
+        ),
+        ({"granular": {"algorithm": "espo", "espo": {"vocab_size": 16, "alpha": 1.0}}}, ("granular_group_ids",)),
+        ({"granular": {"algorithm": "gspo"}, "use_importance_sampling_correction": True}, ()),
+    ],
+)
 def test_the_loss_asks_only_for_declared_keys(cfg, extra):
     from nemo_granular.core.groups import group_ids_for
 
@@ -101,9 +106,12 @@ def test_the_loss_asks_only_for_declared_keys(cfg, extra):
     if "curr_logprobs_unfiltered" in extra:
         data["curr_logprobs_unfiltered"] = logp.clone()
     if "granular_group_ids" in extra:
-        data["granular_group_ids"] = group_ids_for(fn.granular.granularity, data["token_mask"] > 0,
-                                                   entropy=data["prev_entropy"],
-                                                   entropy_cut_points=fn.granular.entropy_cut_points)
+        data["granular_group_ids"] = group_ids_for(
+            fn.granular.granularity,
+            data["token_mask"] > 0,
+            entropy=data["prev_entropy"],
+            entropy_cut_points=fn.granular.entropy_cut_points,
+        )
     batch = Recording(data)
     fn(next_token_logprobs=logp, data=batch, global_valid_seqs=gvs, global_valid_toks=gvt)
     assert batch.asked <= set(LOSS_KEYS), sorted(batch.asked - set(LOSS_KEYS))

@@ -20,8 +20,16 @@ from hypothesis import strategies as st
 from nemo_granular.embedded.config import LOCAL_CONFIGS, TrainConfig, load_train_config
 
 GRPO = LOCAL_CONFIGS / "grpo.yaml"
-TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-        "task.heldout_size=8", "rl.max_new_tokens=8", "logger.progress=false", "logger.tensorboard=false"]
+TINY = [
+    "warmstart.enabled=false",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "task.heldout_size=8",
+    "rl.max_new_tokens=8",
+    "logger.progress=false",
+    "logger.tensorboard=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +113,11 @@ CASES = [
     ("override without =", [*T, "rl.steps"], "override 'rl.steps'"),
     ("override with empty key", [*T, "=5"], "override '=5'"),
     ("override with empty segment", [*T, "rl..steps=5"], "rl..steps"),
-    ("override unknown key", [*T, "model.hiden_size=3"],
-     "model.hiden_size: unknown key (did you mean model.hidden_size?)"),
+    (
+        "override unknown key",
+        [*T, "model.hiden_size=3"],
+        "model.hiden_size: unknown key (did you mean model.hidden_size?)",
+    ),
     ("override unknown section", [*T, "a.b.c=1"], "a: unknown key"),
     ("override adds unknown key", [*T, "+model.extra=1"], "model.extra"),
     ("delete a missing key", [*T, "~model.nothing"], "model.nothing"),
@@ -148,8 +159,11 @@ CASES = [
     ("jsonl record without answer", [*T, "task.kind=jsonl", "task.path={f}/bad.jsonl"], "bad.jsonl:2"),
     ("jsonl line not JSON", [*T, "task.kind=jsonl", "task.path={f}/notjson.jsonl"], "notjson.jsonl:2"),
     ("jsonl one record", [*T, "task.kind=jsonl", "task.path={f}/one.jsonl"], "one.jsonl"),
-    ("jsonl without worked solutions", [*T, "task.kind=jsonl", "task.path={f}/nosolutions.jsonl",
-                                        "warmstart.enabled=true"], "warmstart.enabled"),
+    (
+        "jsonl without worked solutions",
+        [*T, "task.kind=jsonl", "task.path={f}/nosolutions.jsonl", "warmstart.enabled=true"],
+        "warmstart.enabled",
+    ),
     ("model.path missing", [*T, "model.path={f}/nomodel"], "model.path"),
     ("model.path not a model", [*T, "model.path={f}/notmodel"], "model.path"),
     ("model.init_from missing", [*T, "model.init_from={f}/nomodel"], "model.init_from"),
@@ -158,12 +172,21 @@ CASES = [
     ("output_dir under a file", [*T, "output_dir={f}/a_file/run"], "output_dir {f}/a_file/run: is under"),
     ("fresh run into an existing run", ["train", "--config", "{cfg}", "output_dir={s}/run"], "already holds a run"),
     ("resume with nothing to resume", [*T, "--resume"], "nothing to resume"),
-    ("resume from an unusable checkpoint", ["train", "--config", "{cfg}", "output_dir={s}/brokenrun", "--resume"],
-     "optimizer.pt"),
-    ("resume with latest dangling", ["train", "--config", "{cfg}", "output_dir={s}/dangling", "--resume"],
-     "step_000009"),
-    ("resume with another algorithm", ["train", "--config", "sspo", "output_dir={s}/run", "--resume"],
-     "algorithm='grpo'"),
+    (
+        "resume from an unusable checkpoint",
+        ["train", "--config", "{cfg}", "output_dir={s}/brokenrun", "--resume"],
+        "optimizer.pt",
+    ),
+    (
+        "resume with latest dangling",
+        ["train", "--config", "{cfg}", "output_dir={s}/dangling", "--resume"],
+        "step_000009",
+    ),
+    (
+        "resume with another algorithm",
+        ["train", "--config", "sspo", "output_dir={s}/run", "--resume"],
+        "algorithm='grpo'",
+    ),
     ("resume and force", [*T, "--resume", "--force"], "--force: not allowed with argument --resume"),
     ("resume and auto-resume", [*T, "--resume", "--auto-resume"], "not allowed with"),
     ("unknown option", [*T, "--resum"], "unrecognized arguments: --resum"),
@@ -177,40 +200,78 @@ CASES = [
     ("compare: seeds not int", ["compare", "--seeds", "two", "--out", "{t}/c"], "--seeds"),
     ("compare: jobs 0", ["compare", "--algorithms", "grpo", "--jobs", "0", "--out", "{t}/c"], "--jobs"),
     ("compare: steps negative", ["compare", "--algorithms", "grpo", "--steps", "-1", "--out", "{t}/c"], "--steps"),
-    ("compare: steps 0", ["compare", "--algorithms", "grpo", "--steps", "0", "--out", "{t}/c"],
-     "--steps must be >= 1"),
-    ("compare: rl.steps=0", ["compare", "--algorithms", "grpo,sspo", "--out", "{t}/c", "rl.steps=0"],
-     "grpo: rl.steps=0: a comparison needs at least 1 RL step"),
+    ("compare: steps 0", ["compare", "--algorithms", "grpo", "--steps", "0", "--out", "{t}/c"], "--steps must be >= 1"),
+    (
+        "compare: rl.steps=0",
+        ["compare", "--algorithms", "grpo,sspo", "--out", "{t}/c", "rl.steps=0"],
+        "grpo: rl.steps=0: a comparison needs at least 1 RL step",
+    ),
     ("compare: config dir missing", ["compare", "--config-dir", "{f}/nodir", "--out", "{t}/c"], "nodir"),
-    ("compare: bad override", ["compare", "--algorithms", "grpo", "--out", "{t}/c", "rl.temperature=0"],
-     "grpo: rl.temperature"),
-    ("compare: unknown key", ["compare", "--algorithms", "sspo", "--out", "{t}/c", "rl.stepz=3"],
-     "rl.stepz: unknown key (did you mean rl.steps?)"),
+    (
+        "compare: bad override",
+        ["compare", "--algorithms", "grpo", "--out", "{t}/c", "rl.temperature=0"],
+        "grpo: rl.temperature",
+    ),
+    (
+        "compare: unknown key",
+        ["compare", "--algorithms", "sspo", "--out", "{t}/c", "rl.stepz=3"],
+        "rl.stepz: unknown key (did you mean rl.steps?)",
+    ),
     ("unknown key: a section's key at the top", [*T, "lr=0.1"], "lr: unknown key (did you mean rl.lr"),
-    ("compare: out is a file", ["compare", "--algorithms", "grpo", "--out", "{f}/a_file"],
-     "--out {f}/a_file: is a file, not a directory"),
-    ("compare: out holds a report", ["compare", "--algorithms", "grpo", "--out", "{f}/cmp"],
-     "already holds a comparison"),
-    ("compare: out holds runs", ["compare", "--algorithms", "grpo", "--out", "{f}/cmp_runs"],
-     "already holds a comparison"),
-    ("compare: resume with nothing", ["compare", "--algorithms", "grpo", "--out", "{t}/c", "--resume"],
-     "nothing to resume"),
+    (
+        "compare: out is a file",
+        ["compare", "--algorithms", "grpo", "--out", "{f}/a_file"],
+        "--out {f}/a_file: is a file, not a directory",
+    ),
+    (
+        "compare: out holds a report",
+        ["compare", "--algorithms", "grpo", "--out", "{f}/cmp"],
+        "already holds a comparison",
+    ),
+    (
+        "compare: out holds runs",
+        ["compare", "--algorithms", "grpo", "--out", "{f}/cmp_runs"],
+        "already holds a comparison",
+    ),
+    (
+        "compare: resume with nothing",
+        ["compare", "--algorithms", "grpo", "--out", "{t}/c", "--resume"],
+        "nothing to resume",
+    ),
     ("compare: force and resume", ["compare", "--force", "--resume"], "not allowed with"),
     ("compare: from-runs not a run", ["compare", "--from-runs", "{f}/notarun", "--out", "{t}/c"], "notarun"),
     ("compare: from-runs missing", ["compare", "--from-runs", "{f}/gone", "--out", "{t}/c"], "gone"),
-    ("compare: from-runs over a report", ["compare", "--from-runs", "{s}/run", "--out", "{f}/cmp"],
-     "already holds a report.md"),
-    ("compare: an empty name among others", ["compare", "--algorithms", "grpo,,sspo", "--out", "{t}/c"],
-     "--algorithms: a name is empty"),
-    ("compare: a trailing comma", ["compare", "--algorithms", "grpo,", "--out", "{t}/c"],
-     "--algorithms: a name is empty"),
-    ("compare: from-runs with algorithms", ["compare", "--from-runs", "{s}/run", "--algorithms", "grpo", "--out",
-                                            "{t}/c"], "--algorithms: not with --from-runs"),
-    ("compare: from-runs with seeds and smoke", ["compare", "--smoke", "--seeds", "2", "--from-runs", "{s}/run",
-                                                 "--out", "{t}/c"], "--seeds, --smoke: not with --from-runs"),
+    (
+        "compare: from-runs over a report",
+        ["compare", "--from-runs", "{s}/run", "--out", "{f}/cmp"],
+        "already holds a report.md",
+    ),
+    (
+        "compare: an empty name among others",
+        ["compare", "--algorithms", "grpo,,sspo", "--out", "{t}/c"],
+        "--algorithms: a name is empty",
+    ),
+    (
+        "compare: a trailing comma",
+        ["compare", "--algorithms", "grpo,", "--out", "{t}/c"],
+        "--algorithms: a name is empty",
+    ),
+    (
+        "compare: from-runs with algorithms",
+        ["compare", "--from-runs", "{s}/run", "--algorithms", "grpo", "--out", "{t}/c"],
+        "--algorithms: not with --from-runs",
+    ),
+    (
+        "compare: from-runs with seeds and smoke",
+        ["compare", "--smoke", "--seeds", "2", "--from-runs", "{s}/run", "--out", "{t}/c"],
+        "--seeds, --smoke: not with --from-runs",
+    ),
     # ---- eval-checkpoints
-    ("eval-checkpoints: a step without a checkpoint", ["eval-checkpoints", "{s}/run", "--steps", "55"],
-     "--steps: {s}/run has no checkpoint of step 55 (its checkpoints: 0)"),
+    (
+        "eval-checkpoints: a step without a checkpoint",
+        ["eval-checkpoints", "{s}/run", "--steps", "55"],
+        "--steps: {s}/run has no checkpoint of step 55 (its checkpoints: 0)",
+    ),
     ("eval-checkpoints: an empty step", ["eval-checkpoints", "{s}/run", "--steps", "0,,5"], "--steps: expected"),
     ("eval-checkpoints: a negative step", ["eval-checkpoints", "{s}/run", "--steps=-5"], "--steps: expected"),
     # ---- export
@@ -235,8 +296,11 @@ CASES = [
 
 
 def _snapshot(*roots: Path) -> dict:
-    return {str(p): (p.is_dir(), None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns))
-            for root in roots for p in sorted(root.rglob("*"))}
+    return {
+        str(p): (p.is_dir(), None if p.is_dir() else (p.stat().st_size, p.stat().st_mtime_ns))
+        for root in roots
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def _main(argv):
@@ -320,11 +384,37 @@ def _leaves(model, prefix=""):
 
 KEYS = _leaves(TrainConfig) + ["model", "rl", "loss_fn.granular", "nope", "rl.nope", "loss_fn.granular.sspo.nope"]
 VALUES = st.one_of(
-    st.integers(-10**6, 10**6).map(str),
+    st.integers(-(10**6), 10**6).map(str),
     st.floats(allow_nan=True, allow_infinity=True).map(repr),
     st.text(alphabet=string.printable.replace("\n", "").replace("\r", ""), max_size=12),
-    st.sampled_from(["", "null", "~", "true", "[1, 2]", "[", "{a: 1}", "{", "${nope}", "${oc.env:NOPE}", "???",
-                     "'", '"', "1e400", "-0", "0x10", ".inf", ".nan", "[[]]", "{}", "[]", "a=b", "=", "\\"]),
+    st.sampled_from(
+        [
+            "",
+            "null",
+            "~",
+            "true",
+            "[1, 2]",
+            "[",
+            "{a: 1}",
+            "{",
+            "${nope}",
+            "${oc.env:NOPE}",
+            "???",
+            "'",
+            '"',
+            "1e400",
+            "-0",
+            "0x10",
+            ".inf",
+            ".nan",
+            "[[]]",
+            "{}",
+            "[]",
+            "a=b",
+            "=",
+            "\\",
+        ]
+    ),
 )
 
 

@@ -42,12 +42,21 @@ MODELS = {
 RUN_NAME_KEYS = {"checkpointing.checkpoint_dir", "logger.log_dir", "logger.wandb.name"}
 LOSS_PREFIXES = ("loss_fn.", "grpo.adv_estimator.")
 # keys that are ours (not in NeMo-RL's base config)
-PLUGIN_KEYS = ("loss_fn.granular", "grpo.adv_estimator.verification_failed_key", "nemo_granular.",
-               "env.espo_math.", "data.default.env_name", "data.train.", "data.validation.")
+PLUGIN_KEYS = (
+    "loss_fn.granular",
+    "grpo.adv_estimator.verification_failed_key",
+    "nemo_granular.",
+    "env.espo_math.",
+    "data.default.env_name",
+    "data.train.",
+    "data.validation.",
+)
 # NeMo-RL keys that are read with .get() and absent from the example configs
-OPTIONAL_NEMO_RL_KEYS = {"policy.generation.vllm_cfg.enable_prefix_caching",   # vllm_worker.py:84
-                         # a GRPOConfig field (grpo.py) that NeMo-RL's example YAMLs leave at its default
-                         "grpo.skip_reference_policy_logprobs_calculation"}
+OPTIONAL_NEMO_RL_KEYS = {
+    "policy.generation.vllm_cfg.enable_prefix_caching",  # vllm_worker.py:84
+    # a GRPOConfig field (grpo.py) that NeMo-RL's example YAMLs leave at its default
+    "grpo.skip_reference_policy_logprobs_calculation",
+}
 
 
 def load(name: str) -> dict:
@@ -88,29 +97,36 @@ def test_config_parses_and_meets_contract(name):
     check_supported_modes(cfg)
     runtime_options(cfg)
     header = (CFG / name).read_text().split("\ndefaults:")[0]
-    assert "nemo_granular.nemo_rl.configs" in header and "NEMO_RL_SRC" in header, \
+    assert "nemo_granular.nemo_rl.configs" in header and "NEMO_RL_SRC" in header, (
         "header must say how the NeMo-RL parent is found"
+    )
     assert "slurm/launch.sh" in header
 
 
 def test_algorithm_settings_follow_the_spec():
     espo = parse_policy_loss_config(load(MOE_PAIR[0])["loss_fn"]).granular
-    assert (espo.granularity, espo.ratio, espo.clip, espo.aggregation) == \
-        ("entropy_group", "token_decomposed", "espo_entropy", "seq_mean_group_mean")
+    assert (espo.granularity, espo.ratio, espo.clip, espo.aggregation) == (
+        "entropy_group",
+        "token_decomposed",
+        "espo_entropy",
+        "seq_mean_group_mean",
+    )
     assert espo.entropy_cut_points == [0.2] and espo.espo.alpha == "auto"  # the 3.5e-4 rule (docs/algorithms/espo.md)
     gspo = parse_policy_loss_config(load(MOE_PAIR[1])["loss_fn"])
     assert gspo.granular.granularity == "sequence" and (gspo.eps_low, gspo.eps_high) == (3e-4, 4e-4)
     expected_sspo = {"1.5b": (0.0, 0.8, 1.75), "7b": (0.15, 0.8, 2.2)}
     for size, (s, g, gs) in MATH.items():
         sspo = parse_policy_loss_config(load(s)["loss_fn"]).granular
-        assert sspo.granularity == "segment" and sspo.clip == "sspo_entropy" and list(sspo.segment_delimiters) == ["\n\n"]
+        assert (
+            sspo.granularity == "segment" and sspo.clip == "sspo_entropy" and list(sspo.segment_delimiters) == ["\n\n"]
+        )
         assert (sspo.sspo.alpha, sspo.sspo.beta, sspo.sspo.gamma) == expected_sspo[size]
         grpo = parse_policy_loss_config(load(g)["loss_fn"])
         assert grpo.granular.granularity == "token" and (grpo.eps_low, grpo.eps_high) == (0.2, 0.2)
         assert load(g)["loss_fn"]["token_level_loss"] is True
         gs_ = parse_policy_loss_config(load(gs)["loss_fn"])
         assert (gs_.eps_low, gs_.eps_high) == (3e-4, 4e-4)
-        cfg = load(s)   # the paper's setting (docs/algorithms/math.md §3)
+        cfg = load(s)  # the paper's setting (docs/algorithms/math.md §3)
         assert cfg["grpo"]["num_generations_per_prompt"] == 8 and cfg["grpo"]["num_prompts_per_step"] == 128
         assert cfg["policy"]["generation"]["max_new_tokens"] == 3000
         assert "math_level3to5" in cfg["data"]["train"]["data_path"]
@@ -166,6 +182,7 @@ def test_parallel_layout_fits_allocation_and_model(name):
 
 # ------------------------------------------------------ full inheritance (NeMo-RL world) ---
 
+
 @pytest.mark.nemo_rl
 @pytest.mark.parametrize("name", ALL)
 def test_inheritance_resolves_against_nemo_rl(name, nemo_rl_src):
@@ -179,13 +196,22 @@ def test_inheritance_resolves_against_nemo_rl(name, nemo_rl_src):
     base_keys = set(flatten(OmegaConf.to_container(nemo_rl_load_config(parent), resolve=False)))
     base_prefixes = {k.rsplit(".", 1)[0] for k in base_keys}
     resolved = load_resolved(CFG / name)
-    unknown = sorted(k for k in flatten({k: v for k, v in own.items() if k != "defaults"})
-                     if k not in base_keys and k not in base_prefixes and k not in OPTIONAL_NEMO_RL_KEYS
-                     and not k.startswith(PLUGIN_KEYS))
+    unknown = sorted(
+        k
+        for k in flatten({k: v for k, v in own.items() if k != "defaults"})
+        if k not in base_keys
+        and k not in base_prefixes
+        and k not in OPTIONAL_NEMO_RL_KEYS
+        and not k.startswith(PLUGIN_KEYS)
+    )
     assert not unknown, f"{name} sets keys NeMo-RL's base does not have (typo?): {unknown}"
-    assert resolved["policy"]["sequence_packing"]["train_mb_tokens"] == \
-        resolved["policy"]["max_total_sequence_length"] * resolved["policy"]["train_micro_batch_size"]
-    assert resolved["policy"]["megatron_cfg"]["enabled"] is True and resolved["policy"]["dtensor_cfg"]["enabled"] is False
+    assert (
+        resolved["policy"]["sequence_packing"]["train_mb_tokens"]
+        == resolved["policy"]["max_total_sequence_length"] * resolved["policy"]["train_micro_batch_size"]
+    )
+    assert (
+        resolved["policy"]["megatron_cfg"]["enabled"] is True and resolved["policy"]["dtensor_cfg"]["enabled"] is False
+    )
     # Megatron's asynchronous checkpoint save, inherited from NeMo-RL main's grpo_math_1B.yaml: a periodic
     # or time-limit save costs the step the copy to host memory, not the write (docs/slurm.md)
     assert resolved["policy"]["megatron_cfg"]["checkpoint"]["async_save"] is True
@@ -210,9 +236,12 @@ R3_RECIPE = "recipes/llm/grpo-qwen3-30ba3b-8n8g-megatron-cp2-r3.yaml"
 # keys NeMo-RL's router-replay recipe sets that the MoE pair sets differently, and the word of the
 # header's "Deliberate differences" list that explains each
 R3_DELIBERATE = {
-    "grpo.num_prompts_per_step": "batch", "policy.train_global_batch_size": "batch",
-    "grpo.val_period": "schedule", "policy.generation.max_new_tokens": "length",
-    "policy.generation.vllm_cfg.max_model_len": "length", "data.max_input_seq_length": "length",
+    "grpo.num_prompts_per_step": "batch",
+    "policy.train_global_batch_size": "batch",
+    "grpo.val_period": "schedule",
+    "policy.generation.max_new_tokens": "length",
+    "policy.generation.vllm_cfg.max_model_len": "length",
+    "data.max_input_seq_length": "length",
     "policy.megatron_cfg.expert_model_parallel_size": "experts",
 }
 

@@ -24,9 +24,26 @@ def smoke_run(tmp_path_factory):
     several seeds: test_default_is_five_paired_seeds_...), shared by the tests that read what it wrote."""
     out = tmp_path_factory.mktemp("smoke") / "cmp"
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "compare", "--smoke", "--seeds", "1", "--algorithms",
-                           ",".join(ALGS), "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_granular",
+            "compare",
+            "--smoke",
+            "--seeds",
+            "1",
+            "--algorithms",
+            ",".join(ALGS),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=1200,
+    )
     print(f"smoke comparison of {len(ALGS)} algorithms: {time.time() - t0:.0f} s")  # recorded by CI's -rA/-s output
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
@@ -55,9 +72,21 @@ def test_smoke_comparison_writes_report_and_plots(smoke_run, tmp_path):
         assert (run / "checkpoints" / "latest").is_file()
     # the report can be rebuilt from the run directories alone (the Slurm comparison does this); it does not
     # know they were a smoke run, so it judges the claims, on the same measured numbers
-    again = subprocess.run([sys.executable, "-m", "nemo_granular", "compare", "--from-runs",
-                            *[str(out / "runs" / f"{a}_seed0") for a in ALGS], "--out", str(tmp_path / "again")],
-                           capture_output=True, text=True, cwd=ROOT)
+    again = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_granular",
+            "compare",
+            "--from-runs",
+            *[str(out / "runs" / f"{a}_seed0") for a in ALGS],
+            "--out",
+            str(tmp_path / "again"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     rebuilt = (tmp_path / "again" / "report.md").read_text()
 
@@ -65,8 +94,12 @@ def test_smoke_comparison_writes_report_and_plots(smoke_run, tmp_path):
         return text.split("## Final validation accuracy")[1].split("## The papers")[0]
 
     def measured(text):  # claim, paper, measured
-        return [line.split("|")[1:4] for line in text.split("## The papers")[1].split("## Plots")[0].splitlines()
-                if line.startswith("| ") and not line.startswith("| claim")]
+        return [
+            line.split("|")[1:4]
+            for line in text.split("## The papers")[1].split("## Plots")[0].splitlines()
+            if line.startswith("| ") and not line.startswith("| claim")
+        ]
+
     assert tables(rebuilt) == tables(report) and measured(rebuilt) == measured(report)
     assert measured(report)
 
@@ -88,8 +121,11 @@ def test_smoke_report_says_it_is_a_smoke_run_and_judges_no_claim(smoke_run):
     steps = {yaml.safe_load((run / "config.yaml").read_text())["rl"]["steps"] for run in (out / "runs").iterdir()}
     assert f"1 seed × {steps.pop()} RL steps" in top and not steps
     claims = report.split("## The papers")[1].split("## Plots")[0]
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in claims.splitlines()
-            if line.startswith("| ") and not line.startswith("| claim")]
+    rows = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in claims.splitlines()
+        if line.startswith("| ") and not line.startswith("| claim")
+    ]
     assert len(rows) >= 4 and all(row[-1] == "not judged: smoke run" for row in rows), rows
     for verdict in (f"| {HOLDS} |", FAILS, INCONCLUSIVE, "95 % CI"):
         assert verdict not in report, verdict
@@ -107,10 +143,16 @@ def test_smoke_report_states_each_warm_start_against_its_target(smoke_run):
     for ws in sorted((out / "warmstart").iterdir()):
         rec0 = next(r for r in _records(ws / "metrics.jsonl") if r["step"] == 0)
         cfg = yaml.safe_load((ws / "config.yaml").read_text())
-        starts[ws.name] = (cfg["seed"], rec0["warmstart/accuracy"], rec0["warmstart/steps"],
-                           cfg["warmstart"]["target_accuracy"])
-    used = {Path(yaml.safe_load((run / "config.yaml").read_text())["model"]["init_from"]).parents[2].name
-            for run in (out / "runs").iterdir()}
+        starts[ws.name] = (
+            cfg["seed"],
+            rec0["warmstart/accuracy"],
+            rec0["warmstart/steps"],
+            cfg["warmstart"]["target_accuracy"],
+        )
+    used = {
+        Path(yaml.safe_load((run / "config.yaml").read_text())["model"]["init_from"]).parents[2].name
+        for run in (out / "runs").iterdir()
+    }
     assert used == set(starts)  # every run started from one of these warm starts, and each was used
     missed = [name for name, (_, acc, _, target) in starts.items() if acc < target]
     assert (f"**{len(missed)} of {len(starts)} warm starts missed their target**" in top) == bool(missed)
@@ -121,10 +163,22 @@ def test_smoke_report_states_each_warm_start_against_its_target(smoke_run):
 
 
 # ---------------------------------------------------------------- the orchestration, in-process (fast)
-TINY = ["warmstart.max_steps=3", "warmstart.eval_every=3", "rl.steps=1", "model.num_layers=1",
-        "model.intermediate_size=64", "model.expert_size=16", "model.num_experts=4", "task.heldout_size=8",
-        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
-        "rl.micro_batch_size=4", "rl.max_new_tokens=12", "logger.tensorboard=false"]
+TINY = [
+    "warmstart.max_steps=3",
+    "warmstart.eval_every=3",
+    "rl.steps=1",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "model.expert_size=16",
+    "model.num_experts=4",
+    "task.heldout_size=8",
+    "rl.prompts_per_step=4",
+    "rl.generations_per_prompt=4",
+    "rl.minibatches_per_rollout=2",
+    "rl.micro_batch_size=4",
+    "rl.max_new_tokens=12",
+    "logger.tensorboard=false",
+]
 
 
 @pytest.fixture
@@ -164,8 +218,15 @@ def _compare(C, out, *overrides, algorithms=("grpo",), **kw):
     kw.setdefault("suite", None)  # the benchmark suite is tested by the smoke comparison and tests/test_evals.py
     kw.setdefault("suite", None)  # the benchmark suite is covered by the smoke comparison and tests/test_evals.py
     kw.setdefault("seeds", 1)
-    return C.compare(algorithms=list(algorithms), steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
-                     overrides=[*TINY, *overrides], **kw)
+    return C.compare(
+        algorithms=list(algorithms),
+        steps=None,
+        out=out,
+        config_dir=LOCAL_CONFIGS,
+        jobs=1,
+        overrides=[*TINY, *overrides],
+        **kw,
+    )
 
 
 def test_default_is_five_paired_seeds_and_every_claim_gets_an_interval(inprocess_runs, tmp_path, capsys):
@@ -173,10 +234,14 @@ def test_default_is_five_paired_seeds_and_every_claim_gets_an_interval(inprocess
     "inconclusive (1 seed)" for 8 of 10 claims); the printed paths are absolute."""
     report = _compare(inprocess_runs, tmp_path / "cmp", algorithms=("grpo", "gspo"), seeds=None).read_text()
     assert sorted(p.name for p in (tmp_path / "cmp" / "runs").iterdir()) == sorted(
-        f"{a}_seed{s}" for a in ("grpo", "gspo") for s in range(5))
+        f"{a}_seed{s}" for a in ("grpo", "gspo") for s in range(5)
+    )
     assert "| grpo | 5 |" in report and "| gspo | 5 |" in report
-    claims = [line for line in report.splitlines() if line.startswith("| GSPO reaches a higher final")
-              or line.startswith("| GSPO's clip fraction is near zero")]
+    claims = [
+        line
+        for line in report.splitlines()
+        if line.startswith("| GSPO reaches a higher final") or line.startswith("| GSPO's clip fraction is near zero")
+    ]
     assert len(claims) == 2 and all("95 % CI [" in c and "over 5 seeds" in c for c in claims), claims
     assert "(1 seed)" not in report
     out = capsys.readouterr().out
@@ -195,8 +260,17 @@ def test_smoke_keeps_sppo_equal_prompts_at_one_sample_per_prompt(inprocess_runs,
     tiny = [o for o in TINY if not o.startswith(("rl.prompts_per_step=", "rl.generations_per_prompt="))]
     algs = ["sppo", "sppo_equal_prompts"]
     out = tmp_path / "smoke"
-    report = inprocess_runs.compare(algorithms=algs, seeds=1, steps=None, out=out, config_dir=LOCAL_CONFIGS,
-                                    jobs=1, smoke=True, overrides=tiny, suite=None).read_text()
+    report = inprocess_runs.compare(
+        algorithms=algs,
+        seeds=1,
+        steps=None,
+        out=out,
+        config_dir=LOCAL_CONFIGS,
+        jobs=1,
+        smoke=True,
+        overrides=tiny,
+        suite=None,
+    ).read_text()
     rl = {a: yaml.safe_load((out / "runs" / f"{a}_seed0" / "config.yaml").read_text())["rl"] for a in algs}
     batch = {a: (rl[a]["prompts_per_step"], rl[a]["generations_per_prompt"]) for a in algs}
     assert batch == {"sppo": (8, 4), "sppo_equal_prompts": (8, 1)}  # SPPO: 32 prompts × 1; equal prompts: 8 × 1
@@ -278,8 +352,24 @@ def test_summary_goes_to_stdout_and_progress_to_stderr(inprocess_runs, tmp_path,
     C, out = inprocess_runs, tmp_path / "cmp"
     monkeypatch.setattr(C, "_evaluate", lambda *a, **k: None)  # the benchmark suite: tests/test_evals.py
     capsys.readouterr()
-    assert main(["compare", "--algorithms", "grpo", "--seeds", "1", "--out", str(out), "--jobs", "1", *TINY,
-                 "model.hidden_size=32"]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--algorithms",
+                "grpo",
+                "--seeds",
+                "1",
+                "--out",
+                str(out),
+                "--jobs",
+                "1",
+                *TINY,
+                "model.hidden_size=32",
+            ]
+        )
+        == 0
+    )
     cap = capsys.readouterr()
     stdout = cap.out.strip().splitlines()
     assert len(stdout) == 2, cap.out
@@ -288,11 +378,14 @@ def test_summary_goes_to_stdout_and_progress_to_stderr(inprocess_runs, tmp_path,
     assert "warm starts done" in cap.err and "held-out accuracy" not in cap.err
 
 
-@pytest.mark.parametrize("algorithms, message", [
-    ([], "--algorithms is empty (valid: espo, grpo, gspo"),
-    (["grpo", "nope"], "--algorithms: unknown 'nope' (valid: espo, grpo"),
-    (["base"], "unknown 'base'"),
-])
+@pytest.mark.parametrize(
+    "algorithms, message",
+    [
+        ([], "--algorithms is empty (valid: espo, grpo, gspo"),
+        (["grpo", "nope"], "--algorithms: unknown 'nope' (valid: espo, grpo"),
+        (["base"], "unknown 'base'"),
+    ],
+)
 def test_algorithms_are_checked_before_any_work(tmp_path, algorithms, message):
     from nemo_granular.compare import compare
     from nemo_granular.embedded.config import LOCAL_CONFIGS
@@ -316,16 +409,23 @@ def test_warm_start_key_changes_with_each_input_and_only_those(tmp_path):
     jsonl = key("grpo", "task.kind=jsonl", f"task.path={data}")
     data.write_text('{"prompt": "1+2", "answer": "3"}\n' * 4)
     changed = {
-        "model.hidden_size=32": key("grpo", "model.hidden_size=32"), "seed=1": key("grpo", "seed=1"),
-        "threads=2": key("grpo", "threads=2"), "task.max_term=5": key("grpo", "task.max_term=5"),
+        "model.hidden_size=32": key("grpo", "model.hidden_size=32"),
+        "seed=1": key("grpo", "seed=1"),
+        "threads=2": key("grpo", "threads=2"),
+        "task.max_term=5": key("grpo", "task.max_term=5"),
         "warmstart.lr=0.01": key("grpo", "warmstart.lr=0.01"),
         "rl.max_new_tokens=16": key("grpo", "rl.max_new_tokens=16"),
-        "moe.yaml": key("moe"), "jsonl contents": key("grpo", "task.kind=jsonl", f"task.path={data}"),
+        "moe.yaml": key("moe"),
+        "jsonl contents": key("grpo", "task.kind=jsonl", f"task.path={data}"),
     }
     assert len(set(changed.values()) | {base}) == len(changed) + 1
     assert changed["jsonl contents"] != jsonl
-    same = [key("sspo"), key("sppo"), key("grpo", "rl.lr=0.5", "output_dir=x", "name=y", "checkpoint.every=3"),
-            key("grpo", "model.init_from=/somewhere")]
+    same = [
+        key("sspo"),
+        key("sppo"),
+        key("grpo", "rl.lr=0.5", "output_dir=x", "name=y", "checkpoint.every=3"),
+        key("grpo", "model.init_from=/somewhere"),
+    ]
     assert set(same) == {base}
 
 
@@ -339,12 +439,35 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
     # many steps: under load one run's start-up can lag the other's by more than 20 tiny steps, and a
     # run that finished before the Ctrl-C has nothing to resume (seen once on two xdist workers)
     total = 100
-    cmd = [sys.executable, "-m", "nemo_granular", "compare", "--algorithms", "grpo,sspo", "--seeds", "1",
-           "--out", str(out), *TINY, "model.hidden_size=32", "warmstart.enabled=false", f"rl.steps={total}",
-           "logger.log_every=1", "--jobs", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemo_granular",
+        "compare",
+        "--algorithms",
+        "grpo,sspo",
+        "--seeds",
+        "1",
+        "--out",
+        str(out),
+        *TINY,
+        "model.hidden_size=32",
+        "warmstart.enabled=false",
+        f"rl.steps={total}",
+        "logger.log_every=1",
+        "--jobs",
+        "2",
+    ]
     # its own session, as a terminal's foreground job: Ctrl-C reaches the group (compare; its runs have sessions of their own)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     seen, started = [], set()
     for line in proc.stderr:  # Ctrl-C once BOTH runs (two jobs at a time) have logged a step
         seen.append(line)
@@ -373,20 +496,36 @@ def test_ctrl_c_stops_a_comparison_with_checkpoints_and_resume_finishes_it(tmp_p
     # the printed command, run as printed by a shell in another directory (its --out made absolute)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    again = subprocess.run(last.split("continue with: ", 1)[1], shell=True, cwd=elsewhere,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        last.split("continue with: ", 1)[1],
+        shell=True,
+        cwd=elsewhere,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming at step" in again.stderr and (out / "report.md").is_file()
     for alg in ("grpo", "sspo"):
-        steps = [json.loads(line)["step"] for line in (out / "runs" / f"{alg}_seed0" / "metrics.jsonl").read_text()
-                 .splitlines()]
+        steps = [
+            json.loads(line)["step"]
+            for line in (out / "runs" / f"{alg}_seed0" / "metrics.jsonl").read_text().splitlines()
+        ]
         assert steps == list(range(total + 1))
 
 
 # ---------------------------------------------------------------- Ctrl-C during the warm-start phase
 # a smoke-sized comparison whose warm start lasts a few seconds (40 SFT steps, 4 evaluations)
-WARM = [*TINY, "model.hidden_size=32", "warmstart.max_steps=40", "warmstart.eval_every=10", "warmstart.batch_size=16",
-        "rl.steps=2", "rl.eval_every=1"]
+WARM = [
+    *TINY,
+    "model.hidden_size=32",
+    "warmstart.max_steps=40",
+    "warmstart.eval_every=10",
+    "warmstart.batch_size=16",
+    "rl.steps=2",
+    "rl.eval_every=1",
+]
 TIMING = ("wall_time", "warmstart/seconds")  # and timing/*: what an interruption may change
 
 
@@ -406,8 +545,17 @@ def uninterrupted(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("uninterrupted") / "cmp"
     with pytest.MonkeyPatch.context() as mp:
-        _inprocess(mp).compare(algorithms=["grpo"], seeds=1, steps=None, out=out, config_dir=LOCAL_CONFIGS, jobs=1,
-                               smoke=True, overrides=WARM, suite=None)
+        _inprocess(mp).compare(
+            algorithms=["grpo"],
+            seeds=1,
+            steps=None,
+            out=out,
+            config_dir=LOCAL_CONFIGS,
+            jobs=1,
+            smoke=True,
+            overrides=WARM,
+            suite=None,
+        )
     return out
 
 
@@ -417,8 +565,15 @@ def _interrupt(cmd: list[str], out: Path, moment: str) -> tuple[int, str]:
     (the warm start has logged its first evaluation) or ``"done"`` (warm starts done, RL starting)."""
     import threading
 
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stderr=subprocess.PIPE,
-                            stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
     lines, hit = [], threading.Event()
     marker = {"training": "] warm start step 10:", "done": "warm starts done"}.get(moment)
 
@@ -427,6 +582,7 @@ def _interrupt(cmd: list[str], out: Path, moment: str) -> tuple[int, str]:
             lines.append(line)
             if marker and marker in line:
                 hit.set()
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     deadline = time.time() + 120
@@ -454,8 +610,20 @@ def test_ctrl_c_in_the_warm_start_phase_continues_as_printed(uninterrupted, tmp_
     comparison: the warm start is continued from its checkpoint (never redone or overwritten) and every
     result that does not measure time equals the uninterrupted comparison's."""
     out = tmp_path / "cmp"
-    cmd = [sys.executable, "-m", "nemo_granular", "compare", "--smoke", "--seeds", "1", "--algorithms", "grpo",
-           "--out", str(out), *WARM]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemo_granular",
+        "compare",
+        "--smoke",
+        "--seeds",
+        "1",
+        "--algorithms",
+        "grpo",
+        "--out",
+        str(out),
+        *WARM,
+    ]
     rc, err = _interrupt(cmd, out, moment)
     assert rc == 130, err
     last = err.strip().splitlines()[-1]
@@ -468,8 +636,15 @@ def test_ctrl_c_in_the_warm_start_phase_continues_as_printed(uninterrupted, tmp_
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    again = subprocess.run(last.split("continue with: ", 1)[1], shell=True, cwd=elsewhere,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300)
+    again = subprocess.run(
+        last.split("continue with: ", 1)[1],
+        shell=True,
+        cwd=elsewhere,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "report.md").is_file() and list((out / "warmstart").iterdir()) == [ws]
 
@@ -490,12 +665,14 @@ def test_ctrl_c_in_the_warm_start_phase_continues_as_printed(uninterrupted, tmp_
     policy = "checkpoints/step_000000/policy/model.safetensors"
     assert (ws / policy).read_bytes() == (ref / policy).read_bytes()
     run, ref_run = out / "runs" / "grpo_seed0", uninterrupted / "runs" / "grpo_seed0"
-    assert [_deterministic(r) for r in _records(run / "metrics.jsonl")] == \
-        [_deterministic(r) for r in _records(ref_run / "metrics.jsonl")]
+    assert [_deterministic(r) for r in _records(run / "metrics.jsonl")] == [
+        _deterministic(r) for r in _records(ref_run / "metrics.jsonl")
+    ]
 
 
-def test_compare_says_its_plan_counts_the_benchmark_runs_and_says_it_writes_the_report(inprocess_runs, tmp_path,
-                                                                                        monkeypatch, capsys):
+def test_compare_says_its_plan_counts_the_benchmark_runs_and_says_it_writes_the_report(
+    inprocess_runs, tmp_path, monkeypatch, capsys
+):
     """Issue #36 item 7: no silent phase. The plan first (runs, algorithms, seeds, steps), an n/N counter
     through the benchmark phase, and a line before the report is written."""
     C, out = inprocess_runs, tmp_path / "cmp"
@@ -506,8 +683,10 @@ def test_compare_says_its_plan_counts_the_benchmark_runs_and_says_it_writes_the_
     err = capsys.readouterr().err.splitlines()
     runs = sorted(p.name for p in (out / "runs").iterdir())
     assert len(runs) == len(evaluated) == 4
-    assert err[0] == (f"compare: {len(runs)} runs = 2 algorithms (grpo, gspo) × 2 seeds, 1 RL step each, 1 at a time; "
-                      f"then the benchmark suite 'all' on each run's checkpoints; report: {out / 'report.md'}"), err[0]
+    assert err[0] == (
+        f"compare: {len(runs)} runs = 2 algorithms (grpo, gspo) × 2 seeds, 1 RL step each, 1 at a time; "
+        f"then the benchmark suite 'all' on each run's checkpoints; report: {out / 'report.md'}"
+    ), err[0]
     counts = [line for line in err if line.startswith("benchmark suite 'all': ")]
     assert counts == [f"benchmark suite 'all': {n}/{len(runs)} runs evaluated" for n in range(len(runs) + 1)]
     writing = err.index(f"writing the report: {out / 'report.md'}")

@@ -38,26 +38,52 @@ BAD = [
     ({"granular": {"surrogate": "ppo"}}, "surrogate"),
     ({"token_level_loss": True, "granular": {"aggregation": "seq_mean_group_mean"}}, "token_level_loss"),
     ({"token_level_loss": False, "granular": {"aggregation": "token_mean"}}, "token_level_loss"),
-    ({"sequence_level_importance_ratios": True, "token_level_loss": True, "granular": {"algorithm": "gspo"}},
-     "sequence_level_importance_ratios"),
+    (
+        {"sequence_level_importance_ratios": True, "token_level_loss": True, "granular": {"algorithm": "gspo"}},
+        "sequence_level_importance_ratios",
+    ),
     ({"sequence_level_importance_ratios": True, "granular": {"algorithm": "sspo"}}, "sequence_level_importance_ratios"),
     ({"sequence_level_importance_ratios": True, "granular": {"algorithm": "espo"}}, "sequence_level_importance_ratios"),
     ({"ratio_clip_c": 1.0}, "ratio_clip_c"),
     ({"ratio_clip_min": -0.2}, "ratio_clip_min"),
     ({"reference_policy_kl_type": "k4"}, "reference_policy_kl_type"),
-    ({"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
-     "truncated_importance_sampling_type"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "icepop",
-      "truncated_importance_sampling_ratio": 2.0}, "truncated_importance_sampling_ratio_min"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-      "truncated_importance_sampling_ratio": 1.0, "truncated_importance_sampling_ratio_min": 2.0},
-     "truncated_importance_sampling_ratio_min"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis"},
-     "truncated_importance_sampling_ratio"),
+    (
+        {"truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": 2.0},
+        "truncated_importance_sampling_type",
+    ),
+    (
+        {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "icepop",
+            "truncated_importance_sampling_ratio": 2.0,
+        },
+        "truncated_importance_sampling_ratio_min",
+    ),
+    (
+        {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 1.0,
+            "truncated_importance_sampling_ratio_min": 2.0,
+        },
+        "truncated_importance_sampling_ratio_min",
+    ),
+    (
+        {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis"},
+        "truncated_importance_sampling_ratio",
+    ),
     ({"truncated_importance_sampling_ratio": 2.0}, "truncated_importance_sampling_ratio"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-      "truncated_importance_sampling_ratio": 1.01, "truncated_importance_sampling_ratio_min": 0.99,
-      "sequence_level_importance_ratios": True, "granular": {"algorithm": "gspo"}}, "seq-mask-tis"),
+    (
+        {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "seq-mask-tis",
+            "truncated_importance_sampling_ratio": 1.01,
+            "truncated_importance_sampling_ratio_min": 0.99,
+            "sequence_level_importance_ratios": True,
+            "granular": {"algorithm": "gspo"},
+        },
+        "seq-mask-tis",
+    ),
 ]
 
 
@@ -81,8 +107,9 @@ def test_presets_fill_unset_fields(name):
 
 
 def test_user_fields_override_preset_and_nemo_eps_override_granular_eps():
-    cfg = parse_policy_loss_config({"granular": {"algorithm": "sspo", "clip": "fixed", "eps_low": 0.1},
-                                    "ratio_clip_max": 0.28})
+    cfg = parse_policy_loss_config(
+        {"granular": {"algorithm": "sspo", "clip": "fixed", "eps_low": 0.1}, "ratio_clip_max": 0.28}
+    )
     assert cfg.granular.clip == "fixed" and cfg.granular.granularity == "segment"
     assert cfg.eps_low == 0.1 and cfg.eps_high == 0.28
     assert parse_policy_loss_config({"granular": {"algorithm": "gspo"}}).eps_high == 4e-4
@@ -97,13 +124,15 @@ def test_needs_entropy_and_cut_points():
 
 
 def test_nemo_keys_pass_through_and_kl_in_reward():
-    cfg = parse_policy_loss_config({"token_level_loss": True, "reference_policy_kl_penalty": 0.1,
-                                    "use_kl_in_reward": True})
+    cfg = parse_policy_loss_config(
+        {"token_level_loss": True, "reference_policy_kl_penalty": 0.1, "use_kl_in_reward": True}
+    )
     assert cfg.kl_coef == 0.0
 
 
 def test_omegaconf_input():
     from omegaconf import OmegaConf
+
     oc = OmegaConf.create({"granular": {"algorithm": "espo", "entropy_top_fraction": [0.2, 0.6]}})
     assert parse_policy_loss_config(OmegaConf.to_container(oc)).granular.entropy_cut_points == [0.2, 0.6]
     assert parse_policy_loss_config(oc).granular.algorithm == "espo"
@@ -126,9 +155,11 @@ def test_docs_key_tables_are_rendered_from_the_code_tables():
     from nemo_granular.config import NEMO_RL_ESTIMATOR_KEYS, NEMO_RL_LOSS_KEYS, NEMO_RL_NEXT_LOSS_KEYS, render_key_table
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "nemo-rl.md").read_text()
-    for tag, table in (("nemo-rl-loss-keys", render_key_table(NEMO_RL_LOSS_KEYS)),
-                       ("nemo-rl-next-loss-keys", render_key_table(NEMO_RL_NEXT_LOSS_KEYS)),
-                       ("nemo-rl-estimator-keys", render_key_table(NEMO_RL_ESTIMATOR_KEYS, "notes"))):
+    for tag, table in (
+        ("nemo-rl-loss-keys", render_key_table(NEMO_RL_LOSS_KEYS)),
+        ("nemo-rl-next-loss-keys", render_key_table(NEMO_RL_NEXT_LOSS_KEYS)),
+        ("nemo-rl-estimator-keys", render_key_table(NEMO_RL_ESTIMATOR_KEYS, "notes")),
+    ):
         block = re.search(rf"<!-- {tag}:begin[^\n]*-->\n(.*?)\n<!-- {tag}:end -->", doc, re.S)
         assert block is not None, tag
         assert block.group(1) == table, f"docs/nemo-rl.md {tag} differs from nemo_granular.config"
@@ -155,9 +186,13 @@ def test_token_level_loss_override_warns_and_dumps_round_trip():
     with pytest.warns(UserWarning, match="token_level_loss: true overrides algorithm 'espo'"):
         cfg = parse_policy_loss_config({"token_level_loss": True, "granular": {"algorithm": "espo"}})
     assert cfg.granular.aggregation == "token_mean"
-    for raw in ({"token_level_loss": True, "granular": {"algorithm": "espo"}}, {"granular": {"algorithm": "cispo"}},
-                {"sequence_level_importance_ratios": True, "token_level_loss": False},
-                {"disable_ppo_ratio": True, "force_on_policy_ratio": True}, {}):
+    for raw in (
+        {"token_level_loss": True, "granular": {"algorithm": "espo"}},
+        {"granular": {"algorithm": "cispo"}},
+        {"sequence_level_importance_ratios": True, "token_level_loss": False},
+        {"disable_ppo_ratio": True, "force_on_policy_ratio": True},
+        {},
+    ):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             first = parse_policy_loss_config(raw)
@@ -173,14 +208,17 @@ def test_nemo_rl_modes_select_the_surrogate_and_groups():
     assert (c.granular.surrogate, c.granular.granularity) == ("cispo", "token")
     assert parse_policy_loss_config({"disable_ppo_ratio": True}).granular.surrogate == "reinforce"
     # NeMo-RL checks force_on_policy_ratio first: the forced ratio wins over disable_ppo_ratio
-    assert parse_policy_loss_config({"disable_ppo_ratio": True, "force_on_policy_ratio": True}).granular.surrogate == \
-        "clipped"
+    assert (
+        parse_policy_loss_config({"disable_ppo_ratio": True, "force_on_policy_ratio": True}).granular.surrogate
+        == "clipped"
+    )
     # with no granular choice, sequence_level_importance_ratios is NeMo-RL's GSPO mode
     g = parse_policy_loss_config({"sequence_level_importance_ratios": True, "token_level_loss": False}).granular
     assert (g.granularity, g.ratio, g.aggregation) == ("sequence", "shared", "seq_mean_token_mean")
     # CISPO at other granularities and aggregations through the preset
-    g = parse_policy_loss_config({"granular": {"algorithm": "cispo", "granularity": "segment"},
-                                  "token_level_loss": False}).granular
+    g = parse_policy_loss_config(
+        {"granular": {"algorithm": "cispo", "granularity": "segment"}, "token_level_loss": False}
+    ).granular
     assert (g.surrogate, g.granularity, g.aggregation) == ("cispo", "segment", "seq_mean_token_mean")
 
 
@@ -210,8 +248,11 @@ def test_config_stays_as_given_and_resolves_once_into_a_frozen_spec():
     g = cfg.granular
     assert (g.granularity, g.aggregation, g.is_level, g.eps_low) == (None, None, None, None)
     spec = cfg.spec
-    assert (spec.granular.granularity, spec.granular.aggregation, spec.granular.is_level) == \
-        ("sequence", "seq_mean_token_mean", "group_sum")
+    assert (spec.granular.granularity, spec.granular.aggregation, spec.granular.is_level) == (
+        "sequence",
+        "seq_mean_token_mean",
+        "group_sum",
+    )
     assert parse_policy_loss_config(raw) == spec and parse_policy_loss_config(spec) is spec
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.granular.is_level = "token"

@@ -42,12 +42,17 @@ def test_value_loss_contract_as_the_ppo_loop_calls_it():
     B, S = 4, 9
     token_mask = torch.zeros(B, S)
     token_mask[:, 3:7] = 1
-    data = {"token_mask": token_mask, "sample_mask": torch.ones(B), "rewards": torch.tensor([1.0, 0, 1, 0]),
-            "returns": token_mask * torch.tensor([1.0, 0, 1, 0])[:, None]}
+    data = {
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(B),
+        "rewards": torch.tensor([1.0, 0, 1, 0]),
+        "returns": token_mask * torch.tensor([1.0, 0, 1, 0])[:, None],
+    }
     rec = ContractRecorder(SequenceValueLoss(), check_value_loss_call)
     values = torch.randn(B, S, 1, requires_grad=True)  # Megatron value head output [B, S, 1]
-    loss, metrics = rec(logits=values, data=data, global_valid_seqs=torch.tensor(4.0),
-                        global_valid_toks=token_mask[:, 1:].sum())
+    loss, metrics = rec(
+        logits=values, data=data, global_valid_seqs=torch.tensor(4.0), global_valid_toks=token_mask[:, 1:].sum()
+    )
     loss.backward()
     assert rec.calls == 1 and values.grad[:, 3].abs().sum() > 0 and values.grad[:, 4:].abs().sum() == 0
     with pytest.raises(AssertionError, match="binary"):
@@ -70,8 +75,14 @@ def test_real_nemo_rl_call_paths_satisfy_the_contract(nemo_rl_src, monkeypatch, 
     logits = torch.randn(B, S, 12, generator=torch.Generator().manual_seed(1))
     rec = ContractRecorder(GranularPolicyLoss(cfg), check_policy_loss_call)
     for a, b in ((0, 4), (4, B)):
-        wrap_loss_fn_with_input_preparation(logits[a:b], BatchedDataDict({k: v[a:b] for k, v in data.items()}),
-                                            gvs, gvt, loss_fn=rec, prepare_fn=prepare_loss_input)
+        wrap_loss_fn_with_input_preparation(
+            logits[a:b],
+            BatchedDataDict({k: v[a:b] for k, v in data.items()}),
+            gvs,
+            gvt,
+            loss_fn=rec,
+            prepare_fn=prepare_loss_input,
+        )
     lengths = data["input_lengths"]
     cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int()
     packed = torch.cat([logits[i, :L] for i, L in enumerate(lengths.tolist())])[None]

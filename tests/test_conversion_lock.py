@@ -63,10 +63,13 @@ JOB = textwrap.dedent("""
 
 
 def _two_jobs(tmp_path: Path, mode: str) -> list[str]:
-    path, log, go = tmp_path / mode / "hf" / "nemo_rl" / "Qwen" / "Qwen3-30B-A3B-Base", tmp_path / f"{mode}.log", \
-        tmp_path / f"{mode}.go"
+    path, log, go = (
+        tmp_path / mode / "hf" / "nemo_rl" / "Qwen" / "Qwen3-30B-A3B-Base",
+        tmp_path / f"{mode}.log",
+        tmp_path / f"{mode}.go",
+    )
     procs = [subprocess.Popen([sys.executable, "-c", JOB, str(path), str(log), str(go), mode]) for _ in range(2)]
-    while not all((tmp_path / f"{go.name}.{p.pid}").exists() for p in procs):   # both jobs past validate_model_paths
+    while not all((tmp_path / f"{go.name}.{p.pid}").exists() for p in procs):  # both jobs past validate_model_paths
         assert all(p.poll() is None for p in procs)
         time.sleep(0.01)
     go.touch()
@@ -78,7 +81,7 @@ def _two_jobs(tmp_path: Path, mode: str) -> list[str]:
 def test_side_by_side_jobs_convert_once_with_the_lock(tmp_path, mode):
     """With the lock the file system gets here (flock), and with the directory lock forced."""
     assert _two_jobs(tmp_path, mode) == ["convert", "skip"]
-    assert not list((tmp_path / mode / "hf" / "nemo_rl" / "Qwen").glob("*.lock.d*"))   # released: nothing left
+    assert not list((tmp_path / mode / "hf" / "nemo_rl" / "Qwen").glob("*.lock.d*"))  # released: nothing left
 
 
 def test_without_the_lock_both_convert_into_the_same_folder(tmp_path):
@@ -95,8 +98,16 @@ def test_the_lock_is_released_when_the_import_fails(tmp_path):
     fn = locked_model_import(broken, is_rank0=lambda: True, broadcast=lambda v: v, barrier=lambda: None)
     with pytest.raises(RuntimeError, match="conversion failed"):
         fn({}, "m", str(tmp_path / "m"), False)
-    r = subprocess.run([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
-                        "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", str(tmp_path / "m.lock")], timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+            "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+            str(tmp_path / "m.lock"),
+        ],
+        timeout=60,
+    )
     assert r.returncode == 0
     with file_lock(str(tmp_path / "m.lock")):
         pass
@@ -171,8 +182,15 @@ def test_a_job_waiting_for_another_jobs_conversion_outlives_the_process_group_ti
     while not held.exists():
         assert other.poll() is None
         time.sleep(0.05)
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(path), str(log), str(tmp_path / "store"), str(r), kind],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(path), str(log), str(tmp_path / "store"), str(r), kind],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=240)[0] for p in ranks]
     assert other.wait(timeout=60) == 0
     assert [p.returncode for p in ranks] == [0, 0], "\n".join(outs)
@@ -201,16 +219,17 @@ def test_a_conversion_killed_half_way_is_moved_aside_and_converted_again(tmp_pat
             for name in ("metadata.json", "run_config.yaml"):
                 (it / name).touch()
 
-    fn = locked_model_import(handle_model_import, is_rank0=lambda: True, broadcast=lambda v: v,
-                             barrier=lambda: None, log=lines.append)
-    fn({}, "Qwen/Qwen3-30B-A3B-Base", str(path), True)    # NeMo-RL: iter_0000000 exists
+    fn = locked_model_import(
+        handle_model_import, is_rank0=lambda: True, broadcast=lambda v: v, barrier=lambda: None, log=lines.append
+    )
+    fn({}, "Qwen/Qwen3-30B-A3B-Base", str(path), True)  # NeMo-RL: iter_0000000 exists
     assert calls == [False]
     (aside,) = path.parent.glob("Qwen3-30B-A3B-Base.partial-*")
     assert (aside / "iter_0000000" / "__0_0.distcp").read_bytes() == b"half"
     moved = [line for line in lines if "moved to" in line]
     assert len(moved) == 1 and str(aside) in moved[0]
-    assert [line for line in lines if line not in moved][0].startswith("conversion lock: ")   # which lock, and why
-    fn({}, "Qwen/Qwen3-30B-A3B-Base", str(path), True)    # the next job: converted, skips
+    assert [line for line in lines if line not in moved][0].startswith("conversion lock: ")  # which lock, and why
+    fn({}, "Qwen/Qwen3-30B-A3B-Base", str(path), True)  # the next job: converted, skips
     assert calls == [False, True]
 
 
@@ -224,13 +243,14 @@ def test_a_users_megatron_checkpoint_is_passed_through_untouched(tmp_path):
     path.mkdir(parents=True)
     (path / "run_config.yaml").touch()
     calls = []
-    fn = locked_model_import(lambda c, h, p, e: calls.append((p, e)), is_rank0=lambda: True,
-                             broadcast=lambda v: v, barrier=lambda: None)
+    fn = locked_model_import(
+        lambda c, h, p, e: calls.append((p, e)), is_rank0=lambda: True, broadcast=lambda v: v, barrier=lambda: None
+    )
     for fmt in ("megatron_bridge", "megatron_lm"):
         fn({"pretrained_checkpoint": {"format": fmt, "path": str(path)}}, "m", str(path), True)
     assert calls == [(str(path), True)] * 2
     assert (path / "run_config.yaml").exists()
-    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["iter_0005000"]   # no .partial-*, no .lock
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["iter_0005000"]  # no .partial-*, no .lock
 
 
 # ---------------------------------------------------------------- which lock: the mount of the lock path
@@ -252,21 +272,24 @@ MOUNTS = textwrap.dedent(r"""
 """)
 
 
-@pytest.mark.parametrize("lock_path, kind", [
-    ("/lustre/hf/nemo_rl/m.lock", cl.FLOCK),              # lustre -o flock: works across nodes
-    ("/lustre/scratch/hf/m.lock", cl.DIRECTORY),          # localflock; /lustre/scratch beats /lustre
-    ("/lustre/scratchy/m.lock", cl.FLOCK),                # not under /lustre/scratch: /lustre's
-    ("/lnoflock/hf/m.lock", cl.DIRECTORY),                # noflock
-    ("/lplain/hf/m.lock", cl.DIRECTORY),                  # neither option
-    ("/with space/hf/m.lock", cl.DIRECTORY),              # \040 in /proc/mounts is a space
-    ("/over/m.lock", cl.DIRECTORY),                       # mounted twice at one point: the later hides the first
-    ("/nfs/hf/m.lock", cl.FLOCK),                         # NFSv4 with its lock manager
-    ("/nfsnolock/hf/m.lock", cl.DIRECTORY),               # NFS nolock: flock stays on the node
-    ("/xfs/m.lock", cl.FLOCK),
-    ("/gpfs/hf/m.lock", cl.FLOCK),
-    ("/home/user/m.lock", cl.FLOCK),                      # ext4 at /
-    ("/lplainer/m.lock", cl.FLOCK),                       # "/lplain" is a prefix of the string, not a parent
-])
+@pytest.mark.parametrize(
+    "lock_path, kind",
+    [
+        ("/lustre/hf/nemo_rl/m.lock", cl.FLOCK),  # lustre -o flock: works across nodes
+        ("/lustre/scratch/hf/m.lock", cl.DIRECTORY),  # localflock; /lustre/scratch beats /lustre
+        ("/lustre/scratchy/m.lock", cl.FLOCK),  # not under /lustre/scratch: /lustre's
+        ("/lnoflock/hf/m.lock", cl.DIRECTORY),  # noflock
+        ("/lplain/hf/m.lock", cl.DIRECTORY),  # neither option
+        ("/with space/hf/m.lock", cl.DIRECTORY),  # \040 in /proc/mounts is a space
+        ("/over/m.lock", cl.DIRECTORY),  # mounted twice at one point: the later hides the first
+        ("/nfs/hf/m.lock", cl.FLOCK),  # NFSv4 with its lock manager
+        ("/nfsnolock/hf/m.lock", cl.DIRECTORY),  # NFS nolock: flock stays on the node
+        ("/xfs/m.lock", cl.FLOCK),
+        ("/gpfs/hf/m.lock", cl.FLOCK),
+        ("/home/user/m.lock", cl.FLOCK),  # ext4 at /
+        ("/lplainer/m.lock", cl.FLOCK),  # "/lplain" is a prefix of the string, not a parent
+    ],
+)
 def test_the_mount_of_the_lock_path_picks_the_lock(lock_path, kind):
     trusted, _why = cl.flock_verdict(cl.mount_for_path(lock_path, MOUNTS))
     assert (cl.FLOCK if trusted else cl.DIRECTORY) == kind
@@ -281,7 +304,7 @@ def test_the_reasons_name_the_file_system_and_its_mount_option():
     assert why("/lplain/x") == "is on lustre (/lplain) mounted without flock: flock is not supported there"
     assert why("/nfsnolock/x") == "is on nfs (/nfsnolock) mounted nolock: flock is node-local there"
     assert why("/lustre/x") == "is on lustre (/lustre) mounted flock: flock works across nodes there"
-    assert cl.mount_for_path("/x", "") is None and cl.flock_verdict(None)[0]   # no /proc/mounts: flock
+    assert cl.mount_for_path("/x", "") is None and cl.flock_verdict(None)[0]  # no /proc/mounts: flock
 
 
 def test_the_lock_path_is_resolved_through_symlinks_and_the_choice_is_logged(tmp_path):
@@ -296,17 +319,20 @@ def test_the_lock_path_is_resolved_through_symlinks_and_the_choice_is_logged(tmp
     lines = []
     lock = cl.ConversionLock(lock_path, mounts_text=mounts, log=lines.append)
     assert lock.kind == cl.DIRECTORY and lock.lock_path == lock_path + ".d"
-    assert lines == [f"conversion lock: {lock_path} is on lustre ({real}) mounted localflock: flock is node-local "
-                     f"there; using a lock directory with a heartbeat ({lock_path}.d)"]
+    assert lines == [
+        f"conversion lock: {lock_path} is on lustre ({real}) mounted localflock: flock is node-local "
+        f"there; using a lock directory with a heartbeat ({lock_path}.d)"
+    ]
     assert lock.try_acquire() and (real / "hf" / "m.lock.d" / "owner.json").is_file()
     lock.release()
-    assert sorted(p.name for p in (real / "hf").iterdir()) == []       # no m.lock file, no lock directory left
+    assert sorted(p.name for p in (real / "hf").iterdir()) == []  # no m.lock file, no lock directory left
 
 
 @pytest.mark.parametrize("err", [errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOLCK], ids=errno.errorcode.get)
 def test_an_flock_that_is_not_supported_falls_back_to_the_directory_lock(tmp_path, monkeypatch, err):
     """Lustre mounted noflock (ENOSYS, EINVAL or EOPNOTSUPP by version), NFS without a lock manager
     (ENOLCK): the file system looked fine for flock, the call says otherwise."""
+
     def no_flock(fd, op):
         raise OSError(err, os.strerror(err))
 
@@ -352,15 +378,17 @@ def test_the_directory_lock_has_one_holder_at_a_time_across_processes(tmp_path):
     monotonic clock (system-wide on Linux) when it has the lock and just before it lets go. No two
     of these intervals overlap."""
     go, outs = tmp_path / "go", [tmp_path / f"holder{i}.txt" for i in range(3)]
-    procs = [subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "m.lock"), str(out), str(go), "5",
-                               cl.__file__]) for out in outs]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path / "m.lock"), str(out), str(go), "5", cl.__file__])
+        for out in outs
+    ]
     go.touch()
     assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
     held = sorted(tuple(map(float, line.split())) for out in outs for line in out.read_text().splitlines())
     assert len(held) == 15
     overlaps = [(a, b) for a, b in zip(held, held[1:]) if b[0] < a[1]]
     assert not overlaps, overlaps
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", *(o.name for o in outs)]   # nothing left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", *(o.name for o in outs)]  # nothing left behind
 
 
 OWNER = LOAD_MODULE + textwrap.dedent("""
@@ -376,9 +404,19 @@ OWNER = LOAD_MODULE + textwrap.dedent("""
 
 def _start_owner(tmp_path: Path, heartbeat_s: float) -> subprocess.Popen:
     """A job (Slurm job 4242) that holds ``tmp_path/m.lock.d`` until ``tmp_path/release`` exists."""
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "m.lock.d"), str(tmp_path / "held"),
-                              str(tmp_path / "release"), str(heartbeat_s), cl.__file__],
-                             env={**os.environ, "SLURM_JOB_ID": "4242"})
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            OWNER,
+            str(tmp_path / "m.lock.d"),
+            str(tmp_path / "held"),
+            str(tmp_path / "release"),
+            str(heartbeat_s),
+            cl.__file__,
+        ],
+        env={**os.environ, "SLURM_JOB_ID": "4242"},
+    )
     while not (tmp_path / "held").exists():
         assert owner.poll() is None
         time.sleep(0.02)
@@ -398,12 +436,13 @@ def test_a_dead_jobs_lock_with_an_old_heartbeat_is_taken_over(tmp_path, monkeypa
     assert (record["pid"], record["slurm_job_id"]) == (owner.pid, "4242")
     lines = []
     waiter = cl.DirectoryLock(str(tmp_path / "m.lock.d"), log=lines.append)
-    assert not waiter.try_acquire() and lines == []       # its heartbeat is fresh: not taken over
+    assert not waiter.try_acquire() and lines == []  # its heartbeat is fresh: not taken over
     record_path.write_text(json.dumps({**record, "heartbeat": time.time() - 601}))
     assert waiter.try_acquire()
     assert len(lines) == 1 and lines[0].startswith(
         f"conversion lock: {tmp_path}/m.lock.d: taking over the lock of host {socket.gethostname()} pid {owner.pid} "
-        f"(Slurm job 4242), whose last heartbeat is 601 s old (over 600 s, {cl.STALE_SECONDS_ENV})")
+        f"(Slurm job 4242), whose last heartbeat is 601 s old (over 600 s, {cl.STALE_SECONDS_ENV})"
+    )
     aside = tmp_path / f"m.lock.d.stale-{record['token']}"
     assert json.loads((aside / "owner.json").read_text())["pid"] == owner.pid and str(aside) in lines[0]
     assert json.loads(record_path.read_text())["pid"] == os.getpid()

@@ -103,8 +103,14 @@ def test_first_response_index():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), B=st.integers(1, 16), P=st.integers(1, 5), loo=st.booleans(),
-       norm=st.booleans(), binary=st.booleans())
+@given(
+    seed=st.integers(0, 10_000),
+    B=st.integers(1, 16),
+    P=st.integers(1, 5),
+    loo=st.booleans(),
+    norm=st.booleans(),
+    binary=st.booleans(),
+)
 def test_property_grpo_vs_nemo(seed, B, P, loo, norm, binary):
     prompts, r = _rewards(seed, B, P, binary)
     a = AD.grpo_advantages(r, AD.prompt_group_index(prompts), leave_one_out=loo, normalize_std=norm)

@@ -12,7 +12,9 @@ from nemo_granular.core import reference_forms as F
 
 def test_fixed_bounds():
     lo, hi = F.fixed_clip_bounds(torch.zeros(2, 3), 3e-4, 4e-4)
-    assert lo.shape == (2, 3) and torch.allclose(lo, torch.tensor(1 - 3e-4)) and torch.allclose(hi, torch.tensor(1 + 4e-4))
+    assert (
+        lo.shape == (2, 3) and torch.allclose(lo, torch.tensor(1 - 3e-4)) and torch.allclose(hi, torch.tensor(1 + 4e-4))
+    )
 
 
 @pytest.mark.parametrize("alpha,beta,gamma", [(0.0, 0.8, 1.75), (0.15, 0.8, 2.2), (0.1, 0.3, 1.0)])
@@ -108,8 +110,9 @@ def test_cispo_surrogate_values_grads(seed):
     assert r.grad is None or not r.grad.any()
     for k in range(r0.numel()):
         lk = torch.tensor(float(logp0[k]), dtype=torch.float64, requires_grad=True)
-        ck, low, high = R.cispo_term(torch.tensor(float(r0[k]), dtype=torch.float64), lk, float(A[k]),
-                                     float(lo[k]), float(hi[k]))
+        ck, low, high = R.cispo_term(
+            torch.tensor(float(r0[k]), dtype=torch.float64), lk, float(A[k]), float(lo[k]), float(hi[k])
+        )
         ck.backward()
         R.assert_close((r0[k].clamp(lo[k], hi[k]) * A[k] * logp0[k]), R._f(ck), what=f"c[{k}]")
         R.assert_close(logp.grad[k], float(lk.grad), what=f"grad[{k}]")
@@ -125,6 +128,7 @@ def test_reinforce_surrogate_values_grads(dual):
     F.reinforce_surrogate(logp, A).sum().backward()
     R.assert_close(logp.grad, A, what="grad")
     from nemo_granular.core.objective import surrogate_terms
+
     terms = surrogate_terms("reinforce", torch.ones_like(A), logp0, A, 0.8, 1.2, dual)
     for k in range(A.numel()):
         lk = torch.tensor(float(logp0[k]), dtype=torch.float64, requires_grad=True)
@@ -144,6 +148,7 @@ def test_closed_form_surrogate_slopes_equal_autograd(kind):
     r0, A, lo, hi = _surrogate_case(7)
     logp0 = -torch.rand(r0.shape, generator=torch.Generator().manual_seed(7)) * 2
     from nemo_granular.core.objective import surrogate_terms
+
     terms = surrogate_terms(kind, r0, logp0, A, lo, hi, None)
     r, logp = r0.clone().requires_grad_(True), logp0.clone().requires_grad_(True)
     if kind == "clipped":

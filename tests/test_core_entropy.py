@@ -79,8 +79,13 @@ def test_fused_pass_has_no_autograd():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), N=st.integers(1, 12), Vs=st.integers(2, 40), chunk=st.integers(0, 7),
-       scale=st.sampled_from([0.1, 3.0, 30.0]))
+@given(
+    seed=st.integers(0, 10_000),
+    N=st.integers(1, 12),
+    Vs=st.integers(2, 40),
+    chunk=st.integers(0, 7),
+    scale=st.sampled_from([0.1, 3.0, 30.0]),
+)
 def test_property_entropy(seed, N, Vs, chunk, scale):
     z = _logits(seed, (N, Vs), scale)
     tgt = torch.randint(0, Vs, (N,), generator=torch.Generator().manual_seed(seed))

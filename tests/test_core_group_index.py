@@ -17,8 +17,9 @@ from nemo_granular.core.scatter_index import ScatterIndex
 
 F64 = torch.float64
 ROOT = Path(__file__).resolve().parents[1]
-PROTOCOL_MEMBERS = sorted({*GroupIndex.__annotations__,
-                           *(n for n, v in vars(GroupIndex).items() if callable(v) and not n.startswith("_"))})
+PROTOCOL_MEMBERS = sorted(
+    {*GroupIndex.__annotations__, *(n for n, v in vars(GroupIndex).items() if callable(v) and not n.startswith("_"))}
+)
 
 
 def _case(kind: str, seed: int = 0, B: int = 4, T: int = 11):
@@ -41,11 +42,18 @@ def _case(kind: str, seed: int = 0, B: int = 4, T: int = 11):
 def test_the_protocol_declares_what_the_loss_calls():
     assert PROTOCOL_MEMBERS == ["B", "G", "T", "counts", "gather", "one_group_per_row", "sum", "sum2", "sums"]
     called = set()
-    for rel in ("nemo_granular/losses.py", "nemo_granular/core/objective.py", "nemo_granular/core/offpolicy.py",
-                "nemo_granular/loss_metrics.py"):
+    for rel in (
+        "nemo_granular/losses.py",
+        "nemo_granular/core/objective.py",
+        "nemo_granular/core/offpolicy.py",
+        "nemo_granular/loss_metrics.py",
+    ):
         for node in ast.walk(ast.parse((ROOT / rel).read_text())):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in (
-                    "index", "idx", "mask_index"):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("index", "idx", "mask_index")
+            ):
                 called.add(node.attr)
     assert called and called <= set(PROTOCOL_MEMBERS), sorted(called - set(PROTOCOL_MEMBERS))
 
@@ -95,7 +103,11 @@ def test_the_loss_asks_the_index_not_its_class():
     ``isinstance`` against the index classes."""
     tree = ast.parse((ROOT / "nemo_granular/losses.py").read_text())
     classes = {"ScatterIndex", "FewGroupIndex", "RowIndex", "GroupIndex"}
-    checks = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
-              and getattr(node.func, "id", None) == "isinstance"
-              and classes & {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}]
+    checks = [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", None) == "isinstance"
+        and classes & {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+    ]
     assert not checks, f"nemo_granular/losses.py: isinstance on a group index class at lines {checks}"

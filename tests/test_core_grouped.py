@@ -54,7 +54,7 @@ def test_group_sums_and_counts(kind):
     if kind == "segments":
         assert 4 * index.runs()[0].numel() <= index.flat.numel()  # the run-sum path is the one tested
     elif kind == "interleaved":
-        assert 4 * index.runs()[0].numel() > index.flat.numel()   # the scatter fallback
+        assert 4 * index.runs()[0].numel() > index.flat.numel()  # the scatter fallback
     chans = [torch.randn(ids.shape, generator=g, dtype=F64) for _ in range(3)]
     table = index.sums(chans)
     onehot = _onehot(ids, valid, G)
@@ -121,12 +121,15 @@ def test_grouped_objective_matches_naive(kind, form, aggregation, adv_kind, entr
 
     def bounds_fn(h):
         return torch.clamp(1 - 0.1 * h, min=0.0), 1 + 0.1 * h
+
     bounds = bounds_fn if entropy_bounds else (0.9, 1.1)
     assert (row_constant(adv, valid) is None) == (adv_kind == "per_token")
-    obj, grad, ratios, _, clip, _ = grouped_clipped_objective(logp, logq, adv, valid, ent, index, form, bounds,
-                                                               aggregation, sm, inv_gvt, inv_gvs)
-    want, want_grad, low, high = _naive(logp, logq, adv, valid, ent, ids, G, form, bounds, aggregation, sm,
-                                        inv_gvt, inv_gvs)
+    obj, grad, ratios, _, clip, _ = grouped_clipped_objective(
+        logp, logq, adv, valid, ent, index, form, bounds, aggregation, sm, inv_gvt, inv_gvs
+    )
+    want, want_grad, low, high = _naive(
+        logp, logq, adv, valid, ent, ids, G, form, bounds, aggregation, sm, inv_gvt, inv_gvs
+    )
     assert float(clip.low.sum()) > 0 or float(clip.high.sum()) > 0  # the clip acts somewhere
     torch.testing.assert_close(obj, want, rtol=1e-13, atol=1e-15)
     torch.testing.assert_close(grad * valid, want_grad, rtol=1e-13, atol=1e-15)

@@ -40,10 +40,10 @@ def test_segment_edge_cases():
     mask = _mask([[1, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]])
     ids = G.segment_group_ids(toks, mask, table)
     assert ids.tolist() == [
-        [0, 0, 0, 0],      # no delimiter: one segment (= sequence)
-        [-1, 0, 1, 2],     # every token a delimiter: one-token segments
-        [0, 0, 0, 0],      # final delimiter closes the only segment; no empty tail
-        [-1, 0, 0, 0],     # delimiter in the prompt is ignored
+        [0, 0, 0, 0],  # no delimiter: one segment (= sequence)
+        [-1, 0, 1, 2],  # every token a delimiter: one-token segments
+        [0, 0, 0, 0],  # final delimiter closes the only segment; no empty tail
+        [-1, 0, 0, 0],  # delimiter in the prompt is ignored
     ]
     assert ids.tolist() == R.segment_group_ids(toks, mask, [D])
 
@@ -117,8 +117,13 @@ def test_build_delimiter_table_from_a_real_tokenizer():
 
 
 @settings(max_examples=30, deadline=None)
-@given(B=st.integers(1, 4), T=st.integers(0, 16), seed=st.integers(0, 10_000),
-       cuts=st.sampled_from([0.2, 0.5, 0.99, [0.3, 0.7], [0.1, 0.2, 0.9]]), n_delims=st.integers(0, 3))
+@given(
+    B=st.integers(1, 4),
+    T=st.integers(0, 16),
+    seed=st.integers(0, 10_000),
+    cuts=st.sampled_from([0.2, 0.5, 0.99, [0.3, 0.7], [0.1, 0.2, 0.9]]),
+    n_delims=st.integers(0, 3),
+)
 def test_property_group_ids_match_reference(B, T, seed, cuts, n_delims):
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(B, T, generator=g) < 0.7

@@ -78,8 +78,12 @@ def test_token_granularity_both_forms_are_exp_log_ratio():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), B=st.integers(1, 4), T=st.integers(1, 12),
-       form=st.sampled_from(["shared", "token_decomposed"]))
+@given(
+    seed=st.integers(0, 10_000),
+    B=st.integers(1, 4),
+    T=st.integers(1, 12),
+    form=st.sampled_from(["shared", "token_decomposed"]),
+)
 def test_property_ratios(seed, B, T, form):
     mask, logp, logq, ids = _batch(seed, B, T)
     lp = logp.clone().requires_grad_(True)

@@ -19,7 +19,7 @@ def test_packed_zigzag_matches_definition_incl_trailing_padding(cp):
     T = int(cu[-1]) + 2 * cp  # packed row padded after the last sequence
     x = torch.arange(T)[None] * 10
     for r in range(cp):
-        slots = [x[0, int(a):int(b)] for a, b in zip(cu[:-1], cu[1:])] + [x[0, int(cu[-1]):T]]
+        slots = [x[0, int(a) : int(b)] for a, b in zip(cu[:-1], cu[1:])] + [x[0, int(cu[-1]) : T]]
         expect = torch.cat([_zigzag_by_definition(s, r, cp) for s in slots])
         assert torch.equal(zigzag_shard(x, r, cp, dim=1, cu_seqlens_padded=cu)[0], expect)
     gathered = torch.cat([zigzag_shard(x, r, cp, dim=1, cu_seqlens_padded=cu) for r in range(cp)], 1)[0]

@@ -59,7 +59,10 @@ def task_vocab_parallel(rank, world, tp, chunk_size):
     full = torch.randn(B, S, V, generator=gen, dtype=torch.float64) * 3
     full[0, 0, 5] = float("-inf")  # a masked vocabulary entry (top-k style)
     tgt = torch.randint(0, V, (B, S), generator=gen)
-    w_lp, w_h = torch.randn(B, S, generator=gen, dtype=torch.float64), torch.randn(B, S, generator=gen, dtype=torch.float64)
+    w_lp, w_h = (
+        torch.randn(B, S, generator=gen, dtype=torch.float64),
+        torch.randn(B, S, generator=gen, dtype=torch.float64),
+    )
     ref_in = full.clone().requires_grad_(True)
     lp_ref, h_ref = _ref(ref_in, tgt)
     g_ref = torch.autograd.grad((lp_ref * w_lp).sum() + (h_ref * w_h).sum(), ref_in)[0]
@@ -76,9 +79,12 @@ def task_vocab_parallel(rank, world, tp, chunk_size):
     with torch.no_grad():
         h_only = vocab_parallel_entropy(full[..., sl], tp_group, chunk_size=chunk_size)
     return dict(
-        lp=(lp - lp_ref).abs().max().item(), h=(h - h_ref).abs().max().item(),
-        grad=(g - g_ref[..., sl]).abs().max().item(), lp_only=(lp_only - lp_ref).abs().max().item(),
-        grad_lp_only=(g_lp - g_ref_lp[..., sl]).abs().max().item(), h_only=(h_only - h_ref).abs().max().item(),
+        lp=(lp - lp_ref).abs().max().item(),
+        h=(h - h_ref).abs().max().item(),
+        grad=(g - g_ref[..., sl]).abs().max().item(),
+        lp_only=(lp_only - lp_ref).abs().max().item(),
+        grad_lp_only=(g_lp - g_ref_lp[..., sl]).abs().max().item(),
+        h_only=(h_only - h_ref).abs().max().item(),
         finite=bool(torch.isfinite(g).all()),
     )
 
@@ -154,9 +160,11 @@ def task_cp_tp(rank, world, packed):
     valid = torch.arange(S)[None, :] < lengths[:, None]
     valid[:, 0] = False
     return dict(
-        lp=((lp_out - lp_rows).abs() * valid).max().item(), h=((h_out - h_rows).abs() * valid).max().item(),
+        lp=((lp_out - lp_rows).abs() * valid).max().item(),
+        h=((h_out - h_rows).abs() * valid).max().item(),
         col0=max(lp_out[:, 0].abs().max().item(), h_out[:, 0].abs().max().item()),
-        loss=abs(loss.item() * cp - loss_ref.item()), grad=(g - g_expect).abs().max().item(),
+        loss=abs(loss.item() * cp - loss_ref.item()),
+        grad=(g - g_expect).abs().max().item(),
     )
 
 
@@ -170,11 +178,11 @@ def task_seq_index(rank, world):
     x = torch.randn(2, S, generator=gen, dtype=torch.float64)
     seq_index = torch.randperm(S, generator=gen)  # gathered element j is original position seq_index[j]
     permuted = x[:, seq_index]
-    local = permuted[:, cp_rank * 4:(cp_rank + 1) * 4].clone().requires_grad_(True)
+    local = permuted[:, cp_rank * 4 : (cp_rank + 1) * 4].clone().requires_grad_(True)
     full = gather_sequence(local, cp_group, dim=1, index=seq_index_gather_index(seq_index))
     w = torch.arange(S, dtype=torch.float64)
     g = torch.autograd.grad((full * w).sum(), local)[0]
-    expect_g = w[seq_index][cp_rank * 4:(cp_rank + 1) * 4].expand(2, 4) * 2  # 2 CP ranks, summed
+    expect_g = w[seq_index][cp_rank * 4 : (cp_rank + 1) * 4].expand(2, 4) * 2  # 2 CP ranks, summed
     return dict(val=(full - x).abs().max().item(), grad=(g - expect_g).abs().max().item())
 
 
@@ -223,13 +231,26 @@ def task_worker_entropy(rank, world):
     # Megatron packed: [1, T/CP, V/TP]
     pk, _, cu_pad = pack_sequences(logits, lengths, pad_multiple=4)
     local = zigzag_shard(pk[None], cp_rank, 2, dim=1, cu_seqlens_padded=cu_pad)[..., sl]
-    mega = megatron_entropy(local, input_lengths=lengths, seq_len=S, cu_seqlens_padded=cu_pad, tp_group=tp_group,
-                            cp_group=cp_group, chunk_size=3)
+    mega = megatron_entropy(
+        local,
+        input_lengths=lengths,
+        seq_len=S,
+        cu_seqlens_padded=cu_pad,
+        tp_group=tp_group,
+        cp_group=cp_group,
+        chunk_size=3,
+    )
     # DTensor CP: torch's load balancer permutes; seq_index[j] = original position of gathered element j
     seq_index = torch.randperm(S, generator=gen)
-    local_dt = logits[:, seq_index][:, cp_rank * 5:(cp_rank + 1) * 5, sl]
-    dt = dtensor_entropy(local_dt, input_lengths=lengths, seq_len=S, tp_group=tp_group, cp_group=cp_group,
-                         seq_index_local=seq_index[cp_rank * 5:(cp_rank + 1) * 5][None])
+    local_dt = logits[:, seq_index][:, cp_rank * 5 : (cp_rank + 1) * 5, sl]
+    dt = dtensor_entropy(
+        local_dt,
+        input_lengths=lengths,
+        seq_len=S,
+        tp_group=tp_group,
+        cp_group=cp_group,
+        seq_index_local=seq_index[cp_rank * 5 : (cp_rank + 1) * 5][None],
+    )
     return dict(mega=(mega - expect).abs().max().item(), dt=(dt - expect).abs().max().item())
 
 
@@ -251,45 +272,60 @@ def task_fallback_loss(rank, world, packed, correction=False):
     logits = torch.randn(B, S, V, generator=gen, dtype=torch.float64)
     token_mask = torch.zeros(B, S)
     token_mask[:, 3:] = 1
-    data = {"input_ids": ids, "token_mask": token_mask, "sample_mask": torch.ones(B),
-            "advantages": torch.randn(B, 1, generator=gen).expand(B, S).contiguous(),
-            "prev_logprobs": -torch.rand(B, S, generator=gen) * 2, "input_lengths": torch.full((B,), S)}
+    data = {
+        "input_ids": ids,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(B),
+        "advantages": torch.randn(B, 1, generator=gen).expand(B, S).contiguous(),
+        "prev_logprobs": -torch.rand(B, S, generator=gen) * 2,
+        "input_lengths": torch.full((B,), S),
+    }
     cfg = {"reference_policy_kl_penalty": 0.0, "granular": {"algorithm": "espo", "espo": {"vocab_size": V}}}
     if correction:
         data["generation_logprobs"] = data["prev_logprobs"] + 0.3 * torch.randn(B, S, generator=gen)
-        cfg.update(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
-                   truncated_importance_sampling_ratio=1.1, truncated_importance_sampling_ratio_min=0.9)
+        cfg.update(
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_type="seq-mask-tis",
+            truncated_importance_sampling_ratio=1.1,
+            truncated_importance_sampling_ratio_min=0.9,
+        )
         cfg["granular"]["is_level"] = "group_mean"
     gvs, gvt = torch.tensor(2.0), token_mask[:, 1:].sum()
 
     ref_in = logits.clone().requires_grad_(True)
     lp_ref, h_ref = _ref(ref_in[:, :-1], ids[:, 1:])
     ref_data = dict(data, prev_entropy=torch.cat([torch.zeros(B, 1, dtype=torch.float64), h_ref.detach()], 1))
-    ref_loss, ref_m = GranularPolicyLoss(cfg)(next_token_logprobs=lp_ref, data=ref_data, global_valid_seqs=gvs,
-                                             global_valid_toks=gvt)
+    ref_loss, ref_m = GranularPolicyLoss(cfg)(
+        next_token_logprobs=lp_ref, data=ref_data, global_valid_seqs=gvs, global_valid_toks=gvt
+    )
     g_ref = torch.autograd.grad(ref_loss, ref_in)[0]
 
     loss_fn = CurrentLogitsEntropyLoss(cfg)
     if packed:  # per-sequence packing-wrapper call: one row, logits CP-sharded (zig-zag) and vocab-sharded
         total, grads = 0.0, []
         for i in range(B):
-            row = {k: v[i:i + 1] for k, v in data.items()}
-            local = zigzag_shard(logits[i:i + 1], cp_rank, 2, dim=1)[..., sl].clone().requires_grad_(True)
+            row = {k: v[i : i + 1] for k, v in data.items()}
+            local = zigzag_shard(logits[i : i + 1], cp_rank, 2, dim=1)[..., sl].clone().requires_grad_(True)
             loss, _ = loss_fn(local, row, gvs, gvt, process_groups=(tp_group, cp_group))
             (g,) = torch.autograd.grad(loss / 2, local)  # NeMo-RL divides by CP
             total += loss.item()
-            grads.append((g - zigzag_shard(g_ref[i:i + 1], cp_rank, 2, dim=1)[..., sl]).abs().max().item())
+            grads.append((g - zigzag_shard(g_ref[i : i + 1], cp_rank, 2, dim=1)[..., sl]).abs().max().item())
         return dict(loss=abs(total - ref_loss.item()), grad=max(grads))
     if cp_rank != 0:  # CP = 1 here: only the first TP pair participates in the loss
         return dict(loss=0.0, grad=0.0)
     local = logits[..., sl].clone().requires_grad_(True)
     loss, m = loss_fn(local, data, gvs, gvt, process_groups=(tp_group, None))
     (g,) = torch.autograd.grad(loss, local)
-    out = dict(loss=abs(loss.item() - ref_loss.item()), grad=(g - g_ref[..., sl]).abs().max().item(),
-               metric=abs(m["clip_bound_high_mean"] - ref_m["clip_bound_high_mean"]))
+    out = dict(
+        loss=abs(loss.item() - ref_loss.item()),
+        grad=(g - g_ref[..., sl]).abs().max().item(),
+        metric=abs(m["clip_bound_high_mean"] - ref_m["clip_bound_high_mean"]),
+    )
     if correction:  # the correction acts here: some groups masked, the weights not all 1
-        out.update(oob=abs(m["is_oob_ratio"] - ref_m["is_oob_ratio"]),
-                   acts=float(not (0 < ref_m["is_oob_group_frac"] < 1 and ref_m["sampling_importance_ratio"] != 1)))
+        out.update(
+            oob=abs(m["is_oob_ratio"] - ref_m["is_oob_ratio"]),
+            acts=float(not (0 < ref_m["is_oob_group_frac"] < 1 and ref_m["sampling_importance_ratio"] != 1)),
+        )
     return out
 
 

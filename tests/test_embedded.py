@@ -19,10 +19,22 @@ from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = LOCAL_CONFIGS  # package data: nemo_granular/configs/local
-TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
-        "rl.micro_batch_size=4", "rl.max_new_tokens=12", "rl.eval_every=1000", "task.heldout_size=8",
-        "logger.progress=false", "logger.tensorboard=false", "threads=1"]
+TINY = [
+    "warmstart.enabled=false",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "rl.prompts_per_step=4",
+    "rl.generations_per_prompt=4",
+    "rl.minibatches_per_rollout=2",
+    "rl.micro_batch_size=4",
+    "rl.max_new_tokens=12",
+    "rl.eval_every=1000",
+    "task.heldout_size=8",
+    "logger.progress=false",
+    "logger.tensorboard=false",
+    "threads=1",
+]
 
 
 def _cfg(name, tmp_path, *extra):
@@ -31,13 +43,20 @@ def _cfg(name, tmp_path, *extra):
 
 def _cli(*args, timeout=300):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "nemo_granular", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "nemo_granular", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 # ---------------------------------------------------------------- configs
-@pytest.mark.parametrize("name", ["grpo", "gspo", "gspo_token", "sspo", "sspo_no_ec", "espo", "sppo",
-                                  "sppo_small_critic", "moe", "smoke"])
+@pytest.mark.parametrize(
+    "name", ["grpo", "gspo", "gspo_token", "sspo", "sspo_no_ec", "espo", "sppo", "sppo_small_critic", "moe", "smoke"]
+)
 def test_every_local_config_loads(name):
     cfg = load_train_config(LOCAL / f"{name}.yaml")
     assert cfg.loss_fn.granular.algorithm in ("grpo", "gspo", "gspo_token", "sspo", "sspo_no_ec", "espo", "sppo")
@@ -52,14 +71,17 @@ def test_examples_local_configs_point_at_the_packaged_ones():
         assert load_train_config(examples / p.name) == load_train_config(p) == load_train_config(p.stem)
 
 
-@pytest.mark.parametrize("override, field", [
-    ("rl.minibatches_per_rollout=3", "rl.minibatches_per_rollout"),
-    ("loss_fn.granular.sspo.beta=1.5", "loss_fn.granular.sspo.beta"),
-    ("loss_fn.granular.algorithm=ppo2", "loss_fn.granular.algorithm"),
-    ("rl.temperature=0", "rl.temperature"),
-    ("model.hiden_size=3", "model.hiden_size"),
-    ("grpo.adv_estimator.name=sppo", "grpo.adv_estimator.name"),
-])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("rl.minibatches_per_rollout=3", "rl.minibatches_per_rollout"),
+        ("loss_fn.granular.sspo.beta=1.5", "loss_fn.granular.sspo.beta"),
+        ("loss_fn.granular.algorithm=ppo2", "loss_fn.granular.algorithm"),
+        ("rl.temperature=0", "rl.temperature"),
+        ("model.hiden_size=3", "model.hiden_size"),
+        ("grpo.adv_estimator.name=sppo", "grpo.adv_estimator.name"),
+    ],
+)
 def test_bad_config_is_one_line_error_naming_the_field(override, field):
     with pytest.raises(ValueError) as err:
         load_train_config(LOCAL / "grpo.yaml", [override])
@@ -68,8 +90,9 @@ def test_bad_config_is_one_line_error_naming_the_field(override, field):
 
 
 def test_cli_errors_are_one_line(tmp_path):
-    missing = _cli("train", "--config", str(LOCAL / "grpo.yaml"), f"model.path={tmp_path / 'nope'}",
-                   f"output_dir={tmp_path}")
+    missing = _cli(
+        "train", "--config", str(LOCAL / "grpo.yaml"), f"model.path={tmp_path / 'nope'}", f"output_dir={tmp_path}"
+    )
     assert missing.returncode == 2
     assert missing.stderr.strip().count("\n") == 0 and "nope" in missing.stderr
     bad = _cli("train", "--config", str(tmp_path / "absent.yaml"))
@@ -115,14 +138,20 @@ def test_to_nemo_batch_layout():
     from nemo_granular.embedded.rollout import to_nemo_batch
 
     pad = 0
-    gen = {"prompt_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]), "prompt_attention": torch.tensor([[0, 1, 1], [1, 1, 1]]),
-           "response_ids": torch.tensor([[11, 1, 0], [12, 13, 14]]), "response_len": torch.tensor([2, 3]),
-           "truncated": torch.tensor([False, True]),
-           "generation_logprobs": torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]])}
+    gen = {
+        "prompt_ids": torch.tensor([[0, 5, 6], [7, 8, 9]]),
+        "prompt_attention": torch.tensor([[0, 1, 1], [1, 1, 1]]),
+        "response_ids": torch.tensor([[11, 1, 0], [12, 13, 14]]),
+        "response_len": torch.tensor([2, 3]),
+        "truncated": torch.tensor([False, True]),
+        "generation_logprobs": torch.tensor([[-0.1, -0.2, 0.0], [-0.3, -0.4, -0.5]]),
+    }
     b = to_nemo_batch(gen, pad)
     assert b["input_ids"].tolist() == [[5, 6, 11, 1, 0, 0], [7, 8, 9, 12, 13, 14]]
     assert b["token_mask"].tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]]
-    assert torch.allclose(b["generation_logprobs"], torch.tensor([[0, 0, -0.1, -0.2, 0, 0], [0, 0, 0, -0.3, -0.4, -0.5]]))
+    assert torch.allclose(
+        b["generation_logprobs"], torch.tensor([[0, 0, -0.1, -0.2, 0, 0], [0, 0, 0, -0.3, -0.4, -0.5]])
+    )
     assert b["prompt_ids"].tolist() == [[5, 6, 0], [7, 8, 9]] and b["input_lengths"].tolist() == [4, 6]
 
 
@@ -139,11 +168,14 @@ def test_old_policy_pass_puts_token_js_logprob_and_entropy_in_column_j():
     table = 2 * torch.randn(V, V, generator=g)
     ids = torch.randint(0, V, (3, 8), generator=g)
     batch = {"input_ids": ids, "input_lengths": torch.tensor([8, 5, 7])}
-    old_policy_pass(lambda input_ids, attention_mask: SimpleNamespace(logits=table[input_ids]), batch, temperature,
-                    chunk_size=4)
+    old_policy_pass(
+        lambda input_ids, attention_mask: SimpleNamespace(logits=table[input_ids]), batch, temperature, chunk_size=4
+    )
     logp = torch.log_softmax(table.double()[ids[:, :-1]] / temperature, -1)  # position j scores token j + 1
-    expect = {"prev_logprobs": logp.gather(-1, ids[:, 1:, None]).squeeze(-1),
-              "prev_entropy": -(logp.exp() * logp).sum(-1)}
+    expect = {
+        "prev_logprobs": logp.gather(-1, ids[:, 1:, None]).squeeze(-1),
+        "prev_entropy": -(logp.exp() * logp).sum(-1),
+    }
     for key, ref in expect.items():
         got = batch[key]
         assert got.shape == ids.shape and bool((got[:, 0] == 0).all()), key
@@ -178,7 +210,6 @@ def test_trainer_calls_plugin_with_nemo_rl_contract(tmp_path, algorithm):
     assert ends == sorted(ends) and ends[-1] - ends[0] >= steps[-1]["timing/train/total_step_time"] - 1e-6
 
 
-
 def test_critic_values_are_each_rows_prompt_forwarded_alone(tmp_path):
     """SPPO's V(prompt) in the trainer: the unique prompts go through the critic once
     (``sppo.critic.unique_prompts``) and come back to every row at its first response column. The
@@ -202,9 +233,9 @@ def test_critic_values_are_each_rows_prompt_forwarded_alone(tmp_path):
         for b, k in enumerate(rows):
             n = len(prompts[k])
             input_ids[b, :n] = prompts[k]
-            length = 1 + b % 4        # responses of different lengths, then padding
-            input_ids[b, n:n + length] = vocab[torch.randint(len(vocab), (length,), generator=gen)]
-            token_mask[b, n:n + length] = 1
+            length = 1 + b % 4  # responses of different lengths, then padding
+            input_ids[b, n : n + length] = vocab[torch.randint(len(vocab), (length,), generator=gen)]
+            token_mask[b, n : n + length] = 1
         with torch.no_grad():
             values = t.critic_values({"input_ids": input_ids, "token_mask": token_mask})
             ref = torch.stack([t.critic(input_ids=prompts[k][None]).logits[0, 0].float() for k in rows])
@@ -212,8 +243,8 @@ def test_critic_values_are_each_rows_prompt_forwarded_alone(tmp_path):
         t.close()
     first = torch.tensor([len(prompts[k]) for k in rows])
     at = values.gather(1, first[:, None])[:, 0]
-    torch.testing.assert_close(at, ref, rtol=0, atol=1e-7)   # measured: 7.5e-9
-    assert values.abs().sum() == at.abs().sum()      # nothing written elsewhere
+    torch.testing.assert_close(at, ref, rtol=0, atol=1e-7)  # measured: 7.5e-9
+    assert values.abs().sum() == at.abs().sum()  # nothing written elsewhere
 
 
 def test_moe_policy_trains(tmp_path):
@@ -234,15 +265,27 @@ def _records(path):
 
 
 def test_resume_after_sigkill_is_bit_identical(tmp_path):
-    args = ["train", "--config", str(LOCAL / "sspo.yaml"), *TINY, "rl.steps=8", "checkpoint.every=2",
-            "checkpoint.keep=10"]
+    args = [
+        "train",
+        "--config",
+        str(LOCAL / "sspo.yaml"),
+        *TINY,
+        "rl.steps=8",
+        "checkpoint.every=2",
+        "checkpoint.keep=10",
+    ]
     full = _cli(*args, f"output_dir={tmp_path / 'full'}")
     assert full.returncode == 0, full.stderr[-2000:]
 
     run = tmp_path / "killed"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "nemo_granular", *args, f"output_dir={run}"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nemo_granular", *args, f"output_dir={run}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     latest = run / "checkpoints" / "latest"
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -258,23 +301,34 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path):
     assert _records(run / "metrics.jsonl") == _records(tmp_path / "full" / "metrics.jsonl")
     a = torch.load(tmp_path / "full" / "checkpoints" / "step_000008" / "optimizer.pt", weights_only=True)
     b = torch.load(run / "checkpoints" / "step_000008" / "optimizer.pt", weights_only=True)
-    assert all(torch.equal(a["policy"]["state"][k]["exp_avg"], b["policy"]["state"][k]["exp_avg"])
-               for k in a["policy"]["state"])
+    assert all(
+        torch.equal(a["policy"]["state"][k]["exp_avg"], b["policy"]["state"][k]["exp_avg"])
+        for k in a["policy"]["state"]
+    )
 
 
 def test_sigterm_checkpoints_and_exits_99_then_resumes(tmp_path):
     args = ["train", "--config", str(LOCAL / "grpo.yaml"), *TINY, "rl.steps=400", f"output_dir={tmp_path}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "nemo_granular", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nemo_granular", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=120) == 99
-    state = json.loads((tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip()
-                        / "trainer_state.json").read_text())
+    state = json.loads(
+        (
+            tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text().strip() / "trainer_state.json"
+        ).read_text()
+    )
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert state["step"] == steps[-1] >= 2  # no step lost: the checkpoint holds the last logged step
     assert not list((tmp_path / "checkpoints").glob(".tmp_*"))  # nothing half-written left behind
@@ -292,15 +346,37 @@ def test_local_hf_model_dir_and_jsonl_task(tmp_path):
 
     model_dir = tmp_path / "my_model"
     tok = build_tokenizer(model_dir)
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                 num_key_value_heads=1, head_dim=16, intermediate_size=64,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(model_dir)
+    Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=64,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).save_pretrained(model_dir)
     data = tmp_path / "problems.jsonl"
-    data.write_text("".join(f'{{"prompt": "what is {a} plus {b}? ", "answer": "{a + b}"}}\n'
-                            for a in range(1, 6) for b in range(1, 6)))
-    cfg = load_train_config(LOCAL / "espo.yaml", TINY + [
-        f"output_dir={tmp_path / 'run'}", f"model.path={model_dir}", "task.kind=jsonl", f"task.path={data}",
-        r"task.answer_pattern=(\d+)", "rl.steps=1"])
+    data.write_text(
+        "".join(
+            f'{{"prompt": "what is {a} plus {b}? ", "answer": "{a + b}"}}\n' for a in range(1, 6) for b in range(1, 6)
+        )
+    )
+    cfg = load_train_config(
+        LOCAL / "espo.yaml",
+        TINY
+        + [
+            f"output_dir={tmp_path / 'run'}",
+            f"model.path={model_dir}",
+            "task.kind=jsonl",
+            f"task.path={data}",
+            r"task.answer_pattern=(\d+)",
+            "rl.steps=1",
+        ],
+    )
     t = Trainer(cfg)
     assert t.policy.config.hidden_size == 32 and len(t.task.heldout) >= 1
     assert t.run() == 0
@@ -329,14 +405,17 @@ def test_version_and_train_help_name_the_packaged_configs(capsys):
     assert "packaged configs (--config NAME): base, espo, grpo" in " ".join(capsys.readouterr().out.split())
 
 
-@pytest.mark.parametrize("steps, every, said", [
-    (5, 10, "checkpoint at the end)"),                     # the 5-step run that announced "every 10 steps"
-    (10, 10, "checkpoint at the end)"),
-    (0, 10, "checkpoint at the end)"),
-    (5, 0, "checkpoint at the end)"),
-    (20, 10, "checkpoints every 10 steps)"),
-    (25, 10, "checkpoints every 10 steps and at the end)"),
-])
+@pytest.mark.parametrize(
+    "steps, every, said",
+    [
+        (5, 10, "checkpoint at the end)"),  # the 5-step run that announced "every 10 steps"
+        (10, 10, "checkpoint at the end)"),
+        (0, 10, "checkpoint at the end)"),
+        (5, 0, "checkpoint at the end)"),
+        (20, 10, "checkpoints every 10 steps)"),
+        (25, 10, "checkpoints every 10 steps and at the end)"),
+    ],
+)
 def test_start_line_announces_the_checkpoints_that_will_be_written(tmp_path, steps, every, said):
     from nemo_granular.embedded.trainer import Trainer
 
@@ -351,9 +430,16 @@ def test_a_warm_start_that_misses_its_target_says_so_in_one_line(tmp_path):
 
     def warm(target, where):
         lines = []
-        cfg = _cfg("grpo", tmp_path / where, "warmstart.enabled=true", "warmstart.max_steps=2",
-                   "warmstart.eval_every=2", "warmstart.batch_size=4", f"warmstart.target_accuracy={target}",
-                   "rl.steps=0")
+        cfg = _cfg(
+            "grpo",
+            tmp_path / where,
+            "warmstart.enabled=true",
+            "warmstart.max_steps=2",
+            "warmstart.eval_every=2",
+            "warmstart.batch_size=4",
+            f"warmstart.target_accuracy={target}",
+            "rl.steps=0",
+        )
         assert Trainer(cfg, log=lines.append, summary=lambda m: None).run() == 0
         evals = [line for line in lines if line.startswith("warm start step 2:")]
         missed = [line for line in lines if "missed its target" in line]
@@ -373,15 +459,21 @@ def test_ctrl_c_during_the_warm_start_keeps_its_outcome_in_the_step0_record(tmp_
     but for the time it measures, and --resume writes no second one."""
     from nemo_granular.embedded.trainer import Trainer
 
-    warm = ["warmstart.enabled=true", "warmstart.max_steps=4", "warmstart.eval_every=2", "warmstart.batch_size=4",
-            "rl.steps=1"]
+    warm = [
+        "warmstart.enabled=true",
+        "warmstart.max_steps=4",
+        "warmstart.eval_every=2",
+        "warmstart.batch_size=4",
+        "rl.steps=1",
+    ]
 
     def records(run):
         return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
     def untimed(rec):
-        return {k: v for k, v in rec.items()
-                if k not in ("wall_time", "warmstart/seconds") and not k.startswith("timing/")}
+        return {
+            k: v for k, v in rec.items() if k not in ("wall_time", "warmstart/seconds") and not k.startswith("timing/")
+        }
 
     def ctrl_c_mid_warm_start(line):  # a real SIGINT, to the handler the trainer installed
         if line.startswith("warm start step 2:"):

@@ -21,10 +21,23 @@ from nemo_granular.embedded.checkpoint import CheckpointError, NothingToResume, 
 from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
-        "rl.micro_batch_size=4", "rl.max_new_tokens=12", "rl.eval_every=2", "task.heldout_size=8",
-        "logger.progress=false", "logger.tensorboard=false", "logger.log_every=1", "threads=1"]
+TINY = [
+    "warmstart.enabled=false",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "rl.prompts_per_step=4",
+    "rl.generations_per_prompt=4",
+    "rl.minibatches_per_rollout=2",
+    "rl.micro_batch_size=4",
+    "rl.max_new_tokens=12",
+    "rl.eval_every=2",
+    "task.heldout_size=8",
+    "logger.progress=false",
+    "logger.tensorboard=false",
+    "logger.log_every=1",
+    "threads=1",
+]
 
 
 def _env(**extra):
@@ -36,8 +49,9 @@ def _train_cmd(*args):
 
 
 def _cli(*args, env=None, timeout=300):
-    return subprocess.run(_train_cmd(*args), capture_output=True, text=True, env=env or _env(), timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run(
+        _train_cmd(*args), capture_output=True, text=True, env=env or _env(), timeout=timeout, cwd=ROOT
+    )
 
 
 def _steps(run: Path) -> list[int]:
@@ -71,8 +85,14 @@ def _latest_state(run: Path) -> dict:
 # ---------------------------------------------------------------- Ctrl-C
 def test_ctrl_c_checkpoints_exits_130_with_a_resume_line_and_resume_continues(tmp_path):
     run = tmp_path / "run"
-    proc = subprocess.Popen(_train_cmd("rl.steps=400", "checkpoint.every=1000", f"output_dir={run}"), cwd=ROOT,
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _train_cmd("rl.steps=400", "checkpoint.every=1000", f"output_dir={run}"),
+        cwd=ROOT,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(lambda: (run / "metrics.jsonl").exists() and len(_steps(run)) >= 3, proc, what="3 metrics records")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
@@ -92,8 +112,7 @@ def test_ctrl_c_checkpoints_exits_130_with_a_resume_line_and_resume_continues(tm
     elsewhere.mkdir()
     printed = hint.removeprefix("resume with: ")
     fewer = printed.removesuffix(" --resume") + f" rl.steps={state['step'] + 2} --resume"  # later overrides win
-    more = subprocess.run(fewer, shell=True, cwd=elsewhere, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    more = subprocess.run(fewer, shell=True, cwd=elsewhere, env=_env(), capture_output=True, text=True, timeout=300)
     assert more.returncode == 0, more.stderr[-2000:]
     assert _steps(run) == list(range(state["step"] + 3))
     assert more.stdout.startswith("done: grpo step") and "checkpoint" in more.stdout
@@ -102,9 +121,14 @@ def test_ctrl_c_checkpoints_exits_130_with_a_resume_line_and_resume_continues(tm
 def test_second_ctrl_c_aborts_at_once_and_then_resume_refuses_a_fresh_start(tmp_path):
     run = tmp_path / "run"
     # every=0: no periodic checkpoint; the delay hook makes the stop checkpoint slow to write
-    proc = subprocess.Popen(_train_cmd("rl.steps=400", "checkpoint.every=0", f"output_dir={run}"), cwd=ROOT,
-                            env=_env(NEMO_GRANULAR_TEST_CHECKPOINT_DELAY="20"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _train_cmd("rl.steps=400", "checkpoint.every=0", f"output_dir={run}"),
+        cwd=ROOT,
+        env=_env(NEMO_GRANULAR_TEST_CHECKPOINT_DELAY="20"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for(lambda: (run / "metrics.jsonl").exists() and len(_steps(run)) >= 2, proc, what="2 metrics records")
     proc.send_signal(signal.SIGINT)
     time.sleep(0.5)  # in the step, or already inside the (slow) checkpoint write
@@ -133,13 +157,21 @@ def test_kill9_during_checkpoint_write_then_resume_matches_an_uninterrupted_run(
     assert full.returncode == 0, full.stderr[-2000:]
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(*args, f"output_dir={run}"), cwd=ROOT,
-                            env=_env(NEMO_GRANULAR_TEST_CHECKPOINT_DELAY="3"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _train_cmd(*args, f"output_dir={run}"),
+        cwd=ROOT,
+        env=_env(NEMO_GRANULAR_TEST_CHECKPOINT_DELAY="3"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     ckpts = run / "checkpoints"
     # the step-4 checkpoint is being written: weights on disk, optimizer state not yet
-    _wait_for(lambda: any((p / "policy" / "model.safetensors").exists() for p in ckpts.glob(".tmp_step_000004_*")),
-              proc, what="the step-4 checkpoint write")
+    _wait_for(
+        lambda: any((p / "policy" / "model.safetensors").exists() for p in ckpts.glob(".tmp_step_000004_*")),
+        proc,
+        what="the step-4 checkpoint write",
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert [p.name for p in step_dirs(ckpts)] == ["step_000002"]  # the half-written one is not a checkpoint
@@ -160,9 +192,13 @@ def finished_run(tmp_path_factory):
     from nemo_granular.embedded.trainer import Trainer
 
     out = tmp_path_factory.mktemp("finished") / "run"
-    t = Trainer(load_train_config(LOCAL_CONFIGS / "grpo.yaml", TINY + [f"output_dir={out}", "rl.steps=4",
-                                                                       "checkpoint.every=2", "checkpoint.keep=10"]),
-                log=lambda m: None)
+    t = Trainer(
+        load_train_config(
+            LOCAL_CONFIGS / "grpo.yaml",
+            TINY + [f"output_dir={out}", "rl.steps=4", "checkpoint.every=2", "checkpoint.keep=10"],
+        ),
+        log=lambda m: None,
+    )
     assert t.run() == 0
     return out
 
@@ -179,8 +215,10 @@ def _truncate(path: Path, keep: float = 0.5):
 
 CORRUPTIONS = {
     "truncated safetensors": ("policy/model.safetensors", lambda p: _truncate(p)),
-    "truncated safetensors, no manifest": ("policy/model.safetensors",
-                                           lambda p: (_truncate(p), (p.parents[1] / "manifest.json").unlink())),
+    "truncated safetensors, no manifest": (
+        "policy/model.safetensors",
+        lambda p: (_truncate(p), (p.parents[1] / "manifest.json").unlink()),
+    ),
     "truncated optimizer.pt": ("optimizer.pt", lambda p: _truncate(p)),
     "garbage optimizer.pt (same size)": ("optimizer.pt", lambda p: p.write_bytes(b"\0" * p.stat().st_size)),
     "broken trainer_state.json": ("trainer_state.json", lambda p: p.write_text('{"step": 4, "sampl')),
@@ -193,8 +231,10 @@ CORRUPTIONS = {
 def _resume(run: Path, logs: list, steps: int = 4):
     from nemo_granular.embedded.trainer import Trainer
 
-    cfg = load_train_config(LOCAL_CONFIGS / "grpo.yaml", TINY + [f"output_dir={run}", f"rl.steps={steps}",
-                                                                "checkpoint.every=2", "checkpoint.keep=10"])
+    cfg = load_train_config(
+        LOCAL_CONFIGS / "grpo.yaml",
+        TINY + [f"output_dir={run}", f"rl.steps={steps}", "checkpoint.every=2", "checkpoint.keep=10"],
+    )
     return Trainer(cfg, resume=True, log=logs.append)
 
 

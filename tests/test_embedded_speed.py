@@ -17,23 +17,39 @@ import torch
 from nemo_granular.embedded import rollout as R
 from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 
-TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
-        "rl.micro_batch_size=4", "rl.max_new_tokens=12", "rl.eval_every=1", "task.heldout_size=8",
-        "logger.progress=false", "logger.tensorboard=false", "threads=1"]
+TINY = [
+    "warmstart.enabled=false",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "rl.prompts_per_step=4",
+    "rl.generations_per_prompt=4",
+    "rl.minibatches_per_rollout=2",
+    "rl.micro_batch_size=4",
+    "rl.max_new_tokens=12",
+    "rl.eval_every=1",
+    "task.heldout_size=8",
+    "logger.progress=false",
+    "logger.tensorboard=false",
+    "threads=1",
+]
 
 
 def _records(path: Path) -> list[dict]:
     """metrics.jsonl without what a run measures of itself (seconds)."""
-    return [{k: v for k, v in json.loads(line).items() if k != "wall_time" and not k.startswith("timing/")}
-            for line in path.read_text().splitlines()]
+    return [
+        {k: v for k, v in json.loads(line).items() if k != "wall_time" and not k.startswith("timing/")}
+        for line in path.read_text().splitlines()
+    ]
 
 
 def _train(out: Path, algorithm: str, *extra: str):
     from nemo_granular.embedded.trainer import Trainer
 
-    t = Trainer(load_train_config(LOCAL_CONFIGS / f"{algorithm}.yaml", [*TINY, "rl.steps=3", f"output_dir={out}",
-                                                                        *extra]), log=lambda m: None)
+    t = Trainer(
+        load_train_config(LOCAL_CONFIGS / f"{algorithm}.yaml", [*TINY, "rl.steps=3", f"output_dir={out}", *extra]),
+        log=lambda m: None,
+    )
     assert t.run() == 0
     return _records(out / "metrics.jsonl"), {k: v.clone() for k, v in t.policy.state_dict().items()}
 
@@ -58,8 +74,9 @@ def test_generate_returns_ordinary_tensors():
     cfg = load_train_config(LOCAL_CONFIGS / "grpo.yaml", TINY)
     tok = M.build_tokenizer()
     model = M.build_policy(cfg.model, tok).eval()
-    gen = R.generate(model, tok, ["Q:1+2+3+4\n"] * 3, max_new_tokens=5, temperature=1.0, greedy=False,
-                     device=torch.device("cpu"))
+    gen = R.generate(
+        model, tok, ["Q:1+2+3+4\n"] * 3, max_new_tokens=5, temperature=1.0, greedy=False, device=torch.device("cpu")
+    )
     batch = R.to_nemo_batch(gen, tok.pad_token_id)
     R.old_policy_pass(model, batch, 1.0, 1024)
     for value in [*gen.values(), batch["prev_logprobs"], batch["prev_entropy"]]:
@@ -84,8 +101,9 @@ def test_the_score_cache_gives_the_computed_scores_and_is_keyed_by_the_policy(tm
     from nemo_granular.embedded.trainer import Trainer
 
     ws = tmp_path / "warmstart"
-    t = Trainer(load_train_config(LOCAL_CONFIGS / "grpo.yaml", [*TINY, "rl.steps=0", f"output_dir={ws}"]),
-                log=lambda m: None)
+    t = Trainer(
+        load_train_config(LOCAL_CONFIGS / "grpo.yaml", [*TINY, "rl.steps=0", f"output_dir={ws}"]), log=lambda m: None
+    )
     assert t.run() == 0
     init = ws / "checkpoints" / "step_000000" / "policy"
     runs = {}

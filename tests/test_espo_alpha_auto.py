@@ -26,8 +26,12 @@ V = 16
 
 
 def _auto_loss():
-    return GranularPolicyLoss({"granular": {"algorithm": "espo", "espo": {"alpha": "auto", "vocab_size": V}},
-                               "reference_policy_kl_penalty": 0.0})
+    return GranularPolicyLoss(
+        {
+            "granular": {"algorithm": "espo", "espo": {"alpha": "auto", "vocab_size": V}},
+            "reference_policy_kl_penalty": 0.0,
+        }
+    )
 
 
 def _rule(entropy, mask, vocab=V):
@@ -53,8 +57,12 @@ def test_loss_refuses_to_run_before_alpha_is_set_then_uses_the_rule():
     alpha = fn.calibrate_espo_alpha(data["prev_entropy"], mask)
     assert alpha == pytest.approx(_rule(data["prev_entropy"], mask), rel=1e-6) and not fn.espo_alpha_pending
     # the loss with the calibrated α is the loss with that α given as a number
-    fixed = GranularPolicyLoss({"granular": {"algorithm": "espo", "espo": {"alpha": alpha, "vocab_size": V}},
-                                "reference_policy_kl_penalty": 0.0})
+    fixed = GranularPolicyLoss(
+        {
+            "granular": {"algorithm": "espo", "espo": {"alpha": alpha, "vocab_size": V}},
+            "reference_policy_kl_penalty": 0.0,
+        }
+    )
     a, b = R.run_loss(fn, logp, data, gvs, gvt), R.run_loss(fixed, logp, data, gvs, gvt)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
@@ -127,8 +135,16 @@ def test_state_survives_a_nemo_rl_checkpoint_and_resume(nemo_rl_src, tmp_path, m
     monkeypatch.setattr(lm_policy.Policy, "save_checkpoint", base_save)
     GP = granular_policy_class()
     loss_cfg = {"granular": {"algorithm": "espo", "espo": {"alpha": "auto", "vocab_size": V}}}
-    ckpt = CheckpointManager({"checkpoint_dir": str(tmp_path / "ckpts"), "metric_name": None,
-                              "higher_is_better": False, "keep_top_k": 2, "save_period": 1, "save_optimizer": False})
+    ckpt = CheckpointManager(
+        {
+            "checkpoint_dir": str(tmp_path / "ckpts"),
+            "metric_name": None,
+            "higher_is_better": False,
+            "keep_top_k": 2,
+            "save_period": 1,
+            "save_optimizer": False,
+        }
+    )
 
     def policy(weights_path):
         p = GP(granular_loss_cfg=loss_cfg, delimiter_table=None, weights_path=weights_path)
@@ -148,17 +164,23 @@ def test_state_survives_a_nemo_rl_checkpoint_and_resume(nemo_rl_src, tmp_path, m
     alpha = _rule(batch0["prev_entropy"], batch0["token_mask"] * batch0["sample_mask"][:, None])
     assert out["all_mb_metrics"]["espo_alpha"] == [pytest.approx(alpha, rel=1e-6)]
     tmp = ckpt.init_tmp_checkpoint(1, {"step": 1}, None)
-    first.save_checkpoint(weights_path=os.path.join(tmp, "policy", "weights"), optimizer_path=None,
-                          tokenizer_path=os.path.join(tmp, "policy", "tokenizer"), checkpointing_cfg={})
+    first.save_checkpoint(
+        weights_path=os.path.join(tmp, "policy", "weights"),
+        optimizer_path=None,
+        tokenizer_path=os.path.join(tmp, "policy", "tokenizer"),
+        checkpointing_cfg={},
+    )
     assert (tmp / STATE_FILE).is_file()  # inside NeMo-RL's temporary directory, renamed with it
     ckpt.begin_finalization(tmp)
     ckpt.finalize_pending()
 
     # resume: setup's path to the weights, a fresh loss object; a rollout with 3x the entropy
     latest = ckpt.get_latest_checkpoint_path()
-    assert latest.endswith("step_1") and json.loads((checkpoint_dir_of(ckpt.get_resume_paths(latest)[0])
-                                                      / STATE_FILE).read_text())["espo_alpha"] == out[
-        "all_mb_metrics"]["espo_alpha"][0]
+    assert (
+        latest.endswith("step_1")
+        and json.loads((checkpoint_dir_of(ckpt.get_resume_paths(latest)[0]) / STATE_FILE).read_text())["espo_alpha"]
+        == out["all_mb_metrics"]["espo_alpha"][0]
+    )
     weights, _ = ckpt.get_resume_paths(latest)
     resumed = policy(weights)
     loss2 = _auto_loss()
@@ -174,8 +196,12 @@ def test_state_survives_a_nemo_rl_checkpoint_and_resume(nemo_rl_src, tmp_path, m
 def test_fallback_entropy_source_refuses_auto():
     from nemo_granular.run_grpo import check_config
 
-    cfg = {"loss_fn": {"granular": {"algorithm": "espo", "espo": {"alpha": "auto"}}},
-           "nemo_granular": {"entropy_source": "current_logits"}, "grpo": {}, "policy": {}}
+    cfg = {
+        "loss_fn": {"granular": {"algorithm": "espo", "espo": {"alpha": "auto"}}},
+        "nemo_granular": {"entropy_source": "current_logits"},
+        "grpo": {},
+        "policy": {},
+    }
     with pytest.raises(ValueError) as err:
         check_config(cfg)
     assert "\n" not in str(err.value) and "espo.alpha" in str(err.value)
@@ -188,10 +214,23 @@ def test_embedded_resume_uses_the_alpha_of_the_first_rollout(tmp_path):
     from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
     from nemo_granular.embedded.trainer import Trainer
 
-    tiny = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-            "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
-            "rl.micro_batch_size=4", "rl.max_new_tokens=12", "rl.eval_every=1000", "task.heldout_size=8",
-            "logger.progress=false", "logger.tensorboard=false", "threads=1", f"output_dir={tmp_path}"]
+    tiny = [
+        "warmstart.enabled=false",
+        "model.hidden_size=32",
+        "model.num_layers=1",
+        "model.intermediate_size=64",
+        "rl.prompts_per_step=4",
+        "rl.generations_per_prompt=4",
+        "rl.minibatches_per_rollout=2",
+        "rl.micro_batch_size=4",
+        "rl.max_new_tokens=12",
+        "rl.eval_every=1000",
+        "task.heldout_size=8",
+        "logger.progress=false",
+        "logger.tensorboard=false",
+        "threads=1",
+        f"output_dir={tmp_path}",
+    ]
     cfg = load_train_config(LOCAL_CONFIGS / "espo.yaml", tiny + ["rl.steps=1"])
     assert cfg.loss_fn.granular.espo.alpha == "auto"  # the packaged ESPO config uses the rule
     first = Trainer(cfg, log=lambda m: None)

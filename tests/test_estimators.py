@@ -39,8 +39,11 @@ def test_espo_estimator_flag_sources(seed):
     assert isinstance(est, ESPOEstimator)
     ref = R.espo_advantages(r, R.prompt_keys(rows), failed)[:, None] * mask.double()
     R.assert_close(est.compute_advantage(rows, r, mask, verification_failed=failed), ref, what="kwarg")
-    R.assert_close(est.compute_advantage(rows, r, mask, repeated_batch={"verification_failed": failed.tolist()}),
-                   ref, what="repeated_batch")
+    R.assert_close(
+        est.compute_advantage(rows, r, mask, repeated_batch={"verification_failed": failed.tolist()}),
+        ref,
+        what="repeated_batch",
+    )
     assert est.last_metrics["verification_failed_frac"] == pytest.approx(failed.float().mean().item())
 
 
@@ -59,7 +62,7 @@ def test_espo_estimator_errors():
 def test_sppo_estimator_matches_official(values_form):
     rows, _, r, mask = _batch(1)
     mask[:, :2] = 0  # prompt columns
-    mask[:, 2] = 1   # every row has a response
+    mask[:, 2] = 1  # every row has a response
     g = torch.Generator().manual_seed(3)
     v = torch.randn(len(r), generator=g)
     if values_form == "logits_B":

@@ -41,8 +41,12 @@ def _data_dir(tmp_path: Path, keys=None, n=3) -> Path:
     d = tmp_path / "data"
     d.mkdir(exist_ok=True)
     for k in keys or BENCHMARKS:
-        (d / f"{k}.jsonl").write_text("".join(json.dumps({"problem": f"{k} problem {i}: 2+{i}?", "answer": str(2 + i)})
-                                              + "\n" for i in range(n + len(k) % 3)))
+        (d / f"{k}.jsonl").write_text(
+            "".join(
+                json.dumps({"problem": f"{k} problem {i}: 2+{i}?", "answer": str(2 + i)}) + "\n"
+                for i in range(n + len(k) % 3)
+            )
+        )
     return d
 
 
@@ -50,24 +54,45 @@ def _data_dir(tmp_path: Path, keys=None, n=3) -> Path:
 def test_plan_sspo_every_10_steps_exact_commands(tmp_path):
     run = _fake_run(tmp_path, hf=(20,))
     data = _data_dir(tmp_path, ["amc23", "minerva_math", "olympiadbench"])
-    cmds = ev.plan(run, protocols_for("sspo"), nemo_rl_dir=tmp_path / "nemo-rl", data_dir=data,
-                   python="PY", gpus_per_node=4)
+    cmds = ev.plan(
+        run, protocols_for("sspo"), nemo_rl_dir=tmp_path / "nemo-rl", data_dir=data, python="PY", gpus_per_node=4
+    )
     # steps 10 and 20 (multiples of 10) and the last, 25; export only where hf/step_N is missing
     assert [(c.kind, c.step) for c in cmds if c.kind == "export"] == [("export", 10), ("export", 25)]
-    assert cmds[0].argv == ["PY", "-m", "nemo_granular", "export", str(run.resolve() / "checkpoints" / "step_10"),
-                            str(run.resolve() / "hf" / "step_10"), "--no-verify"]
+    assert cmds[0].argv == [
+        "PY",
+        "-m",
+        "nemo_granular",
+        "export",
+        str(run.resolve() / "checkpoints" / "step_10"),
+        str(run.resolve() / "hf" / "step_10"),
+        "--no-verify",
+    ]
     evals = [c for c in cmds if c.kind == "eval"]
     assert sorted({c.step for c in evals}) == [10, 20, 25]
     assert {c.benchmark for c in evals} == {"math500", "amc23", "aime24", "minerva_math", "olympiadbench"}
     math500 = next(c for c in evals if c.step == 10 and c.benchmark == "math500")
     hf = run.resolve() / "hf" / "step_10"
     assert math500.argv == [
-        "uv", "run", "python", "examples/run_eval.py", "--config", str(CONFIGS / "math500.yaml"),
-        f"generation.model_name={hf}", f"tokenizer.name={hf}", "eval.metric=pass@k", "eval.k_value=1",
-        "eval.num_tests_per_prompt=1", "generation.temperature=0", "generation.top_p=1",
-        "generation.vllm_cfg.max_model_len=4096", "generation.vllm_cfg.tensor_parallel_size=1",
-        "cluster.gpus_per_node=4", "cluster.num_nodes=1",
-        f"eval.save_path={run.resolve() / 'evals' / 'sspo' / 'step_10' / 'math500'}"]
+        "uv",
+        "run",
+        "python",
+        "examples/run_eval.py",
+        "--config",
+        str(CONFIGS / "math500.yaml"),
+        f"generation.model_name={hf}",
+        f"tokenizer.name={hf}",
+        "eval.metric=pass@k",
+        "eval.k_value=1",
+        "eval.num_tests_per_prompt=1",
+        "generation.temperature=0",
+        "generation.top_p=1",
+        "generation.vllm_cfg.max_model_len=4096",
+        "generation.vllm_cfg.tensor_parallel_size=1",
+        "cluster.gpus_per_node=4",
+        "cluster.num_nodes=1",
+        f"eval.save_path={run.resolve() / 'evals' / 'sspo' / 'step_10' / 'math500'}",
+    ]
     assert math500.cwd == tmp_path / "nemo-rl"
     amc = next(c for c in evals if c.step == 20 and c.benchmark == "amc23")
     assert f"data.dataset_name={data.resolve() / 'amc23.jsonl'}" in amc.argv
@@ -109,16 +134,22 @@ def test_plan_sizes_vllm_tp_from_the_training_run(tmp_path):
     cmds = ev.plan(run, espo, nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), gpus_per_node=8)
 
     def tps(cmds):
-        return {(c.step, c.benchmark): next(a for a in c.argv if "tensor_parallel_size" in a).split("=")[1]
-                for c in cmds if c.kind == "eval"}
+        return {
+            (c.step, c.benchmark): next(a for a in c.argv if "tensor_parallel_size" in a).split("=")[1]
+            for c in cmds
+            if c.kind == "eval"
+        }
 
-    assert set(tps(cmds).values()) == {str(want)}     # espo: the last checkpoint, step 20
+    assert set(tps(cmds).values()) == {str(want)}  # espo: the last checkpoint, step 20
     every = ev.plan(run, espo, nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), steps=[10, 20])
-    assert {s: v for (s, _), v in tps(every).items()} == {10: "1", 20: str(want)}   # step 10: no config.yaml
+    assert {s: v for (s, _), v in tps(every).items()} == {10: "1", 20: str(want)}  # step 10: no config.yaml
     forced = ev.plan(run, espo, nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), tensor_parallel=2)
     assert set(tps(forced).values()) == {"2"}
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size {want} \(the run's policy.generation.vllm_cfg\) "
-                                         r"needs more GPUs than the eval has \(1 node\(s\) x 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"tensor_parallel_size {want} \(the run's policy.generation.vllm_cfg\) "
+        r"needs more GPUs than the eval has \(1 node\(s\) x 2\)",
+    ):
         ev.plan(run, espo, nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path), gpus_per_node=2)
 
 
@@ -126,8 +157,9 @@ def test_plan_errors_name_the_problem(tmp_path):
     run = _fake_run(tmp_path)
     with pytest.raises(ValueError, match="benchmark amc23: NeMo-RL has no loader.*--data-dir"):
         ev.plan(run, protocols_for("sspo"), nemo_rl_dir=tmp_path)
-    cmds = ev.plan(run, protocols_for("sppo"), nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path, ["amc23",
-                                                                                                      "minerva_math"]))
+    cmds = ev.plan(
+        run, protocols_for("sppo"), nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path, ["amc23", "minerva_math"])
+    )
     aime = next(c for c in cmds if c.benchmark == "aime24")
     assert not any(a.startswith("data.") for a in aime.argv)  # NeMo-RL's AIME2024 loader
     with pytest.raises(FileNotFoundError, match="no checkpoints/step_N"):
@@ -141,8 +173,22 @@ def test_dry_run_prints_the_plan(tmp_path, capsys):
 
     run = _fake_run(tmp_path, steps=(30,))
     data = _data_dir(tmp_path)
-    assert main(["eval-checkpoints", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path), "--data-dir",
-                 str(data), "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "eval-checkpoints",
+                str(run),
+                "--suite",
+                "espo",
+                "--nemo-rl",
+                str(tmp_path),
+                "--data-dir",
+                str(data),
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 + 4 and "export" in lines[0] and all("run_eval.py" in x for x in lines[1:])
     assert not (run / "evals.json").exists() and not (run / "evals").exists()
@@ -157,8 +203,19 @@ def test_default_launcher_is_the_images_python_in_a_container_job(tmp_path, caps
     from nemo_granular.cli import main
 
     run = _fake_run(tmp_path, steps=(30,))
-    argv = ["eval-checkpoints", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path), "--data-dir",
-            str(_data_dir(tmp_path)), "--benchmarks", "aime24", "--dry-run"]
+    argv = [
+        "eval-checkpoints",
+        str(run),
+        "--suite",
+        "espo",
+        "--nemo-rl",
+        str(tmp_path),
+        "--data-dir",
+        str(_data_dir(tmp_path)),
+        "--benchmarks",
+        "aime24",
+        "--dry-run",
+    ]
 
     def launcher(*extra) -> str:
         assert main([*argv, *extra]) == 0
@@ -181,14 +238,25 @@ def test_benchmarks_option_plans_only_those_of_the_suite(tmp_path, capsys):
 
     run = _fake_run(tmp_path, steps=(30,))
     data = _data_dir(tmp_path)
-    argv = ["eval-checkpoints", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path), "--data-dir", str(data),
-            "--dry-run"]
+    argv = [
+        "eval-checkpoints",
+        str(run),
+        "--suite",
+        "espo",
+        "--nemo-rl",
+        str(tmp_path),
+        "--data-dir",
+        str(data),
+        "--dry-run",
+    ]
     assert main([*argv, "--benchmarks", "math500,aime24"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines) == 1 + 2 and "export" in lines[0], lines
     assert [re.search(r"evals/(\w+)\.yaml", x).group(1) for x in lines[1:]] == ["aime24", "math500"]  # suite order
-    for bad, want in (("aime24,amc23", "'amc23' is not a benchmark of suite espo (aime24, aime25, math500, hmmt25)"),
-                      (",", "no benchmark given; choose from suite espo")):
+    for bad, want in (
+        ("aime24,amc23", "'amc23' is not a benchmark of suite espo (aime24, aime25, math500, hmmt25)"),
+        (",", "no benchmark given; choose from suite espo"),
+    ):
         assert main([*argv, "--benchmarks", bad]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and want in err, err
@@ -201,8 +269,24 @@ def test_overrides_anywhere_on_the_command_line_reach_every_run_eval(tmp_path, c
 
     run = _fake_run(tmp_path, steps=(30,))
     data = _data_dir(tmp_path)
-    assert main(["eval-checkpoints", "env.math.num_workers=1", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path),
-                 "--data-dir", str(data), "--dry-run", "eval.seed=7"]) == 0
+    assert (
+        main(
+            [
+                "eval-checkpoints",
+                "env.math.num_workers=1",
+                str(run),
+                "--suite",
+                "espo",
+                "--nemo-rl",
+                str(tmp_path),
+                "--data-dir",
+                str(data),
+                "--dry-run",
+                "eval.seed=7",
+            ]
+        )
+        == 0
+    )
     evals = [shlex.split(x) for x in capsys.readouterr().out.strip().splitlines()[1:]]
     assert len(evals) == 4 and all(argv[-2:] == ["env.math.num_workers=1", "eval.seed=7)"] for argv in evals), evals
     assert main(["eval-checkpoints", "a=1", "--suite", "espo", "--dry-run"]) == 2
@@ -226,8 +310,9 @@ def _make_venv(path: Path, *pth_lines: str) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
     if pth_lines:
         code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-        site = subprocess.run([str(path / "bin" / "python"), "-c", code], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        site = subprocess.run(
+            [str(path / "bin" / "python"), "-c", code], capture_output=True, text=True, check=True
+        ).stdout.strip()
         Path(site, "worker_packages.pth").write_text("\n".join(pth_lines) + "\n")
     return path / "bin" / "python"
 
@@ -243,9 +328,26 @@ def _dry_run_export_line(run: Path, nemo_rl: Path, data: Path, **env_extra):
     for var in ("NEMO_RL_VENV_DIR", "NG_EXPORT_PYTHON", "NEMO_RL_PY_EXECUTABLES_SYSTEM"):
         env.pop(var, None)
     env.update(env_extra)
-    res = subprocess.run([sys.executable, "-m", "nemo_granular", "eval-checkpoints", str(run), "--suite", "espo",
-                          "--nemo-rl", str(nemo_rl), "--data-dir", str(data), "--dry-run"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_granular",
+            "eval-checkpoints",
+            str(run),
+            "--suite",
+            "espo",
+            "--nemo-rl",
+            str(nemo_rl),
+            "--data-dir",
+            str(data),
+            "--dry-run",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if res.returncode:
         return res.returncode, res.stderr.strip()
     return 0, shlex.split(res.stdout.splitlines()[0])
@@ -272,17 +374,23 @@ def test_megatron_export_runs_with_an_interpreter_that_has_megatron_bridge(tmp_p
     import sysconfig
 
     # a worker venv has torch and transformers (here: this venv's packages; no nemo_granular, no Megatron)
-    plugin = _make_venv(nemo_rl / "venvs" / "nemo_granular.nemo_rl.megatron_worker.GranularMegatronPolicyWorker",
-                        sysconfig.get_paths()["purelib"])
+    plugin = _make_venv(
+        nemo_rl / "venvs" / "nemo_granular.nemo_rl.megatron_worker.GranularMegatronPolicyWorker",
+        sysconfig.get_paths()["purelib"],
+    )
     rc, argv = _dry_run_export_line(run, nemo_rl, data)
     assert rc == 0 and argv[0] == str(plugin) and argv[1] == "-c" and argv[3:] == boot_tail
-    stock = _make_venv(nemo_rl / "venvs" / "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker",
-                       sysconfig.get_paths()["purelib"])
+    stock = _make_venv(
+        nemo_rl / "venvs" / "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker",
+        sysconfig.get_paths()["purelib"],
+    )
     rc, argv = _dry_run_export_line(run, nemo_rl, data)
     assert rc == 0 and argv[0] == str(stock)
 
     # the container: the image's NEMO_RL_VENV_DIR (/opt/ray_venvs there) is where NeMo-RL looks
-    image = _make_venv(tmp_path / "ray_venvs" / "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker")
+    image = _make_venv(
+        tmp_path / "ray_venvs" / "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
+    )
     rc, argv = _dry_run_export_line(run, nemo_rl, data, NEMO_RL_VENV_DIR=str(tmp_path / "ray_venvs"))
     assert rc == 0 and argv[0] == str(image)
 
@@ -298,8 +406,13 @@ def test_megatron_export_runs_with_an_interpreter_that_has_megatron_bridge(tmp_p
     from conftest import env_without_nemo_rl
 
     _, argv = _dry_run_export_line(run, nemo_rl, data)
-    res = subprocess.run(argv[:3] + ["export", "--help"], capture_output=True, text=True, timeout=300,
-                         env=env_without_nemo_rl(PYTHONPATH=""))
+    res = subprocess.run(
+        argv[:3] + ["export", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env_without_nemo_rl(PYTHONPATH=""),
+    )
     assert res.returncode == 0 and "nemo-granular export" in res.stdout, res.stderr[-2000:]
 
 
@@ -318,25 +431,43 @@ def test_preflight_export_interpreter_must_import_megatron_bridge(tmp_path, caps
     assert re.search(r"ModuleNotFoundError: No module named '(megatron|torch)'$", found[0].message), found[0].message
     run = _megatron_run(tmp_path)
     capsys.readouterr()
-    rc = main(["eval-checkpoints", str(run), "--suite", "espo", "--nemo-rl", str(tmp_path), "--data-dir",
-               str(_data_dir(tmp_path)), "--export-python", str(bare)])
+    rc = main(
+        [
+            "eval-checkpoints",
+            str(run),
+            "--suite",
+            "espo",
+            "--nemo-rl",
+            str(tmp_path),
+            "--data-dir",
+            str(_data_dir(tmp_path)),
+            "--export-python",
+            str(bare),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "cannot import Megatron-Bridge" in err
-    assert not (run / "hf").exists() and not (run / "evals").exists()   # nothing ran
+    assert not (run / "hf").exists() and not (run / "evals").exists()  # nothing ran
 
 
 def test_dtensor_export_keeps_this_interpreter(tmp_path):
     run = _fake_run(tmp_path, steps=(7,))
-    (run / "checkpoints" / "step_7" / "policy" / "weights").mkdir()   # DTensor layout: no Megatron needed
+    (run / "checkpoints" / "step_7" / "policy" / "weights").mkdir()  # DTensor layout: no Megatron needed
     cmds = ev.plan(run, protocols_for("espo"), nemo_rl_dir=tmp_path, data_dir=_data_dir(tmp_path))
     assert cmds[0].kind == "export" and cmds[0].argv[:3] == [sys.executable, "-m", "nemo_granular"]
     assert cmds[0].exporter is None
 
 
 def test_select_checkpoint_best_and_last():
-    res = {"benchmarks": {"a": {}, "b": {}},
-           "checkpoints": {"10": {"a": 0.5, "b": 0.1}, "20": {"a": 0.2, "b": 0.2}, "30": {"a": 0.1, "b": 0.5},
-                           "40": {"a": 0.9}}}  # 40: incomplete, never selected
+    res = {
+        "benchmarks": {"a": {}, "b": {}},
+        "checkpoints": {
+            "10": {"a": 0.5, "b": 0.1},
+            "20": {"a": 0.2, "b": 0.2},
+            "30": {"a": 0.1, "b": 0.5},
+            "40": {"a": 0.9},
+        },
+    }  # 40: incomplete, never selected
     assert select_checkpoint(res, "best")[0] == 10  # ties 0.3 / 0.3: the earlier
     assert select_checkpoint(res, "last")[0] == 30
 
@@ -401,7 +532,7 @@ def test_local_benchmark_loads_with_nemo_rl_dataset(nemo_eval, tmp_path, monkeyp
 
 # run_eval stand-in: NeMo-RL's own config loading (defaults + CLI dotlist, resolved) then a
 # deterministic reward per (problem, sample, step); writes what run_eval writes with save_path
-SHIM = textwrap.dedent('''
+SHIM = textwrap.dedent("""
     import json, os, re, sys
     from omegaconf import OmegaConf
     from nemo_rl.utils.config import load_config
@@ -421,7 +552,7 @@ SHIM = textwrap.dedent('''
     json.dump({"num_tests_per_prompt": n, "temperature": cfg["generation"]["temperature"]},
               open(os.path.join(cfg["eval"]["save_path"], "config.json"), "w"))
     json.dump({"evaluation_data": rows}, open(os.path.join(cfg["eval"]["save_path"], "evaluation_data.json"), "w"))
-''')
+""")
 
 
 def _expected(problems: int, n: int, step: int) -> float:
@@ -444,8 +575,18 @@ def test_eval_checkpoints_shimmed_end_to_end(nemo_eval, tmp_path):
     data = _data_dir(tmp_path)
     shim = tmp_path / "run_eval_shim.py"
     shim.write_text(SHIM)
-    argv = ["eval-checkpoints", str(run), "--suite", "sspo", "--nemo-rl", str(nemo_eval.src), "--data-dir", str(data),
-            "--launcher", f"{shlex.quote(sys.executable)} {shim}"]
+    argv = [
+        "eval-checkpoints",
+        str(run),
+        "--suite",
+        "sspo",
+        "--nemo-rl",
+        str(nemo_eval.src),
+        "--data-dir",
+        str(data),
+        "--launcher",
+        f"{shlex.quote(sys.executable)} {shim}",
+    ]
     assert main(argv) == 0
     res = json.loads((run / "evals.json").read_text())["suites"]["sspo"]
     n_problems = {k: len((data / f"{k}.jsonl").read_text().splitlines()) for k in BENCHMARKS}
@@ -524,7 +665,8 @@ def test_score_is_avg_at_k(tmp_path):
     k = 4
     hits = sum(1 for i, o in enumerate(odd) for j in range(k) if o and (k * i + j) % 2 == 0)
     assert score(oracle, tok, problems, Setting(k, 0.6), 40, seed=0, batch_size=1000) == pytest.approx(
-        hits / (k * len(problems)))
+        hits / (k * len(problems))
+    )
 
 
 def test_embedded_evaluate_run_writes_evals_json(tmp_path):
@@ -532,21 +674,37 @@ def test_embedded_evaluate_run_writes_evals_json(tmp_path):
     from nemo_granular.evals.embedded import evaluate_run
 
     tok = build_tokenizer()
-    mcfg = SimpleNamespace(path=None, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                           intermediate_size=32, max_positions=128, moe=False)
+    mcfg = SimpleNamespace(
+        path=None,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=32,
+        max_positions=128,
+        moe=False,
+    )
     policy = build_policy(mcfg, tok)
     run = tmp_path / "grpo_seed0"
     for step in (0, 10, 20):
         d = run / "checkpoints" / f"step_{step:06d}"
         policy.save_pretrained(str(d / "policy"))
         tok.save_pretrained(str(d / "tokenizer"))
-    (run / "config.yaml").write_text(yaml.safe_dump({"seed": 0, "task": {"kind": "arithmetic", "num_terms": 3,
-                                                                          "max_term": 5, "heldout_size": 8},
-                                                     "rl": {"max_new_tokens": 8}, "model": {}}))
+    (run / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "seed": 0,
+                "task": {"kind": "arithmetic", "num_terms": 3, "max_term": 5, "heldout_size": 8},
+                "rl": {"max_new_tokens": 8},
+                "model": {},
+            }
+        )
+    )
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text("".join(json.dumps({"prompt": f"Q:{i}+1\n", "answer": str(i + 1)}) + "\n" for i in range(4)))
-    data = evaluate_run(run, protocols_for("sspo") + protocols_for("sppo"), {"tiny": tiny}, max_samples=2,
-                        log=lambda m: None)
+    data = evaluate_run(
+        run, protocols_for("sspo") + protocols_for("sppo"), {"tiny": tiny}, max_samples=2, log=lambda m: None
+    )
     assert sorted(map(int, data["suites"]["sspo"]["checkpoints"])) == [0, 10, 20]
     assert sorted(map(int, data["suites"]["sppo"]["checkpoints"])) == [0, 20]  # base and last
     assert data["suites"]["sppo"]["benchmarks"]["tiny"]["samples_per_problem"] == 2
@@ -558,17 +716,32 @@ def _tiny_embedded_run(tmp_path: Path, steps=(0, 10, 20), rl_steps=20) -> tuple[
     from nemo_granular.embedded.models import build_policy, build_tokenizer
 
     tok = build_tokenizer()
-    mcfg = SimpleNamespace(path=None, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                           intermediate_size=32, max_positions=128, moe=False)
+    mcfg = SimpleNamespace(
+        path=None,
+        hidden_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=32,
+        max_positions=128,
+        moe=False,
+    )
     policy = build_policy(mcfg, tok)
     run = tmp_path / "grpo_seed0"
     for step in steps:
         d = run / "checkpoints" / f"step_{step:06d}"
         policy.save_pretrained(str(d / "policy"))
         tok.save_pretrained(str(d / "tokenizer"))
-    (run / "config.yaml").write_text(yaml.safe_dump({"seed": 0, "task": {"kind": "arithmetic", "num_terms": 3,
-                                                                          "max_term": 5, "heldout_size": 8},
-                                                     "rl": {"max_new_tokens": 8, "steps": rl_steps}, "model": {}}))
+    (run / "config.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "seed": 0,
+                "task": {"kind": "arithmetic", "num_terms": 3, "max_term": 5, "heldout_size": 8},
+                "rl": {"max_new_tokens": 8, "steps": rl_steps},
+                "model": {},
+            }
+        )
+    )
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text("".join(json.dumps({"prompt": f"Q:{i}+1\n", "answer": str(i + 1)}) + "\n" for i in range(2)))
@@ -588,7 +761,7 @@ def test_embedded_steps_are_honoured_or_refused_naming_the_steps_that_exist(tmp_
     assert not (run / "evals.json").exists() and not (run / "benchmarks").exists()
     assert main([*argv, "--steps", "10"]) == 0
     data = json.loads((run / "evals.json").read_text())
-    assert list(data["suites"]["sspo"]["checkpoints"]) == ["10"]   # that step, and only that one
+    assert list(data["suites"]["sspo"]["checkpoints"]) == ["10"]  # that step, and only that one
 
 
 def test_embedded_missing_final_checkpoint_is_named(tmp_path, capsys):
@@ -597,8 +770,10 @@ def test_embedded_missing_final_checkpoint_is_named(tmp_path, capsys):
 
     run, tiny = _tiny_embedded_run(tmp_path, rl_steps=30)
     capsys.readouterr()
-    assert main(["eval-checkpoints", str(run), "--suite", "sppo", "--benchmark", f"tiny={tiny}", "--max-samples",
-                 "1"]) == 0
+    assert (
+        main(["eval-checkpoints", str(run), "--suite", "sppo", "--benchmark", f"tiny={tiny}", "--max-samples", "1"])
+        == 0
+    )
     err = capsys.readouterr().err
     note = "the run's final checkpoint (step 30, rl.steps) is missing: step 20 is evaluated as the last"
     assert [line for line in err.splitlines() if "final checkpoint" in line] == [f"[evals grpo_seed0] note: {note}"]
@@ -606,8 +781,10 @@ def test_embedded_missing_final_checkpoint_is_named(tmp_path, capsys):
     assert proto["select_note"].endswith(note)
     # a complete run says nothing of the kind
     done, tiny = _tiny_embedded_run(tmp_path / "done", rl_steps=20)
-    assert main(["eval-checkpoints", str(done), "--suite", "sppo", "--benchmark", f"tiny={tiny}", "--max-samples",
-                 "1"]) == 0
+    assert (
+        main(["eval-checkpoints", str(done), "--suite", "sppo", "--benchmark", f"tiny={tiny}", "--max-samples", "1"])
+        == 0
+    )
     assert "final checkpoint" not in capsys.readouterr().err
 
 

@@ -53,8 +53,9 @@ def make_embedded_run(root: Path, *, moe: bool = False, critic: bool = False) ->
     torch.save({"policy": {"w": torch.zeros(2)}}, step / "optimizer.pt")
     torch.save({"torch": torch.get_rng_state()}, step / "rng.pt")
     (step / "trainer_state.json").write_text(json.dumps({"step": 20, "algorithm": algo}))
-    (step / "config.yaml").write_text(f"algorithm: {algo}\nmodel:\n  name: tiny-qwen3{'-moe' if moe else ''}\n"
-                                      "  lr: 1.0e-06\n")
+    (step / "config.yaml").write_text(
+        f"algorithm: {algo}\nmodel:\n  name: tiny-qwen3{'-moe' if moe else ''}\n  lr: 1.0e-06\n"
+    )
     (root / "checkpoints" / "latest").write_text("step_000020\n")
     return root
 
@@ -103,8 +104,14 @@ def test_embedded_dense_fp32_sharded_round_trip(dense_run, tmp_path, capsys):
     names = sorted(os.listdir(out))
     shards = [n for n in names if n.endswith(".safetensors")]
     assert len(shards) >= 3 and all("-of-" in n for n in shards)
-    for f in ("config.json", "generation_config.json", "model.safetensors.index.json", "README.md",
-              "tokenizer.json", "tokenizer_config.json"):
+    for f in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "README.md",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert f in names
     assert not [n for n in names if n.startswith(".")]
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -164,8 +171,9 @@ def test_critic_export_value_round_trip(sppo_run, tmp_path, capsys):
 
     step = sppo_run / "checkpoints" / "step_000020"
     out = tmp_path / "critic"
-    rc, stdout, err = run_cli([step, out, "--what", "critic", "--dtype", "fp32", "--max-shard-size", "30KB",
-                               "--json"], capsys)
+    rc, stdout, err = run_cli(
+        [step, out, "--what", "critic", "--dtype", "fp32", "--max-shard-size", "30KB", "--json"], capsys
+    )
     assert rc == 0, err
     rep = json.loads(stdout)
     assert rep["what"] == "critic" and rep["verification"]["value_max_abs_diff"] <= 1e-6
@@ -218,7 +226,7 @@ def _dcp_worker(rank: int, world: int, port: int, jobs, errfile: str) -> None:
             sharded = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in load_file(str(src)).items()}
             if layout == "hf":  # v2 default model_save_format=safetensors: per-rank files + DCP offsets
                 dcp.save(sharded, storage_writer=dcp.HuggingFaceStorageWriter(str(dst), save_distributed=True))
-            else:               # torch_save (.distcp); v1 nests: dcp.save({"model": ModelState(model)})
+            else:  # torch_save (.distcp); v1 nests: dcp.save({"model": ModelState(model)})
                 dcp.save({"model": sharded} if layout == "v1" else sharded, checkpoint_id=str(dst))
         dist.barrier()
         dist.destroy_process_group()
@@ -246,7 +254,8 @@ def make_nemo_rl_step(root: Path, model, *, layout: str) -> Path:
     (step / "config.yaml").write_text(
         f"policy:\n  model_name: {base}\n  tokenizer:\n    name: {base}\n  dtensor_cfg:\n    enabled: true\n"
         f"value:\n  model_name: {base}\n"
-        "loss_fn:\n  granular:\n    algorithm: gspo\ngrpo:\n  num_generations_per_prompt: 8\n")
+        "loss_fn:\n  granular:\n    algorithm: gspo\ngrpo:\n  num_generations_per_prompt: 8\n"
+    )
     (step / "training_info.json").write_text(json.dumps({"step": 7}))
     weights = step / "policy" / "weights"
     full = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}  # in-memory layout
@@ -275,8 +284,8 @@ def run_dcp_save(jobs: list[tuple[Path, Path, str]], tmp: Path):
 @pytest.fixture(scope="module")
 def dcp_steps(tmp_path_factory):
     root = tmp_path_factory.mktemp("dcp")
-    dense = make_policy(tie=True, seed=3)                   # tied embeddings: lm_head must be dropped
-    moe = make_policy(moe=True, seed=4)                      # in-memory fused experts: must be un-fused
+    dense = make_policy(tie=True, seed=3)  # tied embeddings: lm_head must be dropped
+    moe = make_policy(moe=True, seed=4)  # in-memory fused experts: must be un-fused
     s1, w1, f1 = make_nemo_rl_step(root / "v1", dense, layout="v1")
     s2, w2, f2 = make_nemo_rl_step(root / "v2", moe, layout="v2")
     # PPO value model (HF sequence classifier, as NeMo-RL's DTensor value worker) in s1/value/weights/model
@@ -308,8 +317,19 @@ def test_dcp_round_trip(dcp_steps, layout, tmp_path, capsys):
         keys = set(FileSystemReader(str(wdir)).read_metadata().state_dict_metadata)
         assert ("model.model.embed_tokens.weight" in keys) == (layout == "v1")
     out = tmp_path / f"hf_{layout}"
-    rc, stdout, err = run_cli([step.parent, out, "--dtype", "fp32", "--max-shard-size", "16KB", "--json",
-                               *sum((["--prompts", p] for p in PROMPTS), [])], capsys)
+    rc, stdout, err = run_cli(
+        [
+            step.parent,
+            out,
+            "--dtype",
+            "fp32",
+            "--max-shard-size",
+            "16KB",
+            "--json",
+            *sum((["--prompts", p] for p in PROMPTS), []),
+        ],
+        capsys,
+    )
     assert rc == 0, err
     rep = json.loads(stdout)
     assert rep["source"] == "dcp" and rep["step_dir"].endswith("step_7")
@@ -365,7 +385,7 @@ def test_dcp_export_applies_training_hf_config_overrides(tmp_path, capsys):
     assert rc == 0, err
 
     base = cfg["policy"]["model_name"]
-    trained_cfg = AutoConfig.from_pretrained(base, **YARN_OVERRIDES)      # what the worker built
+    trained_cfg = AutoConfig.from_pretrained(base, **YARN_OVERRIDES)  # what the worker built
     exported = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     assert exported.config.rope_parameters == trained_cfg.rope_parameters
     assert json.loads((out / "config.json").read_text())["rope_parameters"]["rope_type"] == "yarn"
@@ -561,21 +581,33 @@ def test_megatron_refusals_and_missing_bridge(tmp_path, capsys):
 
     from conftest import env_without_nemo_rl
 
-    fsdp = _megatron_step(tmp_path / "fsdp", "checkpoint:\n  ckpt_format: fsdp_dtensor\nmodel:\n"
-                          "  expert_model_parallel_size: 8\n", "Qwen/Qwen3-30B-A3B")
+    fsdp = _megatron_step(
+        tmp_path / "fsdp",
+        "checkpoint:\n  ckpt_format: fsdp_dtensor\nmodel:\n  expert_model_parallel_size: 8\n",
+        "Qwen/Qwen3-30B-A3B",
+    )
     out = tmp_path / "o1"
     rc, _, err = run_cli([fsdp, out], capsys)
     assert rc == 2 and "ckpt_format='fsdp_dtensor'" in err and "reads only torch_dist" in err
     assert len(err.strip().splitlines()) == 1
     assert_clean(out)
 
-    moe = _megatron_step(tmp_path / "moe", "model:\n  _target_: megatron.bridge.models.qwen.qwen_provider."
-                         "Qwen3MoEModelProvider\n  num_moe_experts: 128\n  expert_model_parallel_size: 8\n"
-                         "  tensor_model_parallel_size: 2\n", "Qwen/Qwen3-30B-A3B")
+    moe = _megatron_step(
+        tmp_path / "moe",
+        "model:\n  _target_: megatron.bridge.models.qwen.qwen_provider."
+        "Qwen3MoEModelProvider\n  num_moe_experts: 128\n  expert_model_parallel_size: 8\n"
+        "  tensor_model_parallel_size: 2\n",
+        "Qwen/Qwen3-30B-A3B",
+    )
     out = tmp_path / "o2"
     code = "import sys; from nemo_granular.cli import main; sys.exit(main(sys.argv[1:]))"
-    proc = subprocess.run([sys.executable, "-c", code, "export", str(moe), str(out)], capture_output=True,
-                          text=True, env=env_without_nemo_rl(), timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "export", str(moe), str(out)],
+        capture_output=True,
+        text=True,
+        env=env_without_nemo_rl(),
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "needs Megatron-Bridge (package megatron-bridge" in err[0], err

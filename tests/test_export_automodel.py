@@ -41,8 +41,20 @@ def automodel_checkpoints(nemo_rl_src, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("automodel")
     make_hf_model(root / "hf_moe", moe=True, seed=3)
-    run_ranks("automodel_writer", [{"hf_dir": str(root / "hf_moe"), "checkpoint_dir": str(root / "ckpt"),
-                                    "step": STEP, "ep": 2, "formats": list(FORMATS)}], world=2, log_dir=root)
+    run_ranks(
+        "automodel_writer",
+        [
+            {
+                "hf_dir": str(root / "hf_moe"),
+                "checkpoint_dir": str(root / "ckpt"),
+                "step": STEP,
+                "ep": 2,
+                "formats": list(FORMATS),
+            }
+        ],
+        world=2,
+        log_dir=root,
+    )
     return root
 
 
@@ -60,8 +72,13 @@ def _experts_per_rank_file(model_dir) -> list[set[int]]:
     out = []
     for f in sorted(model_dir.glob("shard-*.safetensors")):
         with safe_open(str(f), "pt") as h:
-            out.append({int(k.split(".")[5]) for k in h.keys() if k.startswith("model.layers.0.mlp.experts.")
-                        and k.endswith("gate_proj.weight")})
+            out.append(
+                {
+                    int(k.split(".")[5])
+                    for k in h.keys()
+                    if k.startswith("model.layers.0.mlp.experts.") and k.endswith("gate_proj.weight")
+                }
+            )
     return out
 
 
@@ -90,8 +107,11 @@ def test_automodel_checkpoint_export_equals_hf_source(fmt, automodel_checkpoints
     rep = json.loads(stdout)
     assert rep["source"] == "dcp" and rep["step_dir"] == str(step)
     assert rep["verification"]["exact_max_abs_diff"] <= 1e-5
-    wm = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"] if (
-        out / "model.safetensors.index.json").exists() else None
+    wm = (
+        json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        if (out / "model.safetensors.index.json").exists()
+        else None
+    )
     assert wm is None or "model.layers.1.mlp.experts.3.down_proj.weight" in wm
 
     source = AutoModelForCausalLM.from_pretrained(str(root / "hf_moe"), dtype=torch.float32).eval()

@@ -33,7 +33,7 @@ LOGIT_TOL = 1e-6
 CASES = {
     "moe_ep1": ("hf_moe", 1, 1, 1, "float32", "fp32"),
     "moe_ep2": ("hf_moe", 1, 1, 2, "float32", "fp32"),
-    "moe_tp2ep2_bf16": ("hf_moe", 2, 1, 2, "bfloat16", "bf16"),   # the 30B-A3B recipe's precision and TP×EP shape
+    "moe_tp2ep2_bf16": ("hf_moe", 2, 1, 2, "bfloat16", "bf16"),  # the 30B-A3B recipe's precision and TP×EP shape
     "dense_tp1": ("hf_dense", 1, 1, 1, "float32", "fp32"),
     "dense_tp2": ("hf_dense", 2, 1, 1, "float32", "fp32"),
     "dense_pp2": ("hf_dense", 1, 2, 1, "float32", "fp32"),
@@ -50,10 +50,30 @@ def megatron_checkpoints(megatron_workers, tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
     make_hf_model(root / "hf_moe", moe=True, seed=1)
     make_hf_model(root / "hf_dense", moe=False, seed=2)
-    jobs = [{"hf_dir": str(root / hf), "checkpoint_dir": str(root / name), "step": STEP, "tp": tp, "pp": pp,
-             "ep": ep, "precision": precision} for name, (hf, tp, pp, ep, precision, _) in CASES.items()]
-    jobs.append({"hf_dir": str(root / "hf_dense"), "checkpoint_dir": str(root / "dense_yarn"), "step": STEP,
-                 "tp": 2, "pp": 1, "ep": 1, "precision": "float32", "hf_config_overrides": YARN_OVERRIDES})
+    jobs = [
+        {
+            "hf_dir": str(root / hf),
+            "checkpoint_dir": str(root / name),
+            "step": STEP,
+            "tp": tp,
+            "pp": pp,
+            "ep": ep,
+            "precision": precision,
+        }
+        for name, (hf, tp, pp, ep, precision, _) in CASES.items()
+    ]
+    jobs.append(
+        {
+            "hf_dir": str(root / "hf_dense"),
+            "checkpoint_dir": str(root / "dense_yarn"),
+            "step": STEP,
+            "tp": 2,
+            "pp": 1,
+            "ep": 1,
+            "precision": "float32",
+            "hf_config_overrides": YARN_OVERRIDES,
+        }
+    )
     run_ranks("megatron_writer", jobs, world=2, log_dir=root)
     return root
 
@@ -100,10 +120,15 @@ def test_megatron_export_equals_hf_source(case, megatron_checkpoints, local_spec
     weights = step / "policy" / "weights"
     assert (weights / "latest_checkpointed_iteration.txt").read_text().strip() == "0"
     iter_dir = weights / "iter_0000000"
-    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "run_config.yaml"} <= set(os.listdir(iter_dir))
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json", "run_config.yaml"} <= set(
+        os.listdir(iter_dir)
+    )
     run_cfg = read_yaml(iter_dir / "run_config.yaml")["model"]
-    assert (run_cfg["tensor_model_parallel_size"], run_cfg["pipeline_model_parallel_size"],
-            run_cfg["expert_model_parallel_size"]) == (tp, pp, ep)
+    assert (
+        run_cfg["tensor_model_parallel_size"],
+        run_cfg["pipeline_model_parallel_size"],
+        run_cfg["expert_model_parallel_size"],
+    ) == (tp, pp, ep)
     assert run_cfg["transformer_layer_spec"]["_target_"].endswith("gpt_provider.default_layer_spec")
     assert read_yaml(step / "config.yaml")["policy"]["model_name"] == str(megatron_checkpoints / hf)
     if ep == 2:  # experts really sharded: rank 0's file holds experts {0, 1}, rank 1's {2, 3}
@@ -152,11 +177,22 @@ def test_megatron_export_applies_training_hf_config_overrides(megatron_checkpoin
     step = megatron_checkpoints / "dense_yarn" / f"step_{STEP}"
     assert read_yaml(step / "config.yaml")["policy"]["hf_config_overrides"] == YARN_OVERRIDES
     run_cfg = read_yaml(step / "policy" / "weights" / "iter_0000000" / "run_config.yaml")["model"]
-    assert run_cfg["position_embedding_type"] == "yarn"   # what Megatron trained with
+    assert run_cfg["position_embedding_type"] == "yarn"  # what Megatron trained with
     out = tmp_path / "hf"
-    res = subprocess.run([sys.executable, str(Path(__file__).parent / "harness" / "export_cpu" / "export_on_cpu.py"), str(step),
-                          str(out), "--dtype", "fp32"], capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    res = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "harness" / "export_cpu" / "export_on_cpu.py"),
+            str(step),
+            str(out),
+            "--dtype",
+            "fp32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     stdout = res.stdout
 
@@ -171,7 +207,7 @@ def test_megatron_export_applies_training_hf_config_overrides(megatron_checkpoin
     same, without = max_logit_diff(trained, exported, tok), max_logit_diff(plain, exported, tok)
     print(f"max |logit diff| exported vs HF+YaRN {same:.3g}, vs HF without the override {without:.3g}")
     assert same <= LOGIT_TOL
-    assert without > 1e-3   # the override changes what the model computes
+    assert without > 1e-3  # the override changes what the model computes
     assert "note: policy.hf_config_overrides applied as in training: rope_scaling" in stdout
 
 
@@ -188,7 +224,6 @@ def test_upstream_single_process_moe_build_needs_cuda(megatron_checkpoints, loca
     with temporary_distributed_context(backend="gloo"):
         with pytest.raises(RuntimeError, match=r"torch\.cuda\.Stream requires CUDA support"):
             bridge.load_megatron_model(str(iter_dir))
-
 
 
 def test_eval_job_exports_with_nemo_rl_megatron_worker_venv(megatron_checkpoints, nemo_rl_src, tmp_path):
@@ -212,21 +247,49 @@ def test_eval_job_exports_with_nemo_rl_megatron_worker_venv(megatron_checkpoints
 
     run = tmp_path / "espo_seed0"
     shutil.copytree(megatron_checkpoints / "dense_tp2" / f"step_{STEP}", run / "checkpoints" / f"step_{STEP}")
-    tests = str(Path(__file__).parent / "harness")   # the CPU stand-ins
+    tests = str(Path(__file__).parent / "harness")  # the CPU stand-ins
     # the pinned sources first (as conftest puts them first on this process's path), then the packages
-    worker = _make_venv(tmp_path / "ray_venvs" / STOCK_MEGATRON_WORKER, *HOST_PATHS, tests,
-                        sysconfig.get_paths()["purelib"], "import cpu_stand_ins; cpu_stand_ins.install()")
+    worker = _make_venv(
+        tmp_path / "ray_venvs" / STOCK_MEGATRON_WORKER,
+        *HOST_PATHS,
+        tests,
+        sysconfig.get_paths()["purelib"],
+        "import cpu_stand_ins; cpu_stand_ins.install()",
+    )
     data = _data_dir(tmp_path, ["aime24", "aime25", "math500", "hmmt25"])
     shim = tmp_path / "run_eval_shim.py"
     shim.write_text(SHIM)
-    env = env_without_nemo_rl(PYTHONPATH=str(Path(__file__).resolve().parents[1]), NEMO_RL_VENV_DIR=str(tmp_path / "ray_venvs"),
-                              HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    env = env_without_nemo_rl(
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+        NEMO_RL_VENV_DIR=str(tmp_path / "ray_venvs"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+    )
     for var in ("NG_EXPORT_PYTHON", "NEMO_RL_PY_EXECUTABLES_SYSTEM"):
         env.pop(var, None)
     launcher = f"env PYTHONPATH={os.pathsep.join(HOST_PATHS)} {sys.executable} {shim}"
-    res = subprocess.run([sys.executable, "-m", "nemo_granular", "eval-checkpoints", str(run), "--suite", "espo",
-                          "--nemo-rl", str(nemo_rl_src), "--data-dir", str(data), "--launcher", launcher],
-                         env=env, capture_output=True, text=True, timeout=1500)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_granular",
+            "eval-checkpoints",
+            str(run),
+            "--suite",
+            "espo",
+            "--nemo-rl",
+            str(nemo_rl_src),
+            "--data-dir",
+            str(data),
+            "--launcher",
+            launcher,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert f"Megatron checkpoints exported by {worker}" in res.stderr
 

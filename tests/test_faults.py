@@ -33,89 +33,134 @@ from conftest import ROOT, env_without_nemo_rl
 @dataclass(frozen=True)
 class Fault:
     name: str
-    file: str                # relative to nemo_granular/
-    old: str                 # must occur exactly once in the file
+    file: str  # relative to nemo_granular/
+    old: str  # must occur exactly once in the file
     new: str
-    tests: tuple[str, ...]   # pytest node ids relative to the repository root, each one test item
+    tests: tuple[str, ...]  # pytest node ids relative to the repository root, each one test item
 
 
 FAULTS = (
     # 1. the loss's backward drops the upstream gradient: d(c·loss) = d(loss) for every c
-    Fault("backward_ignores_upstream_gradient", "core/linearized_loss.py",
-          "return (grad * grad_out).to(ctx.logp_dtype), None, None",
-          "return grad.to(ctx.logp_dtype), None, None",
-          ("tests/test_loss_presets.py::test_backward_honours_upstream_gradient[sspo-plain]",)),
+    Fault(
+        "backward_ignores_upstream_gradient",
+        "core/linearized_loss.py",
+        "return (grad * grad_out).to(ctx.logp_dtype), None, None",
+        "return grad.to(ctx.logp_dtype), None, None",
+        ("tests/test_loss_presets.py::test_backward_honours_upstream_gradient[sspo-plain]",),
+    ),
     # 2. NeMo-RL worker path: the π_old entropy of position j lands in column j + 2 instead of j + 1
-    Fault("pi_old_entropy_one_column_late", "nemo_rl/workers.py",
-          "out[:, 1:n + 1] = per_position[:, :n]",
-          "out[:, 2:n + 1] = per_position[:, :n - 1]",
-          ("tests/test_nemo_rl_glue.py::test_megatron_unpacked_and_dtensor_packed_entropy_match_dense",)),
+    Fault(
+        "pi_old_entropy_one_column_late",
+        "nemo_rl/workers.py",
+        "out[:, 1:n + 1] = per_position[:, :n]",
+        "out[:, 2:n + 1] = per_position[:, :n - 1]",
+        ("tests/test_nemo_rl_glue.py::test_megatron_unpacked_and_dtensor_packed_entropy_match_dense",),
+    ),
     # 2b. the embedded trainer's π_old pass, the same fault
-    Fault("embedded_pi_old_entropy_one_column_late", "embedded/rollout.py",
-          'batch["prev_entropy"] = torch.cat([zero, ent], dim=1)',
-          'batch["prev_entropy"] = torch.cat([zero, zero, ent[:, :-1]], dim=1)',
-          ("tests/test_embedded.py::test_old_policy_pass_puts_token_js_logprob_and_entropy_in_column_j",)),
+    Fault(
+        "embedded_pi_old_entropy_one_column_late",
+        "embedded/rollout.py",
+        'batch["prev_entropy"] = torch.cat([zero, ent], dim=1)',
+        'batch["prev_entropy"] = torch.cat([zero, zero, ent[:, :-1]], dim=1)',
+        ("tests/test_embedded.py::test_old_policy_pass_puts_token_js_logprob_and_entropy_in_column_j",),
+    ),
     # 3. the driver ranks the entropy in the loss's shifted columns ([:, 1:]) and stores the ids unshifted
-    Fault("espo_driver_group_ids_one_token_early", "nemo_rl/policy.py",
-          "return entropy_group_ids(ent, mask & torch.isfinite(ent), granular.entropy_cut_points)",
-          "return torch.nn.functional.pad(entropy_group_ids(ent[:, 1:], (mask & torch.isfinite(ent))[:, 1:], "
-          "granular.entropy_cut_points), (0, 1), value=-1)",
-          ("tests/test_nemo_rl_loss_equivalence.py::test_groups_cross_no_response_and_depend_on_driver_keys",)),
+    Fault(
+        "espo_driver_group_ids_one_token_early",
+        "nemo_rl/policy.py",
+        "return entropy_group_ids(ent, mask & torch.isfinite(ent), granular.entropy_cut_points)",
+        "return torch.nn.functional.pad(entropy_group_ids(ent[:, 1:], (mask & torch.isfinite(ent))[:, 1:], "
+        "granular.entropy_cut_points), (0, 1), value=-1)",
+        ("tests/test_nemo_rl_loss_equivalence.py::test_groups_cross_no_response_and_depend_on_driver_keys",),
+    ),
     # 4. SSPO's upper bound shrinks with the group entropy instead of growing: 1 + α − H̄
-    Fault("sspo_upper_bound_entropy_sign", "core/clipping.py",
-          "hi = torch.clamp(1.0 + alpha + h, max=gamma)",
-          "hi = torch.clamp(1.0 + alpha - h, max=gamma)",
-          ("tests/test_core_clipping.py::test_sspo_bounds_eq_13_15[0.0-0.8-1.75]",)),
+    Fault(
+        "sspo_upper_bound_entropy_sign",
+        "core/clipping.py",
+        "hi = torch.clamp(1.0 + alpha + h, max=gamma)",
+        "hi = torch.clamp(1.0 + alpha - h, max=gamma)",
+        ("tests/test_core_clipping.py::test_sspo_bounds_eq_13_15[0.0-0.8-1.75]",),
+    ),
     # 5. SSPO's γ default (the paper's 1.75)
-    Fault("sspo_gamma_default", "config.py",
-          "gamma: Annotated[float, Field(ge=1.0)] = 1.75",
-          "gamma: Annotated[float, Field(ge=1.0)] = 2.0",
-          ("tests/test_loss_presets.py::test_preset_matches_reference[0-sspo]",)),
+    Fault(
+        "sspo_gamma_default",
+        "config.py",
+        "gamma: Annotated[float, Field(ge=1.0)] = 1.75",
+        "gamma: Annotated[float, Field(ge=1.0)] = 2.0",
+        ("tests/test_loss_presets.py::test_preset_matches_reference[0-sspo]",),
+    ),
     # 6. Megatron's packed π_old entropy unpacked at the logits' positions, not the tokens' columns
-    Fault("packed_entropy_offset", "nemo_rl/workers.py",
-          "return unpack_sequences(full.float(), cu_seqlens_padded, input_lengths, seq_len, shift=1)",
-          "return unpack_sequences(full.float(), cu_seqlens_padded, input_lengths, seq_len, shift=0)",
-          ("tests/test_nemo_rl_glue.py::test_megatron_packed_entropy_matches_dense",)),
+    Fault(
+        "packed_entropy_offset",
+        "nemo_rl/workers.py",
+        "return unpack_sequences(full.float(), cu_seqlens_padded, input_lengths, seq_len, shift=1)",
+        "return unpack_sequences(full.float(), cu_seqlens_padded, input_lengths, seq_len, shift=0)",
+        ("tests/test_nemo_rl_glue.py::test_megatron_packed_entropy_matches_dense",),
+    ),
     # 7. the token mean divided by this microbatch's token count instead of global_valid_toks
-    Fault("token_mean_over_the_microbatch_count", "losses.py",
-          "inv_gvt, inv_gvs = 1 / _count(global_valid_toks, L), 1 / _count(global_valid_seqs, L)",
-          "inv_gvt, inv_gvs = 1 / _count((mask_f * sm[:, None]).sum(), L), 1 / _count(global_valid_seqs, L)",
-          ("tests/test_loss_identities.py::test_invariant_to_microbatch_split[grpo]",)),
+    Fault(
+        "token_mean_over_the_microbatch_count",
+        "losses.py",
+        "inv_gvt, inv_gvs = 1 / _count(global_valid_toks, L), 1 / _count(global_valid_seqs, L)",
+        "inv_gvt, inv_gvs = 1 / _count((mask_f * sm[:, None]).sum(), L), 1 / _count(global_valid_seqs, L)",
+        ("tests/test_loss_identities.py::test_invariant_to_microbatch_split[grpo]",),
+    ),
     # 8. a packed sequence read from the end of its padded slot minus its length (the unpadded layout's start)
-    Fault("unpack_from_the_slot_end", "distributed/packing.py",
-          "src = cu[:B, None] + cols[None, :] - shift",
-          "src = cu[1:B + 1, None] - lengths[:, None] + cols[None, :] - shift",
-          ("tests/test_distributed_pure.py::test_pack_unpack_roundtrip_and_shift",)),
+    Fault(
+        "unpack_from_the_slot_end",
+        "distributed/packing.py",
+        "src = cu[:B, None] + cols[None, :] - shift",
+        "src = cu[1:B + 1, None] - lengths[:, None] + cols[None, :] - shift",
+        ("tests/test_distributed_pure.py::test_pack_unpack_roundtrip_and_shift",),
+    ),
     # 9. the driver writes the group ids under a key the loss does not read
-    Fault("driver_group_ids_key", "nemo_rl/policy.py",
-          'data["granular_group_ids"] = ids',
-          'data["group_ids"] = ids',
-          ("tests/test_nemo_rl_glue.py::test_driver_group_ids_sspo_and_shape_checks",)),
+    Fault(
+        "driver_group_ids_key",
+        "nemo_rl/policy.py",
+        'data["granular_group_ids"] = ids',
+        'data["group_ids"] = ids',
+        ("tests/test_nemo_rl_glue.py::test_driver_group_ids_sspo_and_shape_checks",),
+    ),
     # 9b. the loss no longer reads the driver's key: without a tokenizer SSPO cannot group at all
-    Fault("loss_ignores_driver_group_ids", "losses.py",
-          'if "granular_group_ids" in data:',
-          'if "group_ids" in data:',
-          ("tests/test_loss_presets.py::test_precomputed_group_ids_are_used",)),
+    Fault(
+        "loss_ignores_driver_group_ids",
+        "losses.py",
+        'if "granular_group_ids" in data:',
+        'if "group_ids" in data:',
+        ("tests/test_loss_presets.py::test_precomputed_group_ids_are_used",),
+    ),
     # 10. SPPO's critic regresses V(prompt) on 1 − R instead of the binary reward R
-    Fault("sppo_critic_target", "losses.py",
-          "bce = sppo_critic_bce(v, rewards)",
-          "bce = sppo_critic_bce(v, 1 - rewards)",
-          ("tests/test_loss_dtype.py::test_value_loss_float64",)),
+    Fault(
+        "sppo_critic_target",
+        "losses.py",
+        "bce = sppo_critic_bce(v, rewards)",
+        "bce = sppo_critic_bce(v, 1 - rewards)",
+        ("tests/test_loss_dtype.py::test_value_loss_float64",),
+    ),
     # more, cheap: the loss reads NeMo-RL's [B, S] keys one column early ([:, :-1] for [:, 1:])
-    Fault("loss_reads_keys_one_column_early", "losses.py",
-          "x = x[:, 1:] if shift else x",
-          "x = x[:, :-1] if shift else x",
-          ("tests/test_loss_presets.py::test_preset_matches_reference[0-grpo]",)),
+    Fault(
+        "loss_reads_keys_one_column_early",
+        "losses.py",
+        "x = x[:, 1:] if shift else x",
+        "x = x[:, :-1] if shift else x",
+        ("tests/test_loss_presets.py::test_preset_matches_reference[0-grpo]",),
+    ),
     # the delimiter token opens the next segment instead of closing its own (inclusive cumulative sum)
-    Fault("segment_delimiter_opens_next_segment", "core/groups.py",
-          "seg = torch.cumsum(is_delimiter, dim=-1) - is_delimiter",
-          "seg = torch.cumsum(is_delimiter, dim=-1)",
-          ("tests/test_core_groups.py::test_segment_delimiter_closes_its_segment_and_tail_segment",)),
+    Fault(
+        "segment_delimiter_opens_next_segment",
+        "core/groups.py",
+        "seg = torch.cumsum(is_delimiter, dim=-1) - is_delimiter",
+        "seg = torch.cumsum(is_delimiter, dim=-1)",
+        ("tests/test_core_groups.py::test_segment_delimiter_closes_its_segment_and_tail_segment",),
+    ),
     # GRPO's advantage divided by the biased standard deviation (NeMo-RL's is unbiased)
-    Fault("grpo_advantage_biased_std", "core/advantages.py",
-          "var = (s2_i - n_i * mean * mean) / (n_i - 1).clamp(min=1)",
-          "var = (s2_i - n_i * mean * mean) / n_i.clamp(min=1)",
-          ("tests/test_core_advantages.py::test_grpo_unbiased_std_and_edge_groups",)),
+    Fault(
+        "grpo_advantage_biased_std",
+        "core/advantages.py",
+        "var = (s2_i - n_i * mean * mean) / (n_i - 1).clamp(min=1)",
+        "var = (s2_i - n_i * mean * mean) / n_i.clamp(min=1)",
+        ("tests/test_core_advantages.py::test_grpo_unbiased_std_and_edge_groups",),
+    ),
 )
 
 # The runs fork from one server process that imported torch and pytest once: the module took 91 s of CPU with a
@@ -178,21 +223,42 @@ def run_tests(tmp_path_factory):
     for var in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS"):
         env.pop(var, None)
     with open(where / "server.err", "w") as err:
-        server = subprocess.Popen([sys.executable, "-c", SERVER], cwd=where, env=env, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
+        server = subprocess.Popen(
+            [sys.executable, "-c", SERVER],
+            cwd=where,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
 
     def run(copy: Path, tests, *options: str) -> tuple[int, str]:
         out = copy / "pytest.out"
-        args = ["-q", "-p", "no:cacheprovider", "-n", "0", "--rootdir", str(ROOT), "-c", str(ROOT / "pyproject.toml"),
-                *options, *(str(ROOT / t) for t in tests)]
+        args = [
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "0",
+            "--rootdir",
+            str(ROOT),
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            *options,
+            *(str(ROOT / t) for t in tests),
+        ]
         server.stdin.write(json.dumps({"copy": str(copy), "out": str(out), "args": args}) + "\n")
         server.stdin.flush()
         ready, _, _ = select.select([server.stdout], [], [], RUN_TIMEOUT_S)
         if not ready:
             os.killpg(server.pid, signal.SIGKILL)
         answer = server.stdout.readline() if ready else ""
-        assert answer, (f"the fault server gave no answer ({'timed out' if not ready else 'it ended'}): "
-                        f"{(where / 'server.err').read_text()[-2000:]}")
+        assert answer, (
+            f"the fault server gave no answer ({'timed out' if not ready else 'it ended'}): "
+            f"{(where / 'server.err').read_text()[-2000:]}"
+        )
         return json.loads(answer)["rc"], out.read_text() if out.exists() else ""
 
     yield run
@@ -211,8 +277,10 @@ def test_fault_is_caught(fault, tmp_path, run_tests):
     path = copy / "nemo_granular" / fault.file
     text = path.read_text()
     found = text.count(fault.old)
-    assert found == 1, (f"{fault.name}: nemo_granular/{fault.file} holds the fault's text {found} times, not once "
-                        f"(the code moved: update FAULTS and docs/testing.md)")
+    assert found == 1, (
+        f"{fault.name}: nemo_granular/{fault.file} holds the fault's text {found} times, not once "
+        f"(the code moved: update FAULTS and docs/testing.md)"
+    )
     path.write_text(text.replace(fault.old, fault.new))
     rc, out = run_tests(copy, fault.tests, "-x")
     tail = "\n".join(out.splitlines()[-40:])
@@ -220,7 +288,8 @@ def test_fault_is_caught(fault, tmp_path, run_tests):
     assert rc != 0, f"fault {fault.name} SURVIVED: {', '.join(fault.tests)} passed with it\n{tail}"
     assert rc == 1 and re.search(r"\b\d+ failed\b", _summary(out)), (
         f"fault {fault.name}: exit {rc} without a failed test (an import, collection or fixture error is not a "
-        f"catch)\n{tail}")
+        f"catch)\n{tail}"
+    )
 
 
 def test_catching_tests_pass_without_a_fault(tmp_path, run_tests):

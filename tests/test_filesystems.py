@@ -16,10 +16,21 @@ from pathlib import Path
 
 import pytest
 
-TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
-        "rl.micro_batch_size=4", "rl.max_new_tokens=8", "task.heldout_size=8", "logger.progress=false",
-        "logger.tensorboard=false", "threads=1"]
+TINY = [
+    "warmstart.enabled=false",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "rl.prompts_per_step=4",
+    "rl.generations_per_prompt=4",
+    "rl.minibatches_per_rollout=2",
+    "rl.micro_batch_size=4",
+    "rl.max_new_tokens=8",
+    "task.heldout_size=8",
+    "logger.progress=false",
+    "logger.tensorboard=false",
+    "threads=1",
+]
 
 
 def _can_mount() -> str | None:
@@ -100,8 +111,9 @@ def test_disk_full_while_checkpointing_is_one_line_and_leaves_no_temp_dir(tmpfs,
     rc, out, err = _main(["train", "--config", "grpo", *TINY, "rl.steps=0", f"output_dir={run}"], capsys)
     errors = [line for line in err if "error" in line]
     assert rc == 2 and len(errors) == 1 and errors[0] == err[-1], err
-    assert errors[0].startswith(f"nemo-granular train: error: cannot write checkpoint {run}/checkpoints/step_000000: "
-                                "No space left on device"), errors
+    assert errors[0].startswith(
+        f"nemo-granular train: error: cannot write checkpoint {run}/checkpoints/step_000000: No space left on device"
+    ), errors
     assert "Traceback" not in "\n".join(err)
     assert not list((run / "checkpoints").glob(".tmp_*")), sorted(p.name for p in (run / "checkpoints").iterdir())
     assert not (run / "checkpoints" / "step_000000").exists()

@@ -40,6 +40,7 @@ PLUGIN_KEYS = {"loss_fn.granular", "nemo_granular", "sppo", "grpo.adv_estimator.
 
 # ----------------------------------------------------------------- typed-dict walker ---
 
+
 def _shapes(tp) -> list:
     """The TypedDict / BaseModel / container shapes an annotation allows."""
     origin = get_origin(tp)
@@ -59,12 +60,12 @@ def unknown_keys(value: Any, tp: Any, path: str = "") -> list[str]:
     if isinstance(value, dict):
         fields: dict | None = None
         for s in shapes:
-            if typing_extensions.is_typeddict(s):   # NeMo-RL's TypedDicts may be typing_extensions'
+            if typing_extensions.is_typeddict(s):  # NeMo-RL's TypedDicts may be typing_extensions'
                 fields = {**(fields or {}), **typing.get_type_hints(s, include_extras=True)}
             elif isinstance(s, type) and issubclass(s, BaseModel):
                 fields = {**(fields or {}), **{k: f.annotation for k, f in s.model_fields.items()}}
             elif s is Any or s is dict or get_origin(s) is dict:
-                return []          # free-form mapping (e.g. env: dict[str, Any])
+                return []  # free-form mapping (e.g. env: dict[str, Any])
         if fields is None:
             return []
         out = []
@@ -79,7 +80,7 @@ def unknown_keys(value: Any, tp: Any, path: str = "") -> list[str]:
     return []
 
 
-DATASET_ENTRIES = ("data.train", "data.validation", "data.default")   # kwargs of NeMo-RL's dataset classes
+DATASET_ENTRIES = ("data.train", "data.validation", "data.default")  # kwargs of NeMo-RL's dataset classes
 
 
 def master_unknown_keys(config: dict, master_cls, known: set[str] = frozenset()) -> list[str]:
@@ -117,6 +118,7 @@ def _flat_keys(d: Any, prefix: str = "") -> set[str]:
 
 # ----------------------------------------------------------------------- fixtures ---
 
+
 @pytest.fixture(scope="module")
 def host(nemo_rl_src):
     import nemo_rl.algorithms.grpo as grpo
@@ -143,10 +145,12 @@ def resolved(host):
         if name not in cache:
             cache[name] = load_resolved(CFG / name)
         return cache[name]
+
     return get
 
 
 # -------------------------------------------------------------------------- tests ---
+
 
 def test_there_is_no_upstream_link_to_rely_on():
     """Both worlds: the repository ships no ``upstream`` folder; the loader alone resolves it."""
@@ -160,7 +164,7 @@ def test_config_loads_validates_and_has_no_unknown_key(name, host, resolved):
     cfg = resolved(name)
     is_ppo = "ppo" in cfg
     master_cls = host.ppo.MasterConfig if is_ppo else host.grpo.MasterConfig
-    master_cls(**cfg)   # NeMo-RL's own validation: required keys, types, rejected values
+    master_cls(**cfg)  # NeMo-RL's own validation: required keys, types, rejected values
     unknown = sorted(set(master_unknown_keys(cfg, master_cls, host.known)) - PLUGIN_KEYS)
     assert not unknown, f"{name}: keys NeMo-RL does not declare (typo?): {unknown}"
     _check_dataset_entries(cfg)
@@ -173,8 +177,9 @@ def test_config_loads_validates_and_has_no_unknown_key(name, host, resolved):
         opts, _ = validate_sppo_config(cfg, source=name)
         if not opts.allow_ratio_always_one:
             check_ratio_is_active(cfg, "ppo", "sppo.allow_ratio_always_one")
-        assert cfg["value_loss_fn"].keys() <= set(host.ppo.MasterConfig.model_fields["value_loss_fn"]
-                                                  .annotation.model_fields)
+        assert cfg["value_loss_fn"].keys() <= set(
+            host.ppo.MasterConfig.model_fields["value_loss_fn"].annotation.model_fields
+        )
     else:
         from nemo_granular.config import parse_policy_loss_config
         from nemo_granular.run_grpo import check_config
@@ -220,14 +225,18 @@ def test_unknown_key_walker_catches_typos(host, resolved):
     cfg["checkpoints"] = {}
     host.grpo.MasterConfig(**cfg)
     found = set(master_unknown_keys(cfg, host.grpo.MasterConfig, host.known)) - PLUGIN_KEYS
-    assert found == {"policy.megatron_cfg.tensor_model_paralel_size",
-                     "policy.generation.vllm_cfg.gpu_memory_utilisation",
-                     "grpo.num_generation_per_prompt", "checkpoints"}, found
+    assert found == {
+        "policy.megatron_cfg.tensor_model_paralel_size",
+        "policy.generation.vllm_cfg.gpu_memory_utilisation",
+        "grpo.num_generation_per_prompt",
+        "checkpoints",
+    }, found
 
 
 @pytest.mark.nemo_rl
-@pytest.mark.parametrize("name", ["sspo_qwen2.5_math_1.5b.yaml", "nemo_rl/espo_math_1B.yaml",
-                                  "sppo_r1_distill_qwen_1.5b.yaml"])
+@pytest.mark.parametrize(
+    "name", ["sspo_qwen2.5_math_1.5b.yaml", "nemo_rl/espo_math_1B.yaml", "sppo_r1_distill_qwen_1.5b.yaml"]
+)
 def test_stock_nemo_rl_load_config_fails_loudly_on_a_copy(name, host, tmp_path):
     """A copy of our config run by NeMo-RL's stock launcher (its own load_config) cannot silently
     train NeMo-RL's loss: the ``upstream`` parent does not exist there."""
@@ -251,6 +260,7 @@ def test_existing_link_is_left_alone(host, tmp_path):
 
 # ------------------------------------------------- loader errors (both worlds) ---
 
+
 def _fake_nemo_rl(tmp_path: Path) -> Path:
     base = tmp_path / "nemo" / "examples" / "configs"
     base.mkdir(parents=True)
@@ -271,17 +281,20 @@ def test_stage_resolves_upstream_chains_like_a_link(tmp_path):
     (ours / "nemo_rl" / "direct.yaml").write_text("defaults: [upstream/base.yaml, ../child.yaml]\n")
     work = tmp_path / "work"
     work.mkdir()
-    for name, want in (("child.yaml", {"a": 1, "b": {"c": 20, "d": 30}, "lst": [1, 2], "s": "\n\n", "x": 20}),
-                       ("nemo_rl/small.yaml", {"a": 1, "b": {"c": 7, "d": 30}, "lst": [1, 2], "s": "\n\n", "x": 7})):
+    for name, want in (
+        ("child.yaml", {"a": 1, "b": {"c": 20, "d": 30}, "lst": [1, 2], "s": "\n\n", "x": 20}),
+        ("nemo_rl/small.yaml", {"a": 1, "b": {"c": 7, "d": 30}, "lst": [1, 2], "s": "\n\n", "x": 7}),
+    ):
         staged = stage_config(ours / name, work, base)
-        assert staged.parent == work   # a copy; the user's file is not touched
+        assert staged.parent == work  # a copy; the user's file is not touched
         chain = _merge_chain(staged)
         assert OmegaConf.to_container(chain, resolve=True) == want
     assert "upstream" not in (ours / "child.yaml").read_text().split("defaults:")[0]
     assert (ours / "child.yaml").read_text().startswith("defaults: nemo_rl/upstream/base.yaml")
     # a list of parents, one of them upstream
-    assert OmegaConf.to_container(_merge_chain(stage_config(ours / "nemo_rl" / "direct.yaml", work, base)),
-                                  resolve=True)["b"] == {"c": 20, "d": 30}
+    assert OmegaConf.to_container(
+        _merge_chain(stage_config(ours / "nemo_rl" / "direct.yaml", work, base)), resolve=True
+    )["b"] == {"c": 20, "d": 30}
 
 
 def _merge_chain(path: Path):
@@ -307,8 +320,11 @@ def test_stage_errors_are_one_line(tmp_path):
     with pytest.raises(ConfigFileError, match=r"absent\.yaml: config file not found"):
         stage_config(ours / "absent.yaml", tmp_path, base)
     (ours / "a.yaml").write_text("defaults: nemo_rl/upstream/nope.yaml\n")
-    with pytest.raises(ConfigFileError, match=r"a\.yaml: defaults entry 'nemo_rl/upstream/nope\.yaml': "
-                                              r"NeMo-RL has no examples/configs/nope\.yaml") as err:
+    with pytest.raises(
+        ConfigFileError,
+        match=r"a\.yaml: defaults entry 'nemo_rl/upstream/nope\.yaml': "
+        r"NeMo-RL has no examples/configs/nope\.yaml",
+    ) as err:
         stage_config(ours / "a.yaml", tmp_path, base)
     assert "\n" not in str(err.value)
     (ours / "b.yaml").write_text("defaults: sibling.yaml\n")
@@ -318,15 +334,23 @@ def test_stage_errors_are_one_line(tmp_path):
 
 def test_without_nemo_rl_the_upstream_error_says_how_to_provide_it(tmp_path):
     """World without NeMo-RL (subprocess): one line naming the file and NEMO_RL_SRC."""
-    code = ("from nemo_granular.nemo_rl.configs import stage_config\n"
-            f"stage_config({str(CFG / 'sspo_qwen2.5_math_1.5b.yaml')!r}, {str(tmp_path)!r})\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env_without_nemo_rl(),
-                          timeout=120)
+    code = (
+        "from nemo_granular.nemo_rl.configs import stage_config\n"
+        f"stage_config({str(CFG / 'sspo_qwen2.5_math_1.5b.yaml')!r}, {str(tmp_path)!r})\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env_without_nemo_rl(), timeout=120
+    )
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("nemo_granular.nemo_rl.configs.ConfigFileError: ")
     assert "sspo_qwen2.5_math_1.5b.yaml: defaults entry 'nemo_rl/upstream/grpo_math_1B_megatron.yaml'" in last
     assert "set NEMO_RL_SRC" in last
-    bad = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env=env_without_nemo_rl(NEMO_RL_SRC=str(tmp_path)))
+    bad = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_without_nemo_rl(NEMO_RL_SRC=str(tmp_path)),
+    )
     assert f"NEMO_RL_SRC={tmp_path} has no examples/configs folder" in bad.stderr.strip().splitlines()[-1]

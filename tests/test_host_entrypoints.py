@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.nemo_rl, pytest.mark.v070]
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ROOT / "examples" / "configs"
 
-DRIVER = r'''
+DRIVER = r"""
 import inspect, json, sys, types
 module_name, launcher, configs = sys.argv[1], sys.argv[2], sys.argv[3:]
 import importlib
@@ -95,7 +95,7 @@ for cfg in configs:
 facts["env_registry"] = sorted(k for k in ENV_REGISTRY if "espo" in k)
 facts["actor_envs"] = sorted(k for k in ACTOR_ENVIRONMENT_REGISTRY if k.startswith("nemo_granular"))
 print("FACTS " + json.dumps(facts))
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -122,21 +122,30 @@ def fixtures(nemo_rl_src, tmp_path_factory):
             f"env_name: {env}}}\n"
             f"env: {{{env}: {{num_workers: 1}}}}\n"
             f"logger: {{log_dir: {d / 'logs'}}}\ncheckpointing: {{enabled: false, checkpoint_dir: {d / 'ckpt'}}}\n"
-            + extra)
+            + extra
+        )
         return str(path)
 
-    return {"sspo": child("nemo_rl/sspo_math_1B.yaml", "math"),
-            "espo": child("nemo_rl/espo_math_1B.yaml", "espo_math"),
-            "sppo": child("sppo_r1_distill_qwen_1.5b.yaml", "math", "value: {model_name: " + str(model) + "}\n"),
-            "dir": d}
+    return {
+        "sspo": child("nemo_rl/sspo_math_1B.yaml", "math"),
+        "espo": child("nemo_rl/espo_math_1B.yaml", "espo_math"),
+        "sppo": child("sppo_r1_distill_qwen_1.5b.yaml", "math", "value: {model_name: " + str(model) + "}\n"),
+        "dir": d,
+    }
 
 
 def _drive(module: str, launcher: str, configs: list[str], cwd: Path) -> dict:
     import os
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RAY_ADDRESS="")
-    proc = subprocess.run([sys.executable, "-c", DRIVER, module, launcher, *configs], capture_output=True,
-                          text=True, timeout=900, cwd=cwd, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, module, launcher, *configs],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=cwd,
+        env=env,
+    )
     facts = [ln for ln in proc.stdout.splitlines() if ln.startswith("FACTS ")]
     assert proc.returncode == 0 and facts, (proc.stdout[-3000:], proc.stderr[-5000:])
     return json.loads(facts[-1][6:])
@@ -144,8 +153,9 @@ def _drive(module: str, launcher: str, configs: list[str], cwd: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def grpo_facts(fixtures):
-    return _drive("nemo_rl.algorithms.grpo", "nemo_granular.run_grpo", [fixtures["sspo"], fixtures["espo"]],
-                  fixtures["dir"])
+    return _drive(
+        "nemo_rl.algorithms.grpo", "nemo_granular.run_grpo", [fixtures["sspo"], fixtures["espo"]], fixtures["dir"]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -155,17 +165,21 @@ def sppo_facts(fixtures):
 
 def test_run_grpo_reaches_real_setup(fixtures, grpo_facts):
     facts = grpo_facts
-    assert "rc" not in facts, facts                 # no start-up refusal / error exit
+    assert "rc" not in facts, facts  # no start-up refusal / error exit
     assert facts["reached"] == [fixtures["sspo"], fixtures["espo"]]
     assert facts["master_type"] == "nemo_rl.algorithms.grpo.MasterConfig"
     assert facts["train_rows"] == facts["val_rows"] == 6
-    assert facts["envs"] == ["math", "espo_math"]   # our ESPO environment, by its registered name
+    assert facts["envs"] == ["math", "espo_math"]  # our ESPO environment, by its registered name
     assert facts["env_registry"] == ["espo_math"]
-    assert facts["actor_envs"] == sorted(["nemo_granular.nemo_rl.environments.ESPOMathEnvironment",
-                                          "nemo_granular.nemo_rl.megatron_worker.GranularMegatronPolicyWorker",
-                                          "nemo_granular.nemo_rl.dtensor_worker.GranularDTensorPolicyWorkerV2"])
+    assert facts["actor_envs"] == sorted(
+        [
+            "nemo_granular.nemo_rl.environments.ESPOMathEnvironment",
+            "nemo_granular.nemo_rl.megatron_worker.GranularMegatronPolicyWorker",
+            "nemo_granular.nemo_rl.dtensor_worker.GranularDTensorPolicyWorkerV2",
+        ]
+    )
     assert facts["policy_factory"] is not None and facts["estimator_patched"] is True
-    assert facts["estimator"] == "ESPOEstimator"      # the last config is ESPO
+    assert facts["estimator"] == "ESPOEstimator"  # the last config is ESPO
     # ESPO's |V| comes from the model config (40), not len(tokenizer) (15)
     assert facts["losses"] == ["GranularPolicyLoss:40", "GranularPolicyLoss:40"]
 
@@ -199,12 +213,21 @@ def test_missing_config_file_is_one_line_in_both_launchers(nemo_rl_src, tmp_path
     NeMo-RL's algorithm modules are imported (tens of seconds on a CPU)."""
     orphan = tmp_path / "orphan.yaml"
     orphan.write_text("defaults: nemo_rl/upstream/no_such_base.yaml\n")
-    cases = ((tmp_path / "absent.yaml", "absent.yaml: config file not found"),
-             (orphan, "orphan.yaml: defaults entry 'nemo_rl/upstream/no_such_base.yaml': "
-                      "NeMo-RL has no examples/configs/no_such_base.yaml"))
+    cases = (
+        (tmp_path / "absent.yaml", "absent.yaml: config file not found"),
+        (
+            orphan,
+            "orphan.yaml: defaults entry 'nemo_rl/upstream/no_such_base.yaml': "
+            "NeMo-RL has no examples/configs/no_such_base.yaml",
+        ),
+    )
     for launcher, prefix in (("run_grpo", "nemo_granular.run_grpo: "), ("run_sppo", "nemo_granular.run_sppo: error: ")):
-        proc = subprocess.run([sys.executable, "-c", ONE_LINE, f"nemo_granular.{launcher}", *(str(c) for c, _ in cases)],
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, "-c", ONE_LINE, f"nemo_granular.{launcher}", *(str(c) for c, _ in cases)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         result = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         assert proc.returncode == 0 and result, proc.stderr[-3000:]
         for (rc, err, imported), (_, expect) in zip(json.loads(result[0][7:]), cases):
@@ -239,19 +262,39 @@ def test_sync_runs_log_espo_verification_failed_frac(nemo_rl_src, tmp_path):
         def log_metrics(self, metrics, step, prefix="", step_metric=None, step_finished=False):
             seen.append((prefix, step, dict(metrics)))
 
-    real = Logger({"log_dir": str(tmp_path), "wandb_enabled": False, "swanlab_enabled": False,
-                   "tensorboard_enabled": False, "mlflow_enabled": False, "monitor_gpus": False})
+    real = Logger(
+        {
+            "log_dir": str(tmp_path),
+            "wandb_enabled": False,
+            "swanlab_enabled": False,
+            "tensorboard_enabled": False,
+            "mlflow_enabled": False,
+            "monitor_gpus": False,
+        }
+    )
     real.loggers.append(Backend())
     logger = EstimatorMetricsLogger(real)
     contents = [CORRECT_CONTENT, VERIFICATION_FAILED_CONTENT, INCORRECT_CONTENT, VERIFICATION_FAILED_CONTENT]
-    batch = {"message_log": [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                              {"role": "environment", "content": c}] for c in contents]}
+    batch = {
+        "message_log": [
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"},
+                {"role": "environment", "content": c},
+            ]
+            for c in contents
+        ]
+    }
     with installed():
         est = grpo._create_advantage_estimator(master)
-        logger.log_metrics({"reward": 0.5}, 1, prefix="train")      # rollout metrics: before the estimator
-        est.compute_advantage(prompt_ids=torch.tensor([[1], [1], [2], [2]]), rewards=torch.tensor([1.0, 0, 0, 0]),
-                              mask=torch.ones(4, 3), repeated_batch=batch)
-        logger.log_metrics({"loss": 0.1}, 1, prefix="train")        # the step's main train metrics
+        logger.log_metrics({"reward": 0.5}, 1, prefix="train")  # rollout metrics: before the estimator
+        est.compute_advantage(
+            prompt_ids=torch.tensor([[1], [1], [2], [2]]),
+            rewards=torch.tensor([1.0, 0, 0, 0]),
+            mask=torch.ones(4, 3),
+            repeated_batch=batch,
+        )
+        logger.log_metrics({"loss": 0.1}, 1, prefix="train")  # the step's main train metrics
     train = [m for p, _, m in seen if p == "train"]
     assert train[0] == {"reward": 0.5}
     assert train[1]["loss"] == 0.1 and train[1]["verification_failed_frac"] == pytest.approx(0.5)
@@ -262,10 +305,14 @@ def test_save_every_minutes_is_checked_at_start_in_both_launchers(grpo_facts, sp
     a positive number of minutes, and the variable with checkpointing.enabled: false (the fixtures'
     configs), are one line and exit 2 from run_grpo and run_sppo, before Ray or setup() (run in the
     drives above, before their configs reach setup)."""
-    for launcher, facts, prefix in (("run_grpo", grpo_facts, "nemo_granular.run_grpo: "),
-                                    ("run_sppo", sppo_facts, "nemo_granular.run_sppo: error: ")):
-        expect = ("NG_SAVE_EVERY_MINUTES='ten': must be a positive number of minutes",
-                  "NG_SAVE_EVERY_MINUTES=30 asks for periodic checkpoints, but checkpointing.enabled is false")
+    for launcher, facts, prefix in (
+        ("run_grpo", grpo_facts, "nemo_granular.run_grpo: "),
+        ("run_sppo", sppo_facts, "nemo_granular.run_sppo: error: "),
+    ):
+        expect = (
+            "NG_SAVE_EVERY_MINUTES='ten': must be a positive number of minutes",
+            "NG_SAVE_EVERY_MINUTES=30 asks for periodic checkpoints, but checkpointing.enabled is false",
+        )
         assert len(facts["save_every"]) == 2 and facts["save_every_reached"] == [], (launcher, facts)
         assert facts["save_every_init_ray"] is False, facts
         for (rc, err), text in zip(facts["save_every"], expect):

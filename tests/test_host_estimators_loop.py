@@ -50,9 +50,16 @@ def host(nemo_rl_src):
         grpo_sync = None
     from nemo_granular.nemo_rl import compat
 
-    return SimpleNamespace(grpo=grpo, ppo=ppo, grpo_sync=grpo_sync, AdvCfg=compat.get("AdvEstimatorConfig"),
-                           NemoGRPO=GRPOAdvantageEstimator, LossCfg=ClippedPGLossConfig,
-                           flat=batched_message_log_to_flat_message, BDD=BatchedDataDict)
+    return SimpleNamespace(
+        grpo=grpo,
+        ppo=ppo,
+        grpo_sync=grpo_sync,
+        AdvCfg=compat.get("AdvEstimatorConfig"),
+        NemoGRPO=GRPOAdvantageEstimator,
+        LossCfg=ClippedPGLossConfig,
+        flat=batched_message_log_to_flat_message,
+        BDD=BatchedDataDict,
+    )
 
 
 def _call_sites(module) -> list[list[str]]:
@@ -61,8 +68,7 @@ def _call_sites(module) -> list[list[str]]:
     tree = ast.parse(inspect.getsource(module))
     dict_keys: set[str] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "adv_kwargs"
-                                                for t in node.targets):
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "adv_kwargs" for t in node.targets):
             if isinstance(node.value, ast.Call):
                 dict_keys |= {k.arg for k in node.value.keywords}
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Subscript):
@@ -71,9 +77,13 @@ def _call_sites(module) -> list[list[str]]:
                 dict_keys.add(t.slice.value)
     sites = []
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr == "compute_advantage" and isinstance(node.func.value, ast.Name)
-                and node.func.value.id == "adv_estimator"):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "compute_advantage"
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id == "adv_estimator"
+        ):
             names = [k.arg for k in node.keywords if k.arg is not None]
             if any(k.arg is None for k in node.keywords):
                 names += sorted(dict_keys)
@@ -90,27 +100,49 @@ def _rollout(host, rewards, failed, prompts_of):
         prompt = torch.tensor([5 + p, 7, 9 + p, 11][: 2 + p % 3])
         answer = torch.arange(20 + i, 23 + i + i % 4)
         obs = envs.espo_observations([rewards[i]], [None if failed[i] else "42"])[0]
-        logs.append([{"role": "user", "content": f"q{p}", "token_ids": prompt},
-                     {"role": "assistant", "content": "a", "token_ids": answer},
-                     {**obs, "token_ids": torch.tensor([3, 4])}])
+        logs.append(
+            [
+                {"role": "user", "content": f"q{p}", "token_ids": prompt},
+                {"role": "assistant", "content": "a", "token_ids": answer},
+                {**obs, "token_ids": torch.tensor([3, 4])},
+            ]
+        )
         lengths.append(len(prompt))
-    batch = host.BDD({"message_log": logs, "length": torch.tensor(lengths),
-                      "total_reward": torch.tensor(rewards, dtype=torch.float32)})
-    flat, _ = host.flat(host.grpo.extract_initial_prompt_messages(batch["message_log"], batch["length"]),
-                        pad_value_dict={"token_ids": PAD})
+    batch = host.BDD(
+        {
+            "message_log": logs,
+            "length": torch.tensor(lengths),
+            "total_reward": torch.tensor(rewards, dtype=torch.float32),
+        }
+    )
+    flat, _ = host.flat(
+        host.grpo.extract_initial_prompt_messages(batch["message_log"], batch["length"]),
+        pad_value_dict={"token_ids": PAD},
+    )
     S = 12
     mask = torch.zeros(len(rewards), S)
     for i, L in enumerate(lengths):
-        mask[i, L:L + 3] = 1
+        mask[i, L : L + 3] = 1
     return batch, flat["token_ids"], mask
 
 
 def _kwargs_for(site, prompt_ids, rewards, mask, repeated_batch, values=None):
     lp = -torch.rand(mask.shape)
-    avail = {"prompt_ids": prompt_ids, "rewards": rewards, "mask": mask, "repeated_batch": repeated_batch,
-             "logprobs_policy": lp, "logprobs_reference": lp - 0.1, "logprobs": lp, "reference_logprobs": lp - 0.1,
-             "prev_logprobs": lp, "generation_logprobs": lp - 0.01, "sample_mask": mask.amax(-1),
-             "values": values, "teacher_logprobs": None}  # OPD only; None for every other estimator
+    avail = {
+        "prompt_ids": prompt_ids,
+        "rewards": rewards,
+        "mask": mask,
+        "repeated_batch": repeated_batch,
+        "logprobs_policy": lp,
+        "logprobs_reference": lp - 0.1,
+        "logprobs": lp,
+        "reference_logprobs": lp - 0.1,
+        "prev_logprobs": lp,
+        "generation_logprobs": lp - 0.01,
+        "sample_mask": mask.amax(-1),
+        "values": values,
+        "teacher_logprobs": None,
+    }  # OPD only; None for every other estimator
     missing = [k for k in site if k not in avail]
     assert not missing, f"NeMo-RL passes {missing} to compute_advantage: extend this test and check our estimator"
     return {k: avail[k] for k in site if k != "values" or values is not None}
@@ -120,8 +152,14 @@ def _adv(host, name, **adv):
     """NeMo-RL's estimator config; v0.7.0's is a TypedDict without defaults (its estimators read every
     key with [...]), so there the keys left out are written out with main's defaults."""
     if typing_extensions.is_typeddict(host.AdvCfg):
-        adv = {**{k: d for k, (_, d, _, _) in NEMO_RL_ESTIMATOR_KEYS.items() if k in host.AdvCfg.__annotations__
-                  and k != "name"}, **adv}
+        adv = {
+            **{
+                k: d
+                for k, (_, d, _, _) in NEMO_RL_ESTIMATOR_KEYS.items()
+                if k in host.AdvCfg.__annotations__ and k != "name"
+            },
+            **adv,
+        }
     return host.AdvCfg(name=name, **adv)
 
 
@@ -191,8 +229,7 @@ def test_espo_flags_from_real_rollout_messages(host):
         got = ours.compute_advantage(**_kwargs_for(site, prompt_ids, r, mask, b))
         assert b["verification_failed"].tolist() == failed
         keep = ~torch.tensor(failed)
-        ref = host.NemoGRPO(_adv(host, "grpo"), host.LossCfg()).compute_advantage(
-            prompt_ids[keep], r[keep], mask[keep])
+        ref = host.NemoGRPO(_adv(host, "grpo"), host.LossCfg()).compute_advantage(prompt_ids[keep], r[keep], mask[keep])
         torch.testing.assert_close(got[keep].float(), ref.float() * mask[keep], rtol=1e-6, atol=1e-6)
         assert bool((got[~keep] == 0).all())
     assert not all(math.isclose(a, 0) for a in got[keep][:, :].abs().sum(-1).tolist())
@@ -212,8 +249,12 @@ def test_sppo_through_real_ppo_factory(host):
     master = SimpleNamespace(ppo=host.ppo.PPOConfig(adv_estimator={"name": "sppo"}), loss_fn=host.LossCfg())
     with sppo_estimator_installed(host.ppo):
         est = host.ppo._create_advantage_estimator(master)
-        raw = host.ppo._create_advantage_estimator(SimpleNamespace(ppo=host.ppo.PPOConfig(
-            adv_estimator={"name": "raw_reward", "normalize_advantages": False}), loss_fn=host.LossCfg()))
+        raw = host.ppo._create_advantage_estimator(
+            SimpleNamespace(
+                ppo=host.ppo.PPOConfig(adv_estimator={"name": "raw_reward", "normalize_advantages": False}),
+                loss_fn=host.LossCfg(),
+            )
+        )
     assert type(raw).__module__.startswith("nemo_rl"), "NeMo-RL's own names must be delegated"
     for site in _call_sites(host.ppo):
         out = est.compute_advantage(**_kwargs_for(site, prompt_ids, rewards, mask, batch, values=values))

@@ -33,12 +33,20 @@ pytestmark = [pytest.mark.nemo_rl, pytest.mark.v070]
 
 V = 11
 DELIM = 3
-EXTREMA = {"probs_ratio_min": min, "probs_ratio_clamped_min": min, "probs_ratio_max": max,
-           "probs_ratio_clamped_max": max}
+EXTREMA = {
+    "probs_ratio_min": min,
+    "probs_ratio_clamped_min": min,
+    "probs_ratio_max": max,
+    "probs_ratio_clamped_max": max,
+}
 PRESETS = {
     "grpo": {"granular": {"algorithm": "grpo"}},
-    "gspo": {"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True,
-             "ratio_clip_min": 3e-3, "ratio_clip_max": 4e-3},
+    "gspo": {
+        "granular": {"algorithm": "gspo"},
+        "sequence_level_importance_ratios": True,
+        "ratio_clip_min": 3e-3,
+        "ratio_clip_max": 4e-3,
+    },
     "sspo": {"granular": {"algorithm": "sspo"}, "reference_policy_kl_penalty": 0.05},
     "espo": {"granular": {"algorithm": "espo", "espo": {"vocab_size": V}}},
 }
@@ -56,8 +64,14 @@ def host(nemo_rl_src):
     from nemo_granular.nemo_rl import compat
 
     # MetricNormalizer: main only (v0.7.0 has no split-step metric rescale; docs/nemo-rl.md "NeMo-RL versions")
-    yield SimpleNamespace(prepare=utils.prepare_loss_input, wrapper=wrapper, BDD=BatchedDataDict,
-                          MN=compat.find("MetricNormalizer"), lf=loss_functions, atrain=automodel_train)
+    yield SimpleNamespace(
+        prepare=utils.prepare_loss_input,
+        wrapper=wrapper,
+        BDD=BatchedDataDict,
+        MN=compat.find("MetricNormalizer"),
+        lf=loss_functions,
+        atrain=automodel_train,
+    )
     mp.undo()
 
 
@@ -78,13 +92,17 @@ def _batch(seed: int, cfg, dtype=torch.float32):
     shift[:, 1:] = lp_cur
     prev = (shift + 0.9 * torch.randn(B, S, generator=g, dtype=torch.float64)).clamp(max=-1e-3) * token_mask
     data = {
-        "input_ids": ids, "input_lengths": lengths, "token_mask": token_mask,
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "token_mask": token_mask,
         "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0], dtype=dtype),
         "prev_logprobs": prev.to(dtype),
-        "generation_logprobs": (prev + 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64) * token_mask
-                                ).to(dtype),
-        "reference_policy_logprobs": (prev + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)
-                                      * token_mask).to(dtype),
+        "generation_logprobs": (prev + 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64) * token_mask).to(
+            dtype
+        ),
+        "reference_policy_logprobs": (prev + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64) * token_mask).to(
+            dtype
+        ),
         "advantages": (torch.randn(B, 1, generator=g, dtype=torch.float64) * token_mask).to(dtype),
     }
     entropy = torch.rand(B, S, generator=g) * (cols < lengths[:, None])
@@ -118,8 +136,12 @@ def _reduce(parts):
 def _direct(loss_fn, logits0, data, gvs, gvt, rows=None):
     rows = range(logits0.shape[0]) if rows is None else rows
     logits = logits0.float().clone().requires_grad_(True)
-    loss, m = loss_fn(next_token_logprobs=_logprobs(logits, data["input_ids"]), data=data,
-                      global_valid_seqs=gvs, global_valid_toks=gvt)
+    loss, m = loss_fn(
+        next_token_logprobs=_logprobs(logits, data["input_ids"]),
+        data=data,
+        global_valid_seqs=gvs,
+        global_valid_toks=gvt,
+    )
     (grad,) = torch.autograd.grad(loss, logits)
     return loss.detach(), grad, _reduce([m])
 
@@ -146,9 +168,10 @@ def test_megatron_unpacked_microbatches_through_prepare_loss_input(host, preset)
     logits = logits0.float().clone().requires_grad_(True)
     total, parts, a = 0, [], 0
     for n in (2, 2, 1):
-        mb = host.BDD({k: v[a:a + n] for k, v in data.items()})
+        mb = host.BDD({k: v[a : a + n] for k, v in data.items()})
         loss, m = host.wrapper.wrap_loss_fn_with_input_preparation(
-            logits[a:a + n], mb, gvs, gvt, loss_fn=loss_fn, prepare_fn=host.prepare)
+            logits[a : a + n], mb, gvs, gvt, loss_fn=loss_fn, prepare_fn=host.prepare
+        )
         total, a = total + loss, a + n
         parts.append(m)
     (grad,) = torch.autograd.grad(total, logits)
@@ -177,8 +200,9 @@ def test_sequence_packing_loss_wrapper(host, preset, pad_to):
     ref = _direct(loss_fn, logits0, data, gvs, gvt)
     logits = logits0.float().clone().requires_grad_(True)
     packed, cu, cu_pad = _packed(logits, data["input_lengths"], pad_to)
-    wrapped = host.wrapper.SequencePackingLossWrapper(loss_fn, host.prepare, cu_seqlens_q=cu,
-                                                      cu_seqlens_q_padded=cu_pad if pad_to else None)
+    wrapped = host.wrapper.SequencePackingLossWrapper(
+        loss_fn, host.prepare, cu_seqlens_q=cu, cu_seqlens_q_padded=cu_pad if pad_to else None
+    )
     loss, m = wrapped(packed, host.BDD(data), gvs, gvt)
     (grad,) = torch.autograd.grad(loss, logits)
     _assert_same((loss.detach(), grad, _reduce([m])), ref, f"{preset} packed")
@@ -192,8 +216,16 @@ def test_dtensor_v2_loss_post_processor(host, packing):
     data, logits0, gvs, gvt = _batch(2, cfg)
     ref = _direct(loss_fn, logits0, data, gvs, gvt)
     logits = logits0.float().clone().requires_grad_(True)
-    post = host.atrain.LossPostProcessor(loss_fn=loss_fn, cfg={}, device_mesh=None, cp_mesh=None, tp_mesh=None,
-                                         cp_size=1, dp_size=1, enable_seq_packing=packing)
+    post = host.atrain.LossPostProcessor(
+        loss_fn=loss_fn,
+        cfg={},
+        device_mesh=None,
+        cp_mesh=None,
+        tp_mesh=None,
+        cp_size=1,
+        dp_size=1,
+        enable_seq_packing=packing,
+    )
     if packing:
         x, cu, _ = _packed(logits, data["input_lengths"], None)
         processed = SimpleNamespace(flash_attn_kwargs=SimpleNamespace(cu_seqlens_q=cu))
@@ -234,10 +266,15 @@ def test_split_step_rule_holds_for_nemo_rl_clipped_pg(host):
     """The rescaling rule as read here, checked on NeMo-RL's own loss (token level, GSPO, TIS)."""
     data, logits0, gvs, gvt = _batch(3, {"granular": {"algorithm": "grpo"}})
     logp = _logprobs(logits0, data["input_ids"]).float()
-    for cfg in ({"token_level_loss": True, "reference_policy_kl_penalty": 0.05},
-                {"token_level_loss": False, "sequence_level_importance_ratios": True},
-                {"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-                 "truncated_importance_sampling_ratio": 1.02}):
+    for cfg in (
+        {"token_level_loss": True, "reference_policy_kl_penalty": 0.05},
+        {"token_level_loss": False, "sequence_level_importance_ratios": True},
+        {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "tis",
+            "truncated_importance_sampling_ratio": 1.02,
+        },
+    ):
         fn = host.lf.ClippedPGLossFn(host.lf.ClippedPGLossConfig(**cfg))
         _split_step_vs_sync(fn, host.MN, host.BDD(data), logp, gvs, gvt)
 
@@ -249,8 +286,12 @@ def test_split_step_metric_normalizations(host, preset):
     ``metric_normalizations``) gives the synchronous loss and metrics, for every preset — after
     a pickle round trip, as Ray ships the loss to the workers (NeMo-RL compares the kinds with
     ``is``, so they must be NeMo-RL's own enum members)."""
-    cfg = dict(PRESETS[preset], use_importance_sampling_correction=True,
-               truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.05)
+    cfg = dict(
+        PRESETS[preset],
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.05,
+    )
     loss_fn = pickle.loads(pickle.dumps(GranularPolicyLoss(cfg)))
     assert all(type(k) is host.MN for k in loss_fn.metric_normalizations.values())
     data, logits0, gvs, gvt = _batch(4, cfg)
@@ -271,11 +312,15 @@ def test_value_loss_through_dtensor_value_post_processing(host, megatron_workers
     g = torch.Generator().manual_seed(5)
     token_mask = torch.zeros(B, S)
     for i, (p, n) in enumerate([(2, 5), (3, 6), (2, 3), (4, 5), (3, 2), (2, 7)]):
-        token_mask[i, p:p + n] = 1
+        token_mask[i, p : p + n] = 1
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
-    data = {"input_ids": torch.randint(0, V, (B, S), generator=g), "token_mask": token_mask,
-            "sample_mask": torch.tensor([1.0, 1, 1, 0, 1, 1]), "rewards": rewards,
-            "returns": token_mask * rewards[:, None]}
+    data = {
+        "input_ids": torch.randint(0, V, (B, S), generator=g),
+        "token_mask": token_mask,
+        "sample_mask": torch.tensor([1.0, 1, 1, 0, 1, 1]),
+        "rewards": rewards,
+        "returns": token_mask * rewards[:, None],
+    }
     gvs = data["sample_mask"].sum()
     gvt = (token_mask[:, 1:] * data["sample_mask"][:, None]).sum()
     head = torch.randn(B, S, 1, generator=g, dtype=torch.float64)
@@ -287,8 +332,15 @@ def test_value_loss_through_dtensor_value_post_processing(host, megatron_workers
     (rgrad,) = torch.autograd.grad(rloss, direct_in)
     assert rgrad.abs().sum() > 0
 
-    post = host.atrain.LossPostProcessor(loss_fn=RightShiftLossWrapper(loss_fn), cfg={}, device_mesh=None,
-                                         cp_mesh=None, tp_mesh=None, cp_size=1, dp_size=1)
+    post = host.atrain.LossPostProcessor(
+        loss_fn=RightShiftLossWrapper(loss_fn),
+        cfg={},
+        device_mesh=None,
+        cp_mesh=None,
+        tp_mesh=None,
+        cp_size=1,
+        dp_size=1,
+    )
     x = head.clone().requires_grad_(True)
     total, parts = 0, []
     for a, b in ((0, 4), (4, 6)):
@@ -297,5 +349,5 @@ def test_value_loss_through_dtensor_value_post_processing(host, megatron_workers
     (grad,) = torch.autograd.grad(total, x)
     _assert_same((total.detach(), grad, _reduce(parts)), (rloss.detach(), rgrad, _reduce([rm])), "value")
     if host.MN is None:
-        return   # v0.7.0: no split step to rescale for (compat.VERSIONED["MetricNormalizer"])
+        return  # v0.7.0: no split step to rescale for (compat.VERSIONED["MetricNormalizer"])
     _split_step_vs_sync(pickle.loads(pickle.dumps(loss_fn)), host.MN, data, shifted.detach(), gvs, gvt, key="logits")

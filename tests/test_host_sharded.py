@@ -99,28 +99,36 @@ def task_tp_dp(rank, world):
     for dtype in (torch.float64, torch.float32):
         k = str(dtype)[-2:]
         out[f"ours_lp_{k}"] = grad_of(lambda x: (w.to(x.dtype) * vocab_parallel_logprob(x, ids, tp_group)).sum(), dtype)
-        out[f"ours_ent_{k}"] = grad_of(lambda x: (w.to(x.dtype) * vocab_parallel_entropy(x, tp_group, 3)).sum(),
-                                       dtype)
+        out[f"ours_ent_{k}"] = grad_of(lambda x: (w.to(x.dtype) * vocab_parallel_entropy(x, tp_group, 3)).sum(), dtype)
     out["ours_lp_values"] = vocab_parallel_logprob(full[..., lo:hi].float(), ids, tp_group).double()
     out["ours_ent_values"] = vocab_parallel_entropy(full[..., lo:hi].float(), tp_group).double()
     # Megatron: cross entropy = −log p(target)
-    out["megatron_lp"] = grad_of(lambda x: -(w.float() * tensor_parallel.vocab_parallel_cross_entropy(
-        x, ids)).sum(), torch.float32)
+    out["megatron_lp"] = grad_of(
+        lambda x: -(w.float() * tensor_parallel.vocab_parallel_cross_entropy(x, ids)).sum(), torch.float32
+    )
     out["megatron_lp_values"] = -tensor_parallel.vocab_parallel_cross_entropy(full[..., lo:hi].float(), ids).double()
     # NeMo-RL
-    out["nemo_lp"] = grad_of(lambda x: (w.float() * mu.DistributedLogprob.apply(x, ids, lo, hi, tp_group, False)
-                                        ).sum(), torch.float32)
+    out["nemo_lp"] = grad_of(
+        lambda x: (w.float() * mu.DistributedLogprob.apply(x, ids, lo, hi, tp_group, False)).sum(), torch.float32
+    )
     for chunk in (None, 3):
         out[f"nemo_next_{chunk}"] = mu.from_parallel_logits_to_logprobs(
-            full[..., lo:hi].float(), ids, lo, hi, tp_group, inference_only=True, chunk_size=chunk).double()
-    out["nemo_negent"] = grad_of(lambda x: (w.float() * mu.ChunkedDistributedEntropy.apply(x, 3, tp_group, False)
-                                            ).sum(), torch.float32)
-    out["nemo_negent_values"] = mu.ChunkedDistributedEntropy.apply(full[..., lo:hi].float(), 3, tp_group, True
-                                                                   ).double()
+            full[..., lo:hi].float(), ids, lo, hi, tp_group, inference_only=True, chunk_size=chunk
+        ).double()
+    out["nemo_negent"] = grad_of(
+        lambda x: (w.float() * mu.ChunkedDistributedEntropy.apply(x, 3, tp_group, False)).sum(), torch.float32
+    )
+    out["nemo_negent_values"] = mu.ChunkedDistributedEntropy.apply(full[..., lo:hi].float(), 3, tp_group, True).double()
     out["ours_next"] = vocab_parallel_logprob(full[:, :-1, lo:hi].float(), ids[:, 1:], tp_group).double()
     out = {k: tuple(t.detach() for t in v) if isinstance(v, tuple) else v.detach() for k, v in out.items()}
-    return {"ref": ref, "out": out, "ref_lp": rlp.detach(), "ref_ent": rent.detach(), "tp_rank": tp_rank,
-            "dp_rank": dp_rank}
+    return {
+        "ref": ref,
+        "out": out,
+        "ref_lp": rlp.detach(),
+        "ref_ent": rent.detach(),
+        "tp_rank": tp_rank,
+        "dp_rank": dp_rank,
+    }
 
 
 def task_cp_packed(rank, world):
@@ -144,25 +152,38 @@ def task_cp_packed(rank, world):
     lo, hi = tp_rank * V // 2, (tp_rank + 1) * V // 2
 
     # NeMo-RL's layout: per sequence, _get_tokens_on_this_cp_rank of its padded slot
-    nemo_local = torch.cat([mu._get_tokens_on_this_cp_rank(packed[:, int(cu[i]):int(cu[i + 1])], cp_rank, 2)
-                            for i in range(len(lengths))], 1)
+    nemo_local = torch.cat(
+        [
+            mu._get_tokens_on_this_cp_rank(packed[:, int(cu[i]) : int(cu[i + 1])], cp_rank, 2)
+            for i in range(len(lengths))
+        ],
+        1,
+    )
     ours_local = zigzag_shard(packed, cp_rank, 2, dim=1, cu_seqlens_padded=cu)
     local = nemo_local[..., lo:hi].float()
     lp = mu.from_parallel_logits_to_logprobs_packed_sequences(
-        local, target, cu, S, lo, hi, tp_group, inference_only=True, cp_group=cp_group)
-    ent = megatron_entropy(local, input_lengths=lengths, seq_len=S, cu_seqlens_padded=cu, tp_group=tp_group,
-                           cp_group=cp_group)
+        local, target, cu, S, lo, hi, tp_group, inference_only=True, cp_group=cp_group
+    )
+    ent = megatron_entropy(
+        local, input_lengths=lengths, seq_len=S, cu_seqlens_padded=cu, tp_group=tp_group, cp_group=cp_group
+    )
     # reference per sequence: logits at position t score the token at t+1
     ref_lp = torch.zeros(len(lengths), S - 1, dtype=torch.float64)
     ref_ent = torch.zeros(len(lengths), S, dtype=torch.float64)
     for i, L in enumerate(lengths.tolist()):
-        seq = packed[0, int(cu[i]):int(cu[i]) + L]
-        tg = target[0, int(cu[i]):int(cu[i]) + L]
+        seq = packed[0, int(cu[i]) : int(cu[i]) + L]
+        tg = target[0, int(cu[i]) : int(cu[i]) + L]
         r_lp, r_ent = _ref(seq[:-1], tg[1:])
-        ref_lp[i, :L - 1] = r_lp
+        ref_lp[i, : L - 1] = r_lp
         ref_ent[i, 1:L] = r_ent
-    return {"same_layout": torch.equal(nemo_local, ours_local), "lp": lp.double(), "ent": ent.double(),
-            "ref_lp": ref_lp, "ref_ent": ref_ent, "lengths": lengths}
+    return {
+        "same_layout": torch.equal(nemo_local, ours_local),
+        "lp": lp.double(),
+        "ent": ent.double(),
+        "ref_lp": ref_lp,
+        "ref_ent": ref_ent,
+        "lengths": lengths,
+    }
 
 
 def task_gpt_model(rank, world, tp):
@@ -188,12 +209,20 @@ def task_gpt_model(rank, world, tp):
     tracker.fork = lambda *a, **k: contextlib.nullcontext()
     try:
         torch.manual_seed(0)
-        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
-                                hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=tp,
-                                params_dtype=torch.float32)
+        cfg = TransformerConfig(
+            num_layers=1,
+            hidden_size=16,
+            num_attention_heads=2,
+            use_cpu_initialization=True,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=tp,
+            params_dtype=torch.float32,
+        )
         V, B, S = 32, 3, 8
-        model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=V,
-                         max_sequence_length=16)
+        model = GPTModel(
+            config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=V, max_sequence_length=16
+        )
         g = torch.Generator().manual_seed(11 + ps.get_data_parallel_rank())
         ids = torch.randint(0, V, (B, S), generator=g)
         lengths = torch.tensor([8, 5, 7])
@@ -211,7 +240,7 @@ def task_gpt_model(rank, world, tp):
     h = -(logp.exp() * logp).sum(-1)
     ref = torch.zeros(B, S, dtype=torch.float64)
     for i, L in enumerate(lengths.tolist()):
-        ref[i, 1:L] = h[i, :L - 1]
+        ref[i, 1:L] = h[i, : L - 1]
     return {"local_vocab": local.shape[-1], "ent": ent.double(), "ref": ref}
 
 
@@ -219,8 +248,9 @@ def task_gpt_model(rank, world, tp):
 def test_tp2_dp2_against_megatron_and_nemo_rl(pool):
     results = pool.run(task_tp_dp)
     assert sorted((r["tp_rank"], r["dp_rank"]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert not torch.allclose(results[0]["ref_lp"], results[2]["ref_lp"]) or results[0]["dp_rank"] == \
-        results[2]["dp_rank"], "DP ranks must hold different data"
+    assert (
+        not torch.allclose(results[0]["ref_lp"], results[2]["ref_lp"]) or results[0]["dp_rank"] == results[2]["dp_rank"]
+    ), "DP ranks must hold different data"
     for r in results:
         o, (rlp, g_lp), (rent, g_ent) = r["out"], r["ref"]["lp"], r["ref"]["ent"]
         # the project's functions against the float64 reference (float64 tight, float32 loose)
@@ -247,7 +277,7 @@ def test_cp2_tp2_packed_against_nemo_rl(pool):
         assert r["same_layout"], "the project's zig-zag shard differs from NeMo-RL's _get_tokens_on_this_cp_rank"
         valid = torch.zeros_like(r["ref_lp"], dtype=torch.bool)
         for i, L in enumerate(r["lengths"].tolist()):
-            valid[i, :L - 1] = True
+            valid[i, : L - 1] = True
         torch.testing.assert_close(r["lp"][valid], r["ref_lp"][valid], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(r["ent"], r["ref_ent"], rtol=1e-5, atol=1e-5)
 

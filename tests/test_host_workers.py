@@ -52,9 +52,21 @@ def real(megatron_workers):
 
     from nemo_granular.nemo_rl import dtensor_worker, megatron_worker
 
-    yield SimpleNamespace(grpo=grpo, reg=reg, vc=virtual_cluster, BDD=BatchedDataDict, RWG=RayWorkerGroup,
-                          atrain=atrain, mtrain=mtrain, lm_policy=lm_policy, dpw=dpw, mpw=mpw, lm_value=lm_value,
-                          ours_m=megatron_worker, ours_d=dtensor_worker)
+    yield SimpleNamespace(
+        grpo=grpo,
+        reg=reg,
+        vc=virtual_cluster,
+        BDD=BatchedDataDict,
+        RWG=RayWorkerGroup,
+        atrain=atrain,
+        mtrain=mtrain,
+        lm_policy=lm_policy,
+        dpw=dpw,
+        mpw=mpw,
+        lm_value=lm_value,
+        ours_m=megatron_worker,
+        ours_d=dtensor_worker,
+    )
     mp.undo()
 
 
@@ -90,15 +102,23 @@ def test_megatron_extension_matches_real_worker(real):
     assert list(inspect.signature(m.EntropyLogprobsPostProcessor.__call__).parameters) == list(base_call.parameters)
     # forward_with_post_processing_fn calls it with keywords our __call__ accepts
     src = textwrap.dedent(inspect.getsource(real.mtrain.forward_with_post_processing_fn))
-    calls = [n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-             and n.func.id == "post_processing_fn"]
+    calls = [
+        n
+        for n in ast.walk(ast.parse(src))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "post_processing_fn"
+    ]
     kw_sets = [{k.arg for k in c.keywords} for c in calls]
     assert {"data_dict", "input_ids", "cu_seqlens_padded"} in kw_sets
     _bindable(m.EntropyLogprobsPostProcessor.__call__, None, data_dict=None, input_ids=None, cu_seqlens_padded=None)
     # the constructor keywords get_logprobs passes reach the base class through our **kwargs
-    init_kw = {k.arg for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(_original(
-        real.mpw.MegatronPolicyWorkerImpl.get_logprobs))))) if isinstance(n, ast.Call)
-        and getattr(n.func, "id", None) == "LogprobsPostProcessor" for k in n.keywords}
+    init_kw = {
+        k.arg
+        for n in ast.walk(
+            ast.parse(textwrap.dedent(inspect.getsource(_original(real.mpw.MegatronPolicyWorkerImpl.get_logprobs))))
+        )
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "LogprobsPostProcessor"
+        for k in n.keywords
+    }
     assert init_kw and init_kw <= set(inspect.signature(real.mtrain.LogprobsPostProcessor.__init__).parameters)
     from nemo_granular.nemo_rl import compat
 
@@ -120,7 +140,8 @@ def test_dtensor_extension_runs_through_the_real_post_processor(real):
     assert "LogprobsPostProcessor" in _global_names(real.dpw.DTensorPolicyWorkerV2Impl.get_logprobs)
     assert real.dpw.LogprobsPostProcessor is real.atrain.LogprobsPostProcessor
     assert list(inspect.signature(d.EntropyLogprobsPostProcessor.__call__).parameters) == list(
-        inspect.signature(real.atrain.LogprobsPostProcessor.__call__).parameters)
+        inspect.signature(real.atrain.LogprobsPostProcessor.__call__).parameters
+    )
     # run it: the real base __call__ on CPU logits (TP = CP = 1, no packing)
     B, S, V = 3, 7, 13
     g = torch.Generator().manual_seed(0)
@@ -128,14 +149,22 @@ def test_dtensor_extension_runs_through_the_real_post_processor(real):
     ids = torch.randint(0, V, (B, S), generator=g)
     lengths = torch.tensor([7, 4, 6])
     sink: list = []
-    post = d.EntropyLogprobsPostProcessor(cfg={"logprob_chunk_size": None}, device_mesh=None, cp_mesh=None,
-                                          tp_mesh=None, cp_size=1, enable_seq_packing=False, sink=sink)
+    post = d.EntropyLogprobsPostProcessor(
+        cfg={"logprob_chunk_size": None},
+        device_mesh=None,
+        cp_mesh=None,
+        tp_mesh=None,
+        cp_size=1,
+        enable_seq_packing=False,
+        sink=sink,
+    )
     data = real.BDD({"input_ids": ids, "input_lengths": lengths})
     mp = pytest.MonkeyPatch()
     mp.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)  # NeMo-RL moves ids with .cuda() (test only)
     try:
-        lp = post(logits.clone(), data, SimpleNamespace(seq_index=None, flash_attn_kwargs={}, seq_len=S,
-                                                        input_ids=ids), B, S)
+        lp = post(
+            logits.clone(), data, SimpleNamespace(seq_index=None, flash_attn_kwargs={}, seq_len=S, input_ids=ids), B, S
+        )
     finally:
         mp.undo()
     logp = torch.log_softmax(logits.double(), -1)
@@ -147,7 +176,7 @@ def test_dtensor_extension_runs_through_the_real_post_processor(real):
     ref_ent = torch.zeros(B, S, dtype=torch.float64)
     h = -(logp.exp() * logp).sum(-1)
     for i, L in enumerate(lengths.tolist()):
-        ref_ent[i, 1:L] = h[i, :L - 1]
+        ref_ent[i, 1:L] = h[i, : L - 1]
     torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
 
 
@@ -159,8 +188,10 @@ def test_actor_environment_registration_is_real(real):
     assert real.reg.get_actor_python_env(MEGATRON_EXTENSION_FQN) == real.reg.MCORE_EXECUTABLE
     assert real.reg.get_actor_python_env(DTENSOR_V2_EXTENSION_FQN) == real.vc.PY_EXECUTABLES.AUTOMODEL
     # same executables as the workers they extend
-    assert real.reg.get_actor_python_env(
-        "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker") == real.reg.MCORE_EXECUTABLE
+    assert (
+        real.reg.get_actor_python_env("nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker")
+        == real.reg.MCORE_EXECUTABLE
+    )
     # the fqns resolve to the real ray actor classes with the entropy method
     import importlib
 
@@ -178,15 +209,23 @@ def test_policy_factory_hook_and_driver_call_path(real):
     # grpo.setup takes policy_factory and calls it with keywords GranularPolicy accepts
     assert "policy_factory" in inspect.signature(real.grpo.setup).parameters
     src = textwrap.dedent(inspect.getsource(real.grpo.setup))
-    call = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)
-                and getattr(n.func, "id", None) == "_make_policy")
+    call = next(
+        n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "_make_policy"
+    )
     GP = P.granular_policy_class()
     assert issubclass(GP, real.lm_policy.Policy)
-    _bindable(GP.__init__, None, **{k.arg: None for k in call.keywords}, worker_extension_cls_fqn="x",
-              granular_loss_cfg={}, delimiter_table=None)
+    _bindable(
+        GP.__init__,
+        None,
+        **{k.arg: None for k in call.keywords},
+        worker_extension_cls_fqn="x",
+        granular_loss_cfg={},
+        delimiter_table=None,
+    )
     for name in ("train", "get_logprobs"):
         assert list(inspect.signature(getattr(GP, name)).parameters) == list(
-            inspect.signature(getattr(real.lm_policy.Policy, name)).parameters), name
+            inspect.signature(getattr(real.lm_policy.Policy, name)).parameters
+        ), name
     master = {"policy": {"megatron_cfg": {"enabled": True}}, "loss_fn": {"granular": {"algorithm": "sspo"}}}
     factory = P.make_policy_factory(master)
     seen = {}
@@ -235,7 +274,7 @@ def test_prompt_only_value_uses_real_value_api(real):
     for name in ("get_values", "train"):
         ours = list(inspect.signature(getattr(PromptOnlyValue, name)).parameters)
         theirs = list(inspect.signature(getattr(V, name)).parameters)
-        assert ours[:len(theirs)] == theirs or set(theirs) <= set(ours) | {"kwargs"}, name
+        assert ours[: len(theirs)] == theirs or set(theirs) <= set(ours) | {"kwargs"}, name
     # the value worker classes the critic runs in are importable and expose what ppo calls
     from nemo_rl.models.value.workers import dtensor_value_worker_v2, megatron_value_worker
 
@@ -273,7 +312,8 @@ def test_pi_old_entropy_is_of_the_temperature_scaled_distribution(real):
     batch = {"input_ids": ids, "input_lengths": torch.tensor([6, 6])}
     old_policy_pass(Tiny(), batch, T, chunk_size=4)
     logp = torch.log_softmax(table[ids][:, :-1].double() / T, -1)
-    torch.testing.assert_close(batch["prev_entropy"][:, 1:].double(), -(logp.exp() * logp).sum(-1),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        batch["prev_entropy"][:, 1:].double(), -(logp.exp() * logp).sum(-1), rtol=1e-5, atol=1e-5
+    )
     unscaled = torch.log_softmax(table[ids][:, :-1].double(), -1)
     assert not torch.allclose(batch["prev_entropy"][:, 1:].double(), -(unscaled.exp() * unscaled).sum(-1))

@@ -91,7 +91,7 @@ def _cycle(graph) -> list[str] | None:
         stack.append(node)
         for nxt in graph.get(node, {}):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -107,14 +107,22 @@ def _cycle(graph) -> list[str] | None:
 def test_the_parts_import_each_other_without_a_cycle():
     graph = import_graph()
     cycle = _cycle(graph)
-    assert cycle is None, "import cycle " + " → ".join(cycle) + ": " + "; ".join(
-        f"{a} → {b} at {', '.join(graph[a][b][:3])}" for a, b in zip(cycle, cycle[1:]))
+    assert cycle is None, (
+        "import cycle "
+        + " → ".join(cycle)
+        + ": "
+        + "; ".join(f"{a} → {b} at {', '.join(graph[a][b][:3])}" for a, b in zip(cycle, cycle[1:]))
+    )
 
 
 def test_the_comparison_stack_imports_only_downwards():
     graph = import_graph()
-    upward = [f"{src} imports {dst} (above it) at {', '.join(graph[src][dst])}"
-              for i, src in enumerate(STACK) for dst in STACK[i + 1:] if dst in graph.get(src, {})]
+    upward = [
+        f"{src} imports {dst} (above it) at {', '.join(graph[src][dst])}"
+        for i, src in enumerate(STACK)
+        for dst in STACK[i + 1 :]
+        if dst in graph.get(src, {})
+    ]
     assert not upward, "; ".join(upward)
 
 

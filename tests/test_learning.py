@@ -60,9 +60,17 @@ def test_rl_beats_warm_start_by_margin(warm_policies, tmp_path, algorithm):
     for seed in SEEDS:
         policy_dir, warm_acc = warm_policies[seed]
         run_dir = tmp_path / f"seed{seed}"
-        cfg = load_train_config(LOCAL / f"{algorithm}.yaml",
-                                COMMON + [f"seed={seed}", f"output_dir={run_dir}", f"model.init_from={policy_dir}",
-                                          f"rl.steps={STEPS}", f"rl.eval_every={EVAL_EVERY}"])
+        cfg = load_train_config(
+            LOCAL / f"{algorithm}.yaml",
+            COMMON
+            + [
+                f"seed={seed}",
+                f"output_dir={run_dir}",
+                f"model.init_from={policy_dir}",
+                f"rl.steps={STEPS}",
+                f"rl.eval_every={EVAL_EVERY}",
+            ],
+        )
         assert Trainer(cfg).run() == 0
         evals = _evaluations(run_dir)
         assert evals[0] == pytest.approx(warm_acc)  # the run starts from the warm-started policy

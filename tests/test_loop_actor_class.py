@@ -18,7 +18,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytestmark = [pytest.mark.slow, pytest.mark.nemo_rl, pytest.mark.v070]  # the Megatron / Automodel imports (shared with the other host tests)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.nemo_rl,
+    pytest.mark.v070,
+]  # the Megatron / Automodel imports (shared with the other host tests)
 
 
 class Reached(Exception):
@@ -73,23 +77,31 @@ def test_dtensor_extension_reaches_the_module_globals_in_the_shipped_class(real,
     monkeypatch.setattr(real.dpw, "check_sequence_dim", _sentinel)
     obj = _bare(shipped, cfg={"logprob_batch_size": 2})
     with pytest.raises(AttributeError, match="'NoneType' object has no attribute"):
-        shipped.get_logprobs(obj, None, micro_batch_size=2)     # the frozen, real check_sequence_dim ran
+        shipped.get_logprobs(obj, None, micro_batch_size=2)  # the frozen, real check_sequence_dim ran
     # ... but get_logprobs_with_entropy runs the module's own function, which does
     with pytest.raises(Reached):
         obj.get_logprobs_with_entropy(None, micro_batch_size=2)
-    assert real.dpw.LogprobsPostProcessor is real.ours_d._atrain.LogprobsPostProcessor   # restored
+    assert real.dpw.LogprobsPostProcessor is real.ours_d._atrain.LogprobsPostProcessor  # restored
 
 
 def test_megatron_extension_reaches_the_module_globals_in_the_shipped_class(real, monkeypatch):
     shipped = _as_shipped(real.ours_m.GranularMegatronPolicyWorker)
     # the first module global get_logprobs calls: main's media mask; v0.7.0 (no such function) its iterator
-    first = ("attach_media_token_validity_mask" if hasattr(real.mpw, "attach_media_token_validity_mask")
-             else "get_microbatch_iterator")
+    first = (
+        "attach_media_token_validity_mask"
+        if hasattr(real.mpw, "attach_media_token_validity_mask")
+        else "get_microbatch_iterator"
+    )
     monkeypatch.setattr(real.mpw, first, _sentinel)
-    obj = _bare(shipped, cfg={"logprob_batch_size": 2}, model=SimpleNamespace(eval=lambda: None),
-                media_placeholder_token_id=None, mcore_state=SimpleNamespace(straggler_timer=None),
-                delegate_pack_to_model=False)
-    grad = torch.is_grad_enabled()   # NeMo-RL's get_logprobs enters no_grad without a with-block
+    obj = _bare(
+        shipped,
+        cfg={"logprob_batch_size": 2},
+        model=SimpleNamespace(eval=lambda: None),
+        media_placeholder_token_id=None,
+        mcore_state=SimpleNamespace(straggler_timer=None),
+        delegate_pack_to_model=False,
+    )
+    grad = torch.is_grad_enabled()  # NeMo-RL's get_logprobs enters no_grad without a with-block
     try:
         with pytest.raises(Reached):
             obj.get_logprobs_with_entropy(data=None, micro_batch_size=2)

@@ -18,7 +18,7 @@ import torch
 
 pytestmark = [pytest.mark.transformers_pin, pytest.mark.slow, pytest.mark.dist, pytest.mark.nemo_rl]
 B, S = 9, 24
-MB = 4                  # logprob_batch_size; logprob_mb_tokens = S × MB
+MB = 4  # logprob_batch_size; logprob_mb_tokens = S × MB
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +46,28 @@ def _reference(model_dir, ids, lengths):
     lp, ent = torch.zeros(B, S, dtype=torch.float64), torch.zeros(B, S, dtype=torch.float64)
     with torch.no_grad():
         for i, n in enumerate(lengths.tolist()):
-            logp = torch.log_softmax(hf(input_ids=ids[i:i + 1, :n]).logits[0].double(), -1)
+            logp = torch.log_softmax(hf(input_ids=ids[i : i + 1, :n]).logits[0].double(), -1)
             lp[i, 1:n] = logp[:-1].gather(-1, ids[i, 1:n, None]).squeeze(-1)
             ent[i, 1:n] = -(logp.exp() * logp).sum(-1)[:-1]
     return lp, ent
 
 
 def _policy_cfg(tp: int, chunk):
-    return {"logprob_batch_size": MB, "train_micro_batch_size": MB, "logprob_chunk_size": chunk,
-            "make_sequence_length_divisible_by": tp, "dynamic_batching": {"enabled": False},
-            "sequence_packing": {"enabled": True, "train_mb_tokens": S * MB, "logprob_mb_tokens": S * MB,
-                                 "algorithm": "modified_first_fit_decreasing", "microbatch_order": "packer",
-                                 "sequence_length_round": 8}}
+    return {
+        "logprob_batch_size": MB,
+        "train_micro_batch_size": MB,
+        "logprob_chunk_size": chunk,
+        "make_sequence_length_divisible_by": tp,
+        "dynamic_batching": {"enabled": False},
+        "sequence_packing": {
+            "enabled": True,
+            "train_mb_tokens": S * MB,
+            "logprob_mb_tokens": S * MB,
+            "algorithm": "modified_first_fit_decreasing",
+            "microbatch_order": "packer",
+            "sequence_length_round": 8,
+        },
+    }
 
 
 class _WorldGroup:
@@ -73,11 +83,18 @@ class _WorldGroup:
 
         assert method == "get_logprobs_with_entropy" and in_sharded_axes == ["data_parallel"]
         self.shards = list(data)
-        self.ranks = run_world(self.tp, rank_logprobs, self.model_dir, pickle.dumps(self.shards), self.tp, self.cfg,
-                               env={"TORCHDYNAMO_DISABLE": "1", "HF_HUB_OFFLINE": "1"})
+        self.ranks = run_world(
+            self.tp,
+            rank_logprobs,
+            self.model_dir,
+            pickle.dumps(self.shards),
+            self.tp,
+            self.cfg,
+            env={"TORCHDYNAMO_DISABLE": "1", "HF_HUB_OFFLINE": "1"},
+        )
         return [0]
 
-    def shutdown(self, *args, **kwargs) -> bool:        # Policy.__del__ shuts its workers down
+    def shutdown(self, *args, **kwargs) -> bool:  # Policy.__del__ shuts its workers down
         return True
 
     def get_all_worker_results(self, futures):
@@ -99,14 +116,22 @@ def _packed_pass(model_dir, tp: int, chunk):
     import numpy as np
 
     policy.__dict__.update(
-        cfg=cfg, use_dynamic_batches=False, use_sequence_packing=True,
-        sharding_annotations=NamedSharding(layout=np.arange(tp).reshape(1, 1, 1, tp),
-                                           names=["pipeline_parallel", "data_parallel", "context_parallel",
-                                                  "tensor_parallel"]),
-        sequence_packing_args={"algorithm": pk["algorithm"], "input_key": "input_ids",
-                               "input_lengths_key": "input_lengths", "sequence_length_pad_multiple": tp,
-                               "microbatch_order": pk["microbatch_order"]},
-        worker_group=_WorldGroup(model_dir, tp, cfg))
+        cfg=cfg,
+        use_dynamic_batches=False,
+        use_sequence_packing=True,
+        sharding_annotations=NamedSharding(
+            layout=np.arange(tp).reshape(1, 1, 1, tp),
+            names=["pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel"],
+        ),
+        sequence_packing_args={
+            "algorithm": pk["algorithm"],
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "sequence_length_pad_multiple": tp,
+            "microbatch_order": pk["microbatch_order"],
+        },
+        worker_group=_WorldGroup(model_dir, tp, cfg),
+    )
     ids, lengths = _batch()
     out = policy._logprobs_and_entropy(BatchedDataDict(input_ids=ids, input_lengths=lengths))
     return policy.worker_group, out, ids, lengths
@@ -119,11 +144,11 @@ def test_packed_pi_old_logprobs_and_entropy_equal_the_unpacked_forward(model_dir
     (shard,) = group.shards
     bins = [mb["input_lengths"].tolist() for mb in shard.make_microbatch_iterator_for_packable_sequences()]
     assert len(bins) >= 2 and sorted(sum(bins, [])) == sorted(lengths.tolist()), bins
-    assert sum(bins, []) != lengths.tolist(), bins                  # the packer reordered: the driver un-reorders
+    assert sum(bins, []) != lengths.tolist(), bins  # the packer reordered: the driver un-reorders
     rows = group.ranks[0]["attention_rows"]
-    assert all(n == S * MB for n in rows), rows                     # packed rows, padded to train_mb_tokens
-    assert len(rows) == 2 * len(bins), (rows, bins)                 # one packed row per bin, per layer (2)
-    if tp > 1:      # every TP rank returned the same (replicated output)
+    assert all(n == S * MB for n in rows), rows  # packed rows, padded to train_mb_tokens
+    assert len(rows) == 2 * len(bins), (rows, bins)  # one packed row per bin, per layer (2)
+    if tp > 1:  # every TP rank returned the same (replicated output)
         for r in group.ranks[1:]:
             assert torch.equal(r["logprobs"], group.ranks[0]["logprobs"])
             assert torch.equal(r["entropy"], group.ranks[0]["entropy"])
@@ -134,7 +159,7 @@ def test_packed_pi_old_logprobs_and_entropy_equal_the_unpacked_forward(model_dir
     err_lp = float((lp - ref_lp).abs()[inside].max())
     err_ent = float((ent - ref_ent).abs()[inside].max())
     print(f"TP {tp}, chunk {chunk}: packed vs unpacked log-probs {err_lp:.3g}, entropy {err_ent:.3g}")
-    assert err_lp <= 1e-5 and err_ent <= 1e-5, (err_lp, err_ent)     # measured ≤ 4.8e-6
+    assert err_lp <= 1e-5 and err_ent <= 1e-5, (err_lp, err_ent)  # measured ≤ 4.8e-6
     assert float(ent[~inside].abs().max()) == 0 and float(lp[~inside].abs().max()) == 0
     # the entropy differs across tokens: a misplaced column could not pass
     assert float(ref_ent[inside].max() - ref_ent[inside].min()) >= 1.0

@@ -50,13 +50,16 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def world(nemo_rl_src):
-    root = Path(tempfile.mkdtemp(prefix="ngrpo", dir="/tmp"))   # short: Ray's socket paths live under it
+    root = Path(tempfile.mkdtemp(prefix="ngrpo", dir="/tmp"))  # short: Ray's socket paths live under it
     try:
         # 2 heads, 2 kv heads: tensor parallelism needs kv heads divisible by TP = 2
-        w = SimpleNamespace(root=root, dense=models.write_model(root / "qwen3", kv_heads=2),
-                            peaked=models.write_model(root / "qwen3_peaked", kv_heads=2, logit_scale=models.PEAKED),
-                            moe=models.write_model(root / "qwen3_moe_peaked", moe=True, logit_scale=models.PEAKED),
-                            data=models.write_math_data(root / "math.jsonl"))
+        w = SimpleNamespace(
+            root=root,
+            dense=models.write_model(root / "qwen3", kv_heads=2),
+            peaked=models.write_model(root / "qwen3_peaked", kv_heads=2, logit_scale=models.PEAKED),
+            moe=models.write_model(root / "qwen3_moe_peaked", moe=True, logit_scale=models.PEAKED),
+            data=models.write_math_data(root / "math.jsonl"),
+        )
         with RayHead(root, num_cpus=8, num_gpus=4) as head:
             w.head = head
             yield w
@@ -71,7 +74,6 @@ def _child(w, name: str, parent: str, *, model=None, env="math", gpus=1, extra=N
     over = configs.shrink(run, model or w.dense, w.data, env=env, gpus=gpus, steps=STEPS)
     # not run/config.yaml: the report reads the resolved config NeMo-RL's checkpointer writes
     return configs.write_child(run / "child.yaml", configs.CONFIGS / parent, over, extra), run
-
 
 
 # Where the algorithms act. The shipped 5e-6, under NeMo-RL's 0.1 warm-up, moves the tiny models'
@@ -93,11 +95,15 @@ def _child(w, name: str, parent: str, *, model=None, env="math", gpus=1, extra=N
 # clip fractions 0.10–0.32 in 5 of 6 off-policy microbatches.
 ACTING = {"policy": {"optimizer": {"kwargs": {"lr": 1.0e-4}}}}
 ACTING_ADAPTIVE = {"policy": {"optimizer": {"kwargs": {"lr": 1.0e-3}}, "train_global_batch_size": 4}}
-ACTING_SSPO = {"policy": {"optimizer": {"kwargs": {"lr": 2.0e-3}}, "train_global_batch_size": 4},
-               "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16}}
+ACTING_SSPO = {
+    "policy": {"optimizer": {"kwargs": {"lr": 2.0e-3}}, "train_global_batch_size": 4},
+    "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16},
+}
 # run_a packs as every shipped DTensor config does: NeMo-RL's packer and flash-attention kwargs in the
 # worker's π_old pass and train step (the attention kernel: cpu_stand_ins.hf_varlen_attention)
 PACKED = {"policy": {"sequence_packing": {"enabled": True}}}
+
+
 # ESPO dense needs a step with mixed rewards among the verified responses (ESPO's estimator treats a
 # response whose answer could not be extracted apart), and which step has them depends on the rollouts,
 # which differ with the refit's precision: main's (fp32 weights) at 4 prompts x 4 samples (ACTING_ADAPTIVE);
@@ -106,13 +112,20 @@ PACKED = {"policy": {"sequence_packing": {"enabled": True}}}
 def _acting_espo() -> dict:
     from cpu_host.refit import dtensor_refit_path
 
-    return ACTING_ADAPTIVE if dtensor_refit_path() == "checkpoint" else {
-        "policy": {"optimizer": {"kwargs": {"lr": 1.0e-3}}, "train_global_batch_size": 4},
-        "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16}}
+    return (
+        ACTING_ADAPTIVE
+        if dtensor_refit_path() == "checkpoint"
+        else {
+            "policy": {"optimizer": {"kwargs": {"lr": 1.0e-3}}, "train_global_batch_size": 4},
+            "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16},
+        }
+    )
 
 
-ACTING_GSPO = {"policy": {"optimizer": {"kwargs": {"lr": 1.0e-3}}},
-               "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16}}
+ACTING_GSPO = {
+    "policy": {"optimizer": {"kwargs": {"lr": 1.0e-3}}},
+    "grpo": {"num_prompts_per_step": 1, "num_generations_per_prompt": 16},
+}
 
 
 def _acting(extra=None, base=ACTING):
@@ -123,16 +136,18 @@ def _acting(extra=None, base=ACTING):
 
 @pytest.fixture(scope="module")
 def sspo(world):
-    cfg, run = _child(world, "run_a", "nemo_rl/sspo_math_1B.yaml", model=world.peaked,
-                      extra=_acting(PACKED, base=ACTING_SSPO))
+    cfg, run = _child(
+        world, "run_a", "nemo_rl/sspo_math_1B.yaml", model=world.peaked, extra=_acting(PACKED, base=ACTING_SSPO)
+    )
     return run_ok(world.head, "grpo", cfg, run)
 
 
 @pytest.fixture(scope="module")
 def sspo_resumed(world, sspo):
     """The SSPO run's config in a new directory holding only its step_1 and step_2 checkpoints."""
-    cfg, run = _child(world, "run_a_resumed", "nemo_rl/sspo_math_1B.yaml", model=world.peaked,
-                      extra=_acting(PACKED, base=ACTING_SSPO))
+    cfg, run = _child(
+        world, "run_a_resumed", "nemo_rl/sspo_math_1B.yaml", model=world.peaked, extra=_acting(PACKED, base=ACTING_SSPO)
+    )
     copy_checkpoints(sspo, run, (1, 2))
     return run_ok(world.head, "grpo", cfg, run)
 
@@ -149,16 +164,31 @@ def espo_moe(world):
     4 optimizer steps per rollout (``ACTING_ADAPTIVE``, 4 prompts × 4 samples): ratios 0.64–1.33, but only 2
     of the 12 microbatches hold mixed rewards and nothing clips there (clip fraction 0). The near-uniform MoE
     this run used before saturated ESPO's bounds and had is_oob 0 in all 12 records (issue #34)."""
-    extra = {"grpo": {"adv_estimator": {"name": "espo", "verification_failed_key": "verification_failed"}},
-             "loss_fn": {"use_importance_sampling_correction": True,
-                         "truncated_importance_sampling_type": "seq-mask-tis",
-                         "truncated_importance_sampling_ratio": 1.02, "truncated_importance_sampling_ratio_min": 0.98,
-                         "granular": {"algorithm": "espo", "entropy_top_fraction": 0.2, "is_level": "group_mean",
-                                      "espo": {"alpha": 1.0, "vocab_size": None}}}}
+    extra = {
+        "grpo": {"adv_estimator": {"name": "espo", "verification_failed_key": "verification_failed"}},
+        "loss_fn": {
+            "use_importance_sampling_correction": True,
+            "truncated_importance_sampling_type": "seq-mask-tis",
+            "truncated_importance_sampling_ratio": 1.02,
+            "truncated_importance_sampling_ratio_min": 0.98,
+            "granular": {
+                "algorithm": "espo",
+                "entropy_top_fraction": 0.2,
+                "is_level": "group_mean",
+                "espo": {"alpha": 1.0, "vocab_size": None},
+            },
+        },
+    }
     # ACTING_ADAPTIVE in both worlds: the MoE's parameters are bf16 in the worker, so main's refit and v0.7.0's
     # (cast to bf16) deliver the same weights and the rollouts do not depend on the refit (unlike run_d's)
-    cfg, run = _child(world, "run_b", "nemo_rl/sspo_math_1B.yaml", model=world.moe, env="espo_math",
-                      extra=_acting(extra, base=ACTING_ADAPTIVE))
+    cfg, run = _child(
+        world,
+        "run_b",
+        "nemo_rl/sspo_math_1B.yaml",
+        model=world.moe,
+        env="espo_math",
+        extra=_acting(extra, base=ACTING_ADAPTIVE),
+    )
     return run_ok(world.head, "grpo", cfg, run)
 
 
@@ -166,11 +196,24 @@ def espo_moe(world):
 def espo_dense(world):
     """ESPO on the peaked dense model, 1 worker, ``espo.alpha: auto`` as shipped (the MoE run above keeps
     α = 1)."""
-    extra = {"grpo": {"adv_estimator": {"name": "espo", "verification_failed_key": "verification_failed"}},
-             "loss_fn": {"granular": {"algorithm": "espo", "entropy_top_fraction": 0.2,
-                                      "espo": {"alpha": "auto", "vocab_size": None}}}}
-    cfg, run = _child(world, "run_d", "nemo_rl/sspo_math_1B.yaml", model=world.peaked, env="espo_math",
-                      extra=_acting(extra, base=_acting_espo()))
+    extra = {
+        "grpo": {"adv_estimator": {"name": "espo", "verification_failed_key": "verification_failed"}},
+        "loss_fn": {
+            "granular": {
+                "algorithm": "espo",
+                "entropy_top_fraction": 0.2,
+                "espo": {"alpha": "auto", "vocab_size": None},
+            }
+        },
+    }
+    cfg, run = _child(
+        world,
+        "run_d",
+        "nemo_rl/sspo_math_1B.yaml",
+        model=world.peaked,
+        env="espo_math",
+        extra=_acting(extra, base=_acting_espo()),
+    )
     return run_ok(world.head, "grpo", cfg, run)
 
 
@@ -178,10 +221,20 @@ def espo_dense(world):
 def gspo_tp2_dp2(world):
     """4 workers: FSDP2 over DP = 2 × tensor parallelism TP = 2 (vocabulary-parallel logits)."""
     # the parent's ratio_clip_min/max (0.2, NeMo-RL's keys win over the preset) set back to GSPO's 3e-4 / 4e-4
-    extra = _acting({"loss_fn": {"token_level_loss": False, "ratio_clip_c": None, "ratio_clip_min": 3e-4,
-                                 "ratio_clip_max": 4e-4, "granular": {"algorithm": "gspo"}},
-                     "grpo": {"adv_estimator": {"name": "grpo"}}, "policy": {"dtensor_cfg": {"tensor_parallel_size": 2}}},
-                    base=ACTING_GSPO)
+    extra = _acting(
+        {
+            "loss_fn": {
+                "token_level_loss": False,
+                "ratio_clip_c": None,
+                "ratio_clip_min": 3e-4,
+                "ratio_clip_max": 4e-4,
+                "granular": {"algorithm": "gspo"},
+            },
+            "grpo": {"adv_estimator": {"name": "grpo"}},
+            "policy": {"dtensor_cfg": {"tensor_parallel_size": 2}},
+        },
+        base=ACTING_GSPO,
+    )
     cfg, run = _child(world, "run_c", "grpo_r1_distill_qwen_1.5b.yaml", gpus=4, extra=extra)
     return run_ok(world.head, "grpo", cfg, run)
 
@@ -191,7 +244,7 @@ def gspo_tp2_dp2(world):
 # |token_mult_prob_error − 1| (generation vs training), each a small multiple of what the runs measured
 # (docs/nemo-rl.md §7 lists the measurements). One worker: the worker's forward is transformers' own.
 TOL = {
-    "peaked": {"logprob_tol": 0.0, "entropy_tol": 1e-5, "mult_tol": 0.02},      # measured 0, 4.4e-6, 6.8e-3
+    "peaked": {"logprob_tol": 0.0, "entropy_tol": 1e-5, "mult_tol": 0.02},  # measured 0, 4.4e-6, 6.8e-3
     # NeMo-RL v0.7.0's own refit hands the generation the weights cast to bf16 (as vLLM receives them), main's
     # synchronizer the worker's fp32 ones: the peaked model's output scale (x 60) makes that rounding ~0.1 nats
     "peaked_bf16_refit": {"logprob_tol": 0.2, "entropy_tol": 0.1, "mult_tol": 0.02},  # measured 0.097, 0.044, 9.3e-3
@@ -202,10 +255,11 @@ TOL = {
     "packed_peaked_bf16_refit": {"logprob_tol": 0.35, "entropy_tol": 0.13, "mult_tol": 0.03},  # 0.166, 0.065, 0.013
     # Automodel's Qwen3-MoE keeps bf16 parameters; the reference is an fp32 forward under bf16 autocast: the
     # bf16 rounding, scaled by the peaked model's logits (x 60; the near-uniform MoE measured 1.9e-3, 4.5e-5, 4.4e-4)
-    "moe": {"logprob_tol": 0.5, "entropy_tol": 0.12, "mult_tol": 0.03},         # measured 0.26, 0.060, 0.014
+    "moe": {"logprob_tol": 0.5, "entropy_tol": 0.12, "mult_tol": 0.03},  # measured 0.26, 0.060, 0.014
     # FSDP2's mixed precision casts the parameters to bf16; entropy from vocabulary-parallel logits
-    "fsdp": {"logprob_tol": 0.01, "entropy_tol": 5e-4, "mult_tol": 0.004},      # measured 4.8e-3, 2.3e-4, 8.2e-4
+    "fsdp": {"logprob_tol": 0.01, "entropy_tol": 5e-4, "mult_tol": 0.004},  # measured 4.8e-3, 2.3e-4, 8.2e-4
 }
+
 
 def _packed_peaked_tol() -> dict:
     """run_a's: the peaked model's output scale (x 60) on the packed kernel's rounding."""
@@ -253,14 +307,20 @@ def _trained_every_step(run, *, needs_ids: bool, logprob_tol: float, entropy_tol
     from cpu_host.refit import dtensor_refit_path
 
     (layout,) = run.of("policy_layout")
-    assert all(r["refit"]["path"] == dtensor_refit_path() and r["refit"]["workers"] == layout["workers"]
-               and r["refit"]["tensors"][0] > 0 for r in refits), refits
+    assert all(
+        r["refit"]["path"] == dtensor_refit_path()
+        and r["refit"]["workers"] == layout["workers"]
+        and r["refit"]["tensors"][0] > 0
+        for r in refits
+    ), refits
     # NeMo-RL's generation-vs-training check: sampled tokens' probabilities agree with π_old (bf16
     # autocast on both sides; generation decodes incrementally, training runs the full sequence)
     errs = run.series("train/token_mult_prob_error")
-    print(f"{run.dir.name}: logprobs vs HF {max(c['prev_logprobs_vs_hf']['max'] for c in calls):.3g}, entropy vs HF "
-          f"{max(c['prev_logprobs_vs_hf']['entropy_max'] for c in calls):.3g}, token_mult_prob_error - 1 "
-          f"{max(abs(v - 1) for v in errs.values()):.3g}")
+    print(
+        f"{run.dir.name}: logprobs vs HF {max(c['prev_logprobs_vs_hf']['max'] for c in calls):.3g}, entropy vs HF "
+        f"{max(c['prev_logprobs_vs_hf']['entropy_max'] for c in calls):.3g}, token_mult_prob_error - 1 "
+        f"{max(abs(v - 1) for v in errs.values()):.3g}"
+    )
     assert sorted(errs) == [1, 2, 3] and all(abs(v - 1) <= mult_tol for v in errs.values()), errs
 
 
@@ -280,7 +340,8 @@ def _loss_matches_reference(run, model_dir, **kw):
     # every Policy.train call left its records (every microbatch of every worker)
     assert got["calls"] == list(range(STEPS)) and got["records"] >= STEPS, got
     assert [c["loss_records"] for c in run.of("policy_train")] == [
-        len(list((run.dir / "facts.jsonl.loss" / f"train_{k}").glob("*.pt"))) for k in range(STEPS)]
+        len(list((run.dir / "facts.jsonl.loss" / f"train_{k}").glob("*.pt"))) for k in range(STEPS)
+    ]
     err = got["err"]
     print(f"{run.dir.name}: {got['records']} loss records, errors {err}")
     assert err["loss"] <= LOSS_TOL["loss"] and err["grad"] <= LOSS_TOL["grad"], err
@@ -345,8 +406,10 @@ def _acts(run, model_dir, *, bounds: bool, clips: bool = True):
     second = [r for r in recs if r["index"] > 0]
     assert first and all(r["ratio_min"] == r["ratio_max"] == 1.0 and r["clip"] == 0 for r in first), first
     clipped = [r["clip"] for r in second]
-    print(f"{run.dir.name}: clip fraction of the off-policy microbatches {clipped}; ratios "
-          f"{min(r['ratio_min'] for r in second):.3f}..{max(r['ratio_max'] for r in second):.3f}")
+    print(
+        f"{run.dir.name}: clip fraction of the off-policy microbatches {clipped}; ratios "
+        f"{min(r['ratio_min'] for r in second):.3f}..{max(r['ratio_max'] for r in second):.3f}"
+    )
     if clips:
         assert max(clipped) > 0, second
         _worker_clips_as_the_reference(second)
@@ -355,16 +418,20 @@ def _acts(run, model_dir, *, bounds: bool, clips: bool = True):
     if bounds:
         for call in {r["call"] for r in recs}:
             widths = [hi - lo for r in recs if r["call"] == call for lo, hi in r["bounds"]]
-            print(f"{run.dir.name} step {call + 1}: clip range hi − lo {min(widths):.3g}..{max(widths):.3g} "
-                  f"over {len(widths)} groups")
+            print(
+                f"{run.dir.name} step {call + 1}: clip range hi − lo {min(widths):.3g}..{max(widths):.3g} "
+                f"over {len(widths)} groups"
+            )
             assert max(widths) - min(widths) >= 0.2 * max(widths), widths
 
 
 def _worker_clips_as_the_reference(recs):
     """Where the reference clips, the worker clipped the same fraction (|Δ| within the metrics tolerance)."""
     clipping = [r for r in recs if r["clip"] > 0]
-    print(f"clip fractions where clipping engaged, worker vs float64 reference: "
-          f"{[(r['clip_worker'], r['clip']) for r in clipping]}")
+    print(
+        f"clip fractions where clipping engaged, worker vs float64 reference: "
+        f"{[(r['clip_worker'], r['clip']) for r in clipping]}"
+    )
     assert clipping and all(abs(r["clip_worker"] - r["clip"]) <= LOSS_TOL["metrics"] for r in clipping), clipping
 
 
@@ -385,8 +452,10 @@ def test_gspo_clips_in_the_loop(gspo_tp2_dp2, world):
     from cpu_host.loss_check import check_run_cached
 
     recs = check_run_cached(gspo_tp2_dp2.dir, world.dense)["per_record"]
-    print(f"run_c: clip fractions {[r['clip'] for r in recs]}, ratios "
-          f"{min(r['ratio_min'] for r in recs):.6f}..{max(r['ratio_max'] for r in recs):.6f}")
+    print(
+        f"run_c: clip fractions {[r['clip'] for r in recs]}, ratios "
+        f"{min(r['ratio_min'] for r in recs):.6f}..{max(r['ratio_max'] for r in recs):.6f}"
+    )
     assert min(r["ratio_min"] for r in recs) < 1 - 3e-4 or max(r["ratio_max"] for r in recs) > 1 + 4e-4, recs
     assert max(r["clip"] for r in recs) > 0, recs
     _worker_clips_as_the_reference(recs)
@@ -410,9 +479,12 @@ def test_espo_loss_in_the_loop_equals_the_float64_reference(espo_moe, world):
 @pytest.mark.v070
 def test_gspo_loss_in_the_loop_equals_the_float64_reference(gspo_tp2_dp2, world):
     got = _loss_matches_reference(gspo_tp2_dp2, world.dense)
-    ranks = {r["rank"] for recs in __import__("cpu_host.loss_check", fromlist=["records"]).records(
-        gspo_tp2_dp2.dir).values() for r in recs}
-    assert ranks == {0, 1, 2, 3}, ranks                       # every worker's loss was checked
+    ranks = {
+        r["rank"]
+        for recs in __import__("cpu_host.loss_check", fromlist=["records"]).records(gspo_tp2_dp2.dir).values()
+        for r in recs
+    }
+    assert ranks == {0, 1, 2, 3}, ranks  # every worker's loss was checked
     assert got["records"] >= 4 * STEPS
 
 
@@ -437,7 +509,7 @@ def test_gspo_parameter_gradients_equal_a_float64_transformers_backward(gspo_tp2
     got = check_gradients(gspo_tp2_dp2.dir, world.dense, temperature)
     print(f"gradients: {got}")
     assert got["ranks"] == 4 and got["dp_group_size"] == 2, got
-    assert got["microbatches"] >= 2, got                       # both DP ranks' microbatches (TP peers once)
+    assert got["microbatches"] >= 2, got  # both DP ranks' microbatches (TP peers once)
     # every loss call of the global batch received the counts of the whole global batch (both DP ranks)
     assert got["counts_used"] == [got["counts_reference"]], got
     assert got["grad_scale"] > 0
@@ -453,7 +525,7 @@ def test_vllm_path_up_to_its_workers(sspo):
     assert args["worker_cls"] == "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
     (layout,) = sspo.of("policy_layout")
     assert args["cluster_world_size"] == layout["workers"] == 1 and args["colocated"] is True
-    assert args["vllm_cfg"]["load_format"] == "dummy"          # NeMo-RL's setup: the weights arrive by refit
+    assert args["vllm_cfg"]["load_format"] == "dummy"  # NeMo-RL's setup: the weights arrive by refit
     # stop and pad ids: what NeMo-RL's setup took from the tokenizer
     from transformers import AutoTokenizer
 
@@ -463,7 +535,7 @@ def test_vllm_path_up_to_its_workers(sspo):
 
 def test_resume_continues_at_step_3_with_the_same_metrics(sspo, sspo_resumed):
     assert "Loading checkpoint from" in sspo_resumed.log or "step_2" in sspo_resumed.log
-    assert sspo_resumed.steps("train/loss") == [3]                 # it trained step 3 only
+    assert sspo_resumed.steps("train/loss") == [3]  # it trained step 3 only
     assert len(sspo_resumed.of("policy_train")) == 1
     import json
 
@@ -491,9 +563,16 @@ def test_espo_loop_on_moe(espo_moe):
     assert all(c["group_ids"]["max"] == 1 for c in espo_moe.of("policy_train"))
     # the π_old/π_gen correction at group_mean with seq-mask-tis: its diagnostics every step (their values
     # are checked against the float64 reference by test_espo_loss_in_the_loop_equals_the_float64_reference)
-    for tag in ("train/gen_mismatch_abs_mean", "train/gen_kl_k3", "train/gen_mismatch_group_abs_mean",
-                "train/is_oob_ratio", "train/is_oob_group_frac", "train/sampling_importance_ratio",
-                "train/gen_mismatch_token_abs_max", "train/gen_mismatch_group_abs_max"):
+    for tag in (
+        "train/gen_mismatch_abs_mean",
+        "train/gen_kl_k3",
+        "train/gen_mismatch_group_abs_mean",
+        "train/is_oob_ratio",
+        "train/is_oob_group_frac",
+        "train/sampling_importance_ratio",
+        "train/gen_mismatch_token_abs_max",
+        "train/gen_mismatch_group_abs_max",
+    ):
         series = espo_moe.series(tag)
         assert sorted(series) == [1, 2, 3] and all(math.isfinite(v) for v in series.values()), (tag, series)
     assert all(0 <= v <= 1 for v in espo_moe.series("train/is_oob_ratio").values())
@@ -505,7 +584,7 @@ def test_gspo_loop_fsdp_and_tensor_parallel(gspo_tp2_dp2):
     # the entropy comes from vocabulary-parallel logits (one MAX and one SUM all-reduce over TP)
     _trained_every_step(gspo_tp2_dp2, needs_ids=False, **TOL["fsdp"])
 
-    assert "worker-3" in gspo_tp2_dp2.log                     # four policy workers
+    assert "worker-3" in gspo_tp2_dp2.log  # four policy workers
     assert gspo_tp2_dp2.of("vllm_arguments")[0]["cluster_world_size"] == 4
     # the layout NeMo-RL's Policy built: 4 workers, DP 2 x TP 2
     (layout,) = gspo_tp2_dp2.of("policy_layout")
@@ -514,9 +593,23 @@ def test_gspo_loop_fsdp_and_tensor_parallel(gspo_tp2_dp2):
 
 def test_compare_from_runs_reads_the_run_directories(sspo, espo_moe, gspo_tp2_dp2, tmp_path):
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "compare", "--from-runs", str(sspo.dir),
-                           str(espo_moe.dir), str(gspo_tp2_dp2.dir), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_granular",
+            "compare",
+            "--from-runs",
+            str(sspo.dir),
+            str(espo_moe.dir),
+            str(gspo_tp2_dp2.dir),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = (out / "report.md").read_text()
     # the run directories are named run_a/b/c: the report takes each run's algorithm from its own config
@@ -526,8 +619,11 @@ def test_compare_from_runs_reads_the_run_directories(sspo, espo_moe, gspo_tp2_dp
     from nemo_granular.report.runs import load_run
 
     assert [load_run(r.dir).algorithm for r in (sspo, espo_moe, gspo_tp2_dp2)] == ["sspo", "espo", "gspo"]
-    claims = {cells[1].strip(): cells[3] for cells in (line.split("|") for line in report.splitlines())
-              if len(cells) > 5 and re.search(r"§|Table|Fig", cells[2])}
+    claims = {
+        cells[1].strip(): cells[3]
+        for cells in (line.split("|") for line in report.splitlines())
+        if len(cells) > 5 and re.search(r"§|Table|Fig", cells[2])
+    }
     claim = claims["ESPO clips less than GSPO"]
     assert re.search(r"\bESPO [-+0-9]", claim) and re.search(r"\bGSPO [-+0-9]", claim), claims
     # the claims against GRPO (no GRPO run here) are named under the table, without a row
@@ -545,8 +641,12 @@ def test_export_of_the_checkpoint_loads_in_transformers_and_generates(sspo, tmp_
     out = tmp_path / "hf"
     # step 2's checkpoint holds the weights the last refit (before step 3's rollout) delivered
     step = sspo.dir / "checkpoints" / "step_2"
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "export", str(step), str(out), "--dtype", "fp32"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_granular", "export", str(step), str(out), "--dtype", "fp32"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -584,10 +684,12 @@ def test_espo_moe_truncates_and_its_bounds_spread(espo_moe, world):
     recs = got["per_record"]
     for r in recs:
         off = r["offpolicy"]
-        print(f"run_b step {r['call'] + 1} record {r['index']}: is_oob group share {off['is_oob_group_frac']:.4g}, "
-              f"token share {off['is_oob_token_frac']:.4g}, |δ| mean {off['gen_mismatch_abs_mean']:.3g}, group |δ| "
-              f"mean {off['gen_mismatch_group_abs_mean']:.3g}, clip {r['clip']:.3g}, ratios "
-              f"{r['ratio_min']:.3f}..{r['ratio_max']:.3f}")
+        print(
+            f"run_b step {r['call'] + 1} record {r['index']}: is_oob group share {off['is_oob_group_frac']:.4g}, "
+            f"token share {off['is_oob_token_frac']:.4g}, |δ| mean {off['gen_mismatch_abs_mean']:.3g}, group |δ| "
+            f"mean {off['gen_mismatch_group_abs_mean']:.3g}, clip {r['clip']:.3g}, ratios "
+            f"{r['ratio_min']:.3f}..{r['ratio_max']:.3f}"
+        )
     print(f"run_b: off-policy diagnostics, largest |worker − reference| {got['offpolicy_err']}")
     # the truncation fired (measured: masked group shares 0.125–0.375 in 9 of 12 records), and not
     # everywhere; the worker's shares equal the reference's (test_espo_loss_in_the_loop_equals_...: there a
@@ -601,5 +703,7 @@ def test_espo_moe_truncates_and_its_bounds_spread(espo_moe, world):
     # before they were saturated, issue #34)
     for call in sorted({r["call"] for r in recs}):
         widths = [hi - lo for r in recs if r["call"] == call for lo, hi in r["bounds"]]
-        print(f"run_b step {call + 1}: clip range hi − lo {min(widths):.3g}..{max(widths):.3g} over {len(widths)} groups")
+        print(
+            f"run_b step {call + 1}: clip range hi − lo {min(widths):.3g}..{max(widths):.3g} over {len(widths)} groups"
+        )
         assert max(widths) - min(widths) >= 0.2 * max(widths), widths

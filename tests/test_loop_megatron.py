@@ -38,11 +38,11 @@ from cpu_host.worker_zygote import MEGATRON_PRELOAD
 
 pytestmark = [pytest.mark.slow, pytest.mark.dist, pytest.mark.nemo_rl]
 STEPS = 3
-VOCAB = models.VOCAB_PAD    # TP 1: Megatron pads no vocabulary rows
+VOCAB = models.VOCAB_PAD  # TP 1: Megatron pads no vocabulary rows
 # 4 prompts x 8 samples, 2 optimizer steps per GRPO step (as the shipped config): groups of 8 make
 # a mixed-reward group (A != 0) likely from the random policy's first rollout on
 GENERATIONS = 8
-WORKERS = 2             # data parallel: bf16 training on two workers, whose refits must agree
+WORKERS = 2  # data parallel: bf16 training on two workers, whose refits must agree
 # the container's environment on a GPU node: NeMo-RL's Policy refuses the Megatron backend without
 # TORCH_CUDA_ARCH_LIST; Megatron's torch.compile'd fusions would build C++ kernels on CPU (the
 # eager functions compute the same)
@@ -51,10 +51,11 @@ ENV = {"TORCH_CUDA_ARCH_LIST": "9.0", "TORCHDYNAMO_DISABLE": "1"}
 
 @pytest.fixture(scope="module")
 def world(nemo_rl_src, megatron_workers):
-    root = Path(tempfile.mkdtemp(prefix="nmeg", dir="/tmp"))   # short: Ray's socket paths live under it
+    root = Path(tempfile.mkdtemp(prefix="nmeg", dir="/tmp"))  # short: Ray's socket paths live under it
     try:
-        w = SimpleNamespace(root=root, model=models.write_model(root / "qwen3"),
-                            data=models.write_math_data(root / "math.jsonl"))
+        w = SimpleNamespace(
+            root=root, model=models.write_model(root / "qwen3"), data=models.write_math_data(root / "math.jsonl")
+        )
         with RayHead(root, num_cpus=8, num_gpus=WORKERS, env=ENV, preload=MEGATRON_PRELOAD) as head:
             w.head = head
             yield w
@@ -66,10 +67,10 @@ def world(nemo_rl_src, megatron_workers):
 def _child(w, name: str, parent: str, *, env="math", extra=None) -> tuple[Path, Path]:
     run = w.root / name
     run.mkdir()
-    over = configs.shrink_megatron(run, w.model, w.data, env=env, steps=STEPS, generations=GENERATIONS,
-                                   train_batch=2 * GENERATIONS, gpus=WORKERS)
+    over = configs.shrink_megatron(
+        run, w.model, w.data, env=env, steps=STEPS, generations=GENERATIONS, train_batch=2 * GENERATIONS, gpus=WORKERS
+    )
     return configs.write_child(run / "child.yaml", configs.CONFIGS / parent, over, extra), run
-
 
 
 @pytest.fixture(scope="module")
@@ -115,17 +116,19 @@ def _trained_every_step(run, *, needs_ids: bool, logprob_tol: float, entropy_tol
     refits = run.of("refit")
     (layout,) = run.of("policy_layout")
     assert layout["workers"] == layout["data_parallel"] == WORKERS, layout
-    for r in refits:     # every worker streamed the whole model over its ZMQ socket
+    for r in refits:  # every worker streamed the whole model over its ZMQ socket
         assert r["refit"]["path"] == "ipc_zmq" and r["refit"]["workers"] == WORKERS, r["refit"]
         assert min(r["refit"]["payloads"]) >= 1 and len(set(r["refit"]["tensors"])) == 1, r["refit"]
         # data-parallel replicas after the same optimizer steps: the weights they sent are identical
         assert r["workers_agree"] == 0.0, r
     moved = [refits[k]["sum"] != refits[k - 1]["sum"] for k in range(1, STEPS)]
-    assert moved == [c["advantages_nonzero"] > 0 for c in calls[:STEPS - 1]], (moved, refits)
+    assert moved == [c["advantages_nonzero"] > 0 for c in calls[: STEPS - 1]], (moved, refits)
     errs = run.series("train/token_mult_prob_error")
-    print(f"{run.dir.name}: logprobs vs HF {max(c['prev_logprobs_vs_hf']['max'] for c in calls):.3g}, entropy vs HF "
-          f"{max(c['prev_logprobs_vs_hf']['entropy_max'] for c in calls):.3g}, token_mult_prob_error - 1 "
-          f"{max(abs(v - 1) for v in errs.values()):.3g}")
+    print(
+        f"{run.dir.name}: logprobs vs HF {max(c['prev_logprobs_vs_hf']['max'] for c in calls):.3g}, entropy vs HF "
+        f"{max(c['prev_logprobs_vs_hf']['entropy_max'] for c in calls):.3g}, token_mult_prob_error - 1 "
+        f"{max(abs(v - 1) for v in errs.values()):.3g}"
+    )
     assert sorted(errs) == [1, 2, 3] and all(abs(v - 1) <= mult_tol for v in errs.values()), errs
 
 
@@ -139,7 +142,7 @@ def test_espo_loop_on_megatron_three_steps(espo):
     # alpha: auto set on the first rollout, logged every step, the same α throughout
     alphas = espo.series("train/espo_alpha")
     assert sorted(alphas) == [1, 2, 3] and len(set(alphas.values())) == 1 and 0 < alphas[1] < 1, alphas
-    for step in (1, 2, 3):     # Megatron distributed checkpoints through NeMo-RL's CheckpointManager
+    for step in (1, 2, 3):  # Megatron distributed checkpoints through NeMo-RL's CheckpointManager
         weights = espo.dir / "checkpoints" / f"step_{step}" / "policy" / "weights"
         assert (weights / "latest_checkpointed_iteration.txt").is_file(), sorted(weights.iterdir())
 
@@ -160,11 +163,11 @@ def test_espo_loss_in_the_megatron_loop_equals_the_float64_reference(espo, world
 
 # |worker (float32 loss) − float64 reference on the same inputs|: loss and metrics absolute, the
 # gradient relative to its largest element
-LOSS_TOL = {"loss": 1e-7, "grad": 5e-7, "metrics": 5e-7}      # measured 1.1e-8, 5.7e-8, 5.4e-8
+LOSS_TOL = {"loss": 1e-7, "grad": 5e-7, "metrics": 5e-7}  # measured 1.1e-8, 5.7e-8, 5.4e-8
 
 
 def test_resume_continues_at_step_3_with_the_same_metrics(espo, espo_resumed):
-    assert espo_resumed.steps("train/loss") == [3]                 # it trained step 3 only
+    assert espo_resumed.steps("train/loss") == [3]  # it trained step 3 only
     assert len(espo_resumed.of("policy_train")) == 1
     info = json.loads((espo_resumed.dir / "checkpoints" / "step_3" / "training_info.json").read_text())
     assert info["current_step"] == 3 and info["total_steps"] == 3
@@ -186,7 +189,7 @@ def test_export_of_the_megatron_checkpoint_loads_in_transformers(espo, tmp_path,
     from cpu_stand_ins.megatron import use_cpu_layer_spec
     from nemo_granular.cli import main as top_main
 
-    use_cpu_layer_spec(setattr_=monkeypatch.setattr)     # Bridge's model build on CPU (no Transformer Engine)
+    use_cpu_layer_spec(setattr_=monkeypatch.setattr)  # Bridge's model build on CPU (no Transformer Engine)
     out = tmp_path / "hf"
     capsys.readouterr()
     rc = top_main(["export", str(espo.dir / "checkpoints" / "step_2"), str(out), "--dtype", "fp32", "--json"])

@@ -56,8 +56,11 @@ def worker_signature(config: str) -> str:
 
     cfg = load_resolved(str(configs.CONFIGS / config), [])
     sections = {k: cfg[k] for k in ("policy", "value") if k in cfg}
-    return json.dumps({k: {"dtensor_cfg": v.get("dtensor_cfg"), "precision": v.get("precision")}
-                       for k, v in sections.items()}, sort_keys=True, default=str)
+    return json.dumps(
+        {k: {"dtensor_cfg": v.get("dtensor_cfg"), "precision": v.get("precision")} for k, v in sections.items()},
+        sort_keys=True,
+        default=str,
+    )
 
 
 def covered_by() -> dict[str, str]:
@@ -86,8 +89,11 @@ def constructed(nemo_rl_src):
             gpus = 2 if cfg["policy"]["dtensor_cfg"].get("cpu_offload") else 1
             run = root / f"c{i}"
             run.mkdir()
-            over = (configs.shrink_ppo(run, model, critic, data, gpus=gpus) if "value" in cfg
-                    else configs.shrink(run, model, data, gpus=gpus))
+            over = (
+                configs.shrink_ppo(run, model, critic, data, gpus=gpus)
+                if "value" in cfg
+                else configs.shrink(run, model, data, gpus=gpus)
+            )
             children.append(configs.write_child(run / "child.yaml", configs.CONFIGS / parent, over))
         with RayHead(root, num_cpus=8, num_gpus=2) as head:
             proc = run_driver(head, ["-m", "cpu_host.construct", *map(str, children)], root / "construct.log", 1500)
@@ -95,7 +101,7 @@ def constructed(nemo_rl_src):
         for line in proc.stdout.splitlines():
             for tag in ("CONSTRUCTED ", "REJECTED "):
                 if line.startswith(tag):
-                    fact = json.loads(line[len(tag):])
+                    fact = json.loads(line[len(tag) :])
                     fact["status"] = tag.strip()
                     facts[todo[children.index(Path(fact["config"]))]] = fact
         yield {"todo": todo, "facts": facts, "rc": proc.returncode, "log": proc.stdout}

@@ -42,14 +42,15 @@ def sppo(nemo_rl_src):
         # the tiny critic's config sets pad_token_id: without this the value head starts as garbage
         # (run_sppo refuses it, see test_multi_gpu_critic_with_a_pad_token_id_is_refused)
         over["value"]["hf_config_overrides"] = {"pad_token_id": None}
-        cfg = configs.write_child(run / "child.yaml", configs.CONFIGS / "sppo_r1_distill_qwen_7b_small_critic.yaml",
-                                  over)
+        cfg = configs.write_child(
+            run / "child.yaml", configs.CONFIGS / "sppo_r1_distill_qwen_7b_small_critic.yaml", over
+        )
         with RayHead(root, num_cpus=8, num_gpus=2) as head:
             out = run_loop(head, "sppo", cfg, run)
         assert out.rc == 0, out.failure()
         yield SimpleNamespace(run=out, policy=policy, critic=critic)
     finally:
-        if not os.environ.get("NEMO_GRANULAR_KEEP_LOOP_RUNS"):      # debugging aid: keep the run directories
+        if not os.environ.get("NEMO_GRANULAR_KEEP_LOOP_RUNS"):  # debugging aid: keep the run directories
             shutil.rmtree(root, ignore_errors=True)
 
 
@@ -63,13 +64,13 @@ def test_ppo_loop_three_steps_one_sample_per_prompt(sppo):
     calls = run.of("policy_train")
     assert len(calls) == 3
     for c in calls:
-        assert c["shape"][0] == PROMPTS                      # N = 1: one response per prompt
-        assert c["loss_fn"] == "ClippedPGLossFn"             # SPPO's policy loss is NeMo-RL's PPO loss
+        assert c["shape"][0] == PROMPTS  # N = 1: one response per prompt
+        assert c["loss_fn"] == "ClippedPGLossFn"  # SPPO's policy loss is NeMo-RL's PPO loss
         assert c["advantages_nonzero"] > 0 and finite([c["loss"], c["grad_norm"]])
-        assert c["prev_logprobs_vs_hf"]["max"] <= 0.01       # FSDP2 bf16 parameters vs an fp32 forward (measured 5.5e-3)
+        assert c["prev_logprobs_vs_hf"]["max"] <= 0.01  # FSDP2 bf16 parameters vs an fp32 forward (measured 5.5e-3)
     assert max(c["grad_norm"] for c in calls) > 0
     refits = run.of("refit")
-    assert len(refits) == 3 and len({r["sum"] for r in refits}) == 3   # the policy moved every step
+    assert len(refits) == 3 and len({r["sum"] for r in refits}) == 3  # the policy moved every step
     # every refit from both policy workers, by the receiver for this NeMo-RL (cpu_host.refit.dtensor_refit_path);
     # in v0.7.0's own ZMQ refit each worker streams the whole model over several staging buffers: identical copies
     from cpu_host.refit import dtensor_refit_path
@@ -137,18 +138,27 @@ def test_multi_gpu_critic_with_a_pad_token_id_is_refused():
     from nemo_granular.sppo.validate import check_value_head_initialised
 
     def cfg(gpus=2, overrides=None, dtensor=True):
-        return {"cluster": {"gpus_per_node": gpus, "num_nodes": 1},
-                "value": {"model_name": "critic", "dtensor_cfg": {"enabled": dtensor, "tensor_parallel_size": 1},
-                          "megatron_cfg": {"enabled": not dtensor}, "hf_config_overrides": overrides or {}}}
+        return {
+            "cluster": {"gpus_per_node": gpus, "num_nodes": 1},
+            "value": {
+                "model_name": "critic",
+                "dtensor_cfg": {"enabled": dtensor, "tensor_parallel_size": 1},
+                "megatron_cfg": {"enabled": not dtensor},
+                "hf_config_overrides": overrides or {},
+            },
+        }
 
     padded, plain = (lambda n: NS(pad_token_id=0)), (lambda n: NS(pad_token_id=None))
-    with pytest.raises(ValueError, match=r"value.model_name 'critic' sets pad_token_id=0.*"
-                                         r"value.hf_config_overrides.pad_token_id: null"):
+    with pytest.raises(
+        ValueError,
+        match=r"value.model_name 'critic' sets pad_token_id=0.*"
+        r"value.hf_config_overrides.pad_token_id: null",
+    ):
         check_value_head_initialised(cfg(), padded)
     assert check_value_head_initialised(cfg(overrides={"pad_token_id": None}), padded)
-    assert check_value_head_initialised(cfg(gpus=1), padded)               # one worker: no meta-device build
+    assert check_value_head_initialised(cfg(gpus=1), padded)  # one worker: no meta-device build
     assert check_value_head_initialised(cfg(), plain)
-    assert check_value_head_initialised(cfg(dtensor=False), padded)        # Megatron critic: another path
+    assert check_value_head_initialised(cfg(dtensor=False), padded)  # Megatron critic: another path
     assert check_value_head_initialised(cfg(), lambda n: (_ for _ in ()).throw(OSError("offline"))) is False
 
 
@@ -178,7 +188,7 @@ def test_sppo_policy_loss_and_advantage_recomputed(sppo):
     run = sppo.run
     recs = records(run.dir, "policy")
     calls = run.of("policy_train")
-    assert len(recs) >= 2 * len(calls) == 6, len(recs)          # at least one per worker and train call
+    assert len(recs) >= 2 * len(calls) == 6, len(recs)  # at least one per worker and train call
     errs, moved = [], 0
     for rec in recs:
         assert rec["config"]["reference_policy_kl_penalty"] == 0 and not rec["config"]["force_on_policy_ratio"]
@@ -215,4 +225,4 @@ def test_sppo_critic_bce_recomputed(sppo):
         rows += ref["rows"]
         errs.append(abs(rec["loss"] - ref["loss"]))
     assert max(errs) <= VALUE_LOSS_TOL, (max(errs), errs)
-    assert rows == 3 * PROMPTS, rows                             # every sample's row, once per step
+    assert rows == 3 * PROMPTS, rows  # every sample's row, once per step

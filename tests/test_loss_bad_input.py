@@ -14,14 +14,16 @@ ALL = sorted(R.PRESET_SPECS)
 
 
 def make_loss(name, **extra):
-    return GranularPolicyLoss({"granular": {"algorithm": name, "espo": {"vocab_size": V}},
-                               "reference_policy_kl_penalty": 0.0, **extra},
-                              delimiter_table=R.delimiter_table(V))
+    return GranularPolicyLoss(
+        {"granular": {"algorithm": name, "espo": {"vocab_size": V}}, "reference_policy_kl_penalty": 0.0, **extra},
+        delimiter_table=R.delimiter_table(V),
+    )
 
 
 def _call(fn, logp, data, gvs=3.0, gvt=20.0):
-    return fn(next_token_logprobs=logp, data=data, global_valid_seqs=torch.tensor(gvs),
-              global_valid_toks=torch.tensor(gvt))
+    return fn(
+        next_token_logprobs=logp, data=data, global_valid_seqs=torch.tensor(gvs), global_valid_toks=torch.tensor(gvt)
+    )
 
 
 @pytest.mark.parametrize("key", ["advantages", "prev_logprobs", "token_mask", "prev_entropy", "input_ids"])
@@ -71,7 +73,7 @@ def _poison(data, logp, where):
     """Put NaN/inf into valid response tokens; returns the poisoned positions (shifted coords)."""
     tm = data["token_mask"][:, 1:] > 0
     pos = [tuple(p) for p in tm.nonzero().tolist()]
-    hits = pos[1:: max(1, len(pos) // 5)][:4]
+    hits = pos[1 :: max(1, len(pos) // 5)][:4]
     vals = [float("nan"), float("inf"), float("-inf"), float("nan")]
     for (i, t), v in zip(hits, vals):
         if where == "logp":

@@ -9,12 +9,34 @@ import reference as R
 from nemo_granular.losses import GranularPolicyLoss, SequenceValueLoss
 
 V = 16
-METRICS = ("clip_frac_low", "clip_frac_high", "groups_per_response", "group_size_mean", "probs_ratio",
-           "probs_ratio_min", "probs_ratio_max", "clip_bound_low_mean", "clip_bound_high_mean", "nonfinite_tokens")
-NEMO_METRICS = ("loss", "probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max",
-                "probs_ratio_clamped_min", "probs_ratio_clamped_max", "token_mult_prob_error", "gen_kl_error",
-                "policy_kl_error", "js_divergence_error", "approx_entropy", "num_valid_samples",
-                "sampling_importance_ratio")
+METRICS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "groups_per_response",
+    "group_size_mean",
+    "probs_ratio",
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "clip_bound_low_mean",
+    "clip_bound_high_mean",
+    "nonfinite_tokens",
+)
+NEMO_METRICS = (
+    "loss",
+    "probs_ratio",
+    "probs_ratio_clamped",
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "probs_ratio_clamped_min",
+    "probs_ratio_clamped_max",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "approx_entropy",
+    "num_valid_samples",
+    "sampling_importance_ratio",
+)
 
 
 def _float64_batch(seed, **kw):
@@ -37,15 +59,21 @@ def _float64_batch(seed, **kw):
 
 def _run(fn, logp, data, gvs, gvt, dtype=torch.float64):
     lp = logp.detach().clone().to(dtype).requires_grad_(True)
-    loss, m = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(float(gvs), dtype=torch.float64),
-                 global_valid_toks=torch.tensor(float(gvt), dtype=torch.float64))
+    loss, m = fn(
+        next_token_logprobs=lp,
+        data=data,
+        global_valid_seqs=torch.tensor(float(gvs), dtype=torch.float64),
+        global_valid_toks=torch.tensor(float(gvt), dtype=torch.float64),
+    )
     loss.backward()
     return loss, lp.grad, m
 
 
 def _make(name, **extra):
-    return GranularPolicyLoss({"granular": {"algorithm": name, "espo": {"vocab_size": V}},
-                               "reference_policy_kl_penalty": 0.0, **extra}, delimiter_table=R.delimiter_table(V))
+    return GranularPolicyLoss(
+        {"granular": {"algorithm": name, "espo": {"vocab_size": V}}, "reference_policy_kl_penalty": 0.0, **extra},
+        delimiter_table=R.delimiter_table(V),
+    )
 
 
 @pytest.mark.parametrize("name", sorted(R.PRESET_SPECS))
@@ -68,26 +96,51 @@ def test_float64_preset_with_kl_and_dual_clip(name):
     dual = None if R.PRESET_SPECS[name]["surrogate"] == "cispo" else 1.5  # CISPO refuses the dual clip
     fn = _make(name, reference_policy_kl_penalty=0.07, ratio_clip_c=dual)
     loss, grad, _ = _run(fn, logp, data, gvs, gvt)
-    rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V,
-                                                         dual_clip=dual, kl={"coef": 0.07, "type": "k3"}), logp)
+    rloss, rgrad, _ = R.run_ref(
+        lambda lp: R.preset_loss(
+            name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V, dual_clip=dual, kl={"coef": 0.07, "type": "k3"}
+        ),
+        logp,
+    )
     R.assert_close(loss, rloss, rtol=1e-12, atol=1e-13, what="loss")
     R.assert_close(grad, rgrad, rtol=1e-12, atol=1e-13, what="grad")
 
 
-@pytest.mark.parametrize("preset,nemo_cfg,rtol", [
-    ("grpo", {"token_level_loss": True}, 1e-12),
-    # GSPO mode divides each row's log-ratio sum by (n_i + 1e-8), as we do
-    ("gspo", {"token_level_loss": False, "sequence_level_importance_ratios": True, "ratio_clip_min": 3e-4,
-              "ratio_clip_max": 4e-4}, 1e-12)])
+@pytest.mark.parametrize(
+    "preset,nemo_cfg,rtol",
+    [
+        ("grpo", {"token_level_loss": True}, 1e-12),
+        # GSPO mode divides each row's log-ratio sum by (n_i + 1e-8), as we do
+        (
+            "gspo",
+            {
+                "token_level_loss": False,
+                "sequence_level_importance_ratios": True,
+                "ratio_clip_min": 3e-4,
+                "ratio_clip_max": 4e-4,
+            },
+            1e-12,
+        ),
+    ],
+)
 def test_float64_nemo_metrics(preset, nemo_cfg, rtol):
     """NeMo-RL's metric set in float64 (the diagnostics of π_old vs π_gen included)."""
     data, logp, gvs, gvt = _float64_batch(4, noise=(1e-3, 0.05, 0.3), gen_noise=0.03)
-    extra = {"sequence_level_importance_ratios": True, "ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4} \
-        if preset == "gspo" else {}
-    loss, grad, m = _run(GranularPolicyLoss({"granular": {"algorithm": preset}, "reference_policy_kl_penalty": 0.0,
-                                             **extra}), logp, data, gvs, gvt)
-    rloss, rgrad, rm = R.run_ref(R.nemo_clipped_pg_loss, logp, data, {"reference_policy_kl_penalty": 0.0, **nemo_cfg},
-                                 gvs, gvt)
+    extra = (
+        {"sequence_level_importance_ratios": True, "ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4}
+        if preset == "gspo"
+        else {}
+    )
+    loss, grad, m = _run(
+        GranularPolicyLoss({"granular": {"algorithm": preset}, "reference_policy_kl_penalty": 0.0, **extra}),
+        logp,
+        data,
+        gvs,
+        gvt,
+    )
+    rloss, rgrad, rm = R.run_ref(
+        R.nemo_clipped_pg_loss, logp, data, {"reference_policy_kl_penalty": 0.0, **nemo_cfg}, gvs, gvt
+    )
     # every token mean divides by count + 1e-8 on both sides (NeMo-RL's masked_mean; math.md, Notation)
     R.assert_close(loss, rloss, rtol=rtol, atol=1e-13, what="loss")
     R.assert_close(grad, rgrad, rtol=rtol, atol=1e-13, what="grad")
@@ -138,10 +191,14 @@ def test_value_loss_float64():
     token_mask = torch.zeros(B, S)
     token_mask[:, 3:] = 1
     values = (torch.randn(B, S, generator=g, dtype=torch.float64) * 2).requires_grad_(True)
-    data = {"token_mask": token_mask, "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]),
-            "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0])}
-    loss, m = SequenceValueLoss()(logits=values, data=data, global_valid_seqs=torch.tensor(3.0),
-                                  global_valid_toks=torch.tensor(18.0))
+    data = {
+        "token_mask": token_mask,
+        "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0]),
+    }
+    loss, m = SequenceValueLoss()(
+        logits=values, data=data, global_valid_seqs=torch.tensor(3.0), global_valid_toks=torch.tensor(18.0)
+    )
     assert loss.dtype == torch.float64
     ref = sum(R.bce_with_logits(float(values[i, 3]), float(data["rewards"][i])) for i in (0, 1, 3)) / 3
     assert abs(float(loss) - ref) < 1e-13

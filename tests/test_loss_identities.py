@@ -12,14 +12,22 @@ from nemo_granular.losses import GranularPolicyLoss
 
 V = 16
 ALL = sorted(R.PRESET_SPECS)
-SUMMED = ("clip_frac_low", "clip_frac_high", "groups_per_response", "group_size_mean", "probs_ratio",
-          "nonfinite_tokens", "num_valid_samples")
+SUMMED = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "groups_per_response",
+    "group_size_mean",
+    "probs_ratio",
+    "nonfinite_tokens",
+    "num_valid_samples",
+)
 
 
 def make_loss(name, **extra):
     granular = {"algorithm": name, "espo": {"vocab_size": V}, **extra.pop("granular", {})}
-    return GranularPolicyLoss({"reference_policy_kl_penalty": 0.0, "granular": granular, **extra},
-                              delimiter_table=R.delimiter_table(V))
+    return GranularPolicyLoss(
+        {"reference_policy_kl_penalty": 0.0, "granular": granular, **extra}, delimiter_table=R.delimiter_table(V)
+    )
 
 
 # ------------------------------------------------------------------ identity 1
@@ -30,8 +38,12 @@ def make_loss(name, **extra):
 def _run64(fn, logp, data, gvs, gvt):
     data = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
     lp = logp.detach().clone().double().requires_grad_(True)
-    loss, m = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(float(gvs), dtype=torch.float64),
-                 global_valid_toks=torch.tensor(float(gvt), dtype=torch.float64))
+    loss, m = fn(
+        next_token_logprobs=lp,
+        data=data,
+        global_valid_seqs=torch.tensor(float(gvs), dtype=torch.float64),
+        global_valid_toks=torch.tensor(float(gvt), dtype=torch.float64),
+    )
     loss.backward()
     return loss.detach(), lp.grad, m
 
@@ -65,8 +77,7 @@ def test_segment_without_delimiter_is_gspo_preset():
 def test_single_entropy_group_with_fixed_eps_is_gspo_token(seed):
     """top_fraction 0.99 puts every token of a row (n < 100) in the high group: one group."""
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=seed, per_token_adv=True)
-    one = make_loss("espo", granular={"entropy_top_fraction": 0.99, "clip": "fixed", "eps_low": 3e-4,
-                                      "eps_high": 4e-4})
+    one = make_loss("espo", granular={"entropy_top_fraction": 0.99, "clip": "fixed", "eps_low": 3e-4, "eps_high": 4e-4})
     a = R.run_loss(one, logp, data, gvs, gvt)
     b = R.run_loss(make_loss("gspo_token"), logp, data, gvs, gvt)
     assert a[2]["groups_per_response"] == b[2]["groups_per_response"]
@@ -136,8 +147,14 @@ def _pad(data, logp, left=0, right=0, pad_token=R.DELIMITERS[0]):
     for k, v in data.items():
         if torch.is_tensor(v) and v.dim() == 2:
             fill = pad_token if k == "input_ids" else 0
-            out[k] = torch.cat([torch.full((v.shape[0], left), fill, dtype=v.dtype), v,
-                                torch.full((v.shape[0], right), fill, dtype=v.dtype)], dim=1)
+            out[k] = torch.cat(
+                [
+                    torch.full((v.shape[0], left), fill, dtype=v.dtype),
+                    v,
+                    torch.full((v.shape[0], right), fill, dtype=v.dtype),
+                ],
+                dim=1,
+            )
         else:
             out[k] = v
     lp = torch.cat([torch.zeros(logp.shape[0], left), logp, torch.zeros(logp.shape[0], right)], dim=1)
@@ -162,8 +179,8 @@ def test_invariant_to_padding_width(name, left, right):
     pdata, plogp = _pad(data, logp, left, right)
     b = R.run_loss(fn, plogp, pdata, gvs, gvt)
     R.assert_close(b[0], a[0], rtol=1e-6, atol=1e-7, what="loss")
-    R.assert_close(b[1][:, left:left + logp.shape[1]], a[1], rtol=1e-6, atol=1e-7, what="grad")
-    assert b[1][:, :left].abs().sum() == 0 and b[1][:, left + logp.shape[1]:].abs().sum() == 0
+    R.assert_close(b[1][:, left : left + logp.shape[1]], a[1], rtol=1e-6, atol=1e-7, what="grad")
+    assert b[1][:, :left].abs().sum() == 0 and b[1][:, left + logp.shape[1] :].abs().sum() == 0
     for k in SUMMED + ("probs_ratio_min", "probs_ratio_max"):
         R.assert_close(b[2][k], a[2][k], rtol=1e-6, atol=1e-7, what=k)
 
@@ -217,18 +234,27 @@ def test_invariant_to_sequence_packing_calls(name):
     fn = make_loss(name, **KL)
     parts = []
     for i, L in enumerate(R.row_lengths(data)):
-        d = {k: (v[i:i + 1, :L] if torch.is_tensor(v) and v.dim() > 1 and v.shape[1] > 1 else v[i:i + 1])
-             for k, v in data.items()}
-        parts.append((d, logp[i:i + 1, :L - 1]))
+        d = {
+            k: (v[i : i + 1, :L] if torch.is_tensor(v) and v.dim() > 1 and v.shape[1] > 1 else v[i : i + 1])
+            for k, v in data.items()
+        }
+        parts.append((d, logp[i : i + 1, : L - 1]))
     full, grads = _check_split(fn, data, logp, gvs, gvt, parts)
     for i, g in enumerate(grads):
-        R.assert_close(g[0], full[1][i, :g.shape[1]], rtol=1e-6, atol=1e-7, what=f"grad row {i}")
-        assert full[1][i, g.shape[1]:].abs().sum() == 0
+        R.assert_close(g[0], full[1][i, : g.shape[1]], rtol=1e-6, atol=1e-7, what=f"grad row {i}")
+        assert full[1][i, g.shape[1] :].abs().sum() == 0
 
 
 @settings(max_examples=30, deadline=None)
-@given(name=st.sampled_from(ALL), B=st.integers(2, 6), S=st.integers(3, 12), seed=st.integers(0, 10_000),
-       left=st.integers(0, 3), right=st.integers(0, 3), data_perm=st.randoms(use_true_random=False))
+@given(
+    name=st.sampled_from(ALL),
+    B=st.integers(2, 6),
+    S=st.integers(3, 12),
+    seed=st.integers(0, 10_000),
+    left=st.integers(0, 3),
+    right=st.integers(0, 3),
+    data_perm=st.randoms(use_true_random=False),
+)
 def test_property_invariances(name, B, S, seed, left, right, data_perm):
     data, logp, gvs, gvt = R.make_batch(B=B, S=S, V=V, seed=seed, prompt_max=max(1, S // 4))
     fn = make_loss(name)
@@ -239,4 +265,4 @@ def test_property_invariances(name, B, S, seed, left, right, data_perm):
     pdata, plogp = _rows(*_pad(data, logp, left, right), perm)
     b = R.run_loss(fn, plogp, pdata, gvs, gvt)
     R.assert_close(b[0], a[0], rtol=1e-6, atol=1e-7, what="loss")
-    R.assert_close(b[1][:, left:left + logp.shape[1]], a[1][perm], rtol=1e-6, atol=1e-7, what="grad")
+    R.assert_close(b[1][:, left : left + logp.shape[1]], a[1][perm], rtol=1e-6, atol=1e-7, what="grad")

@@ -32,18 +32,36 @@ from nemo_granular.losses import GranularPolicyLoss
 V = 16
 # what the rewrite's minimal mode keeps of NeMo-RL's metric set (its ClippedPGLossFn.__call__)
 NEMO_MINIMAL = {"loss", "kl_penalty", "num_valid_samples", "positive_nll_loss"}
-NEMO_FULL_ONLY = {"probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max",
-                  "probs_ratio_clamped_min", "probs_ratio_clamped_max", "token_mult_prob_error", "gen_kl_error",
-                  "policy_kl_error", "js_divergence_error", "approx_entropy"}
-TIS = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-           truncated_importance_sampling_ratio=1.03)
-SEQ_MASK = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
-                truncated_importance_sampling_ratio=1.01, truncated_importance_sampling_ratio_min=0.99)
+NEMO_FULL_ONLY = {
+    "probs_ratio",
+    "probs_ratio_clamped",
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "probs_ratio_clamped_min",
+    "probs_ratio_clamped_max",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "approx_entropy",
+}
+TIS = dict(
+    use_importance_sampling_correction=True,
+    truncated_importance_sampling_type="tis",
+    truncated_importance_sampling_ratio=1.03,
+)
+SEQ_MASK = dict(
+    use_importance_sampling_correction=True,
+    truncated_importance_sampling_type="seq-mask-tis",
+    truncated_importance_sampling_ratio=1.01,
+    truncated_importance_sampling_ratio_min=0.99,
+)
 
 
 def _make(name, **extra):
-    return GranularPolicyLoss({"granular": {"algorithm": name, "espo": {"vocab_size": V}}, **extra},
-                              delimiter_table=R.delimiter_table(V))
+    return GranularPolicyLoss(
+        {"granular": {"algorithm": name, "espo": {"vocab_size": V}}, **extra}, delimiter_table=R.delimiter_table(V)
+    )
 
 
 def _run(fn, seed=0):
@@ -51,8 +69,12 @@ def _run(fn, seed=0):
     data = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
     data["rewards"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64)
     lp = logp.double().requires_grad_(True)
-    loss, m = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(gvs, dtype=torch.float64),
-                 global_valid_toks=torch.tensor(gvt, dtype=torch.float64))
+    loss, m = fn(
+        next_token_logprobs=lp,
+        data=data,
+        global_valid_seqs=torch.tensor(gvs, dtype=torch.float64),
+        global_valid_toks=torch.tensor(gvt, dtype=torch.float64),
+    )
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.detach(), grad, m
 
@@ -62,8 +84,11 @@ def test_skip_list_is_the_rewrites():
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
-@pytest.mark.parametrize("extra", [{}, dict(reference_policy_kl_penalty=0.05, positive_example_nll_weight=0.2),
-                                   TIS], ids=["plain", "kl_nll", "tis"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(reference_policy_kl_penalty=0.05, positive_example_nll_weight=0.2), TIS],
+    ids=["plain", "kl_nll", "tis"],
+)
 def test_minimal_drops_only_the_diagnostics(name, extra):
     full_fn, min_fn = _make(name, **extra), _make(name, metrics_level="minimal", **extra)
     loss, grad, full = _run(full_fn)
@@ -92,8 +117,9 @@ def test_bad_values_refused(value, key):
 
 
 @pytest.mark.parametrize("name", ["grpo", "sspo"])  # token ratios; group ratios with entropy bounds
-@pytest.mark.parametrize("extra", [{}, dict(granular={"is_level": "group_mean"}, **SEQ_MASK)],
-                         ids=["plain", "is_group_mean_seq_mask_tis"])
+@pytest.mark.parametrize(
+    "extra", [{}, dict(granular={"is_level": "group_mean"}, **SEQ_MASK)], ids=["plain", "is_group_mean_seq_mask_tis"]
+)
 def test_torch_compile_objective(monkeypatch, name, extra):
     """The off-policy correction at its level (math.md §10) is part of the compiled objective."""
     calls = []
@@ -102,6 +128,7 @@ def test_torch_compile_objective(monkeypatch, name, extra):
     def compile_(fn, **kw):
         calls.append(kw)
         return real(fn, backend="aot_eager", dynamic=kw.get("dynamic"))
+
     monkeypatch.setattr(torch, "compile", compile_)
     torch._dynamo.reset()
     if extra:  # _make's granular keys and the level together
@@ -120,9 +147,16 @@ def test_torch_compile_objective(monkeypatch, name, extra):
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "sspo", "espo"])
-@pytest.mark.parametrize("key,value", [("prev_logprobs", float("-inf")), ("prev_logprobs", float("inf")),
-                                       ("advantages", float("inf")), ("prev_entropy", float("inf")),
-                                       ("prev_logprobs", float("nan"))])
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("prev_logprobs", float("-inf")),
+        ("prev_logprobs", float("inf")),
+        ("advantages", float("inf")),
+        ("prev_entropy", float("inf")),
+        ("prev_logprobs", float("nan")),
+    ],
+)
 @pytest.mark.parametrize("level", ["full", "minimal"])
 def test_first_read_never_hides_a_nonfinite_token(name, key, value, level):
     """The loss first reads the batch without the finiteness pass; one ±inf/NaN token (whose

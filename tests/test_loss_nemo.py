@@ -15,37 +15,69 @@ from nemo_granular.losses import GranularPolicyLoss
 
 pytestmark = pytest.mark.v070
 
-NEMO_METRICS = ("loss", "probs_ratio", "probs_ratio_clamped", "probs_ratio_min", "probs_ratio_max",
-                "probs_ratio_clamped_min", "probs_ratio_clamped_max", "token_mult_prob_error", "gen_kl_error",
-                "policy_kl_error", "js_divergence_error", "approx_entropy", "num_valid_samples")
+NEMO_METRICS = (
+    "loss",
+    "probs_ratio",
+    "probs_ratio_clamped",
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "probs_ratio_clamped_min",
+    "probs_ratio_clamped_max",
+    "token_mult_prob_error",
+    "gen_kl_error",
+    "policy_kl_error",
+    "js_divergence_error",
+    "approx_entropy",
+    "num_valid_samples",
+)
 
 OPTIONS = {
     "plain": {},
     "kl_k1": dict(reference_policy_kl_penalty=0.05, reference_policy_kl_type="k1"),
     "kl_k2": dict(reference_policy_kl_penalty=0.05, reference_policy_kl_type="k2"),
     "kl_k3": dict(reference_policy_kl_penalty=0.05, reference_policy_kl_type="k3"),
-    "kl_k3_clamped": dict(reference_policy_kl_penalty=0.1, reference_policy_kl_type="k3", kl_input_clamp_value=0.1,
-                          kl_output_clamp_value=0.002),
+    "kl_k3_clamped": dict(
+        reference_policy_kl_penalty=0.1,
+        reference_policy_kl_type="k3",
+        kl_input_clamp_value=0.1,
+        kl_output_clamp_value=0.002,
+    ),
     "kl_on_policy_approx": dict(reference_policy_kl_penalty=0.05, use_on_policy_kl_approximation=True),
     "kl_in_reward": dict(reference_policy_kl_penalty=0.05, use_kl_in_reward=True),
     "dual_clip": dict(ratio_clip_c=1.3),
     "dapo_eps": dict(ratio_clip_min=0.2, ratio_clip_max=0.28),
     "is_plain": dict(use_importance_sampling_correction=True),
-    "tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-                truncated_importance_sampling_ratio=1.03),
-    "tis_min": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-                    truncated_importance_sampling_ratio=1.03, truncated_importance_sampling_ratio_min=0.98),
-    "icepop": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
-                   truncated_importance_sampling_ratio=1.03, truncated_importance_sampling_ratio_min=0.97),
-    "seq_mask_tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
-                         truncated_importance_sampling_ratio=1.01, truncated_importance_sampling_ratio_min=0.99),
+    "tis": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.03,
+    ),
+    "tis_min": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="tis",
+        truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_ratio_min=0.98,
+    ),
+    "icepop": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=1.03,
+        truncated_importance_sampling_ratio_min=0.97,
+    ),
+    "seq_mask_tis": dict(
+        use_importance_sampling_correction=True,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.01,
+        truncated_importance_sampling_ratio_min=0.99,
+    ),
     "vapo_nll": dict(positive_example_nll_weight=0.3),
 }
 
 
 def _batch(seed, per_token_adv):
-    data, logp, gvs, gvt = R.make_batch(B=6, S=14, seed=seed, per_token_adv=per_token_adv, gen_noise=0.03,
-                                        noise=(1e-3, 0.05, 0.3))
+    data, logp, gvs, gvt = R.make_batch(
+        B=6, S=14, seed=seed, per_token_adv=per_token_adv, gen_noise=0.03, noise=(1e-3, 0.05, 0.3)
+    )
     data["rewards"] = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
     return data, logp, gvs, gvt
 
@@ -69,9 +101,15 @@ def _compare(ours_cfg, nemo_cfg, data, logp, gvs, gvt, extra_metrics=()):
 def test_grpo_preset_is_nemo_token_level(option, seed):
     opts = OPTIONS[option]
     data, logp, gvs, gvt = _batch(seed, per_token_adv=True)
-    m, rm = _compare({"granular": {"algorithm": "grpo"}, **opts}, {"token_level_loss": True, **opts},
-                     data, logp, gvs, gvt, extra_metrics=("kl_penalty", "sampling_importance_ratio", "is_oob_ratio",
-                                                          "positive_nll_loss"))
+    m, rm = _compare(
+        {"granular": {"algorithm": "grpo"}, **opts},
+        {"token_level_loss": True, **opts},
+        data,
+        logp,
+        gvs,
+        gvt,
+        extra_metrics=("kl_penalty", "sampling_importance_ratio", "is_oob_ratio", "positive_nll_loss"),
+    )
     if "truncated_importance_sampling_type" in opts and seed == 0:
         assert rm["is_oob_ratio"] > 0, "test data should trigger the truncation"
 
@@ -83,24 +121,52 @@ def test_gspo_preset_is_nemo_gspo_mode(option, seed):
     token_level_loss=False (GSPO's ε = 3e-4/4e-4 given to both)."""
     opts = {"ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4, **OPTIONS[option]}
     data, logp, gvs, gvt = _batch(seed, per_token_adv=False)
-    _compare({"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True, **opts},
-             {"token_level_loss": False, "sequence_level_importance_ratios": True, **opts},
-             data, logp, gvs, gvt, extra_metrics=("kl_penalty", "is_oob_ratio", "positive_nll_loss"))
+    _compare(
+        {"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True, **opts},
+        {"token_level_loss": False, "sequence_level_importance_ratios": True, **opts},
+        data,
+        logp,
+        gvs,
+        gvt,
+        extra_metrics=("kl_penalty", "is_oob_ratio", "positive_nll_loss"),
+    )
 
 
 def test_explicit_fields_equal_gspo_preset():
     """The identity holds for the explicit field combination, not only for the preset name."""
     data, logp, gvs, gvt = _batch(3, per_token_adv=False)
-    cfg = {"granular": {"algorithm": "grpo", "granularity": "sequence", "ratio": "shared", "clip": "fixed",
-                        "aggregation": "seq_mean_token_mean"}, "ratio_clip_min": 0.01, "ratio_clip_max": 0.02,
-           "reference_policy_kl_penalty": 0.02}
-    _compare(cfg, {"token_level_loss": False, "sequence_level_importance_ratios": True, "ratio_clip_min": 0.01,
-                   "ratio_clip_max": 0.02, "reference_policy_kl_penalty": 0.02}, data, logp, gvs, gvt)
+    cfg = {
+        "granular": {
+            "algorithm": "grpo",
+            "granularity": "sequence",
+            "ratio": "shared",
+            "clip": "fixed",
+            "aggregation": "seq_mean_token_mean",
+        },
+        "ratio_clip_min": 0.01,
+        "ratio_clip_max": 0.02,
+        "reference_policy_kl_penalty": 0.02,
+    }
+    _compare(
+        cfg,
+        {
+            "token_level_loss": False,
+            "sequence_level_importance_ratios": True,
+            "ratio_clip_min": 0.01,
+            "ratio_clip_max": 0.02,
+            "reference_policy_kl_penalty": 0.02,
+        },
+        data,
+        logp,
+        gvs,
+        gvt,
+    )
 
 
 def test_loss_type_and_metric_normalizers():
     """NeMo-RL protocol attributes: TOKEN_LEVEL for token_mean presets, SEQUENCE_LEVEL otherwise."""
     from nemo_granular.protocol import LossInputType, LossType, MetricNormalizer
+
     assert GranularPolicyLoss({"granular": {"algorithm": "grpo"}}).loss_type == LossType.TOKEN_LEVEL
     assert GranularPolicyLoss({"granular": {"algorithm": "gspo"}}).loss_type == LossType.SEQUENCE_LEVEL
     fn = GranularPolicyLoss({"granular": {"algorithm": "espo", "espo": {"vocab_size": 16}}})
@@ -115,6 +181,7 @@ def test_loss_type_and_metric_normalizers():
 
 
 # ---- against NeMo-RL's REAL ClippedPGLossFn (NEMO_RL_SRC; runs in CI) ---------------------------
+
 
 def _as(data, dtype):
     return {k: (v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in data.items()}
@@ -134,6 +201,7 @@ def nemo_pg(nemo_rl_src):
 
     def make(cfg):
         return ClippedPGLossFn(ClippedPGLossConfig(**cfg))
+
     return make, BatchedDataDict
 
 
@@ -157,10 +225,12 @@ def _compare_real(nemo_pg, ours_cfg, nemo_cfg, seed, per_token_adv, dtype):
             # NeMo-RL's GSPO-mode metric broadcasts [B, 1] weights against the [B] sample mask:
             # Σ_i Σ_j w_i·m_j / gvs = Σ_i w_i over ALL rows. Ours is the masked mean Σ_i w_i·m_i / gvs.
             w = _gspo_row_weights(data, nemo_cfg)
-            assert float(v) == pytest.approx(float(w.sum() * gvs / (gvs + 1e-8)), rel=tol["rtol"] * 10), \
+            assert float(v) == pytest.approx(float(w.sum() * gvs / (gvs + 1e-8)), rel=tol["rtol"] * 10), (
                 "NeMo-RL's GSPO IS metric"
-            assert float(m[k]) == pytest.approx(float((w * data["sample_mask"]).sum() / (gvs + 1e-8)),
-                                                rel=tol["rtol"] * 10)
+            )
+            assert float(m[k]) == pytest.approx(
+                float((w * data["sample_mask"]).sum() / (gvs + 1e-8)), rel=tol["rtol"] * 10
+            )
             continue
         scale = 1 if dtype == torch.float64 else 10  # float32: metrics are sums of a different order
         assert float(m[k]) == pytest.approx(float(v), rel=tol["rtol"] * scale, abs=tol["atol"] * scale), f"metric {k}"
@@ -173,9 +243,13 @@ def _gspo_row_weights(data, cfg):
     w = torch.exp(((data["prev_logprobs"] - data["generation_logprobs"])[:, 1:] * mask).sum(-1))
     kind = cfg.get("truncated_importance_sampling_type")
     if kind == "tis":
-        w = w.clamp(cfg.get("truncated_importance_sampling_ratio_min") or 0.0, cfg["truncated_importance_sampling_ratio"])
+        w = w.clamp(
+            cfg.get("truncated_importance_sampling_ratio_min") or 0.0, cfg["truncated_importance_sampling_ratio"]
+        )
     elif kind == "icepop":
-        w = w * ((w >= cfg["truncated_importance_sampling_ratio_min"]) & (w <= cfg["truncated_importance_sampling_ratio"]))
+        w = w * (
+            (w >= cfg["truncated_importance_sampling_ratio_min"]) & (w <= cfg["truncated_importance_sampling_ratio"])
+        )
     return w
 
 
@@ -185,8 +259,9 @@ def _gspo_row_weights(data, cfg):
 def test_grpo_preset_is_real_clipped_pg_token_level(nemo_pg, option, dtype):
     opts = OPTIONS[option]
     for seed in (0, 1):
-        _, rm = _compare_real(nemo_pg, {"granular": {"algorithm": "grpo"}, **opts}, {"token_level_loss": True, **opts},
-                              seed, True, dtype)
+        _, rm = _compare_real(
+            nemo_pg, {"granular": {"algorithm": "grpo"}, **opts}, {"token_level_loss": True, **opts}, seed, True, dtype
+        )
         if "truncated_importance_sampling_type" in opts and seed == 0:
             assert rm["is_oob_ratio"] > 0, "test data should trigger the truncation"
 
@@ -197,12 +272,18 @@ def test_grpo_preset_is_real_clipped_pg_token_level(nemo_pg, option, dtype):
 def test_gspo_preset_is_real_clipped_pg_gspo_mode(nemo_pg, option, dtype):
     opts = {"ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4, **OPTIONS[option]}
     for seed in (0, 1):
-        _compare_real(nemo_pg, {"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True, **opts},
-                      {"token_level_loss": False, "sequence_level_importance_ratios": True, **opts},
-                      seed, False, dtype)
+        _compare_real(
+            nemo_pg,
+            {"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True, **opts},
+            {"token_level_loss": False, "sequence_level_importance_ratios": True, **opts},
+            seed,
+            False,
+            dtype,
+        )
 
 
 # ---- NeMo-RL's float32 / integer masks and global counts with float64 values (issue 34) --------
+
 
 def _counted_as(data, logp, mask_dtype):
     """float64 values, ``token_mask``/``sample_mask`` and the global counts in ``mask_dtype`` — NeMo-RL's
@@ -217,17 +298,30 @@ def _counted_as(data, logp, mask_dtype):
 
 COUNT_CASES = {  # our config, NeMo-RL's config
     "grpo": ({"granular": {"algorithm": "grpo"}}, {"token_level_loss": True}),
-    "gspo": ({"granular": {"algorithm": "gspo"}, "sequence_level_importance_ratios": True,
-              "ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4},
-             {"token_level_loss": False, "sequence_level_importance_ratios": True, "ratio_clip_min": 3e-4,
-              "ratio_clip_max": 4e-4}),
+    "gspo": (
+        {
+            "granular": {"algorithm": "gspo"},
+            "sequence_level_importance_ratios": True,
+            "ratio_clip_min": 3e-4,
+            "ratio_clip_max": 4e-4,
+        },
+        {
+            "token_level_loss": False,
+            "sequence_level_importance_ratios": True,
+            "ratio_clip_min": 3e-4,
+            "ratio_clip_max": 4e-4,
+        },
+    ),
 }
 
 
 # NeMo-RL refuses seq-mask-tis with sequence_level_importance_ratios (GSPO): that pair is not a case
-COUNT_PAIRS = [(preset, option) for preset in sorted(COUNT_CASES)
-               for option in ("plain", "kl_k3", "is_plain", "tis_min", "seq_mask_tis", "vapo_nll")
-               if (preset, option) != ("gspo", "seq_mask_tis")]
+COUNT_PAIRS = [
+    (preset, option)
+    for preset in sorted(COUNT_CASES)
+    for option in ("plain", "kl_k3", "is_plain", "tis_min", "seq_mask_tis", "vapo_nll")
+    if (preset, option) != ("gspo", "seq_mask_tis")
+]
 
 
 @pytest.mark.nemo_rl

@@ -12,8 +12,18 @@ from nemo_granular.config import PRESETS
 from nemo_granular.losses import GranularPolicyLoss
 
 V = 16
-METRICS = ("clip_frac_low", "clip_frac_high", "groups_per_response", "group_size_mean", "probs_ratio",
-           "probs_ratio_min", "probs_ratio_max", "clip_bound_low_mean", "clip_bound_high_mean", "nonfinite_tokens")
+METRICS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "groups_per_response",
+    "group_size_mean",
+    "probs_ratio",
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "clip_bound_low_mean",
+    "clip_bound_high_mean",
+    "nonfinite_tokens",
+)
 
 
 def make_loss(name, **extra):
@@ -24,7 +34,8 @@ def make_loss(name, **extra):
 def check_preset(name, data, logp, gvs, gvt, **ref_over):
     loss, grad, m = R.run_loss(make_loss(name), logp, data, gvs, gvt)
     rloss, rgrad, rm = R.run_ref(
-        lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V, **ref_over), logp)
+        lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V, **ref_over), logp
+    )
     R.assert_close(loss, rloss, what=f"{name} loss")
     R.assert_close(grad, rgrad, what=f"{name} grad")
     for k in METRICS:
@@ -73,8 +84,10 @@ def test_dual_clip_and_overrides_in_granular_preset():
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=4, noise=(0.8,))
     fn = make_loss("sspo_no_ec", ratio_clip_c=1.5, ratio_clip_min=0.1, ratio_clip_max=0.3)
     loss, grad, _ = R.run_loss(fn, logp, data, gvs, gvt)
-    rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss("sspo_no_ec", lp, data, gvs=gvs, gvt=gvt, dual_clip=1.5,
-                                                         eps_low=0.1, eps_high=0.3), logp)
+    rloss, rgrad, _ = R.run_ref(
+        lambda lp: R.preset_loss("sspo_no_ec", lp, data, gvs=gvs, gvt=gvt, dual_clip=1.5, eps_low=0.1, eps_high=0.3),
+        logp,
+    )
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")
 
@@ -82,11 +95,19 @@ def test_dual_clip_and_overrides_in_granular_preset():
 @pytest.mark.parametrize("cuts", [0.5, [0.25, 0.75], [0.1, 0.3, 0.6]])
 def test_espo_generalised_cut_points(cuts):
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=9)
-    fn = GranularPolicyLoss({"granular": {"algorithm": "espo", "entropy_top_fraction": cuts,
-                                          "espo": {"vocab_size": V, "alpha": 0.5}}, "reference_policy_kl_penalty": 0.0})
+    fn = GranularPolicyLoss(
+        {
+            "granular": {"algorithm": "espo", "entropy_top_fraction": cuts, "espo": {"vocab_size": V, "alpha": 0.5}},
+            "reference_policy_kl_penalty": 0.0,
+        }
+    )
     loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
-    rloss, rgrad, rm = R.run_ref(lambda lp: R.preset_loss(
-        "espo", lp, data, gvs=gvs, gvt=gvt, cuts=[cuts] if isinstance(cuts, float) else cuts, espo_alpha=0.5), logp)
+    rloss, rgrad, rm = R.run_ref(
+        lambda lp: R.preset_loss(
+            "espo", lp, data, gvs=gvs, gvt=gvt, cuts=[cuts] if isinstance(cuts, float) else cuts, espo_alpha=0.5
+        ),
+        logp,
+    )
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")
     R.assert_close(m["groups_per_response"], rm["groups_per_response"], what="groups_per_response")
@@ -95,11 +116,17 @@ def test_espo_generalised_cut_points(cuts):
 def test_sspo_7b_setting():
     """SSPO with the 7B clip setting (α=0.15, β=0.8, γ=2.2)."""
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=6, noise=(0.5,))
-    fn = GranularPolicyLoss({"granular": {"algorithm": "sspo", "sspo": {"alpha": 0.15, "beta": 0.8, "gamma": 2.2}},
-                             "reference_policy_kl_penalty": 0.0}, delimiter_table=R.delimiter_table(V))
+    fn = GranularPolicyLoss(
+        {
+            "granular": {"algorithm": "sspo", "sspo": {"alpha": 0.15, "beta": 0.8, "gamma": 2.2}},
+            "reference_policy_kl_penalty": 0.0,
+        },
+        delimiter_table=R.delimiter_table(V),
+    )
     loss, grad, _ = R.run_loss(fn, logp, data, gvs, gvt)
-    rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss("sspo", lp, data, gvs=gvs, gvt=gvt,
-                                                         sspo=(0.15, 0.8, 2.2)), logp)
+    rloss, rgrad, _ = R.run_ref(
+        lambda lp: R.preset_loss("sspo", lp, data, gvs=gvs, gvt=gvt, sspo=(0.15, 0.8, 2.2)), logp
+    )
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")
 
@@ -119,11 +146,25 @@ def test_precomputed_group_ids_are_used():
 # derandomize: float32 vs float64 can disagree on a clip decision for a ratio within ~1 ulp of a
 # bound (probability ~1e-5 per row); a fixed example sequence keeps CI deterministic
 @settings(max_examples=30, deadline=None, derandomize=True)
-@given(name=st.sampled_from(sorted(R.PRESET_SPECS)), B=st.integers(1, 5), S=st.integers(2, 12),
-       seed=st.integers(0, 10_000), per_token=st.booleans(), ties=st.booleans())
+@given(
+    name=st.sampled_from(sorted(R.PRESET_SPECS)),
+    B=st.integers(1, 5),
+    S=st.integers(2, 12),
+    seed=st.integers(0, 10_000),
+    per_token=st.booleans(),
+    ties=st.booleans(),
+)
 def test_property_presets_match_reference(name, B, S, seed, per_token, ties):
-    data, logp, gvs, gvt = R.make_batch(B=B, S=S, V=V, seed=seed, per_token_adv=per_token, entropy_ties=ties,
-                                        prompt_max=max(1, S // 4), noise=(1e-3, 0.05, 0.4))
+    data, logp, gvs, gvt = R.make_batch(
+        B=B,
+        S=S,
+        V=V,
+        seed=seed,
+        per_token_adv=per_token,
+        entropy_ties=ties,
+        prompt_max=max(1, S // 4),
+        noise=(1e-3, 0.05, 0.4),
+    )
     check_preset(name, data, logp, gvs, gvt)
 
 
@@ -135,12 +176,26 @@ def test_every_field_combination_matches_reference(granularity, ratio, clip, agg
     """Presets are only points of the design space: every combination of the four fields is exact."""
     data, logp, gvs, gvt = R.make_batch(B=4, S=12, V=V, seed=13, per_token_adv=True, noise=(0.02, 0.3))
     fields = dict(granularity=granularity, ratio=ratio, clip=clip, aggregation=aggregation)
-    fn = GranularPolicyLoss({"granular": {"algorithm": "grpo", "eps_low": 0.1, "eps_high": 0.15,
-                                          "espo": {"vocab_size": V, "alpha": 0.3}, **fields},
-                             "reference_policy_kl_penalty": 0.0}, delimiter_table=R.delimiter_table(V))
+    fn = GranularPolicyLoss(
+        {
+            "granular": {
+                "algorithm": "grpo",
+                "eps_low": 0.1,
+                "eps_high": 0.15,
+                "espo": {"vocab_size": V, "alpha": 0.3},
+                **fields,
+            },
+            "reference_policy_kl_penalty": 0.0,
+        },
+        delimiter_table=R.delimiter_table(V),
+    )
     loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
-    rloss, rgrad, rm = R.run_ref(lambda lp: R.granular_loss(lp, data, eps_low=0.1, eps_high=0.15, espo_alpha=0.3,
-                                                            vocab_size=V, gvs=gvs, gvt=gvt, **fields), logp)
+    rloss, rgrad, rm = R.run_ref(
+        lambda lp: R.granular_loss(
+            lp, data, eps_low=0.1, eps_high=0.15, espo_alpha=0.3, vocab_size=V, gvs=gvs, gvt=gvt, **fields
+        ),
+        logp,
+    )
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")
     for k in METRICS:
@@ -155,8 +210,10 @@ def test_preset_with_kl_penalty(name, kl_type):
     data, logp, gvs, gvt = R.make_batch(B=5, S=14, V=V, seed=21)
     fn = make_loss(name, reference_policy_kl_penalty=0.07, reference_policy_kl_type=kl_type)
     loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
-    rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V,
-                                                         kl={"coef": 0.07, "type": kl_type}), logp)
+    rloss, rgrad, _ = R.run_ref(
+        lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V, kl={"coef": 0.07, "type": kl_type}),
+        logp,
+    )
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")
 
@@ -172,11 +229,20 @@ def test_cispo_and_reinforce_at_every_granularity(surrogate, granularity, ratio,
     data, logp, gvs, gvt = R.make_batch(B=4, S=12, V=V, seed=17, per_token_adv=True, noise=(0.3, 2.0))
     data["prev_entropy"] = data["prev_entropy"] * 0.2  # low entropy: tight adaptive bounds
     fields = dict(granularity=granularity, ratio=ratio, clip=clip, aggregation=aggregation)
-    fn = GranularPolicyLoss({"granular": {"algorithm": surrogate, "eps_low": 0.1, "eps_high": 0.15, **fields},
-                             "reference_policy_kl_penalty": 0.0}, delimiter_table=R.delimiter_table(V))
+    fn = GranularPolicyLoss(
+        {
+            "granular": {"algorithm": surrogate, "eps_low": 0.1, "eps_high": 0.15, **fields},
+            "reference_policy_kl_penalty": 0.0,
+        },
+        delimiter_table=R.delimiter_table(V),
+    )
     loss, grad, m = R.run_loss(fn, logp, data, gvs, gvt)
-    rloss, rgrad, rm = R.run_ref(lambda lp: R.granular_loss(lp, data, eps_low=0.1, eps_high=0.15, vocab_size=V,
-                                                            gvs=gvs, gvt=gvt, surrogate=surrogate, **fields), logp)
+    rloss, rgrad, rm = R.run_ref(
+        lambda lp: R.granular_loss(
+            lp, data, eps_low=0.1, eps_high=0.15, vocab_size=V, gvs=gvs, gvt=gvt, surrogate=surrogate, **fields
+        ),
+        logp,
+    )
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")
     assert grad.abs().max() > 0
@@ -205,14 +271,23 @@ def test_token_level_loss_composes_with_presets(name, token_level):
     assert fn.loss_type == (LossType.TOKEN_LEVEL if token_level else LossType.SEQUENCE_LEVEL)
     assert fn.metric_normalizations["loss"] == (MetricNormalizer.TOKENS if token_level else MetricNormalizer.SEQUENCES)
     loss, grad, _ = R.run_loss(fn, logp, data, gvs, gvt)
-    rloss, rgrad, _ = R.run_ref(lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V,
-                                                         aggregation=want, kl={"coef": 0.05}), logp)
+    rloss, rgrad, _ = R.run_ref(
+        lambda lp: R.preset_loss(name, lp, data, gvs=gvs, gvt=gvt, vocab_size=V, aggregation=want, kl={"coef": 0.05}),
+        logp,
+    )
     R.assert_close(loss, rloss, what="loss")
     R.assert_close(grad, rgrad, what="grad")
 
 
-@pytest.mark.parametrize("extra", [{}, {"reference_policy_kl_penalty": 0.05, "positive_example_nll_weight": 0.3},
-                                   {"use_importance_sampling_correction": True}], ids=["plain", "kl_nll", "is"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"reference_policy_kl_penalty": 0.05, "positive_example_nll_weight": 0.3},
+        {"use_importance_sampling_correction": True},
+    ],
+    ids=["plain", "kl_nll", "is"],
+)
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_backward_honours_upstream_gradient(name, extra):
     """d(c·loss)/d logp = c·d(loss)/d logp exactly, for c = −8, 0.25 and 0: the loss's backward (the custom
@@ -227,8 +302,9 @@ def test_backward_honours_upstream_gradient(name, extra):
     for dtype in (torch.float64, torch.float32):
         d = {k: v.to(dtype) if v.is_floating_point() else v for k, v in data.items()}
         lp = logp.to(dtype).requires_grad_(True)
-        loss, _ = loss_fn(next_token_logprobs=lp, data=d, global_valid_seqs=torch.tensor(gvs),
-                          global_valid_toks=torch.tensor(gvt))
+        loss, _ = loss_fn(
+            next_token_logprobs=lp, data=d, global_valid_seqs=torch.tensor(gvs), global_valid_toks=torch.tensor(gvt)
+        )
         (unit,) = torch.autograd.grad(loss, lp, retain_graph=True)
         assert unit.abs().sum() > 0 and torch.isfinite(unit).all()
         for c in (-8.0, 0.25, 0.0):

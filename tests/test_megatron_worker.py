@@ -50,8 +50,14 @@ LAYOUTS = {
     # the 30B-A3B config's shape (TP 4 × PP 2 × CP 2 × EP 8 with sequence parallelism, packing, router
     # replay and logprob chunking) at toy size: every dimension 2, DP 1 and expert-DP 2 as EP 2 leaves
     # it (shipped: DP 4, expert-DP 4); chunks of 5 tokens split each CP rank's packed sequence
-    "a3b_shape": (8, "moe4", "espo_qwen3_30b_a3b_megatron.yaml", {"tp": 2, "pp": 2, "cp": 2, "ep": 2, "sp": True},
-                  True, {"logprob_chunk_size": 5}),
+    "a3b_shape": (
+        8,
+        "moe4",
+        "espo_qwen3_30b_a3b_megatron.yaml",
+        {"tp": 2, "pp": 2, "cp": 2, "ep": 2, "sp": True},
+        True,
+        {"logprob_chunk_size": 5},
+    ),
 }
 
 
@@ -60,8 +66,12 @@ def tiny(nemo_rl_src, megatron_workers, tmp_path_factory):
     from megatron_cpu import models
 
     root = tmp_path_factory.mktemp("megatron_worker")
-    return {"root": root, "dense": models.write(root / "dense"),
-            "moe": models.write(root / "moe", moe=True), "moe4": models.write(root / "moe4", moe=True, layers=4)}
+    return {
+        "root": root,
+        "dense": models.write(root / "dense"),
+        "moe": models.write(root / "moe", moe=True),
+        "moe4": models.write(root / "moe4", moe=True, layers=4),
+    }
 
 
 def _batch(seed: int = 0):
@@ -83,12 +93,17 @@ def _train_data(ids, lengths, token_mask, g, lp, ent, loss_cfg, table):
     from nemo_granular.nemo_rl.policy import add_granular_keys
 
     noise = lambda s: s * torch.randn(B, S, generator=g, dtype=torch.float64) * token_mask  # noqa: E731
-    prev = ((lp + noise(0.3)).clamp(max=-1e-3) * token_mask)
-    data = {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask,
-            "sample_mask": torch.tensor([1.0, 1, 1, 0, 1, 1, 1, 1]),
-            "prev_logprobs": prev.float(), "generation_logprobs": (prev + noise(0.05)).float(),
-            "reference_policy_logprobs": (prev + noise(0.2)).float(),
-            "advantages": torch.randn(B, 1, generator=g) * token_mask}
+    prev = (lp + noise(0.3)).clamp(max=-1e-3) * token_mask
+    data = {
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "token_mask": token_mask,
+        "sample_mask": torch.tensor([1.0, 1, 1, 0, 1, 1, 1, 1]),
+        "prev_logprobs": prev.float(),
+        "generation_logprobs": (prev + noise(0.05)).float(),
+        "reference_policy_logprobs": (prev + noise(0.2)).float(),
+        "advantages": torch.randn(B, 1, generator=g) * token_mask,
+    }
     add_granular_keys(data, loss_cfg, ent.float(), table)
     return data
 
@@ -119,8 +134,9 @@ def _run_layout(name: str, tiny) -> dict:
 
     n, model, config, sizes, packing, extra = LAYOUTS[name]
     model_dir = str(tiny[model])
-    overrides = cases.merge(cases.tiny_overrides(model_dir, packing=packing, precision="float32", seq_len=S, gbs=B,
-                                                 mbs=2, **sizes), extra)
+    overrides = cases.merge(
+        cases.tiny_overrides(model_dir, packing=packing, precision="float32", seq_len=S, gbs=B, mbs=2, **sizes), extra
+    )
     full, policy = cases.load_config(config, overrides)
     hf = reference.load_hf(model_dir)
     ids, lengths, token_mask, g = _batch()
@@ -145,18 +161,33 @@ def _run_layout(name: str, tiny) -> dict:
     alpha = espo_alpha_for_step(loss_fn, data, {})
 
     driver = cases.Driver(policy, n)
-    spec = {"config": config, "overrides": overrides, "delimiter_table": table, "vocab_size": VOCAB,
-            "espo_alpha": alpha, "gbs": B, "mbs": 2,
-            "train_shards": pickle.dumps(driver.train_shards(BatchedDataDict(data), B)),
-            "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(logprob_data)))}
+    spec = {
+        "config": config,
+        "overrides": overrides,
+        "delimiter_table": table,
+        "vocab_size": VOCAB,
+        "espo_alpha": alpha,
+        "gbs": B,
+        "mbs": 2,
+        "train_shards": pickle.dumps(driver.train_shards(BatchedDataDict(data), B)),
+        "logprob_shards": pickle.dumps(driver.logprob_shards(BatchedDataDict(logprob_data))),
+    }
     # one Megatron checkpoint per model: the first layout imports it from HF, the others load it
-    env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tiny["root"] / "mcore"), "HOME": str(tiny["root"] / "home"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1"}
+    env = {
+        "NRL_MEGATRON_CHECKPOINT_DIR": str(tiny["root"] / "mcore"),
+        "HOME": str(tiny["root"] / "home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TORCHDYNAMO_DISABLE": "1",
+    }
     ranks = world.run_world(n, cases.run_layout, spec, env=env, preload=True)
 
     m = policy["megatron_cfg"]["optimizer"]
-    frozen = {k for k in dict(hf.named_parameters()) if k.endswith("mlp.gate.weight")} \
-        if policy["megatron_cfg"]["freeze_moe_router"] else set()
+    frozen = (
+        {k for k in dict(hf.named_parameters()) if k.endswith("mlp.gate.weight")}
+        if policy["megatron_cfg"]["freeze_moe_router"]
+        else set()
+    )
     (lr,) = {tuple(x["lr"]) for x in ranks}
     assert len(lr) == 1, lr  # one learning rate for every parameter group
     # the float64 reference loss (tests/harness/reference.py, written from math.md) with the loss's settings and
@@ -166,9 +197,23 @@ def _run_layout(name: str, tiny) -> dict:
     with routed(hf):
         ref = reference.train_step(hf, data, reference_loss(loss_fn, (DELIMITER,)), frozen=frozen)
     adamw = {"clip": m["clip_grad"], "lr": lr[0], "weight_decay": m["weight_decay"], "eps": m["adam_eps"]}
-    return {"ranks": ranks, "driver": driver, "hf": hf, "ref": ref, "lp": lp, "ent": ent, "ids": ids,
-            "lengths": lengths, "frozen": frozen, "model_dir": model_dir, "adamw": adamw, "routed": routed,
-            "routes": routes, "chunk_size": policy.get("logprob_chunk_size"), "small_chunks": "logprob_chunk_size" in extra}
+    return {
+        "ranks": ranks,
+        "driver": driver,
+        "hf": hf,
+        "ref": ref,
+        "lp": lp,
+        "ent": ent,
+        "ids": ids,
+        "lengths": lengths,
+        "frozen": frozen,
+        "model_dir": model_dir,
+        "adamw": adamw,
+        "routed": routed,
+        "routes": routes,
+        "chunk_size": policy.get("logprob_chunk_size"),
+        "small_chunks": "logprob_chunk_size" in extra,
+    }
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
@@ -238,8 +283,9 @@ def test_megatron_worker_equals_hf(name, tiny):
     # taken from Megatron's own gradients. float32 arithmetic: the step is computed to about one
     # spacing of its own float32 grid and the new weight rounded to the weight's grid, so the
     # difference is measured in units of the two spacings (steps are 1e-7..5e-6, weights ~0.5)
-    want = reference.adamw_first_step(hf_sd, {k: grads[k] for k in ref["grads"]},
-                                      float(metrics["grad_norm"].reshape(())), **r["adamw"])
+    want = reference.adamw_first_step(
+        hf_sd, {k: grads[k] for k in ref["grads"]}, float(metrics["grad_norm"].reshape(())), **r["adamw"]
+    )
     report["update"], _ = _worst(update, want)
     ulps = {k: ((update[k] - u).abs() / (_spacing(hf_sd[k]) + _spacing(u))).max().item() for k, u in want.items()}
     worst = max(ulps, key=ulps.get)
@@ -251,8 +297,9 @@ def test_megatron_worker_equals_hf(name, tiny):
     with torch.no_grad(), r["routed"](moved):
         for k, p in moved.named_parameters():
             p.add_(update[k].to(p.dtype))
-        lp_after, _ = reference.logprobs_entropy(reference.logits(moved, r["ids"], r["lengths"]), r["ids"],
-                                                 r["lengths"])
+        lp_after, _ = reference.logprobs_entropy(
+            reference.logits(moved, r["ids"], r["lengths"]), r["ids"], r["lengths"]
+        )
     report["logprobs_after"] = _max(r["driver"].gather(per_dp, "logprobs_after"), lp_after, inside)
     assert report["logprobs_after"] < TOL_FWD, report
     report["init_s"] = max(x["init_s"] for x in ranks)

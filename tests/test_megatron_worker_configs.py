@@ -60,8 +60,9 @@ def test_every_shipped_megatron_config_constructs_the_worker(nemo_rl_src, megatr
     from nemo_granular.nemo_rl.configs import load_resolved
 
     names = _megatron_configs()
-    assert {"espo_qwen3_30b_a3b_megatron.yaml", "gspo_qwen3_30b_a3b_megatron.yaml",
-            "nemo_rl/espo_math_1B.yaml"} <= set(names) and len(names) >= 9, names
+    assert {"espo_qwen3_30b_a3b_megatron.yaml", "gspo_qwen3_30b_a3b_megatron.yaml", "nemo_rl/espo_math_1B.yaml"} <= set(
+        names
+    ) and len(names) >= 9, names
     dirs = {"qwen2": models.write(tmp_path / "qwen2", family="qwen2"), "moe": models.write(tmp_path / "moe", moe=True)}
     g = torch.Generator().manual_seed(0)
     items, refs = [], []
@@ -69,8 +70,13 @@ def test_every_shipped_megatron_config_constructs_the_worker(nemo_rl_src, megatr
         shipped = load_resolved(CFG / name)["policy"]
         family = _family(shipped["model_name"])
         overrides = cases.tiny_overrides(str(dirs[family]), seq_len=S)
-        for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size",
-                    "generation_batch_size", "make_sequence_length_divisible_by"):
+        for key in (
+            "train_global_batch_size",
+            "train_micro_batch_size",
+            "logprob_batch_size",
+            "generation_batch_size",
+            "make_sequence_length_divisible_by",
+        ):
             overrides.pop(key)  # algorithm settings, kept as shipped
         hf = reference.load_hf(str(dirs[family]))
         ids, lengths = _batch(g)
@@ -81,14 +87,20 @@ def test_every_shipped_megatron_config_constructs_the_worker(nemo_rl_src, megatr
         if family == "moe" and (shipped.get("router_replay") or {}).get("enabled"):
             k = hf.config.num_experts_per_tok  # the routes HF took, replayed as vLLM's would be
             batch["routed_experts"] = torch.stack(
-                [r.topk(k, dim=-1).indices.view(B, S, k) for r in out.router_logits], dim=2).int()
+                [r.topk(k, dim=-1).indices.view(B, S, k) for r in out.router_logits], dim=2
+            ).int()
         driver = cases.Driver(cases.merge(shipped, overrides), world=1)
         shards = driver.logprob_shards(BatchedDataDict(batch))
         items.append({"config": name, "overrides": overrides, "logprob_shards": pickle.dumps(shards)})
         refs.append((shipped, family, driver, *reference.logprobs_entropy(out.logits, ids, lengths), lengths))
 
-    env = {"NRL_MEGATRON_CHECKPOINT_DIR": str(tmp_path / "mcore"), "HOME": str(tmp_path / "home"),
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1"}
+    env = {
+        "NRL_MEGATRON_CHECKPOINT_DIR": str(tmp_path / "mcore"),
+        "HOME": str(tmp_path / "home"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TORCHDYNAMO_DISABLE": "1",
+    }
     (results,) = world.run_world(1, cases.construct_each, items, env=env, preload=True)
 
     for res, (shipped, family, driver, lp, ent, lengths) in zip(results, refs):

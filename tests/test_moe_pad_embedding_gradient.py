@@ -31,7 +31,7 @@ from nemo_granular.losses import GranularPolicyLoss
 
 pytestmark = pytest.mark.nemo_rl
 
-PAD, DELIM, V = 0, 3, models.VOCAB_PAD   # <pad>, "\n\n" in the tiny tokenizer; 32-token vocabulary
+PAD, DELIM, V = 0, 3, models.VOCAB_PAD  # <pad>, "\n\n" in the tiny tokenizer; 32-token vocabulary
 PRESETS = ("sspo", "espo", "grpo")
 
 
@@ -44,13 +44,14 @@ def _automodel_qwen3_moe(model_dir, hf_state):
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
     cfg.router_aux_loss_coef = 0.0
-    backend = BackendConfig(attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch",
-                            rope_fusion=False)   # what Automodel picks without CUDA
+    backend = BackendConfig(
+        attn="sdpa", linear="torch", rms_norm="torch_fp32", experts="torch", dispatcher="torch", rope_fusion=False
+    )  # what Automodel picks without CUDA
     with pytest.MonkeyPatch.context() as mp:
         # the rotary embedding records torch.device(f"cuda:{current_device()}") at construction
         mp.setattr(torch.cuda, "current_device", lambda: 0)
         model = Qwen3MoeForCausalLM(cfg, backend=backend)
-    model.model.rotary_emb.device = torch.device("cpu")   # as Automodel's own init_weights(buffer_device) does
+    model.model.rotary_emb.device = torch.device("cpu")  # as Automodel's own init_weights(buffer_device) does
     result = model.load_state_dict(model.state_dict_adapter.from_hf(dict(hf_state)), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     return model.float().train()
@@ -80,10 +81,10 @@ def _batch(hf):
     B, S, prompt = 4, 18, 5
     ids = torch.randint(4, V, (B, S), generator=g)
     lengths = torch.tensor([18, 16, 17, 14])
-    ids[0, 9] = ids[2, 7] = PAD                 # sampled <pad> tokens, followed by more response tokens
+    ids[0, 9] = ids[2, 7] = PAD  # sampled <pad> tokens, followed by more response tokens
     ids[0, 12] = ids[1, 10] = ids[2, 13] = DELIM
     cols = torch.arange(S)[None, :]
-    ids[cols >= lengths[:, None]] = PAD         # right padding
+    ids[cols >= lengths[:, None]] = PAD  # right padding
     token_mask = ((cols >= prompt) & (cols < lengths[:, None])).float()
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:, None] * token_mask
     with torch.no_grad():
@@ -92,9 +93,15 @@ def _batch(hf):
     lp = logp_all[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
     ent = -(logp_all.exp() * logp_all).sum(-1)[:, :-1]
     zero = torch.zeros(B, 1)
-    data = {"input_ids": ids, "input_lengths": lengths, "token_mask": token_mask, "sample_mask": torch.ones(B),
-            "advantages": adv, "prev_logprobs": torch.cat([zero, lp], 1) * token_mask,
-            "prev_entropy": torch.cat([zero, ent], 1) * token_mask}
+    data = {
+        "input_ids": ids,
+        "input_lengths": lengths,
+        "token_mask": token_mask,
+        "sample_mask": torch.ones(B),
+        "advantages": adv,
+        "prev_logprobs": torch.cat([zero, lp], 1) * token_mask,
+        "prev_entropy": torch.cat([zero, ent], 1) * token_mask,
+    }
     return data, float(B), float(token_mask[:, 1:].sum())
 
 
@@ -103,8 +110,11 @@ def _next_token_logprobs(logits, ids):
 
 
 def _loss(name):
-    cfg = {"token_level_loss": name == "grpo", "reference_policy_kl_penalty": 0.0,
-           "granular": {"algorithm": name, "espo": {"alpha": 1.0, "vocab_size": V}}}
+    cfg = {
+        "token_level_loss": name == "grpo",
+        "reference_policy_kl_penalty": 0.0,
+        "granular": {"algorithm": name, "espo": {"alpha": 1.0, "vocab_size": V}},
+    }
     return GranularPolicyLoss(cfg, delimiter_table=R.delimiter_table(V, (DELIM,)))
 
 
@@ -148,12 +158,12 @@ def test_the_large_moe_gradient_is_the_pad_row_automodel_does_not_mask(world, na
     hf, am, _, _ = world
     data, gvs, gvt = _batch(hf)
     embed = hf.model.embed_tokens
-    assert embed.padding_idx == PAD and float(embed.weight.detach()[PAD].abs().max()) == 0   # transformers' init
+    assert embed.padding_idx == PAD and float(embed.weight.detach()[PAD].abs().max()) == 0  # transformers' init
 
     lp_am, g_am = _automodel_grads(am, data, _loss(name), gvs, gvt)
     lp_hf, ref_grad, g_ref = _transformers_reference_grads(hf, data, name, gvs, gvt)
     mask = data["token_mask"][:, 1:] > 0
-    assert float((lp_am - lp_hf).abs()[mask].max()) < 1e-5          # same model, same log-probs
+    assert float((lp_am - lp_hf).abs()[mask].max()) < 1e-5  # same model, same log-probs
 
     # our loss's gradient with respect to the log-probs is the float64 reference's
     _, ours, _ = R.run_loss(_loss(name), lp_hf, data, gvs, gvt)
@@ -161,7 +171,7 @@ def test_the_large_moe_gradient_is_the_pad_row_automodel_does_not_mask(world, na
 
     # every parameter: Automodel (our loss) == transformers (reference loss), pad row included
     for n, g in g_am.items():
-        if "experts" in n:   # fused layouts differ between the two; compare the norms
+        if "experts" in n:  # fused layouts differ between the two; compare the norms
             continue
         R.assert_close(g, g_ref[n], rtol=2e-4, atol=1e-7, what=n)
     for layer in range(2):
@@ -171,12 +181,15 @@ def test_the_large_moe_gradient_is_the_pad_row_automodel_does_not_mask(world, na
 
     # ... and the pad row is what makes the norm: transformers' own backward leaves it at zero
     pad_row = float(g_am["model.embed_tokens.weight"][PAD].norm())
-    rest = _norm([g for n, g in g_am.items() if n != "model.embed_tokens.weight"]
-                 + [g_am["model.embed_tokens.weight"][PAD + 1:]])
+    rest = _norm(
+        [g for n, g in g_am.items() if n != "model.embed_tokens.weight"]
+        + [g_am["model.embed_tokens.weight"][PAD + 1 :]]
+    )
     assert pad_row > 20 * rest, (pad_row, rest)
     hf.zero_grad()
-    loss, _ = _loss(name)(_next_token_logprobs(hf(input_ids=data["input_ids"]).logits, data["input_ids"]),
-                          data, gvs, gvt)
+    loss, _ = _loss(name)(
+        _next_token_logprobs(hf(input_ids=data["input_ids"]).logits, data["input_ids"]), data, gvs, gvt
+    )
     loss.backward()
     assert float(hf.model.embed_tokens.weight.grad[PAD].abs().max()) == 0
     assert _norm(p.grad for p in hf.parameters() if p.grad is not None) == pytest.approx(rest, rel=2e-4)
@@ -194,4 +207,4 @@ def test_a_nonzero_pad_row_has_an_ordinary_gradient(world):
     data, gvs, gvt = _batch(hf)
     _, g = _automodel_grads(am, data, _loss("sspo"), gvs, gvt)
     rows = g["model.embed_tokens.weight"].norm(dim=1)
-    assert float(rows[PAD]) < 2 * float(rows[PAD + 1:].max()), rows
+    assert float(rows[PAD]) < 2 * float(rows[PAD + 1 :].max()), rows

@@ -43,8 +43,11 @@ def _nemo_rl_imports(path: Path) -> list[str]:
 
 
 def test_the_package_imports_nemo_rl_only_through_compat():
-    offenders = {str(p.relative_to(PACKAGE)): found for p in PACKAGE.rglob("*.py")
-                 if p.name != "compat.py" and (found := _nemo_rl_imports(p))}
+    offenders = {
+        str(p.relative_to(PACKAGE)): found
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "compat.py" and (found := _nemo_rl_imports(p))
+    }
     assert offenders == {}
 
 
@@ -57,8 +60,12 @@ def test_tests_import_version_dependent_names_only_through_compat():
         for line in _nemo_rl_imports(path):
             if line.startswith("from "):
                 mod, names = line[5:].split(" import ")
-                bad = [n for n in names.split(", ") if n in compat.VERSIONED
-                       or (mod in moved_modules and n.lstrip("_") in {k.lstrip("_") for k in compat.VERSIONED})]
+                bad = [
+                    n
+                    for n in names.split(", ")
+                    if n in compat.VERSIONED
+                    or (mod in moved_modules and n.lstrip("_") in {k.lstrip("_") for k in compat.VERSIONED})
+                ]
                 if bad:
                     offenders.setdefault(str(path.relative_to(ROOT)), []).append(line)
     assert offenders == {}
@@ -67,8 +74,10 @@ def test_tests_import_version_dependent_names_only_through_compat():
 def _fake_nemo_rl(tmp_path: Path, ver: tuple[int, int, int], main_marker: bool) -> Path:
     root = tmp_path / f"nemo_rl_{'.'.join(map(str, ver))}_{main_marker}"
     (root / "algorithms").mkdir(parents=True)
-    (root / "package_info.py").write_text(f"MAJOR = {ver[0]}\nMINOR = {ver[1]}\nPATCH = {ver[2]}\n"
-                                          f"PRE_RELEASE = ''\nVERSION = (MAJOR, MINOR, PATCH, PRE_RELEASE)\n")
+    (root / "package_info.py").write_text(
+        f"MAJOR = {ver[0]}\nMINOR = {ver[1]}\nPATCH = {ver[2]}\n"
+        f"PRE_RELEASE = ''\nVERSION = (MAJOR, MINOR, PATCH, PRE_RELEASE)\n"
+    )
     if main_marker:
         (root / compat.MAIN_MARKER).write_text("")
     return root
@@ -81,8 +90,11 @@ def test_version_detection_from_the_package_folder(tmp_path):
     assert compat.classify(_fake_nemo_rl(tmp_path, (0, 7, 1), False)).key == compat.V0_7
     assert compat.classify(_fake_nemo_rl(tmp_path, (0, 6, 0), True)).key == compat.MAIN
     assert compat.classify(_fake_nemo_rl(tmp_path, (0, 8, 0), False)).key == compat.MAIN
-    with pytest.raises(compat.UnsupportedNemoRL, match=r"^NeMo-RL 0\.6\.0 at .* is not supported: nemo-granular "
-                                                       r"runs on NeMo-RL v0\.7\.0 and NeMo-RL main \(7ea279ab\)$"):
+    with pytest.raises(
+        compat.UnsupportedNemoRL,
+        match=r"^NeMo-RL 0\.6\.0 at .* is not supported: nemo-granular "
+        r"runs on NeMo-RL v0\.7\.0 and NeMo-RL main \(7ea279ab\)$",
+    ):
         compat.classify(_fake_nemo_rl(tmp_path, (0, 6, 0), False))
 
 
@@ -122,8 +134,11 @@ def _version_marked_tests() -> list[tuple[str, str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef):
                 for dec in node.decorator_list:
-                    if (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute)
-                            and dec.func.attr == "needs_nemo_rl"):
+                    if (
+                        isinstance(dec, ast.Call)
+                        and isinstance(dec.func, ast.Attribute)
+                        and dec.func.attr == "needs_nemo_rl"
+                    ):
                         out.append((f"tests/{path.name}::{node.name}", dec.args[0].value))
     return out
 
@@ -144,7 +159,7 @@ def test_the_detected_version_is_this_world(nemo_rl_src):
     ver = compat.version()
     assert Path(ver.root).resolve() == (nemo_rl_src / "nemo_rl").resolve()
     assert ver == compat.classify(nemo_rl_src / "nemo_rl")
-    expected = os.environ.get("NEMO_GRANULAR_EXPECT_NEMO_RL")      # scripts/test.sh names the world it built
+    expected = os.environ.get("NEMO_GRANULAR_EXPECT_NEMO_RL")  # scripts/test.sh names the world it built
     if expected:
         assert ver.key == expected
 
@@ -171,10 +186,11 @@ def test_every_versioned_name_is_where_the_table_says_and_absent_elsewhere(nemo_
             try:
                 m = importlib.import_module(mod)
             except ImportError:
-                continue                                    # the module itself is missing here
-            found = getattr(m, attr or name, None)   # a re-export of the moved name is no counter-example
-            assert found is None or getattr(found, "__module__", mod) != mod, \
+                continue  # the module itself is missing here
+            found = getattr(m, attr or name, None)  # a re-export of the moved name is no counter-example
+            assert found is None or getattr(found, "__module__", mod) != mod, (
                 f"{name}: {other_spec} is defined in {compat.TITLES[ver]} too"
+            )
 
 
 def _declares(master_cls, dotted: str) -> bool:
@@ -188,8 +204,11 @@ def _declares(master_cls, dotted: str) -> bool:
         while stack:
             t = stack.pop()
             origin = typing.get_origin(t)
-            if origin is typing.Annotated or getattr(origin, "_name", None) in ("NotRequired", "Required") \
-                    or origin in (typing.Union, types.UnionType):
+            if (
+                origin is typing.Annotated
+                or getattr(origin, "_name", None) in ("NotRequired", "Required")
+                or origin in (typing.Union, types.UnionType)
+            ):
                 stack += list(typing.get_args(t))
             elif typing_extensions.is_typeddict(t):
                 fields.update(typing.get_type_hints(t, include_extras=True))
@@ -212,26 +231,44 @@ def test_every_config_key_difference_is_true_of_this_nemo_rl(nemo_rl_src):
 @pytest.mark.nemo_rl
 def test_adapt_config_drops_what_changes_nothing_and_refuses_the_rest(nemo_rl_src):
     ver = compat.version()
-    cfg = {"policy": {"generation": {"temperature": 0.6, "top_p": 1.0, "top_k": None, "val_temperature": 0.6,
-                                     "val_top_p": 1.0, "val_top_k": None}},
-           "ppo": {"async_ppo": {"enabled": False}}, "grpo": {"adv_estimator": {"reward_weights": None}}}
+    cfg = {
+        "policy": {
+            "generation": {
+                "temperature": 0.6,
+                "top_p": 1.0,
+                "top_k": None,
+                "val_temperature": 0.6,
+                "val_top_p": 1.0,
+                "val_top_k": None,
+            }
+        },
+        "ppo": {"async_ppo": {"enabled": False}},
+        "grpo": {"adv_estimator": {"reward_weights": None}},
+    }
     notes = compat.adapt_config(cfg)
     if ver.key == compat.MAIN:
         assert notes == [] and cfg["policy"]["generation"]["val_temperature"] == 0.6
         return
     assert len(notes) == 5 and "val_temperature" not in cfg["policy"]["generation"] and "async_ppo" not in cfg["ppo"]
-    assert notes[0] == ("policy.generation.val_temperature: removed (NeMo-RL v0.7.0 does not have it; validation "
-                        "samples at policy.generation.temperature, which is what 0.6 asks for)")
-    for dotted, value, where in (("policy.generation.val_temperature", 1.0, ("policy", "generation")),
-                                 ("ppo.async_ppo", {"enabled": True}, ("ppo",)),
-                                 ("grpo.adv_estimator.reward_weights", [1.0, 2.0], ("grpo", "adv_estimator"))):
+    assert notes[0] == (
+        "policy.generation.val_temperature: removed (NeMo-RL v0.7.0 does not have it; validation "
+        "samples at policy.generation.temperature, which is what 0.6 asks for)"
+    )
+    for dotted, value, where in (
+        ("policy.generation.val_temperature", 1.0, ("policy", "generation")),
+        ("ppo.async_ppo", {"enabled": True}, ("ppo",)),
+        ("grpo.adv_estimator.reward_weights", [1.0, 2.0], ("grpo", "adv_estimator")),
+    ):
         bad = {"policy": {"generation": {"temperature": 0.6}}, "ppo": {}, "grpo": {"adv_estimator": {}}}
         node = bad
         for part in where:
             node = node[part]
         node[dotted.rsplit(".", 1)[1]] = value
-        with pytest.raises(compat.VersionRefusal, match=rf"^{re.escape(dotted)}: .* needs NeMo-RL main \(7ea279ab\); "
-                                                          r"NeMo-RL v0\.7\.0 does not have this key \("):
+        with pytest.raises(
+            compat.VersionRefusal,
+            match=rf"^{re.escape(dotted)}: .* needs NeMo-RL main \(7ea279ab\); "
+            r"NeMo-RL v0\.7\.0 does not have this key \(",
+        ):
             compat.adapt_config(bad)
 
 
@@ -270,8 +307,11 @@ def test_every_behaviour_difference_is_true_of_this_nemo_rl(megatron_workers):
     # async PPO: refused on v0.7.0 in one line
     assert hasattr(ppo, "async_ppo_train") == (ver == compat.MAIN)
     if ver == compat.V0_7:
-        with pytest.raises(compat.VersionRefusal, match=r"^ppo\.async_ppo\.enabled: true: NeMo-RL v0\.7\.0 has no "
-                                                          r"async PPO .*; it needs NeMo-RL main \(7ea279ab\)$"):
+        with pytest.raises(
+            compat.VersionRefusal,
+            match=r"^ppo\.async_ppo\.enabled: true: NeMo-RL v0\.7\.0 has no "
+            r"async PPO .*; it needs NeMo-RL main \(7ea279ab\)$",
+        ):
             compat.require("async_ppo", "ppo.async_ppo.enabled: true")
     else:
         compat.require("async_ppo")
@@ -322,8 +362,9 @@ def test_every_name_and_module_resolves_against_the_pinned_nemo_rl(megatron_work
             assert compat.module(short).__name__ == full
         for name, places in compat.LOCATIONS.items():
             obj = compat.get(name)
-            assert obj is getattr(sys.modules[next(p for p in places if p in sys.modules
-                                                   and hasattr(sys.modules[p], name))], name)
+            assert obj is getattr(
+                sys.modules[next(p for p in places if p in sys.modules and hasattr(sys.modules[p], name))], name
+            )
     finally:
         mp.undo()
 
@@ -334,7 +375,7 @@ def test_a_rebound_attribute_is_seen(nemo_rl_src, monkeypatch):
 
     sentinel = object()
     monkeypatch.setattr(data_utils, "setup_response_data", sentinel)
-    assert compat.get("setup_response_data") is sentinel     # looked up per call (tests rebind NeMo-RL's names)
+    assert compat.get("setup_response_data") is sentinel  # looked up per call (tests rebind NeMo-RL's names)
 
 
 @pytest.mark.nemo_rl
@@ -344,13 +385,17 @@ def test_prepare_loss_input_found_where_nemo_rl_0_8_puts_it(nemo_rl_src, monkeyp
     def moved(*a, **k):
         return "0.8"
 
-    monkeypatch.delattr(old, "prepare_loss_input")           # a NeMo-RL where it moved
-    monkeypatch.setitem(sys.modules, "nemo_rl.algorithms.loss.loss_input",
-                        types.SimpleNamespace(prepare_loss_input=moved))
+    monkeypatch.delattr(old, "prepare_loss_input")  # a NeMo-RL where it moved
+    monkeypatch.setitem(
+        sys.modules, "nemo_rl.algorithms.loss.loss_input", types.SimpleNamespace(prepare_loss_input=moved)
+    )
     assert compat.get("prepare_loss_input") is moved
     monkeypatch.delitem(sys.modules, "nemo_rl.algorithms.loss.loss_input")
-    with pytest.raises(ImportError, match="NeMo-RL has no 'prepare_loss_input' in nemo_rl.algorithms.loss.utils, "
-                                          "nemo_rl.algorithms.loss.loss_input"):
+    with pytest.raises(
+        ImportError,
+        match="NeMo-RL has no 'prepare_loss_input' in nemo_rl.algorithms.loss.utils, "
+        "nemo_rl.algorithms.loss.loss_input",
+    ):
         compat.get("prepare_loss_input")
 
 
@@ -364,8 +409,7 @@ def test_get_logprobs_keeps_the_0_8_token_mask(nemo_rl_src):
 
     cls = granular_policy_class()
     B, S = 3, 5
-    worker_out = {"logprobs": torch.randn(B, S), "entropy": torch.rand(B, S),
-                  "token_mask": torch.ones(B, S).tril()}
+    worker_out = {"logprobs": torch.randn(B, S), "entropy": torch.rand(B, S), "token_mask": torch.ones(B, S).tril()}
 
     class Group:
         def run_all_workers_sharded_data(self, method, **kw):
@@ -375,7 +419,7 @@ def test_get_logprobs_keeps_the_0_8_token_mask(nemo_rl_src):
         def get_all_worker_results(self, futures):
             return [BatchedDataDict(dict(worker_out))]
 
-        def shutdown(self, *a, **k):          # Policy.__del__ shuts its worker group down
+        def shutdown(self, *a, **k):  # Policy.__del__ shuts its worker group down
             return True
 
     pol = cls.__new__(cls)
@@ -383,7 +427,7 @@ def test_get_logprobs_keeps_the_0_8_token_mask(nemo_rl_src):
     data = BatchedDataDict(input_ids=torch.zeros(B, S, dtype=torch.long))
     out = pol.get_logprobs(data)
     assert sorted(out) == ["logprobs", "token_mask"] and torch.equal(out["token_mask"], worker_out["token_mask"])
-    del worker_out["token_mask"]                               # 7ea279ab: logprobs only, as before
+    del worker_out["token_mask"]  # 7ea279ab: logprobs only, as before
     assert sorted(pol.get_logprobs(data)) == ["logprobs"]
     # Policy.__init__'s newer keywords (0.8: is_refit_destination, reserved_http_server_ports) pass through
     params = inspect.signature(cls.__init__).parameters
@@ -410,8 +454,11 @@ def test_run_grpo_refuses_minimal_loss_metrics_that_grpo_train_would_index(nemo_
 
 def _marks(node) -> set[str]:
     """The ``pytest.mark.X`` names in a decorator list or a ``pytestmark = ...`` value."""
-    return {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)
-            and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"}
+    return {
+        n.attr
+        for n in ast.walk(node)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Attribute) and n.value.attr == "mark"
+    }
 
 
 def marked_tests(*wanted: str) -> dict[str, set[str]]:
@@ -420,10 +467,20 @@ def marked_tests(*wanted: str) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for path in sorted((ROOT / "tests").glob("test_*.py")):
         tree = ast.parse(path.read_text())
-        module = set().union(*[_marks(n.value) for n in tree.body if isinstance(n, ast.Assign)
-                               and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)])
-        tests = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")
-                 and set(wanted) <= module | set().union(*map(_marks, n.decorator_list))}
+        module = set().union(
+            *[
+                _marks(n.value)
+                for n in tree.body
+                if isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+            ]
+        )
+        tests = {
+            n.name
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef)
+            and n.name.startswith("test_")
+            and set(wanted) <= module | set().union(*map(_marks, n.decorator_list))
+        }
         if tests:
             out[path.name] = tests
     return out
@@ -438,8 +495,11 @@ def _support_matrix() -> list[list[str]]:
     """The rows of docs/nemo-rl.md's support matrix: feature, v0.7.0, main, tests."""
     doc = (ROOT / "docs" / "nemo-rl.md").read_text()
     section = doc.split("### Support matrix", 1)[1].split("\n#", 1)[0]
-    rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in section.splitlines()
-            if line.startswith("| ") and not line.startswith("| feature |")]
+    rows = [
+        [c.strip() for c in line.strip().strip("|").split(" | ")]
+        for line in section.splitlines()
+        if line.startswith("| ") and not line.startswith("| feature |")
+    ]
     assert rows and all(len(r) == 4 for r in rows), rows
     return rows
 
@@ -456,21 +516,39 @@ def test_support_matrix_v070_cells_are_what_ci_runs_there():
         for test in re.findall(r"`(test_[\w*]+\.py(?:::\w+)?)`", tests):
             named.add(test)
             module, _, name = test.partition("::")
-            assert module in v070 and (not name or name in v070[module]), \
+            assert module in v070 and (not name or name in v070[module]), (
                 f"support matrix: {feature[:60]}... says v0.7.0 tested, but {test} is not marked v070 and nemo_rl"
-    documented_skips = marked_tests("v070", "nemo_rl", "needs_nemo_rl")   # listed under the matrix instead
+            )
+    documented_skips = marked_tests("v070", "nemo_rl", "needs_nemo_rl")  # listed under the matrix instead
     for module, names in v070.items():
         for name in names - documented_skips.get(module, set()):
-            assert module in named or f"{module}::{name}" in named, \
+            assert module in named or f"{module}::{name}" in named, (
                 f"{module}::{name} runs in the v0.7.0 world, but no 'tested' v0.7.0 row of the support matrix names it"
+            )
 
 
 def test_marked_tests_reads_the_markers_pytest_applies():
     """The static reading above agrees with pytest's own (a planted marker it missed would let the matrix
     drift): collect the v0.7.0 world's selection and compare."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           "-m", "v070 and nemo_rl", str(ROOT / "tests")], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env=env_without_nemo_rl())
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "v070 and nemo_rl",
+            str(ROOT / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=env_without_nemo_rl(),
+    )
     ids = {line.split("[")[0] for line in done.stdout.splitlines() if line.startswith("tests/")}
     got = {f"tests/{m}::{t}" for m, ts in _v070_tests().items() for t in ts}
     assert ids and ids == got, (sorted(ids ^ got), done.stderr[-2000:])

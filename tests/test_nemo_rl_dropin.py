@@ -41,9 +41,17 @@ def nemo(nemo_rl_src):
     from nemo_granular.nemo_rl import compat
 
     # AdvEstimatorConfig moved (v0.7.0: a TypedDict in grpo.py); MetricNormalizer: main only
-    return SimpleNamespace(lf=loss_functions, Cfg=loss_functions.ClippedPGLossConfig, Fn=loss_functions.ClippedPGLossFn,
-                           BDD=BatchedDataDict, LossType=LossType, MN=compat.find("MetricNormalizer"),
-                           AdvCfg=compat.get("AdvEstimatorConfig"), GRPO=GRPOAdvantageEstimator, compat=compat)
+    return SimpleNamespace(
+        lf=loss_functions,
+        Cfg=loss_functions.ClippedPGLossConfig,
+        Fn=loss_functions.ClippedPGLossFn,
+        BDD=BatchedDataDict,
+        LossType=LossType,
+        MN=compat.find("MetricNormalizer"),
+        AdvCfg=compat.get("AdvEstimatorConfig"),
+        GRPO=GRPOAdvantageEstimator,
+        compat=compat,
+    )
 
 
 @pytest.fixture
@@ -83,7 +91,7 @@ def _same_as_nemo(nemo, ours_cfg, nemo_cfg, seed=0, noise=(1e-3, 0.05, 0.3)):
             continue  # NeMo-RL's GSPO-mode value is a [B, B] broadcast (test_loss_nemo.py checks both)
         assert float(m[k]) == pytest.approx(float(v), rel=1e-12, abs=1e-13), f"metric {k}"
     assert ours.loss_type is theirs.loss_type
-    for k, kind in getattr(theirs, "metric_normalizations", {}).items():   # v0.7.0 advertises none
+    for k, kind in getattr(theirs, "metric_normalizations", {}).items():  # v0.7.0 advertises none
         assert ours.metric_normalizations[k] is kind, f"normaliser of {k}"
     return m, rm
 
@@ -114,10 +122,13 @@ def test_key_tables_are_nemo_rl_configs(nemo):
         # v0.7.0: a TypedDict without defaults; the keys it lacks and the ones it requires are compat's
         ver = nemo.compat.version().key
         hints = typing.get_type_hints(nemo.AdvCfg)
-        lacking = {k.rsplit(".", 1)[1] for k, c in nemo.compat.CONFIG_KEYS.items()
-                   if k.startswith("grpo.adv_estimator.") and ver not in c.versions}
+        lacking = {
+            k.rsplit(".", 1)[1]
+            for k, c in nemo.compat.CONFIG_KEYS.items()
+            if k.startswith("grpo.adv_estimator.") and ver not in c.versions
+        }
         assert set(hints) == set(NEMO_RL_ESTIMATOR_KEYS) - lacking
-        assert set(nemo.AdvCfg.__required_keys__) == {"name"}   # NotRequired, yet read with [...]: compat
+        assert set(nemo.AdvCfg.__required_keys__) == {"name"}  # NotRequired, yet read with [...]: compat
         assert set(nemo.compat.ESTIMATOR_REQUIRED[ver]) <= set(hints)
         tables = ((NEMO_RL_LOSS_KEYS, nemo.Cfg),)
     else:
@@ -151,14 +162,18 @@ def test_empty_config_is_nemo_rl_default_loss(exact):
 
 # ---------------------------------------------------------------- 3. every key, NeMo-RL's meaning
 
-TIS = dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
-           truncated_importance_sampling_ratio=1.03)
+TIS = dict(
+    use_importance_sampling_correction=True,
+    truncated_importance_sampling_type="tis",
+    truncated_importance_sampling_ratio=1.03,
+)
 KEY_CASES = {
     "disable_ppo_ratio": dict(disable_ppo_ratio=True),
     "token_level_loss": dict(token_level_loss=False),
     "token_level_loss_kl_is": dict(token_level_loss=False, reference_policy_kl_penalty=0.2, **TIS),
-    "sequence_level_importance_ratios": dict(sequence_level_importance_ratios=True, token_level_loss=False,
-                                             ratio_clip_min=3e-3, ratio_clip_max=4e-3),
+    "sequence_level_importance_ratios": dict(
+        sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=3e-3, ratio_clip_max=4e-3
+    ),
     "ratio_clip_min_max": dict(ratio_clip_min=0.1, ratio_clip_max=0.28),
     "ratio_clip_c": dict(ratio_clip_c=1.3),
     "reference_policy_kl_penalty": dict(reference_policy_kl_penalty=0.0),
@@ -170,8 +185,12 @@ KEY_CASES = {
     "tis": TIS,
     "tis_min": dict(TIS, truncated_importance_sampling_ratio_min=0.98),
     "icepop": dict(TIS, truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio_min=0.97),
-    "seq_mask_tis": dict(TIS, truncated_importance_sampling_type="seq-mask-tis",
-                         truncated_importance_sampling_ratio=1.01, truncated_importance_sampling_ratio_min=0.99),
+    "seq_mask_tis": dict(
+        TIS,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.01,
+        truncated_importance_sampling_ratio_min=0.99,
+    ),
     "use_on_policy_kl_approximation": dict(reference_policy_kl_penalty=0.1, use_on_policy_kl_approximation=True),
     "force_on_policy_ratio": dict(force_on_policy_ratio=True),
     "force_on_policy_ratio_over_disable_ppo_ratio": dict(force_on_policy_ratio=True, disable_ppo_ratio=True),
@@ -211,18 +230,20 @@ def _tiny_batch(seed: int, B: int, S: int):
     for i in range(B):
         start = 1 + int(torch.randint(0, 2, (1,), generator=g))
         n = int(torch.randint(0 if i else 1, S - start + 1, (1,), generator=g)) if start < S else 0
-        token_mask[i, start:start + n] = 1
+        token_mask[i, start : start + n] = 1
     sample_mask = torch.ones(B, dtype=torch.float64)
     if B > 2:
         sample_mask[-1] = 0.0
     prev = -torch.rand(B, S, generator=g, dtype=torch.float64) * 2 - 0.05
-    data = {"token_mask": token_mask, "sample_mask": sample_mask,
-            "advantages": torch.randn(B, S, generator=g, dtype=torch.float64) * token_mask,
-            "prev_logprobs": prev * token_mask,
-            "generation_logprobs": (prev + 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64)) * token_mask,
-            "reference_policy_logprobs": (prev + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64))
-            * token_mask,
-            "rewards": (torch.rand(B, generator=g) > 0.3).double()}
+    data = {
+        "token_mask": token_mask,
+        "sample_mask": sample_mask,
+        "advantages": torch.randn(B, S, generator=g, dtype=torch.float64) * token_mask,
+        "prev_logprobs": prev * token_mask,
+        "generation_logprobs": (prev + 0.05 * torch.randn(B, S, generator=g, dtype=torch.float64)) * token_mask,
+        "reference_policy_logprobs": (prev + 0.2 * torch.randn(B, S, generator=g, dtype=torch.float64)) * token_mask,
+        "rewards": (torch.rand(B, generator=g) > 0.3).double(),
+    }
     logp = ((prev + 0.3 * torch.randn(B, S, generator=g, dtype=torch.float64)) * token_mask)[:, 1:]
     gvs = sample_mask.sum()
     gvt = (token_mask[:, 1:] * sample_mask[:, None]).sum()
@@ -231,26 +252,54 @@ def _tiny_batch(seed: int, B: int, S: int):
 
 TINY_CASES = {
     "defaults": {},
-    "sequence_loss_kl_nll": dict(token_level_loss=False, reference_policy_kl_penalty=0.2,
-                                 positive_example_nll_weight=0.3),
-    "gspo": dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05,
-                 ratio_clip_max=0.05),
+    "sequence_loss_kl_nll": dict(
+        token_level_loss=False, reference_policy_kl_penalty=0.2, positive_example_nll_weight=0.3
+    ),
+    "gspo": dict(
+        sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05, ratio_clip_max=0.05
+    ),
     "tis": TIS,
-    "seq_mask_tis": dict(TIS, truncated_importance_sampling_type="seq-mask-tis",
-                         truncated_importance_sampling_ratio=1.2, truncated_importance_sampling_ratio_min=0.8),
+    "seq_mask_tis": dict(
+        TIS,
+        truncated_importance_sampling_type="seq-mask-tis",
+        truncated_importance_sampling_ratio=1.2,
+        truncated_importance_sampling_ratio_min=0.8,
+    ),
     "cispo": dict(use_cispo=True, ratio_clip_max=0.05),
     "tis_min": dict(TIS, truncated_importance_sampling_ratio_min=0.98),
-    "icepop": dict(TIS, truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=1.05,
-                   truncated_importance_sampling_ratio_min=0.95),
+    "icepop": dict(
+        TIS,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=1.05,
+        truncated_importance_sampling_ratio_min=0.95,
+    ),
     # GSPO mode with the correction: one exp(Σδ) weight per response (loss_fn.granular.is_level group_sum)
-    "gspo_is": dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05,
-                    ratio_clip_max=0.05, use_importance_sampling_correction=True),
-    "gspo_tis": dict(TIS, sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05,
-                     ratio_clip_max=0.05, truncated_importance_sampling_ratio=1.05,
-                     truncated_importance_sampling_ratio_min=0.98),
-    "gspo_icepop": dict(TIS, sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.05,
-                        ratio_clip_max=0.05, truncated_importance_sampling_type="icepop",
-                        truncated_importance_sampling_ratio=1.05, truncated_importance_sampling_ratio_min=0.95),
+    "gspo_is": dict(
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+        ratio_clip_min=0.05,
+        ratio_clip_max=0.05,
+        use_importance_sampling_correction=True,
+    ),
+    "gspo_tis": dict(
+        TIS,
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+        ratio_clip_min=0.05,
+        ratio_clip_max=0.05,
+        truncated_importance_sampling_ratio=1.05,
+        truncated_importance_sampling_ratio_min=0.98,
+    ),
+    "gspo_icepop": dict(
+        TIS,
+        sequence_level_importance_ratios=True,
+        token_level_loss=False,
+        ratio_clip_min=0.05,
+        ratio_clip_max=0.05,
+        truncated_importance_sampling_type="icepop",
+        truncated_importance_sampling_ratio=1.05,
+        truncated_importance_sampling_ratio_min=0.95,
+    ),
 }
 
 
@@ -277,29 +326,48 @@ def test_float64_equal_on_tiny_batches(nemo, case, B, S):
 # ---------------------------------------------------------------- 2./3. refused where NeMo-RL refuses
 
 REFUSED = {
-    "tis_min_above_max": (dict(TIS, truncated_importance_sampling_ratio=1.0,
-                               truncated_importance_sampling_ratio_min=2.0), "truncated_importance_sampling_ratio_min"),
-    "tis_without_correction": (dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
-                               "truncated_importance_sampling_type"),
+    "tis_min_above_max": (
+        dict(TIS, truncated_importance_sampling_ratio=1.0, truncated_importance_sampling_ratio_min=2.0),
+        "truncated_importance_sampling_ratio_min",
+    ),
+    "tis_without_correction": (
+        dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
+        "truncated_importance_sampling_type",
+    ),
     "tis_without_ratio": (dict(TIS, truncated_importance_sampling_ratio=None), "truncated_importance_sampling_ratio"),
     "tis_ratio_zero": (dict(TIS, truncated_importance_sampling_ratio=0.0), "truncated_importance_sampling_ratio"),
     "tis_unknown_type": (dict(TIS, truncated_importance_sampling_type="clip"), "truncated_importance_sampling_type"),
-    "icepop_without_min": (dict(TIS, truncated_importance_sampling_type="icepop"),
-                           "truncated_importance_sampling_ratio_min"),
-    "seq_mask_tis_without_min": (dict(TIS, truncated_importance_sampling_type="seq-mask-tis"),
-                                 "truncated_importance_sampling_ratio_min"),
-    "seq_mask_tis_with_sequence_ratios": (dict(TIS, truncated_importance_sampling_type="seq-mask-tis",
-                                               truncated_importance_sampling_ratio_min=0.5, token_level_loss=False,
-                                               sequence_level_importance_ratios=True), "seq-mask-tis"),
+    "icepop_without_min": (
+        dict(TIS, truncated_importance_sampling_type="icepop"),
+        "truncated_importance_sampling_ratio_min",
+    ),
+    "seq_mask_tis_without_min": (
+        dict(TIS, truncated_importance_sampling_type="seq-mask-tis"),
+        "truncated_importance_sampling_ratio_min",
+    ),
+    "seq_mask_tis_with_sequence_ratios": (
+        dict(
+            TIS,
+            truncated_importance_sampling_type="seq-mask-tis",
+            truncated_importance_sampling_ratio_min=0.5,
+            token_level_loss=False,
+            sequence_level_importance_ratios=True,
+        ),
+        "seq-mask-tis",
+    ),
     "ratio_without_type": (dict(truncated_importance_sampling_ratio=2.0), "truncated_importance_sampling_ratio"),
-    "sequence_ratios_with_token_level_loss": (dict(sequence_level_importance_ratios=True),
-                                              "sequence_level_importance_ratios"),
+    "sequence_ratios_with_token_level_loss": (
+        dict(sequence_level_importance_ratios=True),
+        "sequence_level_importance_ratios",
+    ),
     "dual_clip_not_above_one": (dict(ratio_clip_c=1.0), "ratio_clip_c"),
     "unknown_kl_type": (dict(reference_policy_kl_type="k4"), "reference_policy_kl_type"),
     "cispo_and_reinforce": (dict(use_cispo=True, disable_ppo_ratio=True), "use_cispo"),
     "cispo_forced_ratio": (dict(use_cispo=True, force_on_policy_ratio=True), "use_cispo"),
-    "cispo_sequence_ratios": (dict(use_cispo=True, sequence_level_importance_ratios=True, token_level_loss=False),
-                              "use_cispo"),
+    "cispo_sequence_ratios": (
+        dict(use_cispo=True, sequence_level_importance_ratios=True, token_level_loss=False),
+        "use_cispo",
+    ),
     "cispo_dual_clip": (dict(use_cispo=True, ratio_clip_c=3.0), "use_cispo"),
     "cispo_sequence_loss": (dict(use_cispo=True, token_level_loss=False), "use_cispo"),
 }
@@ -334,9 +402,15 @@ def _nemo_refusal_sentences(nemo, cfg: dict) -> list[str]:
     out = []
     for fn in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name in ("__init__", "__call__")):
         for node in ast.walk(fn):
-            msg = node.msg if isinstance(node, ast.Assert) else (
-                node.exc.args[0] if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args
-                else None)
+            msg = (
+                node.msg
+                if isinstance(node, ast.Assert)
+                else (
+                    node.exc.args[0]
+                    if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args
+                    else None
+                )
+            )
             if msg is not None:
                 out.append(eval(compile(ast.Expression(msg), "<nemo-rl>", "eval"), {}, {"self": self_}))
     return out
@@ -373,15 +447,18 @@ def test_refusals_carry_nemo_rl_sentences(nemo):
 def test_token_level_loss_false_with_grpo_preset_is_nemo_rl(exact):
     """NeMo-RL's key wins over the preset it contradicts (a warning names both)."""
     with pytest.warns(UserWarning, match="token_level_loss: false overrides algorithm 'grpo'"):
-        _same_as_nemo(exact, {"token_level_loss": False, "granular": {"algorithm": "grpo"}}, {"token_level_loss": False})
+        _same_as_nemo(
+            exact, {"token_level_loss": False, "granular": {"algorithm": "grpo"}}, {"token_level_loss": False}
+        )
 
 
 @pytest.mark.nemo_rl
 def test_config_object_keeps_preset_where_keys_are_left_out(exact):
     """NeMo-RL's own config object: keys it holds only as defaults do not override the preset."""
     cfg = exact.Cfg(granular={"algorithm": "gspo"}, sequence_level_importance_ratios=True, token_level_loss=False)
-    nemo_cfg = dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=3e-4,
-                    ratio_clip_max=4e-4)
+    nemo_cfg = dict(
+        sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=3e-4, ratio_clip_max=4e-4
+    )
     data, logp, gvs, gvt = _batch()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing overridden: no warning
@@ -405,10 +482,12 @@ def test_preset_at_token_granularity_is_nemo_rl_mode(exact, preset, key, extra, 
     data, logp, gvs, gvt = _batch(1, noise=(0.05, 0.4))
     data = {k: v.to(dtype) if v.is_floating_point() else v for k, v in data.items()}
     logp, gvs, gvt = logp.to(dtype), gvs.to(dtype), gvt.to(dtype)
-    loss, grad, m = _run(GranularPolicyLoss({"granular": {"algorithm": preset}, "ratio_clip_max": 0.1, **extra}),
-                         logp, data, gvs, gvt)
-    rloss, rgrad, rm = _run(exact.Fn(exact.Cfg(**{key: True, "ratio_clip_max": 0.1, **extra})), logp,
-                            exact.BDD(data), gvs, gvt)
+    loss, grad, m = _run(
+        GranularPolicyLoss({"granular": {"algorithm": preset}, "ratio_clip_max": 0.1, **extra}), logp, data, gvs, gvt
+    )
+    rloss, rgrad, rm = _run(
+        exact.Fn(exact.Cfg(**{key: True, "ratio_clip_max": 0.1, **extra})), logp, exact.BDD(data), gvs, gvt
+    )
     tol = dict(rtol=1e-12, atol=1e-13) if dtype == torch.float64 else dict(rtol=3e-6, atol=3e-7)
     torch.testing.assert_close(loss, rloss.to(dtype), **tol)
     torch.testing.assert_close(grad, rgrad, **tol)
@@ -430,9 +509,16 @@ REWARDS = {
 
 @pytest.mark.nemo_rl
 @pytest.mark.parametrize("rewards", sorted(REWARDS))
-@pytest.mark.parametrize("cfg", [{}, {"use_leave_one_out_baseline": False}, {"normalize_rewards": False},
-                                 {"use_leave_one_out_baseline": False, "normalize_rewards": False}],
-                         ids=["defaults", "no_loo", "no_std", "neither"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"use_leave_one_out_baseline": False},
+        {"normalize_rewards": False},
+        {"use_leave_one_out_baseline": False, "normalize_rewards": False},
+    ],
+    ids=["defaults", "no_loo", "no_std", "neither"],
+)
 def test_grpo_estimator_is_nemo_rl(nemo, rewards, cfg):
     """Same estimator config, same advantages. Before, the default (left-out) leave-one-out
     baseline was off: rewards [1, 0, 0, 1] gave ±0.866 where NeMo-RL gives ±1.1547."""
@@ -464,8 +550,12 @@ def test_split_step_rescale_in_both_import_orders(megatron_workers, order):
     ``global_valid_* = 1`` call to the synchronous value, whether ``nemo_granular`` or NeMo-RL's loss
     module was imported first. Before, with ``nemo_granular`` first the kinds were local members:
     ``num_valid_samples`` came out 0.179 instead of 5 and ``groups_per_response`` 1.0 instead of 5.6."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "harness" / "split_step_driver.py"), order],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "harness" / "split_step_driver.py"), order],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["kinds_are_nemo_rl_members"] and out["loss_kind_is_sequences"] and out["loss_type_is_sequence_level"]

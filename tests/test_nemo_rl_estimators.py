@@ -22,7 +22,7 @@ from nemo_granular.advantages import ESPOEstimator
 from nemo_granular.nemo_rl import environments as envs
 from nemo_granular.nemo_rl import estimators as est
 
-FAKE_GRPO = '''
+FAKE_GRPO = """
 from pydantic import BaseModel
 
 
@@ -55,24 +55,24 @@ def _create_advantage_estimator(master_config):
 
 def grpo_train(master_config):
     return _create_advantage_estimator(master_config)
-'''
+"""
 
-FAKE_GRPO_SYNC = '''
+FAKE_GRPO_SYNC = """
 from nemo_rl.algorithms.grpo import _create_advantage_estimator
 
 
 def grpo_train_sync(master_config):
     return _create_advantage_estimator(master_config)
-'''
+"""
 
-FAKE_PPO = '''
+FAKE_PPO = """
 def _create_advantage_estimator(master_config):
     return ("ppo-original", master_config["ppo"]["adv_estimator"]["name"])
 
 
 def ppo_train(master_config):
     return _create_advantage_estimator(master_config)
-'''
+"""
 
 
 @pytest.fixture
@@ -137,8 +137,9 @@ def test_generic_patch_for_ppo_with_dict_configs(fake_nemo_rl):
     import nemo_rl.algorithms.ppo as ppo
 
     built = []
-    handle = est.patch_estimator_factory("nemo_rl.algorithms.ppo", {"sppo": lambda mc: built.append(mc) or "ours"},
-                                         config_section="ppo")
+    handle = est.patch_estimator_factory(
+        "nemo_rl.algorithms.ppo", {"sppo": lambda mc: built.append(mc) or "ours"}, config_section="ppo"
+    )
     cfg = {"ppo": {"adv_estimator": {"name": "sppo"}}}
     assert ppo.ppo_train(cfg) == "ours" and built == [cfg]
     assert ppo.ppo_train({"ppo": {"adv_estimator": {"name": "gae"}}}) == ("ppo-original", "gae")
@@ -163,8 +164,12 @@ def _message_log(content_env):
 
 def test_espo_observations_mark_unextractable_answers():
     obs = envs.espo_observations([1.0, 0.0, 0.0, 0.0], ["4", "5", None, " "])
-    assert [o["content"] for o in obs] == [envs.CORRECT_CONTENT, envs.INCORRECT_CONTENT,
-                                           envs.VERIFICATION_FAILED_CONTENT, envs.VERIFICATION_FAILED_CONTENT]
+    assert [o["content"] for o in obs] == [
+        envs.CORRECT_CONTENT,
+        envs.INCORRECT_CONTENT,
+        envs.VERIFICATION_FAILED_CONTENT,
+        envs.VERIFICATION_FAILED_CONTENT,
+    ]
     assert all(o["role"] == "environment" for o in obs)
     with pytest.raises(ValueError, match="2 scores but 1 answers"):
         envs.espo_observations([1.0, 0.0], ["4"])
@@ -173,21 +178,31 @@ def test_espo_observations_mark_unextractable_answers():
 def test_espo_estimator_reads_flags_from_the_rollout_as_grpo_train_calls_it():
     """grpo_train's call: prompt_ids, rewards, mask, repeated_batch, logprobs_policy, logprobs_reference."""
     obs = envs.espo_observations([1, 0, 0, 1, 0, 0], ["1", "2", None, "1", None, "3"])
-    repeated_batch = {"message_log": [_message_log(o["content"]) for o in obs],
-                      "total_reward": torch.tensor([1.0, 0, 0, 1, 0, 0])}
+    repeated_batch = {
+        "message_log": [_message_log(o["content"]) for o in obs],
+        "total_reward": torch.tensor([1.0, 0, 0, 1, 0, 0]),
+    }
     prompt_ids = torch.tensor([[5, 6, 0]] * 3 + [[7, 8, 9]] * 3)
     rewards = repeated_batch["total_reward"]
     mask = torch.ones(6, 4)
-    cfg = {"grpo": {"adv_estimator": {"name": "espo", "normalize_rewards": True, "use_leave_one_out_baseline": False}},
-           "loss_fn": {}}
+    cfg = {
+        "grpo": {"adv_estimator": {"name": "espo", "normalize_rewards": True, "use_leave_one_out_baseline": False}},
+        "loss_fn": {},
+    }
     estimator = est.build_grpo_estimator(cfg)
-    adv = estimator.compute_advantage(prompt_ids=prompt_ids, rewards=rewards, mask=mask,
-                                      repeated_batch=repeated_batch, logprobs_policy=torch.zeros(6, 4),
-                                      logprobs_reference=torch.zeros(6, 4))
+    adv = estimator.compute_advantage(
+        prompt_ids=prompt_ids,
+        rewards=rewards,
+        mask=mask,
+        repeated_batch=repeated_batch,
+        logprobs_policy=torch.zeros(6, 4),
+        logprobs_reference=torch.zeros(6, 4),
+    )
     flags = repeated_batch["verification_failed"]
     assert flags.tolist() == [False, False, True, False, True, False]
-    direct = ESPOEstimator(cfg["grpo"]["adv_estimator"]).compute_advantage(prompt_ids, rewards, mask,
-                                                                           verification_failed=flags)
+    direct = ESPOEstimator(cfg["grpo"]["adv_estimator"]).compute_advantage(
+        prompt_ids, rewards, mask, verification_failed=flags
+    )
     torch.testing.assert_close(adv, direct)
     assert adv[2].abs().sum() == 0 and adv[4].abs().sum() == 0  # failed: A = 0
     assert adv[0].abs().sum() > 0
@@ -195,8 +210,10 @@ def test_espo_estimator_reads_flags_from_the_rollout_as_grpo_train_calls_it():
 
 
 def test_flags_set_by_an_environment_win_and_missing_observations_warn_once(monkeypatch):
-    batch = {"message_log": [_message_log(envs.VERIFICATION_FAILED_CONTENT)],
-             "verification_failed": torch.tensor([False])}
+    batch = {
+        "message_log": [_message_log(envs.VERIFICATION_FAILED_CONTENT)],
+        "verification_failed": torch.tensor([False]),
+    }
     assert envs.attach_verification_flags(batch).tolist() == [False]
     monkeypatch.setattr(envs, "_warned_no_flags", False)
     with pytest.warns(UserWarning, match="espo_math"):

@@ -71,9 +71,10 @@ def test_megatron_packed_entropy_matches_dense():
     starts = [sum(slots[:i]) for i in range(B + 1)]
     packed = 3 * torch.randn(1, starts[-1], V, generator=g)
     for i, n in enumerate(lengths.tolist()):
-        packed[0, starts[i]:starts[i] + n] = logits[i, :n]
-    got = workers.megatron_entropy(packed, input_lengths=lengths, seq_len=S, cu_seqlens_padded=torch.tensor(starts),
-                                   chunk_size=5)
+        packed[0, starts[i] : starts[i] + n] = logits[i, :n]
+    got = workers.megatron_entropy(
+        packed, input_lengths=lengths, seq_len=S, cu_seqlens_padded=torch.tensor(starts), chunk_size=5
+    )
     assert got.dtype == torch.float32 and got.shape == (B, S)
     torch.testing.assert_close(got, _columns(_entropy_ref(logits), lengths, S).float(), rtol=1e-5, atol=1e-5)
 
@@ -99,8 +100,10 @@ def test_swap_attr_restores_on_error():
 
 def test_extension_fqn_for_backends():
     assert policy.extension_fqn_for({"megatron_cfg": {"enabled": True}}) == workers.MEGATRON_EXTENSION_FQN
-    assert policy.extension_fqn_for({"megatron_cfg": {"enabled": False},
-                                     "dtensor_cfg": {"enabled": True, "_v2": True}}) == workers.DTENSOR_V2_EXTENSION_FQN
+    assert (
+        policy.extension_fqn_for({"megatron_cfg": {"enabled": False}, "dtensor_cfg": {"enabled": True, "_v2": True}})
+        == workers.DTENSOR_V2_EXTENSION_FQN
+    )
     with pytest.raises(ValueError, match="DTensor v1"):
         policy.extension_fqn_for({"dtensor_cfg": {"enabled": True, "_v2": False}})
 
@@ -126,10 +129,14 @@ def test_driver_group_ids_sspo_and_shape_checks():
 
 def test_rollout_split_warning_once(monkeypatch):
     monkeypatch.setattr(fallback, "_warned", False)
-    one = {"grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8},
-           "policy": {"train_global_batch_size": 64}}
-    split = {"grpo": {"num_prompts_per_step": 32, "num_generations_per_prompt": 16},
-             "policy": {"train_global_batch_size": 128}}
+    one = {
+        "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8},
+        "policy": {"train_global_batch_size": 64},
+    }
+    split = {
+        "grpo": {"num_prompts_per_step": 32, "num_generations_per_prompt": 16},
+        "policy": {"train_global_batch_size": 128},
+    }
     assert fallback.rollout_split_steps(split) == 4
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -152,9 +159,11 @@ def test_entry_script_modes_and_loss(monkeypatch):
         run_grpo.runtime_options({"nemo_granular": {"entropy_source": "vllm"}})
     with pytest.raises(ValueError, match="unknown key"):
         run_grpo.runtime_options({"nemo_granular": {"entropy": "x"}})
-    master = {"loss_fn": {"reference_policy_kl_penalty": 0.0, "granular": {"algorithm": "espo"}},
-              "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4},
-              "policy": {"train_global_batch_size": 16}}
+    master = {
+        "loss_fn": {"reference_policy_kl_penalty": 0.0, "granular": {"algorithm": "espo"}},
+        "grpo": {"num_prompts_per_step": 4, "num_generations_per_prompt": 4},
+        "policy": {"train_global_batch_size": 16},
+    }
     loss = run_grpo.build_loss(master, None, 32000)
     assert isinstance(loss, GranularPolicyLoss) and loss.vocab_size == 32000
     monkeypatch.setattr(fallback, "_warned", False)
@@ -167,8 +176,14 @@ def test_entry_script_without_nemo_rl_prints_one_line(tmp_path):
     """World without NeMo-RL (forced: the subprocess must not see a NEMO_RL_SRC checkout)."""
     cfg = tmp_path / "c.yaml"
     cfg.write_text("grpo: {}\n")
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular.run_grpo", "--config", str(cfg), "grpo.x=1"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120, env=env_without_nemo_rl())
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_granular.run_grpo", "--config", str(cfg), "grpo.x=1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=env_without_nemo_rl(),
+    )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr
@@ -181,15 +196,18 @@ def test_example_configs_validate(name):
     assert cfg["defaults"].startswith("upstream/")
     loss = parse_policy_loss_config(cfg["loss_fn"])
     parse_advantage_config(cfg["grpo"]["adv_estimator"])
-    opts = run_grpo.check_config(cfg)   # includes: the ratio is not identically 1
+    opts = run_grpo.check_config(cfg)  # includes: the ratio is not identically 1
     assert opts["entropy_source"] == "extension" and opts["allow_ratio_always_one"] is False
     n = cfg["grpo"]["num_prompts_per_step"] * cfg["grpo"]["num_generations_per_prompt"]
     assert n // cfg["policy"]["train_global_batch_size"] >= 2  # an off-policy optimizer step per rollout
     assert loss.granular.algorithm == name.split("_")[0]
 
 
-RATIO_BASE = {"grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8},
-              "policy": {"train_global_batch_size": 32}, "loss_fn": {"granular": {"algorithm": "sspo"}}}
+RATIO_BASE = {
+    "grpo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 8},
+    "policy": {"train_global_batch_size": 32},
+    "loss_fn": {"granular": {"algorithm": "sspo"}},
+}
 
 
 def _cfg(**sections):
@@ -208,14 +226,22 @@ def _cfg(**sections):
 def test_ratio_one_settings_are_refused_unless_allowed():
     """Issue 11.2: force_on_policy_ratio and one optimizer step per rollout make the ratio 1."""
     assert run_grpo.check_config(_cfg())["allow_ratio_always_one"] is False
-    with pytest.raises(ValueError, match=r"^loss_fn\.force_on_policy_ratio: true fixes the importance ratio at 1.*"
-                                         r"nemo_granular\.allow_ratio_always_one: true") as err:
+    with pytest.raises(
+        ValueError,
+        match=r"^loss_fn\.force_on_policy_ratio: true fixes the importance ratio at 1.*"
+        r"nemo_granular\.allow_ratio_always_one: true",
+    ) as err:
         run_grpo.check_config(_cfg(loss_fn__force_on_policy_ratio=True))
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match=r"one optimizer step per rollout \(grpo\.num_prompts_per_step × "
-                                         r"num_generations_per_prompt = 64, policy\.train_global_batch_size=64\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"one optimizer step per rollout \(grpo\.num_prompts_per_step × "
+        r"num_generations_per_prompt = 64, policy\.train_global_batch_size=64\)",
+    ):
         run_grpo.check_config(_cfg(policy__train_global_batch_size=64))
-    allowed = run_grpo.check_config(_cfg(policy__train_global_batch_size=64, nemo_granular__allow_ratio_always_one=True))
+    allowed = run_grpo.check_config(
+        _cfg(policy__train_global_batch_size=64, nemo_granular__allow_ratio_always_one=True)
+    )
     assert allowed["allow_ratio_always_one"] is True
     run_grpo.check_config(_cfg(loss_fn__force_on_policy_ratio=True, nemo_granular__allow_ratio_always_one=True))
     with pytest.raises(ValueError, match="allow_ratio_always_one: must be true or false"):
@@ -223,19 +249,29 @@ def test_ratio_one_settings_are_refused_unless_allowed():
     # PPO: epochs multiply the optimizer steps
     from nemo_granular.nemo_rl.configs import check_ratio_is_active
 
-    ppo = {"ppo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 1, "ppo_epochs": 1},
-           "policy": {"train_global_batch_size": 8}, "loss_fn": {}}
+    ppo = {
+        "ppo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 1, "ppo_epochs": 1},
+        "policy": {"train_global_batch_size": 8},
+        "loss_fn": {},
+    }
     with pytest.raises(ValueError, match=r"ppo\.ppo_epochs=1.*sppo\.allow_ratio_always_one"):
         check_ratio_is_active(ppo, "ppo", "sppo.allow_ratio_always_one")
     ppo["ppo"]["ppo_epochs"] = 2
     check_ratio_is_active(ppo, "ppo", "sppo.allow_ratio_always_one")
 
 
-@pytest.mark.parametrize("key", ["grpo__use_dynamic_sampling", "grpo__reward_scaling__enabled",
-                                 "grpo__reward_shaping__enabled", "data__use_multiple_dataloader"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "grpo__use_dynamic_sampling",
+        "grpo__reward_scaling__enabled",
+        "grpo__reward_shaping__enabled",
+        "data__use_multiple_dataloader",
+    ],
+)
 def test_async_grpo_refuses_what_nemo_rl_launcher_refuses(key):
     """Issue 15.3: examples/run_grpo.py's async checks (async_grpo_train does not repeat them)."""
-    run_grpo.check_config(_cfg(**{key: True}))   # synchronous: allowed
+    run_grpo.check_config(_cfg(**{key: True}))  # synchronous: allowed
     with pytest.raises(ValueError, match=rf"^{key.replace('__', '.')}: true is not supported with async GRPO") as err:
         run_grpo.check_config(_cfg(**{key: True, "grpo__async_grpo__enabled": True}))
     assert "\n" not in str(err.value)
@@ -258,16 +294,20 @@ def test_sync_logger_adds_estimator_metrics_once_per_advantage_call():
     est = types_ns(calls=0, last_metrics={})
     log = run_grpo.EstimatorMetricsLogger(Recorder(), estimator_source=lambda: est)
     assert log.other() == "delegated"
-    log.log_metrics({"reward": 1.0}, 1, prefix="train")               # rollout metrics, before the estimator ran
+    log.log_metrics({"reward": 1.0}, 1, prefix="train")  # rollout metrics, before the estimator ran
     est.calls, est.last_metrics = 1, {"verification_failed_frac": 0.25}
-    log.log_metrics({"t": 1.0}, 1, prefix="timing/train")             # other prefixes untouched
-    log.log_metrics({"loss": 0.5}, 1, prefix="train")                 # the step's main train metrics
-    log.log_metrics({"reward": 2.0}, 2, prefix="train")               # step 2 rollout: estimator not yet run
+    log.log_metrics({"t": 1.0}, 1, prefix="timing/train")  # other prefixes untouched
+    log.log_metrics({"loss": 0.5}, 1, prefix="train")  # the step's main train metrics
+    log.log_metrics({"reward": 2.0}, 2, prefix="train")  # step 2 rollout: estimator not yet run
     est.calls, est.last_metrics = 2, {"verification_failed_frac": 0.5}
-    log.log_metrics({"verification_failed_frac": 0.75}, 2, prefix="train")   # async: already there
-    assert calls == [({"reward": 1.0}, 1, "train"), ({"t": 1.0}, 1, "timing/train"),
-                     ({"loss": 0.5, "verification_failed_frac": 0.25}, 1, "train"),
-                     ({"reward": 2.0}, 2, "train"), ({"verification_failed_frac": 0.75}, 2, "train")]
+    log.log_metrics({"verification_failed_frac": 0.75}, 2, prefix="train")  # async: already there
+    assert calls == [
+        ({"reward": 1.0}, 1, "train"),
+        ({"t": 1.0}, 1, "timing/train"),
+        ({"loss": 0.5, "verification_failed_frac": 0.25}, 1, "train"),
+        ({"reward": 2.0}, 2, "train"),
+        ({"verification_failed_frac": 0.75}, 2, "train"),
+    ]
 
 
 def types_ns(**kw):
@@ -289,9 +329,13 @@ def test_loss_objects_pickle_like_ray_ships_them(monkeypatch):
         assert type(clone) is type(obj) and clone.input_type == obj.input_type
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(2, 6, 10, generator=g)
-    data = {"input_ids": torch.randint(0, 10, (2, 6), generator=g), "token_mask": torch.ones(2, 6),
-            "sample_mask": torch.ones(2), "advantages": torch.randn(2, 6, generator=g),
-            "prev_logprobs": -torch.rand(2, 6, generator=g)}
+    data = {
+        "input_ids": torch.randint(0, 10, (2, 6), generator=g),
+        "token_mask": torch.ones(2, 6),
+        "sample_mask": torch.ones(2),
+        "advantages": torch.randn(2, 6, generator=g),
+        "prev_logprobs": -torch.rand(2, 6, generator=g),
+    }
     fb = pickle.loads(pickle.dumps(fallback.CurrentLogitsEntropyLoss(GranularPolicyLoss(cfg, delimiter_table=table))))
     loss, metrics = fb(logits, data, torch.tensor(2.0), torch.tensor(10.0))  # single process: no groups
     assert torch.isfinite(loss) and metrics["prev_entropy_mean"] > 0

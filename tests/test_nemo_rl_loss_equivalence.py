@@ -21,8 +21,12 @@ import torch
 from nemo_granular.losses import GranularPolicyLoss
 from nemo_granular.nemo_rl.policy import add_granular_keys
 
-EXTREMA = {"probs_ratio_min": min, "probs_ratio_clamped_min": min, "probs_ratio_max": max,
-           "probs_ratio_clamped_max": max}
+EXTREMA = {
+    "probs_ratio_min": min,
+    "probs_ratio_clamped_min": min,
+    "probs_ratio_max": max,
+    "probs_ratio_clamped_max": max,
+}
 DELIM = 3  # token id whose text contains "\n\n" in this toy vocabulary
 V = 12
 
@@ -86,8 +90,8 @@ def _whole(loss_fn, logp, data, gvs, gvt):
 def _microbatches(loss_fn, logp, data, gvs, gvt, sizes=(2, 3, 1)):
     parts, a = [], 0
     for n in sizes:
-        mb = {k: v[a:a + n] for k, v in data.items()}
-        parts.append(_call(loss_fn, logp[a:a + n], mb, gvs, gvt))
+        mb = {k: v[a : a + n] for k, v in data.items()}
+        parts.append(_call(loss_fn, logp[a : a + n], mb, gvs, gvt))
         a += n
     return parts
 
@@ -97,9 +101,9 @@ def _per_sequence(loss_fn, logp, data, gvs, gvt):
     for i, L in enumerate(data["input_lengths"].tolist()):
         row = {}
         for k, v in data.items():
-            v = v[i:i + 1]
+            v = v[i : i + 1]
             row[k] = v[:, :L] if v.dim() > 1 and v.shape[1] > 1 else v
-        parts.append(_call(loss_fn, logp[i:i + 1, :L - 1], row, gvs, gvt))
+        parts.append(_call(loss_fn, logp[i : i + 1, : L - 1], row, gvs, gvt))
     return parts
 
 

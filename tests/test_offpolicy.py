@@ -36,7 +36,14 @@ TRUNCATIONS = {
 # how far a unit's weight strays at gen_noise 0.04, relative to a token's: the bounds above are
 # scaled by it so that every case truncates some units and keeps others
 SPREAD = {("group_sum", g): 1.5 for g in ("sequence", "segment", "entropy_group")}
-SPREAD.update({("group_sum", "sequence"): 3.0, ("group_mean", "sequence"): 0.3, ("group_mean", "segment"): 0.5, ("group_mean", "entropy_group"): 0.5})
+SPREAD.update(
+    {
+        ("group_sum", "sequence"): 3.0,
+        ("group_mean", "sequence"): 0.3,
+        ("group_mean", "segment"): 0.5,
+        ("group_mean", "entropy_group"): 0.5,
+    }
+)
 MASK_SPREAD = {"token": 0.6, "sequence": 0.6, "segment": 0.6, "entropy_group": 0.6}
 
 
@@ -48,16 +55,25 @@ def _scaled(trunc, granularity, level):
     if trunc.get("lo") is not None:
         out["lo"] = 1 - (1 - trunc["lo"]) * f
     return out
+
+
 DIAGNOSTICS = ("gen_mismatch_abs_mean", "gen_kl_k3", "gen_mismatch_group_abs_mean")
 TOL = dict(rtol=1e-12, atol=1e-14)  # measured: loss 2.3e-14 relative, gradient 3.3e-16 of its max
 
 
 def _loss_cfg(preset, level, trunc, **extra):
-    cfg = {"reference_policy_kl_penalty": 0.0, "use_importance_sampling_correction": True,
-           "granular": {"algorithm": preset, "is_level": level, "espo": {"vocab_size": V}}, **extra}
+    cfg = {
+        "reference_policy_kl_penalty": 0.0,
+        "use_importance_sampling_correction": True,
+        "granular": {"algorithm": preset, "is_level": level, "espo": {"vocab_size": V}},
+        **extra,
+    }
     if trunc.get("kind"):
-        cfg.update(truncated_importance_sampling_type=trunc["kind"], truncated_importance_sampling_ratio=trunc["hi"],
-                   truncated_importance_sampling_ratio_min=trunc.get("lo"))
+        cfg.update(
+            truncated_importance_sampling_type=trunc["kind"],
+            truncated_importance_sampling_ratio=trunc["hi"],
+            truncated_importance_sampling_ratio_min=trunc.get("lo"),
+        )
     return cfg
 
 
@@ -68,8 +84,12 @@ def _batch(seed):
 
 def _run64(fn, logp, data, gvs, gvt):
     lp = logp.detach().clone().requires_grad_(True)
-    loss, m = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(gvs, dtype=torch.float64),
-                 global_valid_toks=torch.tensor(gvt, dtype=torch.float64))
+    loss, m = fn(
+        next_token_logprobs=lp,
+        data=data,
+        global_valid_seqs=torch.tensor(gvs, dtype=torch.float64),
+        global_valid_toks=torch.tensor(gvt, dtype=torch.float64),
+    )
     (grad,) = torch.autograd.grad(loss, lp)
     assert loss.dtype == torch.float64
     return loss.detach(), grad, m
@@ -79,8 +99,12 @@ def _check_against_reference(preset, level, trunc, seed):
     data, logp, gvs, gvt = _batch(seed)
     fn = GranularPolicyLoss(_loss_cfg(preset, level, trunc), delimiter_table=R.delimiter_table(V))
     loss, grad, m = _run64(fn, logp, data, gvs, gvt)
-    rloss, rgrad, rm = R.run_ref(lambda lp: R.preset_loss(preset, lp, data, gvs=gvs, gvt=gvt, vocab_size=V,
-                                                          offpolicy=dict(level=level, **trunc)), logp)
+    rloss, rgrad, rm = R.run_ref(
+        lambda lp: R.preset_loss(
+            preset, lp, data, gvs=gvs, gvt=gvt, vocab_size=V, offpolicy=dict(level=level, **trunc)
+        ),
+        logp,
+    )
     torch.testing.assert_close(loss, rloss, **TOL, msg="loss")
     torch.testing.assert_close(grad, rgrad, **TOL, msg="grad")
     ref = rm["offpolicy"]
@@ -103,8 +127,9 @@ def _check_against_reference(preset, level, trunc, seed):
 def test_level_and_truncation_match_float64_reference(granularity, level, trunc):
     hit = []
     for seed in (0, 1):
-        m, grad = _check_against_reference(PRESET_OF[granularity], level,
-                                           _scaled(TRUNCATIONS[trunc], granularity, level), seed)
+        m, grad = _check_against_reference(
+            PRESET_OF[granularity], level, _scaled(TRUNCATIONS[trunc], granularity, level), seed
+        )
         assert grad.abs().sum() > 0, "everything masked: the case tests nothing"
         hit.append(m.get("is_oob_token_frac", 0.5))
     # the data must exercise the truncation (tokens truncated, but not all)
@@ -144,8 +169,14 @@ def test_token_groups_equal_real_nemo_rl_at_every_level(nemo_pg, option, level, 
     """At token granularity every level is NeMo-RL's token-level weight, seq-mask-tis masks whole rows."""
     opts = NEMO_TRUNC[option]
     for seed in (0, 1):
-        _compare_real(nemo_pg, {"granular": {"algorithm": "grpo", "is_level": level}, **opts},
-                      {"token_level_loss": True, **opts}, seed, True, dtype)
+        _compare_real(
+            nemo_pg,
+            {"granular": {"algorithm": "grpo", "is_level": level}, **opts},
+            {"token_level_loss": True, **opts},
+            seed,
+            True,
+            dtype,
+        )
 
 
 @pytest.mark.nemo_rl
@@ -155,9 +186,14 @@ def test_sequence_group_sum_equals_real_nemo_rl_gspo_mode(nemo_pg, option, dtype
     """`algorithm: gspo` with `is_level: group_sum` (no NeMo-RL GSPO key) is NeMo-RL's GSPO-mode correction."""
     opts = {"ratio_clip_min": 3e-4, "ratio_clip_max": 4e-4, **NEMO_TRUNC[option]}
     for seed in (0, 1):
-        _compare_real(nemo_pg, {"granular": {"algorithm": "gspo", "is_level": "group_sum"}, **opts},
-                      {"token_level_loss": False, "sequence_level_importance_ratios": True, **opts},
-                      seed, False, dtype)
+        _compare_real(
+            nemo_pg,
+            {"granular": {"algorithm": "gspo", "is_level": "group_sum"}, **opts},
+            {"token_level_loss": False, "sequence_level_importance_ratios": True, **opts},
+            seed,
+            False,
+            dtype,
+        )
 
 
 @pytest.mark.nemo_rl
@@ -173,8 +209,9 @@ def test_token_groups_equal_real_nemo_rl_on_tiny_batches(nemo_pg, option, level,
     opts = {"reference_policy_kl_penalty": 0.0, **NEMO_TRUNC[option]}
     for seed in range(3):
         data, logp, gvs, gvt = _tiny_batch(seed, B, S)
-        loss, grad, m = _run64(GranularPolicyLoss({"granular": {"algorithm": "grpo", "is_level": level}, **opts}),
-                               logp, data, gvs, gvt)
+        loss, grad, m = _run64(
+            GranularPolicyLoss({"granular": {"algorithm": "grpo", "is_level": level}, **opts}), logp, data, gvs, gvt
+        )
         rloss, rgrad, rm = _run64(make({"token_level_loss": True, **opts}), logp, BDD(data), gvs, gvt)
         torch.testing.assert_close(loss, rloss, rtol=1e-12, atol=1e-15, msg=f"seed {seed}: loss")
         torch.testing.assert_close(grad, rgrad, rtol=1e-12, atol=1e-15, msg=f"seed {seed}: grad")
@@ -185,8 +222,9 @@ def test_token_groups_equal_real_nemo_rl_on_tiny_batches(nemo_pg, option, level,
 # ---- invariances (padding, order, microbatching, packing) for the new terms ----------------------------------------------------------------------
 
 INVARIANCE_CASES = {
-    "sspo_group_mean_seq_mask": dict(algorithm="sspo", level="group_mean",
-                                     trunc=dict(kind="seq-mask-tis", hi=1.01, lo=0.99)),
+    "sspo_group_mean_seq_mask": dict(
+        algorithm="sspo", level="group_mean", trunc=dict(kind="seq-mask-tis", hi=1.01, lo=0.99)
+    ),
     "espo_group_sum_icepop": dict(algorithm="espo", level="group_sum", trunc=dict(kind="icepop", hi=1.05, lo=0.95)),
     "gspo_group_mean_tis": dict(algorithm="gspo", level="group_mean", trunc=dict(kind="tis", hi=1.002, lo=0.999)),
     "sspo_token_tis": dict(algorithm="sspo", level="token", trunc=dict(kind="tis", hi=1.01)),
@@ -211,8 +249,12 @@ def test_microbatching_packing_padding_and_order_change_nothing(case):
     cfg["granular"]["espo"] = {"vocab_size": 12}
     fn = GranularPolicyLoss(cfg)
     data, logp0, gvs, gvt = _driver_batch(3, cfg)
-    data["generation_logprobs"] = data["prev_logprobs"] + 0.01 * torch.randn(
-        data["prev_logprobs"].shape, generator=torch.Generator().manual_seed(7)) * data["token_mask"]
+    data["generation_logprobs"] = (
+        data["prev_logprobs"]
+        + 0.01
+        * torch.randn(data["prev_logprobs"].shape, generator=torch.Generator().manual_seed(7))
+        * data["token_mask"]
+    )
 
     def run(split, d, lp):
         lp = lp.clone().requires_grad_(True)
@@ -225,8 +267,12 @@ def test_microbatching_packing_padding_and_order_change_nothing(case):
     perm = torch.tensor([4, 0, 5, 2, 1, 3])
     permuted = {k: v[perm] for k, v in data.items()}
     padded, lp_pad = _pad_right(data, logp0, 3)
-    results = {"micro": run(_microbatches, data, logp0), "per_seq": run(_per_sequence, data, logp0),
-               "permuted": run(_whole, permuted, logp0[perm]), "padded": run(_whole, padded, lp_pad)}
+    results = {
+        "micro": run(_microbatches, data, logp0),
+        "per_seq": run(_per_sequence, data, logp0),
+        "permuted": run(_whole, permuted, logp0[perm]),
+        "padded": run(_whole, padded, lp_pad),
+    }
     for name, (loss, grad, m) in results.items():
         if name == "permuted":
             grad = grad[torch.argsort(perm)]
@@ -241,28 +287,55 @@ def test_microbatching_packing_padding_and_order_change_nothing(case):
 
 # ---- preflight -------------------------------------------------------------------------------------
 
+
 def test_default_levels_and_nemo_rl_gspo_mode():
     def level(cfg):
         return parse_policy_loss_config(cfg).granular.is_level
+
     assert level({}) == "token"
     for alg in ("gspo", "gspo_token", "sspo", "sspo_no_ec", "espo"):
         assert level({"granular": {"algorithm": alg}}) == "group_mean", alg
     # NeMo-RL's own GSPO key keeps NeMo-RL's weight (drop-in) unless is_level is given
     assert level({"sequence_level_importance_ratios": True, "token_level_loss": False}) == "group_sum"
     assert level({"sequence_level_importance_ratios": True, "granular": {"algorithm": "gspo"}}) == "group_sum"
-    assert level({"sequence_level_importance_ratios": True, "use_importance_sampling_correction": True,
-                  "granular": {"algorithm": "gspo", "is_level": "group_mean"}}) == "group_mean"
+    assert (
+        level(
+            {
+                "sequence_level_importance_ratios": True,
+                "use_importance_sampling_correction": True,
+                "granular": {"algorithm": "gspo", "is_level": "group_mean"},
+            }
+        )
+        == "group_mean"
+    )
 
 
-@pytest.mark.parametrize("bad,field", [
-    ({"granular": {"is_level": "sequence"}}, "loss_fn.granular.is_level"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-      "truncated_importance_sampling_ratio": 1.01, "granular": {"algorithm": "sspo"}},
-     "truncated_importance_sampling_ratio_min"),
-    ({"use_importance_sampling_correction": True, "truncated_importance_sampling_type": "seq-mask-tis",
-      "truncated_importance_sampling_ratio": 1.01, "truncated_importance_sampling_ratio_min": 0.99,
-      "sequence_level_importance_ratios": True, "granular": {"algorithm": "gspo"}}, "seq-mask-tis"),
-])
+@pytest.mark.parametrize(
+    "bad,field",
+    [
+        ({"granular": {"is_level": "sequence"}}, "loss_fn.granular.is_level"),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.01,
+                "granular": {"algorithm": "sspo"},
+            },
+            "truncated_importance_sampling_ratio_min",
+        ),
+        (
+            {
+                "use_importance_sampling_correction": True,
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.01,
+                "truncated_importance_sampling_ratio_min": 0.99,
+                "sequence_level_importance_ratios": True,
+                "granular": {"algorithm": "gspo"},
+            },
+            "seq-mask-tis",
+        ),
+    ],
+)
 def test_bad_keys_are_one_line_errors(bad, field):
     with pytest.raises(ValueError) as err:
         parse_policy_loss_config(bad)
@@ -271,15 +344,21 @@ def test_bad_keys_are_one_line_errors(bad, field):
 
 def test_seq_mask_tis_is_accepted_at_group_granularities():
     for alg in ("sspo", "espo", "gspo"):
-        cfg = parse_policy_loss_config({"use_importance_sampling_correction": True, "granular": {"algorithm": alg},
-                                        "truncated_importance_sampling_type": "seq-mask-tis",
-                                        "truncated_importance_sampling_ratio": 1.01,
-                                        "truncated_importance_sampling_ratio_min": 0.99})
+        cfg = parse_policy_loss_config(
+            {
+                "use_importance_sampling_correction": True,
+                "granular": {"algorithm": alg},
+                "truncated_importance_sampling_type": "seq-mask-tis",
+                "truncated_importance_sampling_ratio": 1.01,
+                "truncated_importance_sampling_ratio_min": 0.99,
+            }
+        )
         assert cfg.granular.is_level == "group_mean"
 
 
 def test_metric_normalizers_are_advertised():
     from nemo_granular.protocol import MetricNormalizer
+
     fn = GranularPolicyLoss(_loss_cfg("sspo", "group_mean", TRUNCATIONS["seq_mask_tis"]))
     kinds = fn.metric_normalizations
     assert kinds["gen_mismatch_abs_mean"] == kinds["gen_kl_k3"] == kinds["is_oob_token_frac"] == MetricNormalizer.TOKENS
@@ -296,10 +375,12 @@ def test_batch_mismatch_extrema_match_loops(granularity):
     """The whole-batch maxima the trainers log once per step (math.md §10.3), against loops."""
     from nemo_granular.core.groups import group_ids_for
     from nemo_granular.core.offpolicy import batch_mismatch_extrema
+
     data, _, _, _ = _batch(4)
     if granularity == "segment":
-        data["granular_group_ids"] = group_ids_for("segment", data["token_mask"] > 0, token_ids=data["input_ids"],
-                                                   delimiter_table=R.delimiter_table(V))
+        data["granular_group_ids"] = group_ids_for(
+            "segment", data["token_mask"] > 0, token_ids=data["input_ids"], delimiter_table=R.delimiter_table(V)
+        )
     got = batch_mismatch_extrema(data, granularity)
     valid = (data["token_mask"] * data["sample_mask"][:, None]) > 0
     d = data["prev_logprobs"] - data["generation_logprobs"]
@@ -308,8 +389,13 @@ def test_batch_mismatch_extrema_match_loops(granularity):
     for i in range(d.shape[0]):
         for t in range(d.shape[1]):
             if valid[i, t]:
-                key = (i, t) if granularity == "token" else (i, 0) if granularity == "sequence" else (
-                    i, int(data["granular_group_ids"][i, t]))
+                key = (
+                    (i, t)
+                    if granularity == "token"
+                    else (i, 0)
+                    if granularity == "sequence"
+                    else (i, int(data["granular_group_ids"][i, t]))
+                )
                 groups.setdefault(key, []).append(float(d[i, t]))
     grp = max(abs(sum(v) / len(v)) for v in groups.values())
     assert got["gen_mismatch_token_abs_max"] == pytest.approx(tok, rel=1e-12)

@@ -10,18 +10,37 @@ from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 from nemo_granular.embedded.mismatch import generation_seed, perturbed_copy
 from nemo_granular.embedded.trainer import Trainer
 
-TINY = ["warmstart.enabled=false", "model.hidden_size=32", "model.num_layers=1", "model.intermediate_size=64",
-        "rl.prompts_per_step=4", "rl.generations_per_prompt=4", "rl.minibatches_per_rollout=2",
-        "rl.micro_batch_size=4", "rl.max_new_tokens=12", "rl.eval_every=1000", "task.heldout_size=8",
-        "logger.progress=false", "logger.tensorboard=false", "threads=1", "checkpoint.every=0"]
-CORRECTION = ["loss_fn.use_importance_sampling_correction=true", "loss_fn.granular.is_level=group_mean",
-              "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
-              "loss_fn.truncated_importance_sampling_ratio=1.01", "loss_fn.truncated_importance_sampling_ratio_min=0.99"]
+TINY = [
+    "warmstart.enabled=false",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "rl.prompts_per_step=4",
+    "rl.generations_per_prompt=4",
+    "rl.minibatches_per_rollout=2",
+    "rl.micro_batch_size=4",
+    "rl.max_new_tokens=12",
+    "rl.eval_every=1000",
+    "task.heldout_size=8",
+    "logger.progress=false",
+    "logger.tensorboard=false",
+    "threads=1",
+    "checkpoint.every=0",
+]
+CORRECTION = [
+    "loss_fn.use_importance_sampling_correction=true",
+    "loss_fn.granular.is_level=group_mean",
+    "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+    "loss_fn.truncated_importance_sampling_ratio=1.01",
+    "loss_fn.truncated_importance_sampling_ratio_min=0.99",
+]
 
 
 def _step(tmp_path, sigma, overrides=CORRECTION):
-    cfg = load_train_config(LOCAL_CONFIGS / "sspo.yaml", TINY + list(overrides) + [
-        f"output_dir={tmp_path}", "rl.steps=1", f"rl.generation_mismatch={sigma}"])
+    cfg = load_train_config(
+        LOCAL_CONFIGS / "sspo.yaml",
+        TINY + list(overrides) + [f"output_dir={tmp_path}", "rl.steps=1", f"rl.generation_mismatch={sigma}"],
+    )
     t = Trainer(cfg, log=lambda msg: None)
     try:
         batch = t.rollout(0)
@@ -41,16 +60,28 @@ def test_mismatch_option_makes_generation_logprobs_differ_and_is_corrected(tmp_p
     assert float(d0.max()) < 1e-4
     assert float(d.mean()) > 100 * max(float(d0.mean()), 1e-7)
     # the step logs the diagnostics; the maxima are the batch's own
-    for key in ("gen_mismatch_abs_mean", "gen_kl_k3", "gen_mismatch_group_abs_mean", "is_oob_ratio",
-                "is_oob_token_frac", "is_oob_group_frac", "gen_mismatch_token_abs_max", "gen_mismatch_group_abs_max"):
+    for key in (
+        "gen_mismatch_abs_mean",
+        "gen_kl_k3",
+        "gen_mismatch_group_abs_mean",
+        "is_oob_ratio",
+        "is_oob_token_frac",
+        "is_oob_group_frac",
+        "gen_mismatch_token_abs_max",
+        "gen_mismatch_group_abs_max",
+    ):
         assert f"train/{key}" in rec, key
     assert rec["train/gen_mismatch_abs_mean"] > 100 * max(rec0["train/gen_mismatch_abs_mean"], 1e-7)
     assert 0 < rec["train/is_oob_group_frac"] <= 1
     assert rec["train/gen_mismatch_token_abs_max"] >= rec["train/gen_mismatch_group_abs_max"] > 0
 
 
-PER_STEP = ("gen_mismatch_token_abs_max", "gen_mismatch_group_abs_max", "gen_mismatch_abs_mean_high_entropy",
-            "gen_mismatch_abs_mean_low_entropy")
+PER_STEP = (
+    "gen_mismatch_token_abs_max",
+    "gen_mismatch_group_abs_max",
+    "gen_mismatch_abs_mean_high_entropy",
+    "gen_mismatch_abs_mean_low_entropy",
+)
 
 
 @pytest.mark.parametrize("correction", [False, True], ids=["off", "on"])
@@ -97,9 +128,18 @@ def test_comparison_report_plots_the_mismatch(tmp_path):
     from nemo_granular.report.runs import load_run
     from test_report import _embedded_run
 
-    with_mm = [load_run(_embedded_run(tmp_path / "a", "sspo", s, [0.5, 0.6, 0.7],
-                                      per_step=lambda k: {"train/gen_mismatch_abs_mean": 0.01 + 1e-3 * k}))
-               for s in (0, 1)]
+    with_mm = [
+        load_run(
+            _embedded_run(
+                tmp_path / "a",
+                "sspo",
+                s,
+                [0.5, 0.6, 0.7],
+                per_step=lambda k: {"train/gen_mismatch_abs_mean": 0.01 + 1e-3 * k},
+            )
+        )
+        for s in (0, 1)
+    ]
     assert with_mm[0].recs[3]["train/gen_mismatch_abs_mean"] == pytest.approx(0.013)
     files = plots({"sspo": with_mm}, tmp_path / "a")
     assert "gen_mismatch_abs_mean_vs_step.png" in files

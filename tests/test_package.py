@@ -32,22 +32,33 @@ def test_cli_help():
     assert "train" in out.stdout and "export" in out.stdout
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", "--config", "/nonexistent/grpo.yaml"],
-    ["train", "--config", "examples/configs/local/grpo.yaml", "rl.no_such_key=1"],
-    ["compare", "--algorithms", "grpo,,sspo"],
-    ["export", "/nonexistent/run", "/tmp/nemo-granular-test-hf-unused"],
-    ["eval-checkpoints", "/nonexistent/run", "--suite", "sspo"],
-], ids=lambda a: "-".join(a[:2]))
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--config", "/nonexistent/grpo.yaml"],
+        ["train", "--config", "examples/configs/local/grpo.yaml", "rl.no_such_key=1"],
+        ["compare", "--algorithms", "grpo,,sspo"],
+        ["export", "/nonexistent/run", "/tmp/nemo-granular-test-hf-unused"],
+        ["eval-checkpoints", "/nonexistent/run", "--suite", "sspo"],
+    ],
+    ids=lambda a: "-".join(a[:2]),
+)
 def test_bad_input_is_refused_before_torch_is_imported(argv):
     """A mistyped command answers at once (issue #36: errors took 1.5-8 s, torch loaded before validation;
     ``import nemo_granular`` imported it for its public names, which are now imported on first use)."""
     from pathlib import Path
 
-    code = ("import sys\nfrom nemo_granular import cli\nrc = cli.main(sys.argv[1:])\n"
-            "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\nsys.exit(rc)")
-    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys\nfrom nemo_granular import cli\nrc = cli.main(sys.argv[1:])\n"
+        "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\nsys.exit(rc)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 2 and lines[-1] == "no torch", r.stderr
 
@@ -75,9 +86,8 @@ def test_import_does_not_load_nemo_rl_training_stack(nemo_rl_src):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stderr == "", proc.stderr[-2000:]   # no foreign log lines
-    cli = subprocess.run([sys.executable, "-m", "nemo_granular", "--help"], capture_output=True, text=True,
-                         timeout=300)
+    assert proc.stderr == "", proc.stderr[-2000:]  # no foreign log lines
+    cli = subprocess.run([sys.executable, "-m", "nemo_granular", "--help"], capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0 and cli.stderr == "", cli.stderr[-2000:]
 
 

@@ -31,16 +31,46 @@ MATH_1_5B = CFG / "sspo_qwen2.5_math_1.5b.yaml"
 SPPO_7B = CFG / "sppo_r1_distill_qwen_7b.yaml"
 GB = 1e9
 # Hugging Face configs of the shipped models' architectures (public config.json values), as local folders
-QWEN3_30B_A3B = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
-                     hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
-                     head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                     num_experts_per_tok=8, tie_word_embeddings=False, max_position_embeddings=32768)
-QWEN25_MATH_1_5B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936, hidden_size=1536,
-                        num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960,
-                        tie_word_embeddings=True, max_position_embeddings=4096)
-R1_DISTILL_7B = dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
-                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, intermediate_size=18944,
-                     tie_word_embeddings=False, max_position_embeddings=131072)
+QWEN3_30B_A3B = dict(
+    model_type="qwen3_moe",
+    architectures=["Qwen3MoeForCausalLM"],
+    vocab_size=151936,
+    hidden_size=2048,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    tie_word_embeddings=False,
+    max_position_embeddings=32768,
+)
+QWEN25_MATH_1_5B = dict(
+    model_type="qwen2",
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=151936,
+    hidden_size=1536,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    intermediate_size=8960,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+R1_DISTILL_7B = dict(
+    model_type="qwen2",
+    architectures=["Qwen2ForCausalLM"],
+    vocab_size=152064,
+    hidden_size=3584,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    intermediate_size=18944,
+    tie_word_embeddings=False,
+    max_position_embeddings=131072,
+)
 
 
 def model_dir(tmp_path: Path, name: str, config: dict) -> Path:
@@ -67,9 +97,16 @@ def run_main(capsys, *argv) -> tuple[int, str, list[str]]:
 
 # ----------------------------------------------------------------------------- the command ---
 
+
 def test_without_nemo_rl_preflight_says_so_in_one_line_and_exits_2():
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "preflight", str(MOE)], capture_output=True,
-                          text=True, env=env_without_nemo_rl(), cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_granular", "preflight", str(MOE)],
+        capture_output=True,
+        text=True,
+        env=env_without_nemo_rl(),
+        cwd=ROOT,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("nemo-granular preflight: NeMo-RL is not importable here"), lines
@@ -80,12 +117,27 @@ def test_module_entry_point_is_the_slurm_interface(nemo_rl_src, tmp_path):
     """``python -m nemo_granular preflight CONFIG [overrides]``: 1 and one line per problem on stderr
     for the pre-fix config, the JSON plan on stdout with --json."""
     env = dict(os.environ, NEMO_RL_VENV_DIR=str(tmp_path / "venvs"), HF_HUB_OFFLINE="1", TORCH_CUDA_ARCH_LIST="9.0")
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular", "preflight", str(FIXTURE), "cluster.num_nodes=16",
-                           "--json", "--no-venv-check"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_granular",
+            "preflight",
+            str(FIXTURE),
+            "cluster.num_nodes=16",
+            "--json",
+            "--no-venv-check",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     doc = json.loads(proc.stdout)
     assert doc["ok"] is False and doc["driver"] == "grpo"
-    assert doc["plan"]["layout"]["nodes"] == 16 and doc["plan"]["policy_parallel"]["dp"] == 8   # 128 GPUs / 16
+    assert doc["plan"]["layout"]["nodes"] == 16 and doc["plan"]["policy_parallel"]["dp"] == 8  # 128 GPUs / 16
     errs = [f for f in doc["findings"] if f["level"] == "error"]
     assert [f["source"] for f in errs] == ["nemo_rl/models/megatron/setup.py:_validate_chunking_config"]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("preflight: error:")]
@@ -104,7 +156,7 @@ def test_clean_config_exits_0_and_prints_the_plan(nemo_rl_src, capsys):
     assert "policy.megatron_cfg.expert_model_parallel_size: 4 → 8" in out
     assert "result    ok" in out
     ours = [line for line in err if line.startswith("preflight:")]
-    assert ours and all(line.startswith("preflight: warning:") for line in ours), ours   # the model is not cached
+    assert ours and all(line.startswith("preflight: warning:") for line in ours), ours  # the model is not cached
 
 
 @pytest.mark.nemo_rl
@@ -141,13 +193,15 @@ def test_config_option_form_and_driver_rule(nemo_rl_src, capsys):
         driver_for("a.yaml", "ppo")
     rc, out, _ = run_main(capsys, "--config", SPPO_7B, "ppo.num_prompts_per_step=256", "--no-venv-check")
     assert rc == 0 and "(driver: run_sppo)" in out and "batches   policy: 256 rows per step" in out
-    rc, out, _ = run_main(capsys, SPPO_7B, "--no-venv-check", "ppo.num_prompts_per_step=128", "--driver", "sppo",
-                          "cluster.num_nodes=2")   # options between the overrides
+    rc, out, _ = run_main(
+        capsys, SPPO_7B, "--no-venv-check", "ppo.num_prompts_per_step=128", "--driver", "sppo", "cluster.num_nodes=2"
+    )  # options between the overrides
     assert rc == 0 and "batches   policy: 128 rows per step" in out and "cluster   2 node(s)" in out
     assert "critic    dtensor_v2" in out
 
 
 # ---------------------------------------------------------------------------- the plan's numbers ---
+
 
 @pytest.mark.nemo_rl
 def test_logits_memory_matches_docs_scaling(nemo_rl_src, tmp_path):
@@ -162,11 +216,11 @@ def test_logits_memory_matches_docs_scaling(nemo_rl_src, tmp_path):
     assert (m["tokens_per_gpu"], m["vocab_per_gpu"], m["chunk"]) == (4096, 37984, 2048)
     assert m["logprob_pass_bytes"] == 4096 * 37984 * 2 + 2048 * 37984 * 4
     assert round(m["logprob_pass_bytes"] / GB, 2) == 0.62 and round(m["train_bytes"] / GB, 2) == 0.93
-    assert abs(res.plan["model"]["parameters"] / 1e9 - 30.5) < 0.05        # scaling.md §2: ≈ 30.5 B
+    assert abs(res.plan["model"]["parameters"] / 1e9 - 30.5) < 0.05  # scaling.md §2: ≈ 30.5 B
     small = model_dir(tmp_path, "qwen2.5-math-1.5b", QWEN25_MATH_1_5B)
     res = run_preflight(MATH_1_5B, [f"policy.model_name={small}"], check_venvs=False)
     assert round(res.plan["logits_memory"]["train_bytes"] / GB, 1) == 3.7
-    assert abs(res.plan["model"]["parameters"] / 1e9 - 1.54) < 0.02       # scaling.md §1: 1.54 B
+    assert abs(res.plan["model"]["parameters"] / 1e9 - 1.54) < 0.02  # scaling.md §1: 1.54 B
 
 
 @pytest.mark.nemo_rl
@@ -174,15 +228,22 @@ def test_model_architecture_findings(nemo_rl_src, tmp_path):
     from nemo_granular.preflight.run import run_preflight
 
     moe = model_dir(tmp_path, "qwen3-30b-a3b", QWEN3_30B_A3B)
-    res = run_preflight(MOE, [f"policy.model_name={moe}", "policy.megatron_cfg.expert_model_parallel_size=6",
-                              "policy.megatron_cfg.pipeline_model_parallel_size=5",
-                              "policy.megatron_cfg.tensor_model_parallel_size=1",
-                              "policy.megatron_cfg.context_parallel_size=1", "cluster.num_nodes=5"],
-                        check_venvs=False)
+    res = run_preflight(
+        MOE,
+        [
+            f"policy.model_name={moe}",
+            "policy.megatron_cfg.expert_model_parallel_size=6",
+            "policy.megatron_cfg.pipeline_model_parallel_size=5",
+            "policy.megatron_cfg.tensor_model_parallel_size=1",
+            "policy.megatron_cfg.context_parallel_size=1",
+            "cluster.num_nodes=5",
+        ],
+        check_venvs=False,
+    )
     srcs = {f.source for f in res.findings if f.level == "error"}
-    assert "megatron/core/transformer/moe/moe_layer.py:BaseMoELayer.__init__" in srcs        # 128 % 6
+    assert "megatron/core/transformer/moe/moe_layer.py:BaseMoELayer.__init__" in srcs  # 128 % 6
     assert "megatron/core/transformer/transformer_block.py:get_num_layers_to_build" in srcs  # 48 % 5
-    assert "megatron/core/parallel_state.py:initialize_model_parallel" in srcs               # 40 % (6 * 5)
+    assert "megatron/core/parallel_state.py:initialize_model_parallel" in srcs  # 40 % (6 * 5)
 
 
 @pytest.mark.nemo_rl
@@ -192,8 +253,8 @@ def test_critic_memory_for_sppo(nemo_rl_src, tmp_path):
     d = model_dir(tmp_path, "r1-distill-7b", R1_DISTILL_7B)
     res = run_preflight(SPPO_7B, [f"policy.model_name={d}"], check_venvs=False)
     crit = res.plan["critic_memory"]
-    assert 7.0e9 < crit["params"] < 7.2e9 and crit["offloaded"] is False   # the value head, not the LM head
-    assert crit["bytes_per_gpu"] == -(-16 * crit["params"] // 4)              # fp32 + grads + Adam over 4 GPUs
+    assert 7.0e9 < crit["params"] < 7.2e9 and crit["offloaded"] is False  # the value head, not the LM head
+    assert crit["bytes_per_gpu"] == -(-16 * crit["params"] // 4)  # fp32 + grads + Adam over 4 GPUs
     res = run_preflight(SPPO_7B, [f"policy.model_name={d}", "value.dtensor_cfg.cpu_offload=true"], check_venvs=False)
     assert res.plan["critic_memory"]["bytes_per_gpu"] == 0 and res.plan["critic_memory"]["offloaded"]
 
@@ -219,19 +280,26 @@ def test_layout_rules(nemo_rl_src):
     def cfg(nodes, gpn, colocated=True, res=None, env=None):
         gen = {"backend": "vllm", "colocated": {"enabled": colocated, "resources": res or {}}}
         data = {"default": {"env_name": env or "math"}}
-        return {"cluster": {"num_nodes": nodes, "gpus_per_node": gpn}, "policy": {"generation": gen}, "data": data,
-                "env": {"reward_model": {"resources": {"num_nodes": 1, "gpus_per_node": 2}}}}
+        return {
+            "cluster": {"num_nodes": nodes, "gpus_per_node": gpn},
+            "policy": {"generation": gen},
+            "data": data,
+            "env": {"reward_model": {"resources": {"num_nodes": 1, "gpus_per_node": 2}}},
+        }
 
     lay, found = cluster_layout(cfg(2, 8), "grpo")
     assert not found and (lay.train_world, lay.inference_world) == (16, 16)
-    lay, found = cluster_layout(cfg(1, 8, env="reward_model"), "grpo")      # the reward model takes 2 GPUs
+    lay, found = cluster_layout(cfg(1, 8, env="reward_model"), "grpo")  # the reward model takes 2 GPUs
     assert lay.train_world == 6
     lay, found = cluster_layout(cfg(3, 8, False, {"num_nodes": 1, "gpus_per_node": 8}), "grpo")
     assert (lay.train_world, lay.inference_world) == (16, 8)
     lay, found = cluster_layout(cfg(1, 8, False, {"num_nodes": None, "gpus_per_node": 2}), "grpo")
     assert (lay.train_world, lay.inference_world) == (6, 2)
-    for bad in (cfg(0, 8), cfg(2, 8, False, {"num_nodes": 2, "gpus_per_node": 8}), cfg(1, 8, False, {"num_nodes": 2,
-                                                                                                      "gpus_per_node": 2})):
+    for bad in (
+        cfg(0, 8),
+        cfg(2, 8, False, {"num_nodes": 2, "gpus_per_node": 8}),
+        cfg(1, 8, False, {"num_nodes": 2, "gpus_per_node": 2}),
+    ):
         lay, found = cluster_layout(bad, "grpo")
         assert lay is None and len(found) == 1 and found[0].level == "error"
     bad = cfg(2, 8, False, {"num_nodes": 1, "gpus_per_node": 8})
@@ -244,15 +312,24 @@ def test_worker_rules_without_a_drive(nemo_rl_src):
     """Restated rules whose NeMo-RL place no CPU drive reaches (source guards in test_preflight_nemo_rl.py)."""
     from nemo_granular.preflight.worker_checks import automodel_worker_checks, megatron_worker_checks
 
-    dt = {"precision": "bfloat16", "dtensor_cfg": {"enabled": True, "_v2": True, "cpu_offload": True},
-          "sequence_packing": {"enabled": False}}
-    assert [f.source for f in automodel_worker_checks("value", dt, 1)] == ["nemo_rl/models/automodel/setup.py:setup_distributed"]
+    dt = {
+        "precision": "bfloat16",
+        "dtensor_cfg": {"enabled": True, "_v2": True, "cpu_offload": True},
+        "sequence_packing": {"enabled": False},
+    }
+    assert [f.source for f in automodel_worker_checks("value", dt, 1)] == [
+        "nemo_rl/models/automodel/setup.py:setup_distributed"
+    ]
     assert automodel_worker_checks("value", dt, 4) == []
     yarn = {**dt, "hf_config_overrides": {"rope_scaling": {"rope_type": "yarn"}}}
     assert any("YaRN" in f.message for f in automodel_worker_checks("policy", yarn, 4))
-    meg = {"megatron_cfg": {"enabled": True, "optimizer": {}}, "generation": {"backend": "megatron"},
-           "router_replay": {"enabled": True}, "reward_model_cfg": {"enabled": True},
-           "hf_config_overrides": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}}
+    meg = {
+        "megatron_cfg": {"enabled": True, "optimizer": {}},
+        "generation": {"backend": "megatron"},
+        "router_replay": {"enabled": True},
+        "reward_model_cfg": {"enabled": True},
+        "hf_config_overrides": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+    }
     msgs = " | ".join(f.message for f in megatron_worker_checks(meg))
     assert "needs vLLM generation" in msgs and "reward models are not supported" in msgs and "yarn" in msgs
 
@@ -281,13 +358,17 @@ def test_venv_plan_names_classes_extras_and_paths(nemo_rl_src, tmp_path):
     assert got["policy (nemo-granular worker extension)"] == (ext, "mcore", f"{base}/{ext}", False)
     gen = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
     assert got["generation"] == (gen, "vllm", f"{base}/{gen}", False)
-    assert got["environment espo_math"][2] is None                      # system Python, no venv
+    assert got["environment espo_math"][2] is None  # system Python, no venv
     sppo = {e.role: e for e in venvs.venv_plan(venvs.needed_actors(load_resolved(SPPO_7B), "sppo"))}
     assert sppo["policy"].fqn.endswith("DTensorPolicyWorkerV2") and sppo["policy"].extra == "automodel"
     assert sppo["critic"].fqn.endswith("DTensorValueWorkerV2")
-    cur = {e.role: e for e in venvs.venv_plan(venvs.needed_actors(
-        load_resolved(MOE, ["nemo_granular.entropy_source=current_logits"]), "grpo"))}
-    assert cur["policy"].fqn.endswith("megatron_policy_worker.MegatronPolicyWorker")   # the stock worker then
+    cur = {
+        e.role: e
+        for e in venvs.venv_plan(
+            venvs.needed_actors(load_resolved(MOE, ["nemo_granular.entropy_source=current_logits"]), "grpo")
+        )
+    }
+    assert cur["policy"].fqn.endswith("megatron_policy_worker.MegatronPolicyWorker")  # the stock worker then
 
 
 @pytest.mark.nemo_rl
@@ -309,10 +390,16 @@ def test_build_venvs_runs_nemo_rls_builder_and_preflight_finds_them(nemo_rl_src,
     assert rc == 0 and "MISSING" not in out and not any("worker venv missing" in line for line in err)
     calls = [json.loads(line) for line in log.read_text().splitlines()]
     root = venvs.nemo_rl_root()
-    for entry in missing:   # the commands NeMo-RL's create_local_venv ran = the ones preflight prints
-        ran = [(f"UV_PROJECT_ENVIRONMENT={c['env']} " if c["env"] == entry.path else "") + "uv " +
-               " ".join(c["argv"]).replace("Finished creating venv " + entry.path, f"'Finished creating venv {entry.path}'")
-               for c in calls if entry.path in (c["env"], *c["argv"])]
+    for entry in missing:  # the commands NeMo-RL's create_local_venv ran = the ones preflight prints
+        ran = [
+            (f"UV_PROJECT_ENVIRONMENT={c['env']} " if c["env"] == entry.path else "")
+            + "uv "
+            + " ".join(c["argv"]).replace(
+                "Finished creating venv " + entry.path, f"'Finished creating venv {entry.path}'"
+            )
+            for c in calls
+            if entry.path in (c["env"], *c["argv"])
+        ]
         assert ran == venvs.build_commands(entry, root), (ran, venvs.build_commands(entry, root))
         assert (Path(entry.path) / "bin" / "python").exists()
         assert f"nemo-granular preflight: $ {venvs.build_commands(entry, root)[1]}" in err
@@ -330,9 +417,11 @@ def test_missing_submodule_sources(tmp_path):
     (root / "3rdparty" / "Bridge" / "3rdparty").mkdir(parents=True)
     (root / "pyproject.toml").write_text(
         '[tool.uv.sources]\nbridge = { path = "3rdparty/Bridge", editable = true }\n'
-        'other = [{ index = "x" }]\n[tool.uv.workspace]\nmembers = ["3rdparty/Gym"]\n')
+        'other = [{ index = "x" }]\n[tool.uv.workspace]\nmembers = ["3rdparty/Gym"]\n'
+    )
     (root / "3rdparty" / "Bridge" / "pyproject.toml").write_text(
-        '[tool.uv.sources]\nmegatron-core = { path = "3rdparty/Megatron-LM/", editable = true }\n')
+        '[tool.uv.sources]\nmegatron-core = { path = "3rdparty/Megatron-LM/", editable = true }\n'
+    )
     assert missing_sources(str(root)) == ["3rdparty/Bridge/3rdparty/Megatron-LM", "3rdparty/Gym"]
     (root / "3rdparty" / "Gym").mkdir()
     (root / "3rdparty" / "Gym" / "pyproject.toml").write_text("[project]\nname='gym'\n")

@@ -38,7 +38,8 @@ def test_a_host_venv_linking_outside_the_mounts_is_an_error_with_container(tmp_p
     target = Path(sys.executable).resolve()
     assert f.level == "error" and f.message == (
         f"VENV={venv}: its python is a link to {target}, outside MOUNTS ({shared}:{shared}): it does not exist in "
-        "the container; with CONTAINER leave VENV unset (the image's environment runs the job; docs/slurm.md)")
+        "the container; with CONTAINER leave VENV unset (the image's environment runs the job; docs/slurm.md)"
+    )
     # a VENV not mounted at all
     [f] = runtime_findings({}, {**env, "MOUNTS": f"{tmp_path / 'other'}:/other"})
     assert f.level == "error" and f.message.startswith(f"VENV={venv} is not inside MOUNTS=")
@@ -53,7 +54,7 @@ def test_without_mounts_only_a_python_under_home_is_certain_to_be_missing(tmp_pa
     home = tmp_path / "home"
     real = home / ".local/share/uv/python/cpython-3.13/bin/python3.13"
     real.unlink()
-    real.write_text("")                       # uv's managed Python is a real file under $HOME
+    real.write_text("")  # uv's managed Python is a real file under $HOME
     [f] = runtime_findings({}, {"CONTAINER": "/images/x.sqsh", "VENV": str(venv), "HOME": str(home)})
     assert f.level == "error" and f.message.startswith(f"VENV={venv}: its python is a link to {real}, under $HOME")
     assert runtime_findings({}, {"CONTAINER": "/images/x.sqsh", "VENV": str(venv), "HOME": str(shared)}) == []
@@ -61,7 +62,7 @@ def test_without_mounts_only_a_python_under_home_is_certain_to_be_missing(tmp_pa
 
 def test_inside_the_container_the_link_must_resolve(tmp_path):
     venv, _ = _uv_venv(tmp_path)
-    (tmp_path / "home" / ".local/share/uv/python/cpython-3.13/bin/python3.13").unlink()   # $HOME not mounted
+    (tmp_path / "home" / ".local/share/uv/python/cpython-3.13/bin/python3.13").unlink()  # $HOME not mounted
     [f] = runtime_findings({}, {"NG_CONTAINER": "/images/x.sqsh", "NG_VENV": str(venv), "NG_MOUNTS": ""})
     assert f.level == "error" and "does not exist in the container" in f.message and str(venv) in f.message
 
@@ -79,8 +80,18 @@ def test_worker_venvs_checked_outside_the_container_are_not_where_nemo_rl_looks_
     assert runtime_findings({}, {}, venv_dir=str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("text, seconds", [("240", 14400), ("4:00:00", 14400), ("30:00", 1800), ("1-00", 86400),
-                                           ("1-02:03", 93780), ("1-02:03:04", 93784), ("UNLIMITED", None)])
+@pytest.mark.parametrize(
+    "text, seconds",
+    [
+        ("240", 14400),
+        ("4:00:00", 14400),
+        ("30:00", 1800),
+        ("1-00", 86400),
+        ("1-02:03", 93780),
+        ("1-02:03:04", 93784),
+        ("UNLIMITED", None),
+    ],
+)
 def test_sbatch_time_formats(text, seconds):
     assert parse_sbatch_time(text) == seconds
 
@@ -98,4 +109,4 @@ def test_the_time_budget_against_the_jobs_time_limit():
     # a job shorter than the reserve is an error
     [f] = runtime_findings({}, {"NG_TIME_LIMIT": "10", "NG_SAVE_RESERVE_SECONDS": "900"})
     assert f.level == "error" and "--time=10 (600 s) is not more than NG_SAVE_RESERVE_SECONDS=900" in f.message
-    assert runtime_findings(CFG, {}) == []          # not a Slurm job, no --time: nothing to compare
+    assert runtime_findings(CFG, {}) == []  # not a Slurm job, no --time: nothing to compare

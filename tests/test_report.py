@@ -35,11 +35,14 @@ def _metrics(alg: str, seed: int, step: int) -> dict:
     clip = {"grpo": 0.02, "sspo": 0.01, "gspo": 0.002}[alg]
     return {
         "reward": base + 0.01 * step + 0.02 * rng.standard_normal(),
-        "clip_frac_low": clip * (1 + 0.1 * rng.random()), "clip_frac_high": clip * 0.5,
+        "clip_frac_low": clip * (1 + 0.1 * rng.random()),
+        "clip_frac_high": clip * 0.5,
         "prev_entropy_mean": 0.8 - 0.01 * step * (0.5 if alg == "sspo" else 1.0),
-        "mean_gen_tokens_per_sample": 100.0 + step, "groups_per_response": {"grpo": 100.0, "sspo": 6.0,
-                                                                            "gspo": 1.0}[alg],
-        "global_valid_seqs": float(PROMPTS * GENS), "loss": 0.1, "grad_norm": 1.0,
+        "mean_gen_tokens_per_sample": 100.0 + step,
+        "groups_per_response": {"grpo": 100.0, "sspo": 6.0, "gspo": 1.0}[alg],
+        "global_valid_seqs": float(PROMPTS * GENS),
+        "loss": 0.1,
+        "grad_norm": 1.0,
     }
 
 
@@ -48,12 +51,22 @@ def _val_acc(alg, seed, step):
 
 
 def _config(alg: str, seed: int, steps: int) -> dict:
-    return {"loss_fn": {"granular": {"algorithm": alg}},
-            "grpo": {"seed": seed, "max_num_steps": steps, "num_prompts_per_step": PROMPTS,
-                     "num_generations_per_prompt": GENS, "val_period": VAL_PERIOD},
-            "policy": {"model_name": "Qwen/Qwen2.5-Math-1.5B", "optimizer": {"kwargs": {"lr": 1e-6}},
-                       "generation": {"temperature": 1.0, "top_p": 1.0, "top_k": None, "max_new_tokens": 3072}},
-            "data": {"train": {"dataset_name": "DAPOMath17K"}}}
+    return {
+        "loss_fn": {"granular": {"algorithm": alg}},
+        "grpo": {
+            "seed": seed,
+            "max_num_steps": steps,
+            "num_prompts_per_step": PROMPTS,
+            "num_generations_per_prompt": GENS,
+            "val_period": VAL_PERIOD,
+        },
+        "policy": {
+            "model_name": "Qwen/Qwen2.5-Math-1.5B",
+            "optimizer": {"kwargs": {"lr": 1e-6}},
+            "generation": {"temperature": 1.0, "top_p": 1.0, "top_k": None, "max_new_tokens": 3072},
+        },
+        "data": {"train": {"dataset_name": "DAPOMath17K"}},
+    }
 
 
 def _write_nemo_rl_run(run: Path, alg: str, seed: int, steps_logged: int, steps_planned: int = STEPS):
@@ -62,9 +75,19 @@ def _write_nemo_rl_run(run: Path, alg: str, seed: int, steps_logged: int, steps_
 
     cfg = _config(alg, seed, steps_planned)
     log_dir = get_next_experiment_dir(str(run / "logs"))
-    logger = Logger({"log_dir": log_dir, "wandb_enabled": False, "swanlab_enabled": False,
-                     "tensorboard_enabled": True, "mlflow_enabled": False, "wandb": {}, "tensorboard": {},
-                     "monitor_gpus": False, "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10}})
+    logger = Logger(
+        {
+            "log_dir": log_dir,
+            "wandb_enabled": False,
+            "swanlab_enabled": False,
+            "tensorboard_enabled": True,
+            "mlflow_enabled": False,
+            "wandb": {},
+            "tensorboard": {},
+            "monitor_gpus": False,
+            "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10},
+        }
+    )
     logger.log_hyperparams(cfg)
     times = {}
     for step in range(1, steps_logged + 1):
@@ -74,8 +97,9 @@ def _write_nemo_rl_run(run: Path, alg: str, seed: int, steps_logged: int, steps_
         logger.log_metrics(_metrics(alg, seed, step), step, prefix="train")
         total = 10.0 + step + (3.0 if step % VAL_PERIOD == 0 else 0.0)
         times[step] = total
-        logger.log_metrics({"total_step_time": total, "generation": 4.0}, step, prefix="timing/train",
-                           step_finished=True)
+        logger.log_metrics(
+            {"total_step_time": total, "generation": 4.0}, step, prefix="timing/train", step_finished=True
+        )
         if step % 10 == 0:
             ck = run / "checkpoints" / f"step_{step}"
             ck.mkdir(parents=True)
@@ -103,7 +127,8 @@ def nemo_runs(tmp_path_factory, nemo_rl_src):
     ev = sorted(cut.rglob("events.out.tfevents.*"), key=lambda p: p.stat().st_size)[-1]
     ev.write_bytes(ev.read_bytes()[:-9])
     (root / "slurm-cmp-gspo_seed0-1234.out").write_text(
-        "step 7 done\nslurmstepd: error: *** JOB 1234 ON node1 CANCELLED AT 2026-01-01 DUE TO TIME LIMIT ***\n")
+        "step 7 done\nslurmstepd: error: *** JOB 1234 ON node1 CANCELLED AT 2026-01-01 DUE TO TIME LIMIT ***\n"
+    )
     # never got to log anything
     dead = root / "gspo_seed1"
     (dead / "logs").mkdir(parents=True)
@@ -120,10 +145,13 @@ def test_nemo_rl_run_maps_to_canonical_metrics(nemo_runs):
     assert [r["step"] for r in run.recs] == list(range(1, STEPS + 1))
     for r in run.recs:
         want = _metrics("sspo", 1, r["step"])
-        for key, tag in (("train/reward", "reward"), ("train/clip_frac_low", "clip_frac_low"),
-                         ("train/prev_entropy", "prev_entropy_mean"),
-                         ("train/response_length", "mean_gen_tokens_per_sample"),
-                         ("train/groups_per_response", "groups_per_response")):
+        for key, tag in (
+            ("train/reward", "reward"),
+            ("train/clip_frac_low", "clip_frac_low"),
+            ("train/prev_entropy", "prev_entropy_mean"),
+            ("train/response_length", "mean_gen_tokens_per_sample"),
+            ("train/groups_per_response", "groups_per_response"),
+        ):
             assert r[key] == pytest.approx(want[tag], rel=1e-6)  # TensorBoard stores float32
         assert r["samples"] == r["step"] * PROMPTS * GENS
         # RL wall time: the step times with validation taken out, summed
@@ -156,8 +184,11 @@ def test_failed_and_truncated_runs_are_reported_not_fatal(nemo_runs, tmp_path):
         final = [_val_acc(alg, s, STEPS) for s in (0, 1, 2)]
         assert f"{statistics.mean(final):.3f} ± {statistics.stdev(final):.3f}" == line.split("|")[4].strip()
     assert "Qwen/Qwen2.5-Math-1.5B" in report and "arXiv:2511.04256" in report and "4 prompts × 8 samples" in report
-    verdicts = {line.split("|")[1].strip(): line.split("|")[4].strip() for line in report.splitlines()
-                if line.startswith("| ") and line.count("|") == 6}
+    verdicts = {
+        line.split("|")[1].strip(): line.split("|")[4].strip()
+        for line in report.splitlines()
+        if line.startswith("| ") and line.count("|") == 6
+    }
     # SSPO's logged accuracy is 0.05 above GRPO's in every seed, its entropy decays at half the rate
     assert verdicts["SSPO reaches a higher final validation accuracy than GRPO"] == HOLDS
     assert verdicts["π_old entropy decays slower for SSPO than for GRPO (last/first tenth)"] == HOLDS
@@ -176,8 +207,20 @@ def test_compare_from_runs_cli_reads_nemo_rl_runs(nemo_runs, tmp_path):
 
     root, runs = nemo_runs
     out = tmp_path / "cli"
-    assert main(["compare", "--from-runs", str(runs[("grpo", 0)][0]), str(runs[("sspo", 0)][0]),
-                 str(root / "gspo_seed1"), "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "compare",
+                "--from-runs",
+                str(runs[("grpo", 0)][0]),
+                str(runs[("sspo", 0)][0]),
+                str(root / "gspo_seed1"),
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = (out / "report.md").read_text()
     assert "2 usable of 3" in report and "inconclusive (1 seed)" in report
     assert "± 0.000" not in report  # one seed: no spread shown as zero
@@ -199,7 +242,7 @@ def test_smoothing_and_band_against_naive_loops():
     rng = np.random.default_rng(0)
     y = rng.standard_normal(37)
     for w in (1, 3, 10):
-        naive = [float(np.mean(y[max(0, i - w + 1): i + 1])) for i in range(len(y))]
+        naive = [float(np.mean(y[max(0, i - w + 1) : i + 1])) for i in range(len(y))]
         np.testing.assert_allclose(moving_average(y, w), naive, rtol=0, atol=1e-12)
     curves = [(np.arange(0, 11.0), np.arange(0, 11.0) * k) for k in (1.0, 2.0, 3.0)]
     grid, mean, lo, hi = seed_band(curves, grid_points=11)
@@ -208,20 +251,49 @@ def test_smoothing_and_band_against_naive_loops():
 
 
 # ---------------------------------------------------------------------------- embedded runs + evals.json
-def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int = 20, suite_scores=None,
-                  clip: float = 0.01, per_step=None) -> Path:
+def _embedded_run(
+    root: Path,
+    alg: str,
+    seed: int,
+    accs: list[float],
+    steps: int = 20,
+    suite_scores=None,
+    clip: float = 0.01,
+    per_step=None,
+) -> Path:
     run = root / f"{alg}_seed{seed}"
     run.mkdir(parents=True)
-    cfg = {"name": alg, "seed": seed, "loss_fn": {"granular": {"algorithm": alg}},
-           "model": {"hidden_size": 64, "num_layers": 2}, "task": {"kind": "arithmetic", "num_terms": 4, "max_term": 9},
-           "rl": {"steps": steps, "prompts_per_step": 16, "generations_per_prompt": 8, "lr": 1e-4,
-                  "temperature": 1.0, "max_new_tokens": 32, "eval_every": 10, "minibatches_per_rollout": 4}}
+    cfg = {
+        "name": alg,
+        "seed": seed,
+        "loss_fn": {"granular": {"algorithm": alg}},
+        "model": {"hidden_size": 64, "num_layers": 2},
+        "task": {"kind": "arithmetic", "num_terms": 4, "max_term": 9},
+        "rl": {
+            "steps": steps,
+            "prompts_per_step": 16,
+            "generations_per_prompt": 8,
+            "lr": 1e-4,
+            "temperature": 1.0,
+            "max_new_tokens": 32,
+            "eval_every": 10,
+            "minibatches_per_rollout": 4,
+        },
+    }
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     recs = [{"step": 0, "samples": 0, "wall_time": 0.0, "validation/accuracy": accs[0]}]
     for s in range(1, steps + 1):
-        rec = {"step": s, "samples": 128 * s, "wall_time": 1.5 * s, "train/reward": 0.4 + 0.01 * s + 0.001 * seed,
-               "train/clip_frac_low": clip * (1 + 0.2 * math.sin(s)), "train/clip_frac_high": clip / 2,
-               "train/prev_entropy": 0.5 - 0.01 * s, "train/response_length": 27.0, "train/groups_per_response": 4.0}
+        rec = {
+            "step": s,
+            "samples": 128 * s,
+            "wall_time": 1.5 * s,
+            "train/reward": 0.4 + 0.01 * s + 0.001 * seed,
+            "train/clip_frac_low": clip * (1 + 0.2 * math.sin(s)),
+            "train/clip_frac_high": clip / 2,
+            "train/prev_entropy": 0.5 - 0.01 * s,
+            "train/response_length": 27.0,
+            "train/groups_per_response": 4.0,
+        }
         rec.update(per_step(s) if per_step else {})
         if s % 10 == 0:
             rec["validation/accuracy"] = accs[s // 10]
@@ -230,26 +302,55 @@ def _embedded_run(root: Path, alg: str, seed: int, accs: list[float], steps: int
     if suite_scores:
         from nemo_granular.evals.results import merge_write
 
-        merge_write(run / "evals.json", run.name, "embedded", "sspo",
-                    {"description": "SSPO protocol", "select": "best", "select_note": "best"},
-                    {"sum3": {"label": "sum3", "problems": 64, "samples_per_problem": 1, "decoding": "greedy",
-                              "metric": "avg@1"},
-                     "sum5": {"label": "sum5", "problems": 64, "samples_per_problem": 1, "decoding": "greedy",
-                              "metric": "avg@1"}}, suite_scores)
+        merge_write(
+            run / "evals.json",
+            run.name,
+            "embedded",
+            "sspo",
+            {"description": "SSPO protocol", "select": "best", "select_note": "best"},
+            {
+                "sum3": {
+                    "label": "sum3",
+                    "problems": 64,
+                    "samples_per_problem": 1,
+                    "decoding": "greedy",
+                    "metric": "avg@1",
+                },
+                "sum5": {
+                    "label": "sum5",
+                    "problems": 64,
+                    "samples_per_problem": 1,
+                    "decoding": "greedy",
+                    "metric": "avg@1",
+                },
+            },
+            suite_scores,
+        )
     return run
 
 
 def test_benchmark_table_reports_the_best_checkpoint(tmp_path):
-    a = _embedded_run(tmp_path, "grpo", 0, [0.5, 0.6, 0.7],
-                      suite_scores={0: {"sum3": 0.1, "sum5": 0.0}, 10: {"sum3": 0.4, "sum5": 0.2},
-                                    20: {"sum3": 0.3, "sum5": 0.1}})
-    b = _embedded_run(tmp_path, "grpo", 1, [0.5, 0.65, 0.75],
-                      suite_scores={0: {"sum3": 0.1, "sum5": 0.0}, 10: {"sum3": 0.2, "sum5": 0.1},
-                                    20: {"sum3": 0.5, "sum5": 0.3}})
+    a = _embedded_run(
+        tmp_path,
+        "grpo",
+        0,
+        [0.5, 0.6, 0.7],
+        suite_scores={0: {"sum3": 0.1, "sum5": 0.0}, 10: {"sum3": 0.4, "sum5": 0.2}, 20: {"sum3": 0.3, "sum5": 0.1}},
+    )
+    b = _embedded_run(
+        tmp_path,
+        "grpo",
+        1,
+        [0.5, 0.65, 0.75],
+        suite_scores={0: {"sum3": 0.1, "sum5": 0.0}, 10: {"sum3": 0.2, "sum5": 0.1}, 20: {"sum3": 0.5, "sum5": 0.3}},
+    )
     c = _embedded_run(tmp_path, "sspo", 0, [0.5, 0.7, 0.8])  # no evals: a row of n/a is not invented
     report = report_from_runs([a, b, c], tmp_path / "rep").read_text()
-    row = next(line for line in report.splitlines() if line.startswith("| grpo | 2 | 0.") and "avg" not in line
-               and line.count("|") == 7)
+    row = next(
+        line
+        for line in report.splitlines()
+        if line.startswith("| grpo | 2 | 0.") and "avg" not in line and line.count("|") == 7
+    )
     cells = [x.strip() for x in row.split("|")[1:-1]]
     # seed 0: best average at step 10 (0.3), seed 1: at step 20 (0.4)
     assert cells[2] == fmt(statistics.mean([0.4, 0.5]), statistics.stdev([0.4, 0.5]), 2)
@@ -263,7 +364,7 @@ def test_incomplete_embedded_run_is_listed(tmp_path):
     a = _embedded_run(tmp_path, "grpo", 0, [0.5, 0.6, 0.7])
     b = _embedded_run(tmp_path, "gspo", 0, [0.5, 0.6, 0.7])
     lines = (b / "metrics.jsonl").read_text().splitlines()[:8]
-    (b / "metrics.jsonl").write_text("\n".join(lines) + "\n{\"step\": 8, \"samp")  # killed mid-line
+    (b / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 8, "samp')  # killed mid-line
     (b / "train.log").write_text("step 7\nValueError: non-finite loss at step 8\n")
     report = report_from_runs([a, b], tmp_path / "rep").read_text()
     assert "`gspo_seed0` (embedded, incomplete): stopped at step 7 of 20" in report
@@ -273,10 +374,25 @@ def test_incomplete_embedded_run_is_listed(tmp_path):
 def _suite(run: Path, suite: str, description: str, samples: int, scores: dict, note: str) -> None:
     from nemo_granular.evals.results import merge_write
 
-    bench = {k: {"label": k, "problems": 64, "samples_per_problem": samples, "decoding": "T=0.6, top-p 1",
-                 "metric": f"avg@{samples}"} for k in ("sum3", "sum5")}
-    merge_write(run / "evals.json", run.name, "embedded", suite,
-                {"description": description, "select": "last", "select_note": note}, bench, scores)
+    bench = {
+        k: {
+            "label": k,
+            "problems": 64,
+            "samples_per_problem": samples,
+            "decoding": "T=0.6, top-p 1",
+            "metric": f"avg@{samples}",
+        }
+        for k in ("sum3", "sum5")
+    }
+    merge_write(
+        run / "evals.json",
+        run.name,
+        "embedded",
+        suite,
+        {"description": description, "select": "last", "select_note": note},
+        bench,
+        scores,
+    )
 
 
 def test_suites_that_measure_the_same_thing_here_are_one_table_that_says_so(tmp_path):
@@ -299,8 +415,14 @@ def test_suites_that_measure_the_same_thing_here_are_one_table_that_says_so(tmp_
         assert claim in bench
     # a suite that differs (other samples) keeps its own table
     for run in runs:
-        _suite(run, "espo", "ESPO Table 1: AIME/HMMT avg@32, final checkpoint", 32,
-               {0: {"sum3": 0.5, "sum5": 0.5}, 20: {"sum3": 0.5, "sum5": 0.5}}, "the last")
+        _suite(
+            run,
+            "espo",
+            "ESPO Table 1: AIME/HMMT avg@32, final checkpoint",
+            32,
+            {0: {"sum3": 0.5, "sum5": 0.5}, 20: {"sum3": 0.5, "sum5": 0.5}},
+            "the last",
+        )
     bench = report_from_runs(runs, tmp_path / "rep2").read_text().split("## Benchmark suite")[1]
     assert "### Suite `sppo`" in bench and "### Suite `espo`" in bench and "one measurement here" not in bench
 
@@ -329,13 +451,20 @@ def test_an_absolute_claim_is_judged_on_one_seed_against_the_runs_own_spread(tmp
 def _timed(t0: float, cpu_per_s: float = 0.97):
     """Per-step timing as the embedded trainer records it: 1.5 s steps ending at t0 + 1.5·s (and a flat
     reward, so that every run reaches GRPO's final reward and the wall-time claim has a measurement)."""
-    return lambda s: {"timing/train/total_step_time": 1.5, "timing/train/cpu_time": 1.5 * cpu_per_s,
-                      "timing/train/step_end_unix": t0 + 1.5 * s, "train/reward": 0.5}
+    return lambda s: {
+        "timing/train/total_step_time": 1.5,
+        "timing/train/cpu_time": 1.5 * cpu_per_s,
+        "timing/train/step_end_unix": t0 + 1.5 * s,
+        "train/reward": 0.5,
+    }
 
 
 def _wall_verdict(report: str, setting: str = "equal samples") -> tuple[str, str]:
-    row = next(line for line in report.splitlines()
-               if line.startswith("| SPPO reaches GRPO's final reward sooner") and setting in line)
+    row = next(
+        line
+        for line in report.splitlines()
+        if line.startswith("| SPPO reaches GRPO's final reward sooner") and setting in line
+    )
     return row.split("|")[4].strip(), row.split("|")[5].strip()
 
 
@@ -343,12 +472,16 @@ def test_sppo_speed_claim_is_judged_on_cpu_time_whatever_the_runs_shared(tmp_pat
     """The demo's 5 runs, 2 at a time: GRPO trains beside GSPO, SPPO trains last, alone, so their wall
     times do not compare. Their CPU seconds do (one thread per run): the claim is judged on those, and
     says so; runs without CPU records (NeMo-RL) are judged on wall time and the note says that."""
+
     def runs(root, sppo_t0, sppo_cpu=0.97, sppo_reward=0.5):
         sppo = _timed(sppo_t0, sppo_cpu)
-        return [_embedded_run(root, "grpo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.0)),
-                _embedded_run(root, "gspo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.5)),
-                _embedded_run(root, "sppo", 0, [0.5, 0.6, 0.7],
-                              per_step=lambda s: {**sppo(s), "train/reward": sppo_reward})]
+        return [
+            _embedded_run(root, "grpo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.0)),
+            _embedded_run(root, "gspo", 0, [0.5, 0.6, 0.7], per_step=_timed(1000.5)),
+            _embedded_run(
+                root, "sppo", 0, [0.5, 0.6, 0.7], per_step=lambda s: {**sppo(s), "train/reward": sppo_reward}
+            ),
+        ]
 
     alone = report_from_runs(runs(tmp_path / "a", sppo_t0=5000.0), tmp_path / "a" / "rep").read_text()
     verdict, note = _wall_verdict(alone)
@@ -380,7 +513,7 @@ def _t_quantile_by_integration(df: int, p: float = 0.975) -> float:
 
     def cdf(x):  # 0.5 + ∫_0^x f, Simpson's rule on n intervals
         t = np.linspace(0.0, x, n + 1)
-        return 0.5 + float((simpson * c * (1 + t ** 2 / df) ** (-(df + 1) / 2)).sum()) * (x / n) / 3
+        return 0.5 + float((simpson * c * (1 + t**2 / df) ** (-(df + 1) / 2)).sum()) * (x / n) / 3
 
     lo, hi = 0.0, 20.0
     for _ in range(50):
@@ -430,17 +563,31 @@ def test_report_shows_each_clip_range_and_says_how_plots_are_smoothed(tmp_path, 
         return real_savefig(fig, path, **kw)
 
     real_title = Axes.set_title
-    monkeypatch.setattr(Axes, "set_title", lambda ax, t, **kw: (titles.setdefault(t.split("\n")[0], t),
-                                                                real_title(ax, t, **kw))[1])
+    monkeypatch.setattr(
+        Axes, "set_title", lambda ax, t, **kw: (titles.setdefault(t.split("\n")[0], t), real_title(ax, t, **kw))[1]
+    )
     monkeypatch.setattr(Figure, "savefig", savefig)
     bounds = {"grpo": (0.8, 1.2), "gspo": (0.9997, 1.0004)}
-    runs = [_embedded_run(tmp_path, alg, seed, [0.5, 0.6, 0.7],
-                          per_step=lambda s, b=bounds[alg]: {"train/clip_bound_low_mean": b[0] - 0.001 * (s % 2),
-                                                             "train/clip_bound_high_mean": b[1]})
-            for alg in bounds for seed in (0, 1)]
+    runs = [
+        _embedded_run(
+            tmp_path,
+            alg,
+            seed,
+            [0.5, 0.6, 0.7],
+            per_step=lambda s, b=bounds[alg]: {
+                "train/clip_bound_low_mean": b[0] - 0.001 * (s % 2),
+                "train/clip_bound_high_mean": b[1],
+            },
+        )
+        for alg in bounds
+        for seed in (0, 1)
+    ]
     report = report_from_runs(runs, tmp_path / "rep").read_text()
-    rows = {line.split("|")[1].strip(): line for line in report.splitlines() if line.startswith("| grpo |")
-            or line.startswith("| gspo |")}
+    rows = {
+        line.split("|")[1].strip(): line
+        for line in report.splitlines()
+        if line.startswith("| grpo |") or line.startswith("| gspo |")
+    }
     # mean over steps: half the steps 0.001 lower
     assert "| [0.79950, 1.20000] |" in rows["grpo"], rows["grpo"]
     assert "| [0.99920, 1.00040] |" in rows["gspo"], rows["gspo"]
@@ -458,10 +605,21 @@ def _warm_start_dir(root: Path, seed: int, accuracy: float, steps: int, target: 
     """A warm start's folder as ``compare`` writes it: config.yaml and the step-0 record (warmstart/*)."""
     ws = root / "warmstart" / f"seed{seed}-{seed:016x}"
     ws.mkdir(parents=True)
-    (ws / "config.yaml").write_text(yaml.safe_dump({"seed": seed, "warmstart": {"target_accuracy": target,
-                                                                                 "max_steps": max_steps}}))
-    (ws / "metrics.jsonl").write_text(json.dumps({"step": 0, "validation/accuracy": accuracy, "warmstart/steps": steps,
-                                                  "warmstart/accuracy": accuracy, "warmstart/seconds": 9.0}) + "\n")
+    (ws / "config.yaml").write_text(
+        yaml.safe_dump({"seed": seed, "warmstart": {"target_accuracy": target, "max_steps": max_steps}})
+    )
+    (ws / "metrics.jsonl").write_text(
+        json.dumps(
+            {
+                "step": 0,
+                "validation/accuracy": accuracy,
+                "warmstart/steps": steps,
+                "warmstart/accuracy": accuracy,
+                "warmstart/seconds": 9.0,
+            }
+        )
+        + "\n"
+    )
     return ws
 
 
@@ -482,15 +640,25 @@ def test_warm_starts_against_their_targets_and_a_smoke_report(tmp_path):
     full = report_from_runs(runs, tmp_path / "full").read_text()
     for report in (smoke, full):
         top, setting = report.split("## Setting")
-        assert ("**1 of 2 warm starts missed their target**" in top and
-                f"seed 0 (`{missed.name}`) reached 0.195 < target 0.5 after 150 steps (warmstart.max_steps=150)" in top)
+        assert (
+            "**1 of 2 warm starts missed their target**" in top
+            and f"seed 0 (`{missed.name}`) reached 0.195 < target 0.5 after 150 steps (warmstart.max_steps=150)" in top
+        )
         assert reached.name not in top
-        assert (f"seed 0 (`{missed.name}`): 0.195 after 150 steps, target 0.5: **missed**; "
-                f"seed 1 (`{reached.name}`): 0.500 after 75 steps, target 0.5: reached") in setting
+        assert (
+            f"seed 0 (`{missed.name}`): 0.195 after 150 steps, target 0.5: **missed**; "
+            f"seed 1 (`{reached.name}`): 0.500 after 75 steps, target 0.5: reached"
+        ) in setting
     assert smoke.startswith("# nemo-granular comparison (smoke run)\n\n> **Smoke run**")
     assert "Smoke run" not in full and "not judged" not in full
-    verdicts = {r: [line.split("|")[4].strip() for line in r.split("## The papers")[1].splitlines()
-                    if line.startswith("| ") and not line.startswith("| claim")] for r in (smoke, full)}
+    verdicts = {
+        r: [
+            line.split("|")[4].strip()
+            for line in r.split("## The papers")[1].splitlines()
+            if line.startswith("| ") and not line.startswith("| claim")
+        ]
+        for r in (smoke, full)
+    }
     assert verdicts[smoke] and set(verdicts[smoke]) == {"not judged: smoke run"}
     assert len(verdicts[full]) == len(verdicts[smoke])
     assert all(v.startswith((HOLDS, FAILS, INCONCLUSIVE)) for v in verdicts[full]), verdicts[full]
@@ -516,8 +684,16 @@ def saved_figures(monkeypatch):
         legend = ax.get_legend()
         # report/build.py's _save writes nemo_granular.atomic's temporary name: .<stem>.tmp-<host>-<pid><suffix>
         drawn[re.sub(r"^\.(.*?)\.tmp-.*-\d+(\.[^.]+)$", r"\1\2", Path(path).name)] = {
-            "lines": [(ln.get_label(), to_hex(ln.get_color()), np.asarray(ln.get_xdata(), float),
-                       np.asarray(ln.get_ydata(), float)) for ln in ax.lines if not ln.get_label().startswith("_")],
+            "lines": [
+                (
+                    ln.get_label(),
+                    to_hex(ln.get_color()),
+                    np.asarray(ln.get_xdata(), float),
+                    np.asarray(ln.get_ydata(), float),
+                )
+                for ln in ax.lines
+                if not ln.get_label().startswith("_")
+            ],
             "n_lines": len(ax.lines),
             "band_x": [p.vertices[:, 0] for c in ax.collections for p in c.get_paths()],
             "legend": [t.get_text() for t in legend.get_texts()] if legend else [],
@@ -531,9 +707,16 @@ def saved_figures(monkeypatch):
 
 def test_no_mismatch_is_said_not_plotted_as_float_noise(tmp_path, saved_figures):
     noise = {0: 1e-7, 1: 2.5e-7}  # π_old vs π_gen equal up to float32 rounding: no mismatch
-    runs = [_embedded_run(tmp_path / "a", "grpo", seed, [0.5, 0.6, 0.7],
-                          per_step=lambda s, m=noise[seed]: {"train/gen_mismatch_abs_mean": m * (s % 3)})
-            for seed in noise]
+    runs = [
+        _embedded_run(
+            tmp_path / "a",
+            "grpo",
+            seed,
+            [0.5, 0.6, 0.7],
+            per_step=lambda s, m=noise[seed]: {"train/gen_mismatch_abs_mean": m * (s % 3)},
+        )
+        for seed in noise
+    ]
     report = report_from_runs(runs, tmp_path / "rep_a").read_text()
     panel = saved_figures["gen_mismatch_abs_mean_vs_step.png"]
     assert panel["n_lines"] == 0 and not panel["band_x"], panel  # no curve, so no 1e-7 ticks
@@ -542,30 +725,39 @@ def test_no_mismatch_is_said_not_plotted_as_float_noise(tmp_path, saved_figures)
     assert f"no mismatch (max |x| = {biggest:.1e}" in report
     # a real mismatch is still drawn
     saved_figures.clear()
-    real = [_embedded_run(tmp_path / "b", "grpo", 0, [0.5, 0.6, 0.7],
-                          per_step=lambda s: {"train/gen_mismatch_abs_mean": 1e-3 * s})]
+    real = [
+        _embedded_run(
+            tmp_path / "b", "grpo", 0, [0.5, 0.6, 0.7], per_step=lambda s: {"train/gen_mismatch_abs_mean": 1e-3 * s}
+        )
+    ]
     report_from_runs(real, tmp_path / "rep_b")
     assert saved_figures["gen_mismatch_abs_mean_vs_step.png"]["lines"]
 
 
 def test_a_mean_that_stops_at_the_shortest_seed_says_so(tmp_path, saved_figures):
     per_s = {0: 1.5, 1: 2.0, 2: 2.5}  # RL wall seconds per step: the seeds end at 30, 40 and 50 s
-    runs = [_embedded_run(tmp_path, "grpo", seed, [0.5, 0.6, 0.7],
-                          per_step=lambda s, k=per_s[seed]: {"wall_time": k * s}) for seed in per_s]
+    runs = [
+        _embedded_run(tmp_path, "grpo", seed, [0.5, 0.6, 0.7], per_step=lambda s, k=per_s[seed]: {"wall_time": k * s})
+        for seed in per_s
+    ]
     report_from_runs(runs, tmp_path / "rep")
-    shortest = min(json.loads(line)["wall_time"] for r in runs
-                   for line in (r / "metrics.jsonl").read_text().splitlines()[-1:])
-    (label, _, xs, _), = saved_figures["reward_vs_wall_time.png"]["lines"]
+    shortest = min(
+        json.loads(line)["wall_time"] for r in runs for line in (r / "metrics.jsonl").read_text().splitlines()[-1:]
+    )
+    ((label, _, xs, _),) = saved_figures["reward_vs_wall_time.png"]["lines"]
     assert xs.max() == pytest.approx(shortest)
     assert label == f"grpo (3 seeds;\nbold: mean of all 3 up to\n{shortest:g} s, where the shortest ends)", label
     # every seed reaches step 20: nothing to say there
-    (label, _, xs, _), = saved_figures["reward_vs_step.png"]["lines"]
+    ((label, _, xs, _),) = saved_figures["reward_vs_step.png"]["lines"]
     assert label == "grpo (3 seeds)" and xs.max() == 20
 
 
 def test_clip_curves_are_straight_between_steps(tmp_path, saved_figures):
-    runs = [_embedded_run(tmp_path, alg, seed, [0.5, 0.6, 0.7], clip=0.01 * (seed + 1))
-            for alg in ("grpo", "gspo") for seed in (0, 1)]
+    runs = [
+        _embedded_run(tmp_path, alg, seed, [0.5, 0.6, 0.7], clip=0.01 * (seed + 1))
+        for alg in ("grpo", "gspo")
+        for seed in (0, 1)
+    ]
     report_from_runs(runs, tmp_path / "rep")
     steps = set(range(1, 21))
     for name in ("clip_frac_low_vs_step.png", "clip_frac_high_vs_step.png"):
@@ -577,9 +769,11 @@ def test_clip_curves_are_straight_between_steps(tmp_path, saved_figures):
             assert set(np.round(xs, 9).tolist()) <= steps, (name, xs[:5])
     # the bold low-side curve: the mean over seeds of each seed's trailing mean over 2 steps, at each step
     (_, _, xs, ys), _ = saved_figures["clip_frac_low_vs_step.png"]["lines"]
-    per_seed = [[json.loads(line)["train/clip_frac_low"] for line in (r / "metrics.jsonl").read_text().splitlines()[1:]]
-                for r in runs[:2]]
-    trailing = [[statistics.mean(c[max(0, i - 1): i + 1]) for i in range(len(c))] for c in per_seed]
+    per_seed = [
+        [json.loads(line)["train/clip_frac_low"] for line in (r / "metrics.jsonl").read_text().splitlines()[1:]]
+        for r in runs[:2]
+    ]
+    trailing = [[statistics.mean(c[max(0, i - 1) : i + 1]) for i in range(len(c))] for c in per_seed]
     np.testing.assert_allclose(ys, [statistics.mean(v) for v in zip(*trailing)], rtol=1e-12)
 
 

@@ -84,14 +84,23 @@ LAUNCH = SLURM / "launch.sh"
 STUB = ROOT / "tests" / "harness" / "slurm_stub_driver.py"
 NRL_DRIVER = ROOT / "tests" / "harness" / "nemo_rl_logger_driver.py"
 LOOP_DRIVER = ROOT / "tests" / "harness" / "nemo_rl_loop_driver.py"
-PYXIS = SLURM / "local_cluster" / "pyxis"            # the local cluster's pyxis (srun + enter.sh)
+PYXIS = SLURM / "local_cluster" / "pyxis"  # the local cluster's pyxis (srun + enter.sh)
 MAKE_IMAGE = SLURM / "local_cluster" / "make_image.sh"
 SHIMS = ROOT / "tests" / "harness" / "host_shims"
 IMAGE_BIN, IMAGE_BIN_INSIDE = ROOT / "tests" / "harness" / "image_bin", "/opt/test_bin"
 IMAGE_PATH = "/opt/nemo_rl_venv/bin:/root/.local/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SMOKE = ROOT / "examples" / "configs" / "local" / "smoke.yaml"
-PKGS = {"slurmctld": "slurmctld", "slurmd": "slurmd", "sbatch": "slurm-client", "munged": "munge",
-        "ip": "iproute2", "shellcheck": "shellcheck", "unshare": "util-linux", "chroot": "coreutils", "mount": "mount"}
+PKGS = {
+    "slurmctld": "slurmctld",
+    "slurmd": "slurmd",
+    "sbatch": "slurm-client",
+    "munged": "munge",
+    "ip": "iproute2",
+    "shellcheck": "shellcheck",
+    "unshare": "util-linux",
+    "chroot": "coreutils",
+    "mount": "mount",
+}
 FAKE_GPUS = 2
 # the ports launch.sh pins (NeMo-RL ray.sub's layout, all below 9000): GCS, node/object manager, metrics
 PINNED = {"gcs": 1200, "node_manager": 1301, "object_manager": 1303, "metrics_export": 1309}
@@ -108,8 +117,10 @@ def _ensure_debian_packages() -> str | None:
         return _apt_state["result"]
     result = None
     if os.environ.get("NEMO_GRANULAR_SLURM_TESTS", "1").strip().lower() in ("0", "false", "no", "off"):
-        result = ("NEMO_GRANULAR_SLURM_TESTS=0: not installing Slurm packages, not editing /etc/hosts, "
-                  "not starting daemons or network namespaces")
+        result = (
+            "NEMO_GRANULAR_SLURM_TESTS=0: not installing Slurm packages, not editing /etc/hosts, "
+            "not starting daemons or network namespaces"
+        )
     elif os.geteuid() != 0:
         result = "needs root (starts slurmctld/slurmd/munged and network namespaces)"
     else:
@@ -120,8 +131,16 @@ def _ensure_debian_packages() -> str | None:
             else:
                 env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
                 upd = subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True, text=True)
-                ins = subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
-                                     env=env, capture_output=True, text=True) if upd.returncode == 0 else upd
+                ins = (
+                    subprocess.run(
+                        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *missing],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                    )
+                    if upd.returncode == 0
+                    else upd
+                )
                 if ins.returncode != 0 or any(shutil.which(e) is None for e, p in PKGS.items() if p in missing):
                     result = f"apt-get could not install {missing}: {(ins.stderr or ins.stdout).strip()[-300:]}"
     _apt_state["result"] = result
@@ -140,6 +159,7 @@ def _driver_kind() -> str:
 
 
 # ----------------------------------------------------------------------------------- fixtures ---
+
 
 class Cluster:
     def __init__(self, state_dir: Path, env: dict, prefix: str):
@@ -165,8 +185,10 @@ class Cluster:
             if on_poll:
                 on_poll(st)
             time.sleep(1.0)
-        raise AssertionError(f"job {job} not finished after {timeout:.0f} s (state {self.state(job)}); "
-                             f"slurmctld log tail: {self.log_tail('slurmctld.log')}")
+        raise AssertionError(
+            f"job {job} not finished after {timeout:.0f} s (state {self.state(job)}); "
+            f"slurmctld log tail: {self.log_tail('slurmctld.log')}"
+        )
 
     def log_tail(self, name: str, n: int = 15) -> str:
         p = self.dir / "log" / name
@@ -193,32 +215,50 @@ def cluster(tmp_path_factory):
         pytest.skip(reason)
     prefix = "ngt"
     state = Path("/tmp/ngt-slurm")
-    ray_tmp = Path("/tmp/ngt-ray")   # short: Ray's socket paths must stay < 108 chars
-    home = tmp_path_factory.mktemp("home")   # never the real HOME: Ray 2.60 writes ~/.ray/auth_token there
-    env = {**os.environ, "HOME": str(home), "NG_SLURM_DIR": str(state), "NG_SLURM_PREFIX": prefix, "NG_SLURM_SUBNET": "10.231.78",
-           "NG_SLURM_CTLD_PORT": "16827", "NG_SLURM_SLURMD_PORT": "16828", "NG_SLURM_NODES": "2",
-           "NG_SLURM_NOGRES_NODES": "1",   # ngt3, partition nogres: a site that declares no GPUs to Slurm
-           "NG_SLURM_FAKE_GPUS": str(FAKE_GPUS),   # GRES gpu:2 per node (device-less) -> GRES detection
-           "NG_PYXIS_STATE": str(state / "pyxis"),   # the containers' /tmp: removed with the cluster
-           "NG_SLURM_HEAD_LOOPBACK": "1",   # ngt1 also maps to 127.0.1.1 (Debian/Ubuntu): the head must not bind it
-           "SLURM_CONF": str(state / "slurm.conf"), "RAY_TMP_BASE": str(ray_tmp), "VENV": sys.prefix,
-           "OMP_NUM_THREADS": "1", "WATCH_INTERVAL": "2", "RAY_WAIT_TIMEOUT": "180"}
+    ray_tmp = Path("/tmp/ngt-ray")  # short: Ray's socket paths must stay < 108 chars
+    home = tmp_path_factory.mktemp("home")  # never the real HOME: Ray 2.60 writes ~/.ray/auth_token there
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "NG_SLURM_DIR": str(state),
+        "NG_SLURM_PREFIX": prefix,
+        "NG_SLURM_SUBNET": "10.231.78",
+        "NG_SLURM_CTLD_PORT": "16827",
+        "NG_SLURM_SLURMD_PORT": "16828",
+        "NG_SLURM_NODES": "2",
+        "NG_SLURM_NOGRES_NODES": "1",  # ngt3, partition nogres: a site that declares no GPUs to Slurm
+        "NG_SLURM_FAKE_GPUS": str(FAKE_GPUS),  # GRES gpu:2 per node (device-less) -> GRES detection
+        "NG_PYXIS_STATE": str(state / "pyxis"),  # the containers' /tmp: removed with the cluster
+        "NG_SLURM_HEAD_LOOPBACK": "1",  # ngt1 also maps to 127.0.1.1 (Debian/Ubuntu): the head must not bind it
+        "SLURM_CONF": str(state / "slurm.conf"),
+        "RAY_TMP_BASE": str(ray_tmp),
+        "VENV": sys.prefix,
+        "OMP_NUM_THREADS": "1",
+        "WATCH_INTERVAL": "2",
+        "RAY_WAIT_TIMEOUT": "180",
+    }
     for var in ("SLURM_JOB_ID", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS"):
         env.pop(var, None)
     # a previous run that crashed may have left its cluster behind: remove it first
     subprocess.run(["bash", str(SLURM / "local_cluster" / "down.sh")], env=env, capture_output=True, timeout=120)
     shutil.rmtree(ray_tmp, ignore_errors=True)
     ray_tmp.mkdir(parents=True)
-    up = subprocess.run(["bash", str(SLURM / "local_cluster" / "up.sh"), "--install"], env=env,
-                        capture_output=True, text=True, timeout=180)
+    up = subprocess.run(
+        ["bash", str(SLURM / "local_cluster" / "up.sh"), "--install"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     try:
         if up.returncode == 2:
             pytest.skip(f"local Slurm cluster prerequisites missing: {up.stderr.strip()[-300:]}")
         assert up.returncode == 0, f"up.sh failed:\n{up.stdout}\n{up.stderr}"
         yield Cluster(state, env, prefix)
     finally:
-        down = subprocess.run(["bash", str(SLURM / "local_cluster" / "down.sh")], env=env,
-                              capture_output=True, text=True, timeout=120)
+        down = subprocess.run(
+            ["bash", str(SLURM / "local_cluster" / "down.sh")], env=env, capture_output=True, text=True, timeout=120
+        )
         shutil.rmtree(ray_tmp, ignore_errors=True)
         hosts = Path("/etc/hosts").read_text()
         assert f"nemo-granular-local-slurm:{prefix}" not in hosts, "down.sh left /etc/hosts lines"
@@ -230,14 +270,30 @@ def _driver_cmd(run_dir: Path, steps: int, every: int, slow: bool, python: str |
     """``python``: the driver's interpreter (default this one; "python" in a container: the image's)."""
     if _driver_kind() == "train":
         train = ["nemo-granular", "train"] if python is None else [python, "-m", "nemo_granular", "train"]
-        return [*train, "--config", str(SMOKE), f"output_dir={run_dir}", "seed=0",
-                f"rl.steps={steps}", f"checkpoint.every={every}",
-                "warmstart.enabled=false"]        # CI time; the launcher adds --auto-resume
-    return [python or sys.executable, str(STUB), f"output_dir={run_dir}", f"rl.steps={steps}",
-            f"checkpoint.every={every}", f"step_seconds={0.3 if slow else 0.05}", "--auto-resume"]
+        return [
+            *train,
+            "--config",
+            str(SMOKE),
+            f"output_dir={run_dir}",
+            "seed=0",
+            f"rl.steps={steps}",
+            f"checkpoint.every={every}",
+            "warmstart.enabled=false",
+        ]  # CI time; the launcher adds --auto-resume
+    return [
+        python or sys.executable,
+        str(STUB),
+        f"output_dir={run_dir}",
+        f"rl.steps={steps}",
+        f"checkpoint.every={every}",
+        f"step_seconds={0.3 if slow else 0.05}",
+        "--auto-resume",
+    ]
 
 
-def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = (), mcore_in_workers: bool = False) -> Path:
+def _make_image(
+    dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = (), mcore_in_workers: bool = False
+) -> Path:
     """An image directory for the local cluster's pyxis (slurm/local_cluster/make_image.sh): this
     test environment's packages as the image's /opt/nemo_rl_venv, ``nemo_rl`` (when given) as the
     image's /opt/nemo-rl, the test world's NeMo-RL shims and Megatron/Automodel sources as image
@@ -254,14 +310,25 @@ def _make_image(dest: Path, nemo_rl: Path | None, workers: tuple[str, ...] = (),
             layers.append(f"{Path(os.environ[var]).resolve()}:/opt/src/{var.lower()}")
             (worker_pth if mcore_in_workers and var != "AUTOMODEL_SRC" else path).append(f"/opt/src/{var.lower()}")
     if mcore_in_workers:
-        layers += [f"{ROOT / 'tests' / 'harness' / 'cpu_stand_ins'}:/opt/cpu_stand_ins/cpu_stand_ins",
-                   f"{SHIMS}:/opt/cpu_stand_ins/host_shims"]     # (the stand-ins find te_stub beside them)
+        layers += [
+            f"{ROOT / 'tests' / 'harness' / 'cpu_stand_ins'}:/opt/cpu_stand_ins/cpu_stand_ins",
+            f"{SHIMS}:/opt/cpu_stand_ins/host_shims",
+        ]  # (the stand-ins find te_stub beside them)
         worker_pth += ["/opt/cpu_stand_ins", "import cpu_stand_ins; cpu_stand_ins.install()"]
     # the test images' `python` first on PATH: it dispatches `python -m nemo_granular.run_*` (and the
     # preflight) to the stand-in driver named by NG_STAND_IN_DRIVER (tests/harness/image_bin/python)
     layers.append(f"{IMAGE_BIN}:{IMAGE_BIN_INSIDE}")
-    args = ["bash", str(MAKE_IMAGE), str(dest), "--venv", sys.prefix, "--env", "PYTHONPATH=" + ":".join(path),
-            "--env", f"PATH={IMAGE_BIN_INSIDE}:{IMAGE_PATH}"]
+    args = [
+        "bash",
+        str(MAKE_IMAGE),
+        str(dest),
+        "--venv",
+        sys.prefix,
+        "--env",
+        "PYTHONPATH=" + ":".join(path),
+        "--env",
+        f"PATH={IMAGE_BIN_INSIDE}:{IMAGE_PATH}",
+    ]
     if nemo_rl is not None:
         args += ["--nemo-rl", str(nemo_rl)]
     for layer in layers:
@@ -282,33 +349,56 @@ def images(tmp_path_factory):
     its prebuilt Megatron worker venv (with the CPU stand-ins)."""
     d = tmp_path_factory.mktemp("images")
     src = Path(os.environ["NEMO_RL_SRC"]).resolve() if os.environ.get("NEMO_RL_SRC") else None
-    return {"release": _make_image(d / "release", src, (MEGATRON_WORKER,)),
-            "deps": _make_image(d / "deps", None, (MEGATRON_WORKER,), mcore_in_workers=True)}
+    return {
+        "release": _make_image(d / "release", src, (MEGATRON_WORKER,)),
+        "deps": _make_image(d / "deps", None, (MEGATRON_WORKER,), mcore_in_workers=True),
+    }
 
 
 MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
-IMAGE_CUDA_ARCHS = "9.0 10.0"     # NeMo-RL's image (docker/Dockerfile); the docs' bare-metal story exports it too
+IMAGE_CUDA_ARCHS = "9.0 10.0"  # NeMo-RL's image (docker/Dockerfile); the docs' bare-metal story exports it too
 
 
 def _pyxis_env(cluster: Cluster, image: Path, mounts: list[Path], srun_log: Path | None = None) -> dict:
     """A job's environment on a pyxis cluster: pyxis' srun first on PATH, CONTAINER, MOUNTS (each
     at its own path) and no VENV (the image's environment runs the job)."""
-    env = {"PATH": f"{PYXIS}:{cluster.env['PATH']}", "CONTAINER": str(image), "VENV": None,
-           "MOUNTS": ",".join(f"{m}:{m}" for m in mounts)}
+    env = {
+        "PATH": f"{PYXIS}:{cluster.env['PATH']}",
+        "CONTAINER": str(image),
+        "VENV": None,
+        "MOUNTS": ",".join(f"{m}:{m}" for m in mounts),
+    }
     if srun_log is not None:
         env["NG_SRUN_LOG"] = str(srun_log)
     return env
 
 
-def _submit(cluster: Cluster, workdir: Path, name: str, cmd: list[str], *, nodes: int = 2, env: dict | None = None,
-            soft_nofile: int | None = None, sbatch: tuple[str, ...] = ()) -> str:
+def _submit(
+    cluster: Cluster,
+    workdir: Path,
+    name: str,
+    cmd: list[str],
+    *,
+    nodes: int = 2,
+    env: dict | None = None,
+    soft_nofile: int | None = None,
+    sbatch: tuple[str, ...] = (),
+) -> str:
     """sbatch launch.sh from a directory outside the repository (script by absolute path), with
     ``env`` on top of the cluster's (a value None removes the variable: sbatch hands the job the
     submitting environment); ``soft_nofile``: submit with that soft ``ulimit -n`` (Slurm
     propagates the submitting shell's soft limits to the job)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    argv = ["sbatch", "--parsable", f"--nodes={nodes}", f"--job-name={name}", f"--output={workdir}/slurm-%j.out",
-            *sbatch, str(LAUNCH), *cmd]
+    argv = [
+        "sbatch",
+        "--parsable",
+        f"--nodes={nodes}",
+        f"--job-name={name}",
+        f"--output={workdir}/slurm-%j.out",
+        *sbatch,
+        str(LAUNCH),
+        *cmd,
+    ]
     if soft_nofile is not None:
         argv = ["bash", "-c", f'ulimit -Sn {soft_nofile} && exec "$@"', "_", *argv]
     job_env = {k: v for k, v in {**cluster.env, **(env or {})}.items() if v is not None}
@@ -333,15 +423,16 @@ def _signal_usr1(cluster: Cluster, job: str) -> None:
 def _wait_for(what, cond, cluster: Cluster, job: str, workdir: Path, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), \
+        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), (
             f"waiting for {what}\n" + _explain(cluster, workdir, job)
+        )
         time.sleep(0.2)
 
 
 def _steps(run_dir: Path) -> list[int]:
     p = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.exists() else []
-    return [r["step"] for r in rows if r["step"] >= 1]     # the trainer logs a step-0 evaluation row
+    return [r["step"] for r in rows if r["step"] >= 1]  # the trainer logs a step-0 evaluation row
 
 
 def _job_lines(text: str, job: str) -> list[str]:
@@ -357,8 +448,11 @@ def _explain(cluster: Cluster, workdir: Path, job: str) -> str:
     cluster (its last three runs, under `pytest --basetemp` or the system temp dir)."""
     keep = workdir / "cluster-logs"
     keep.mkdir(parents=True, exist_ok=True)
-    for src in [*sorted((cluster.dir / "log").glob("*.log")), cluster.dir / "munge" / "munged.log",
-                cluster.dir / "slurm.conf"]:
+    for src in [
+        *sorted((cluster.dir / "log").glob("*.log")),
+        cluster.dir / "munge" / "munged.log",
+        cluster.dir / "slurm.conf",
+    ]:
         if src.is_file():
             shutil.copyfile(src, keep / src.name)
     parts = []
@@ -370,14 +464,19 @@ def _explain(cluster: Cluster, workdir: Path, job: str) -> str:
         if p.name == "launcher.log" and has_out:
             continue
         if p.suffix in (".out", ".log", ".json"):
-            parts.append(f"--- {p.relative_to(workdir)}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:]))
+            parts.append(
+                f"--- {p.relative_to(workdir)}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-25:])
+            )
     for p in sorted(keep.glob("*.log")):
         lines = _job_lines(p.read_text(errors="replace"), job)
         if lines:
             parts.append(f"--- cluster {p.name} (lines about job {job})\n" + "\n".join(lines[-40:]))
     fields = cluster.job_fields(job)
-    state = " ".join(f"{k}={fields[k]}" for k in ("JobState", "Reason", "Restarts", "ExitCode", "BatchHost",
-                                                   "StartTime", "EndTime") if k in fields)
+    state = " ".join(
+        f"{k}={fields[k]}"
+        for k in ("JobState", "Reason", "Restarts", "ExitCode", "BatchHost", "StartTime", "EndTime")
+        if k in fields
+    )
     return f"job {job} ({state}); cluster logs kept in {keep}:\n" + "\n".join(parts)
 
 
@@ -391,19 +490,42 @@ def _assert_checkpoint(run_dir: Path) -> str:
 
 # -------------------------------------------------------------------------------------- tests ---
 
+
 def _srun_lines(log: Path) -> dict[str, list[list[str]]]:
     """The srun command lines the launcher built (recorded by the pyxis shim), by step kind."""
     kinds: dict[str, list[list[str]]] = {}
     # the shim wrote each call with bash's %q (ANSI-C $'...' quoting for multi-line arguments): bash reads it back
-    out = subprocess.run(["bash", "-c", 'while IFS= read -r line; do eval "a=($line)"; printf "%s\\0" "${a[@]}"; '
-                          'printf "\\1\\0"; done <"$1"', "_", str(log)], capture_output=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'while IFS= read -r line; do eval "a=($line)"; printf "%s\\0" "${a[@]}"; printf "\\1\\0"; done <"$1"',
+            "_",
+            str(log),
+        ],
+        capture_output=True,
+        check=True,
+    ).stdout
     calls = [c.split(b"\0")[:-1] for c in out.split(b"\1\0") if c]
     for argv in ([a.decode() for a in c] for c in calls):
         cmd = argv[-1] if argv else ""
-        kind = ("head" if "ray start --head" in cmd else "workers" if "ray start --address" in cmd
-                else "probe" if "ray_cluster.py' wait" in cmd else "watch" if "ray_cluster.py' watch" in cmd
-                else "driver" if cmd.endswith("driver.sh") else "preflight" if "preflight" in cmd
-                else "cleanup" if "enroot remove" in cmd else "other")
+        kind = (
+            "head"
+            if "ray start --head" in cmd
+            else "workers"
+            if "ray start --address" in cmd
+            else "probe"
+            if "ray_cluster.py' wait" in cmd
+            else "watch"
+            if "ray_cluster.py' watch" in cmd
+            else "driver"
+            if cmd.endswith("driver.sh")
+            else "preflight"
+            if "preflight" in cmd
+            else "cleanup"
+            if "enroot remove" in cmd
+            else "other"
+        )
         kinds.setdefault(kind, []).append(argv)
     return kinds
 
@@ -411,8 +533,9 @@ def _srun_lines(log: Path) -> dict[str, list[list[str]]]:
 def _pinned_ports(nodes: dict) -> None:
     assert nodes["address"].endswith(f":{PINNED['gcs']}"), nodes
     for n in nodes["nodes"]:
-        assert {k: n["ports"][k] for k in ("node_manager", "object_manager", "metrics_export")} == \
-            {k: PINNED[k] for k in ("node_manager", "object_manager", "metrics_export")}, n
+        assert {k: n["ports"][k] for k in ("node_manager", "object_manager", "metrics_export")} == {
+            k: PINNED[k] for k in ("node_manager", "object_manager", "metrics_export")
+        }, n
 
 
 def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, images, tmp_path):
@@ -434,22 +557,34 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     token = "token-an-earlier-ray-init-left-in-home-0123456789abcdef"
     home = _home(tmp_path / "home", token=token)
     srun_log, facts = shared / "srun.log", shared / "node_facts.txt"
-    env = {"HOME": str(home), **_pyxis_env(cluster, images["release"], [shared, ROOT], srun_log),
-           "WORKDIR": str(shared), "UV_CACHE_DIR": "/host/only/uv-cache",
-           "UV_PROJECT_ENVIRONMENT": "/host/only/nemo_rl_venv", "NEMO_RL_VENV_DIR": str(shared / "venvs"),
-           # what every step sees on its node once the launcher's environment is applied
-           "SETUP_COMMAND": f'echo "$(hostname) $(ulimit -Sn) $(ulimit -Hn) ${{UV_CACHE_DIR-unset}} '
-                            f'$(command -v python) $UV_PROJECT_ENVIRONMENT $NEMO_RL_VENV_DIR $PWD '
-                            f'$([[ -e {outside} ]] && echo outside || echo no-outside) '
-                            f'$HOME $([[ -w $HOME ]] && echo writable || echo read-only) '
-                            f'$([[ -e {home} ]] && echo host-home || echo no-host-home) $(id -un)" >>{facts}',
-           "PREEMPT_RESEND": "2", "DRIVER_HANDLES_PREEMPT": "1"}
-    job = _submit(cluster, tmp_path, "ng-pre", _driver_cmd(run_dir, steps, every=100, slow=True, python="python"),
-                  env=env, soft_nofile=1024)
+    env = {
+        "HOME": str(home),
+        **_pyxis_env(cluster, images["release"], [shared, ROOT], srun_log),
+        "WORKDIR": str(shared),
+        "UV_CACHE_DIR": "/host/only/uv-cache",
+        "UV_PROJECT_ENVIRONMENT": "/host/only/nemo_rl_venv",
+        "NEMO_RL_VENV_DIR": str(shared / "venvs"),
+        # what every step sees on its node once the launcher's environment is applied
+        "SETUP_COMMAND": f'echo "$(hostname) $(ulimit -Sn) $(ulimit -Hn) ${{UV_CACHE_DIR-unset}} '
+        f"$(command -v python) $UV_PROJECT_ENVIRONMENT $NEMO_RL_VENV_DIR $PWD "
+        f"$([[ -e {outside} ]] && echo outside || echo no-outside) "
+        f"$HOME $([[ -w $HOME ]] && echo writable || echo read-only) "
+        f'$([[ -e {home} ]] && echo host-home || echo no-host-home) $(id -un)" >>{facts}',
+        "PREEMPT_RESEND": "2",
+        "DRIVER_HANDLES_PREEMPT": "1",
+    }
+    job = _submit(
+        cluster,
+        tmp_path,
+        "ng-pre",
+        _driver_cmd(run_dir, steps, every=100, slow=True, python="python"),
+        env=env,
+        soft_nofile=1024,
+    )
     logs = shared / "slurm-logs" / f"ng-pre-{job}"
     # wait for the driver to make progress, then send what `--signal=B:USR1@T` sends before the limit
     _wait_for("2 steps of the first attempt", lambda: len(_steps(run_dir)) >= 2, cluster, job, tmp_path, 240)
-    first = json.loads((logs / "ray_nodes.json").read_text())     # ray.nodes() seen before the driver
+    first = json.loads((logs / "ray_nodes.json").read_text())  # ray.nodes() seen before the driver
     _signal_usr1(cluster, job)
 
     # Slurm holds the requeued job for the credential lifetime (up.sh: cred_expire=30 s) and then
@@ -464,8 +599,12 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     info = _explain(cluster, tmp_path, job)
     # the job succeeded, on both nodes, in both attempts
     assert state == "COMPLETED", info
-    refused = [line for p in sorted((cluster.dir / "log").glob("slurmd-*.log"))
-               for line in _job_lines(p.read_text(errors="replace"), job) if "do not launch" in line]
+    refused = [
+        line
+        for p in sorted((cluster.dir / "log").glob("slurmd-*.log"))
+        for line in _job_lines(p.read_text(errors="replace"), job)
+        if "do not launch" in line
+    ]
     assert not refused, refused
     status = json.loads((logs / "status.json").read_text())
     assert status["exit_code"] == 0 and status["reason"] == "driver finished" and status["attempt"] == 1, status
@@ -474,7 +613,7 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
         # each raylet named after its Slurm node (--node-name; Ray's default is the IP), which the watchdog
         # reports for a lost node
         assert sorted(n["node_name"] for n in nodes["nodes"]) == ["ngt1", "ngt2"], nodes
-        assert len({n["ip"] for n in nodes["nodes"]}) == 2, nodes    # two distinct node IPs
+        assert len({n["ip"] for n in nodes["nodes"]}) == 2, nodes  # two distinct node IPs
         # the GRES gpu count reached Ray on every node
         assert [n["resources"].get("GPU") for n in nodes["nodes"]] == [float(FAKE_GPUS)] * 2, nodes
         # one auth mode for head, workers and probe (the job's own token), ray.sub's fixed ports
@@ -492,7 +631,8 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     # driver) join the head's named container, as ray.sub runs its driver in it
     steps_by_kind = _srun_lines(srun_log)
     assert {k: len(v) >= 2 for k, v in steps_by_kind.items()} == dict.fromkeys(
-        ("head", "workers", "probe", "watch", "driver", "cleanup"), True), steps_by_kind.keys()
+        ("head", "workers", "probe", "watch", "driver", "cleanup"), True
+    ), steps_by_kind.keys()
     # the job's named containers removed at the end of each attempt: a step per node, on the host
     cleanup = steps_by_kind.pop("cleanup")
     assert len(cleanup) == 4 and not [a for argv in cleanup for a in argv if a.startswith("--container")], cleanup
@@ -502,10 +642,14 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     for kind, lines in steps_by_kind.items():
         name = f"ray-worker-{job}" if kind == "workers" else f"ray-head-{job}"
         for argv in lines:
-            assert {f"--container-image={images['release']}", f"--container-name={name}",
-                    f"--container-mounts={shared}:{shared},{ROOT}:{ROOT}",
-                    f"--container-workdir={shared}", "--no-container-mount-home",
-                    "--container-env=NEMO_RL_VENV_DIR"} <= set(argv), (kind, argv)
+            assert {
+                f"--container-image={images['release']}",
+                f"--container-name={name}",
+                f"--container-mounts={shared}:{shared},{ROOT}:{ROOT}",
+                f"--container-workdir={shared}",
+                "--no-container-mount-home",
+                "--container-env=NEMO_RL_VENV_DIR",
+            } <= set(argv), (kind, argv)
     # every step on both nodes, inside the container: the soft file limit raised (ray.sub: 65535,
     # at most the hard limit), no host UV_CACHE_DIR, the image's python and UV_PROJECT_ENVIRONMENT,
     # the job's NEMO_RL_VENV_DIR, the workdir; nothing of the host outside MOUNTS, not the host's
@@ -515,8 +659,17 @@ def test_two_node_job_is_preempted_requeued_resumed_and_completes(cluster, image
     for _host, soft, hard, uv, *inside in rows:
         assert int(soft) == (65535 if hard == "unlimited" or int(hard) >= 65535 else int(hard)) > 1024, rows
         assert uv == "unset", rows
-        assert inside == [f"{IMAGE_BIN_INSIDE}/python", "/opt/nemo_rl_venv", str(shared / "venvs"), str(shared),
-                          "no-outside", pwd.getpwnam("nobody").pw_dir, "read-only", "no-host-home", "nobody"], rows
+        assert inside == [
+            f"{IMAGE_BIN_INSIDE}/python",
+            "/opt/nemo_rl_venv",
+            str(shared / "venvs"),
+            str(shared),
+            "no-outside",
+            pwd.getpwnam("nobody").pw_dir,
+            "read-only",
+            "no-host-home",
+            "nobody",
+        ], rows
     # preempted: checkpoint confirmed (exit 99), requeued once, resumed with no step lost or repeated
     assert int(cluster.job_fields(job)["Restarts"]) == 1, info
     assert "driver exited with code 99 after SIGUSR1" in launcher, info
@@ -540,8 +693,14 @@ def test_preempted_job_saves_on_sigterm_and_slurm_requeues_it(cluster, tmp_path)
     exit 99, and the launcher must live until then and say so (its log pipe died of the same
     SIGTERM, and the launcher with it, before); the requeued job resumes, no step lost or repeated."""
     run_dir, steps = tmp_path / "run", (8 if _driver_kind() == "train" else 30)
-    job = _submit(cluster, tmp_path, "ng-term", _driver_cmd(run_dir, steps, every=100, slow=True), nodes=1,
-                  env={"START_RAY": "0", "DRIVER_HANDLES_PREEMPT": "1"})
+    job = _submit(
+        cluster,
+        tmp_path,
+        "ng-term",
+        _driver_cmd(run_dir, steps, every=100, slow=True),
+        nodes=1,
+        env={"START_RAY": "0", "DRIVER_HANDLES_PREEMPT": "1"},
+    )
     _wait_for("2 steps", lambda: len(_steps(run_dir)) >= 2, cluster, job, tmp_path, 240)
     cluster.run("scontrol", "requeue", job)
     state = cluster.wait_terminal(job, timeout=300)
@@ -577,11 +736,17 @@ def test_launcher_refuses_to_run_outside_slurm(tmp_path):
 
 def test_probe_that_cannot_import_ray_says_so_in_one_line():
     """(No cluster.) The probe's Python without ray (``-S``: no site-packages): one ERROR line, exit 7."""
-    r = subprocess.run([sys.executable, "-S", str(SLURM / "ray_cluster.py"), "wait", "--address=10.0.0.1:1200",
-                        "--expected=1"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-S", str(SLURM / "ray_cluster.py"), "wait", "--address=10.0.0.1:1200", "--expected=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 7, r.stdout + r.stderr
-    assert r.stdout.splitlines() == [f"ERROR: Ray readiness probe: cannot import ray with {sys.executable} "
-                                     "(ModuleNotFoundError: No module named 'ray')"], r.stdout
+    assert r.stdout.splitlines() == [
+        f"ERROR: Ray readiness probe: cannot import ray with {sys.executable} "
+        "(ModuleNotFoundError: No module named 'ray')"
+    ], r.stdout
 
 
 def test_scripts_pass_shellcheck():
@@ -589,7 +754,11 @@ def test_scripts_pass_shellcheck():
         reason = _ensure_debian_packages()
         if reason or shutil.which("shellcheck") is None:
             pytest.skip(reason or "shellcheck not installable")
-    scripts = sorted(str(p) for p in SLURM.rglob("*.sh")) + [str(PYXIS / n) for n in ("srun", "enroot")] + [str(IMAGE_BIN / "python")]
+    scripts = (
+        sorted(str(p) for p in SLURM.rglob("*.sh"))
+        + [str(PYXIS / n) for n in ("srun", "enroot")]
+        + [str(IMAGE_BIN / "python")]
+    )
     assert len(scripts) >= 5, scripts
     r = subprocess.run(["shellcheck", "-x", *scripts], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -601,15 +770,30 @@ def test_submit_comparison_runs_both_losses_and_builds_the_report(cluster, tmp_p
         pytest.skip("the report job calls `nemo-granular compare --from-runs` (nemo_granular.embedded missing)")
     local = ROOT / "examples" / "configs" / "local"
     out = tmp_path / "cmp"
-    r = cluster.run("bash", str(SLURM / "submit_comparison.sh"), "--out", str(out), "--seed", "3", "--nodes", "1",
-                    str(local / "espo.yaml"), str(local / "gspo.yaml"), "--",
-                    "rl.steps=2", "rl.prompts_per_step=8", "rl.generations_per_prompt=4", "rl.eval_every=2",
-                    "warmstart.enabled=false", cwd=tmp_path)
+    r = cluster.run(
+        "bash",
+        str(SLURM / "submit_comparison.sh"),
+        "--out",
+        str(out),
+        "--seed",
+        "3",
+        "--nodes",
+        "1",
+        str(local / "espo.yaml"),
+        str(local / "gspo.yaml"),
+        "--",
+        "rl.steps=2",
+        "rl.prompts_per_step=8",
+        "rl.generations_per_prompt=4",
+        "rl.eval_every=2",
+        "warmstart.enabled=false",
+        cwd=tmp_path,
+    )
     ids = (out / "job_ids.txt").read_text().split()
     assert len(ids) == 3, r.stdout
     dep = cluster.job_fields(ids[2]).get("Dependency", "")
     assert f"afterany:{ids[0]}" in dep and f"afterany:{ids[1]}" in dep, dep
-    for job in ids:   # the two 1-node runs share the cluster, then the report runs
+    for job in ids:  # the two 1-node runs share the cluster, then the report runs
         state = cluster.wait_terminal(job, timeout=300)
         assert state == "COMPLETED", f"{job}: {state}\n{_explain(cluster, out, job)}"
     for name in ("espo", "gspo"):
@@ -619,10 +803,10 @@ def test_submit_comparison_runs_both_losses_and_builds_the_report(cluster, tmp_p
     report = (out / "report" / "report.md").read_text()
     assert "espo" in report and "gspo" in report and "# nemo-granular comparison" in report
     launcher = (out / "slurm-logs").rglob("launcher.log")
-    assert all("START_RAY=0" in p.read_text() for p in launcher)   # 1-node embedded runs need no Ray
+    assert all("START_RAY=0" in p.read_text() for p in launcher)  # 1-node embedded runs need no Ray
 
 
-CONTAINER_STORIES = "### Containers: NeMo-RL's release container, or a main checkout"   # docs/slurm.md
+CONTAINER_STORIES = "### Containers: NeMo-RL's release container, or a main checkout"  # docs/slurm.md
 LAUNCH_STORY = "## One launch story: a comparison on a real cluster"
 
 
@@ -630,18 +814,23 @@ def _cluster_names(images: dict, lustre: Path, nodes: int) -> list[tuple[str, st
     """The only changes the docs' launch stories get (docs_story.substitute): the images, the
     shared file system (``/lustre``: the test's folder; nemo-granular's checkout is this
     repository, so MOUNTS gets it too), the local cluster's nodes and GPUs per node."""
-    return [("/lustre/images/nemo-rl-v0.7.0.sqsh", str(images["release"])),
-            ("/lustre/images/nemo-rl-7ea279abf.sqsh", str(images["deps"])),
-            ("/lustre/nemo-granular", str(ROOT)), ("MOUNTS=/lustre:/lustre", f"MOUNTS=/lustre:/lustre,{ROOT}:{ROOT}"),
-            ("/lustre", str(lustre)),
-            ("-nodes 8", f"-nodes {nodes}"), ("-nodes=8", f"-nodes={nodes}"), ("gpu:8", f"gpu:{FAKE_GPUS}")]
+    return [
+        ("/lustre/images/nemo-rl-v0.7.0.sqsh", str(images["release"])),
+        ("/lustre/images/nemo-rl-7ea279abf.sqsh", str(images["deps"])),
+        ("/lustre/nemo-granular", str(ROOT)),
+        ("MOUNTS=/lustre:/lustre", f"MOUNTS=/lustre:/lustre,{ROOT}:{ROOT}"),
+        ("/lustre", str(lustre)),
+        ("-nodes 8", f"-nodes {nodes}"),
+        ("-nodes=8", f"-nodes={nodes}"),
+        ("gpu:8", f"gpu:{FAKE_GPUS}"),
+    ]
 
 
 def _nemo_rl_checkout(nemo_rl_src: Path, dest: Path) -> Path:
     """A NeMo-RL checkout as the launch story has one (WORKDIR): its package, examples and project."""
     dest.mkdir(parents=True)
-    for name in ("nemo_rl", "examples"):       # copies: the source cache may lie under a folder the image
-        shutil.copytree(nemo_rl_src / name, dest / name, symlinks=True)   # holds (/root/.cache): no mount there
+    for name in ("nemo_rl", "examples"):  # copies: the source cache may lie under a folder the image
+        shutil.copytree(nemo_rl_src / name, dest / name, symlinks=True)  # holds (/root/.cache): no mount there
     shutil.copy2(nemo_rl_src / "pyproject.toml", dest / "pyproject.toml")
     return dest
 
@@ -653,21 +842,36 @@ def _stage_espo_benchmarks(lustre: Path) -> Path:
 
     write_mirror(lustre / "mirror")
     bench = lustre / "benchmarks"
-    staged = subprocess.run([sys.executable, "-m", "nemo_granular", "stage-benchmarks", "--suite", "espo",
-                             "--data-dir", str(bench), "--mirror", str(lustre / "mirror")],
-                            capture_output=True, text=True, timeout=300)
+    staged = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nemo_granular",
+            "stage-benchmarks",
+            "--suite",
+            "espo",
+            "--data-dir",
+            str(bench),
+            "--mirror",
+            str(lustre / "mirror"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert staged.returncode == 0, staged.stderr
     return bench
 
 
 EVAL_LAUNCHER = ROOT / "tests" / "harness" / "nemo_rl_eval_launcher.py"
-ANSWER = "2"     # what the tiny model of the NeMo-RL comparison answers to every problem
+ANSWER = "2"  # what the tiny model of the NeMo-RL comparison answers to every problem
 
 
 @pytest.mark.nemo_rl
 @pytest.mark.parametrize("story_kind", ["container", "bare_metal"])
-def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, nemo_rl_src, images, tmp_path,
-                                                                      story_kind):
+def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(
+    cluster, nemo_rl_src, images, tmp_path, story_kind
+):
     """ESPO vs GSPO on Qwen3-30B-A3B as docs/slurm.md's launch stories submit it: the page's
     commands, run word for word but the cluster's names (``_cluster_names``) and the CPU additions
     said below (WORKDIR = the NeMo-RL checkout, no NEMO_RL_SRC in the environment).
@@ -718,49 +922,72 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
     assert _stage_espo_benchmarks(tmp_path) == bench
     staged_keys = ("aime24", "aime25", "math500", "hmmt25")
     assert sorted(p.name for p in bench.glob("*.jsonl")) == sorted(f"{k}.jsonl" for k in staged_keys)
-    keys = ("aime24",)      # evaluated (CI time: each benchmark is one run_eval, a NeMo-RL import and a Ray start)
+    keys = ("aime24",)  # evaluated (CI time: each benchmark is one run_eval, a NeMo-RL import and a Ray start)
     # docs/slurm.md's story (b), word for word but the cluster's names (docs_story.py); on CPU, the
     # eval job's additions for the local cluster's 2 GPUs per node (vLLM TP 2; the run's is 4), the one
     # benchmark, transformers in place of vLLM, one math-verify worker (NeMo-RL's MathEnvironment
     # starts num_workers Ray actors); after `--`, a short run of the tiny model
     container = story_kind == "container"
-    nodes = 1    # the two runs side by side on the two nodes (a two-node Ray in the image: the preemption test)
-    eval_args = ('"--data-dir /lustre/benchmarks"', f'"--data-dir /lustre/benchmarks --gpus-per-node 2 --tensor-parallel 2 '
-                 f'--benchmarks {",".join(keys)} --launcher {EVAL_LAUNCHER} env.math.num_workers=1"')
+    nodes = 1  # the two runs side by side on the two nodes (a two-node Ray in the image: the preemption test)
+    eval_args = (
+        '"--data-dir /lustre/benchmarks"',
+        f'"--data-dir /lustre/benchmarks --gpus-per-node 2 --tensor-parallel 2 '
+        f'--benchmarks {",".join(keys)} --launcher {EVAL_LAUNCHER} env.math.num_workers=1"',
+    )
     if container:
-        script = substitute(story(bash_blocks(CONTAINER_STORIES)[0], "b", skip=("git clone",)),
-                            [eval_args, ("/lustre/images/nemo-rl-7ea279abf.sqsh", str(images["deps"]))])
+        script = substitute(
+            story(bash_blocks(CONTAINER_STORIES)[0], "b", skip=("git clone",)),
+            [eval_args, ("/lustre/images/nemo-rl-7ea279abf.sqsh", str(images["deps"]))],
+        )
         out, logs = tmp_path / "comparisons" / "espo-vs-gspo", tmp_path / "slurm-logs"
     else:
-        script = substitute(story(bash_block(LAUNCH_STORY, "submit_comparison.sh --seed 0 --nodes 8")),
-                            [eval_args, ("ACCOUNT", "ngtest"), ("PARTITION", "local")])
+        script = substitute(
+            story(bash_block(LAUNCH_STORY, "submit_comparison.sh --seed 0 --nodes 8")),
+            [eval_args, ("ACCOUNT", "ngtest"), ("PARTITION", "local")],
+        )
         out = tmp_path / "comparisons" / "espo-vs-gspo-seed0"
         logs = out / "slurm-logs"
     script = substitute(script, _cluster_names(images, tmp_path, nodes=nodes), each=False)
     script = script.rstrip("\n") + f" -- grpo.max_num_steps=4 grpo.val_period=2 policy.model_name={model}\n"
-    env = _env(cluster.env, {"PATH": f"{PYXIS}:{Path(sys.executable).parent}:{cluster.env['PATH']}", "VENV": None,
-                             "NG_STAND_IN_DRIVER": str(NRL_DRIVER), "NG_FAKE_STEP_SECONDS": "0.2",
-                             "NG_FAKE_PREFLIGHT": "1", "NG_FAKE_PREFLIGHT_LOG": str(preflight),
-                             "NEMO_RL_SRC": None})  # (on the submit host NeMo-RL stays importable through PYTHONPATH)
-    if not container:    # `uv run python` in NeMo-RL's locked venv: this Python with the stand-in driver
+    env = _env(
+        cluster.env,
+        {
+            "PATH": f"{PYXIS}:{Path(sys.executable).parent}:{cluster.env['PATH']}",
+            "VENV": None,
+            "NG_STAND_IN_DRIVER": str(NRL_DRIVER),
+            "NG_FAKE_STEP_SECONDS": "0.2",
+            "NG_FAKE_PREFLIGHT": "1",
+            "NG_FAKE_PREFLIGHT_LOG": str(preflight),
+            "NEMO_RL_SRC": None,
+        },
+    )  # (on the submit host NeMo-RL stays importable through PYTHONPATH)
+    if not container:  # `uv run python` in NeMo-RL's locked venv: this Python with the stand-in driver
         env["NEMO_RL_PYTHON"] = f"{sys.executable} {NRL_DRIVER}"
         worker_python = _bare_metal_megatron_worker_venv(checkout)
         # NeMo-RL's venv of a bare `uv sync` has no Megatron (its `mcore` extra is the worker venv's)
-        megatron = {Path(os.environ[v]).resolve() for v in ("MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC") if os.environ.get(v)}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                            if p and Path(p).resolve() not in megatron)
+        megatron = {
+            Path(os.environ[v]).resolve() for v in ("MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC") if os.environ.get(v)
+        }
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() not in megatron
+        )
     t0 = time.monotonic()
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True, cwd=tmp_path
+    )
     assert r.returncode == 0, script + r.stdout + r.stderr
     ids = (out / "job_ids.txt").read_text().split()
-    assert len(ids) == 5, r.stdout        # 2 training jobs, 2 eval jobs, the report
+    assert len(ids) == 5, r.stdout  # 2 training jobs, 2 eval jobs, the report
     # the preflight ran for both configs before any submission (the submit host; both at once, in
     # either order), with the runs' overrides and the allocation
     checked = preflight.read_text().splitlines()
-    assert sorted(c.split()[0] for c in checked[:2]) == [str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
-                                                         str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml")], checked
-    assert all("grpo.seed=0" in c and f"cluster.num_nodes={nodes}" in c and "cluster.gpus_per_node=2" in c
-               for c in checked[:2]), checked
+    assert sorted(c.split()[0] for c in checked[:2]) == [
+        str(cfgs / "espo_qwen3_30b_a3b_megatron.yaml"),
+        str(cfgs / "gspo_qwen3_30b_a3b_megatron.yaml"),
+    ], checked
+    assert all(
+        "grpo.seed=0" in c and f"cluster.num_nodes={nodes}" in c and "cluster.gpus_per_node=2" in c for c in checked[:2]
+    ), checked
     # the training jobs got the GPUs and the long limit, the report job its own small allocation
     for job in ids[:4]:
         f = cluster.job_fields(job)
@@ -808,14 +1035,20 @@ def test_submit_comparison_of_nemo_rl_runs_builds_the_benchmark_report(cluster, 
             assert {r["response"] for r in rows} == {expected[key]["response"]}, (key, rows[:2])
         scores = json.loads((run / "evals.json").read_text())["suites"]["espo"]["checkpoints"]["4"]
         assert scores == pytest.approx({k: expected[k]["score"] for k in keys}, abs=1e-9), scores
-        row = next(line for line in report.splitlines() if line.startswith(f"| {name} | 1 |") and line.rstrip().endswith("| 4 |"))
+        row = next(
+            line
+            for line in report.splitlines()
+            if line.startswith(f"| {name} | 1 |") and line.rstrip().endswith("| 4 |")
+        )
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[2:2 + len(keys)] == [f"{expected[k]['score']:.3f}" for k in keys], (row, expected)
-    assert max(scored) > 0 and min(scored) < 1, scored   # neither all right nor all wrong
+        assert cells[2 : 2 + len(keys)] == [f"{expected[k]['score']:.3f}" for k in keys], (row, expected)
+    assert max(scored) > 0 and min(scored) < 1, scored  # neither all right nor all wrong
     assert "Runs: 2 usable of 2" in report, report[:600]
     assert "## Benchmark suite" in report and "| AIME24 | 3 | 32 | T=0.6, top-p 1" in report, report
-    assert any(line.startswith("| ESPO reaches a higher final validation accuracy than GSPO") and "ESPO 0." in line
-               for line in report.splitlines()), report
+    assert any(
+        line.startswith("| ESPO reaches a higher final validation accuracy than GSPO") and "ESPO 0." in line
+        for line in report.splitlines()
+    ), report
     assert str(model) in report
 
 
@@ -830,13 +1063,19 @@ def _bare_metal_megatron_worker_venv(checkout: Path) -> Path:
     base = Path(os.path.realpath(sys.executable))
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(base)
-    (venv / "pyvenv.cfg").write_text(f"home = {base.parent}\ninclude-system-site-packages = false\n"
-                                     f"version = {sys.version_info[0]}.{sys.version_info[1]}\n")
+    (venv / "pyvenv.cfg").write_text(
+        f"home = {base.parent}\ninclude-system-site-packages = false\n"
+        f"version = {sys.version_info[0]}.{sys.version_info[1]}\n"
+    )
     site = venv / "lib" / pyver / "site-packages"
     site.mkdir(parents=True)
     sources = [os.environ[v] for v in ("MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC") if os.environ.get(v)]
-    lines = [*sources, str(ROOT / "tests" / "harness"), "import cpu_stand_ins; cpu_stand_ins.install()",
-             sysconfig.get_paths()["purelib"]]
+    lines = [
+        *sources,
+        str(ROOT / "tests" / "harness"),
+        "import cpu_stand_ins; cpu_stand_ins.install()",
+        sysconfig.get_paths()["purelib"],
+    ]
     (site / "image_worker.pth").write_text("\n".join(lines) + "\n")
     return venv / "bin" / "python"
 
@@ -893,19 +1132,29 @@ def _independent_scores(model: Path, bench: Path, checkout: Path, keys) -> dict:
         rows = [json.loads(x) for x in (bench / f"{key}.jsonl").read_text().splitlines() if x.strip()]
         responses = set()
         for row in rows:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt.format(row["problem"])}],
-                                           tokenize=False, add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": prompt.format(row["problem"])}], tokenize=False, add_generation_prompt=True
+            )
             ids = torch.tensor([tok(text)["input_ids"]])
             with torch.no_grad():
-                new = lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
-                                  do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-            responses.add(tok.decode(new[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+                new = lm.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=32,
+                    do_sample=False,
+                    eos_token_id=tok.eos_token_id,
+                    pad_token_id=tok.pad_token_id,
+                )
+            responses.add(tok.decode(new[0, ids.shape[1] :].tolist(), skip_special_tokens=True))
         assert len(responses) == 1, responses
         response = responses.pop()
         assert response == f"\\boxed{{{ANSWER}}}", response
         answers = [row["answer"] for row in rows]
-        out[key] = {"response": response, "answers": answers,
-                    "score": sum(reward(response, a) for a in answers) / len(answers)}
+        out[key] = {
+            "response": response,
+            "answers": answers,
+            "score": sum(reward(response, a) for a in answers) / len(answers),
+        }
     return out
 
 
@@ -924,7 +1173,9 @@ def _env(base: dict, overrides: dict) -> dict:
 
 
 REAL_PREFLIGHT_DRY_RUNS = "test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs"
-DRY_RUN_SHIPPED = tuple(str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo"))
+DRY_RUN_SHIPPED = tuple(
+    str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo")
+)
 DRY_RUN_FIXTURE = str(ROOT / "tests" / "harness" / "preflight_fixtures" / "espo_qwen3_30b_a3b_before_defer_fix.yaml")
 DRY_RUN_SPPO = str(ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml")
 
@@ -949,24 +1200,56 @@ def real_preflight_dry_runs(request, tmp_path_factory):
     if wanted and os.environ.get("NEMO_RL_SRC"):
         d = tmp_path_factory.mktemp("dry-runs")
         checkout = _nemo_rl_checkout(Path(os.environ["NEMO_RL_SRC"]).resolve(), d / "NeMo-RL")
-        env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(checkout),
-                                **_without_nemo_rl_src(dict(os.environ))})
+        env = _env(
+            os.environ,
+            {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(checkout), **_without_nemo_rl_src(dict(os.environ))},
+        )
         _stage_espo_benchmarks(d)
-        script = substitute(story(bash_block(LAUNCH_STORY, "submit_comparison.sh --seed 0 --nodes 8")), [
-            ("/slurm/submit_comparison.sh ", "/slurm/submit_comparison.sh --dry-run "),
-            ("/lustre/nemo-granular", str(ROOT)), ("/lustre", str(d)), ("ACCOUNT", "ngtest"), ("PARTITION", "local")])
-        runs["good"] = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, cwd=d, start_new_session=True)
+        script = substitute(
+            story(bash_block(LAUNCH_STORY, "submit_comparison.sh --seed 0 --nodes 8")),
+            [
+                ("/slurm/submit_comparison.sh ", "/slurm/submit_comparison.sh --dry-run "),
+                ("/lustre/nemo-granular", str(ROOT)),
+                ("/lustre", str(d)),
+                ("ACCOUNT", "ngtest"),
+                ("PARTITION", "local"),
+            ],
+        )
+        runs["good"] = subprocess.Popen(
+            ["bash", "-euo", "pipefail", "-c", script],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=d,
+            start_new_session=True,
+        )
         runs["good"].out = d / "comparisons" / "espo-vs-gspo-seed0"
-        args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(d / "bad"), "--seed", "3",
-                "--nodes", "8", "--train-sbatch", "--gres=gpu:8 --time=4:00:00", DRY_RUN_SPPO, DRY_RUN_FIXTURE,
-                "--", "~logger.mlflow", "logger.monitor_gpus=false"]
-        runs["bad"] = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                       cwd=d, start_new_session=True)
+        args = [
+            "bash",
+            str(SLURM / "submit_comparison.sh"),
+            "--dry-run",
+            "--out",
+            str(d / "bad"),
+            "--seed",
+            "3",
+            "--nodes",
+            "8",
+            "--train-sbatch",
+            "--gres=gpu:8 --time=4:00:00",
+            DRY_RUN_SPPO,
+            DRY_RUN_FIXTURE,
+            "--",
+            "~logger.mlflow",
+            "logger.monitor_gpus=false",
+        ]
+        runs["bad"] = subprocess.Popen(
+            args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=d, start_new_session=True
+        )
         runs["dir"] = d
     yield runs
     for proc in runs.values():
-        if isinstance(proc, subprocess.Popen) and proc.poll() is None:   # the test did not get to them
+        if isinstance(proc, subprocess.Popen) and proc.poll() is None:  # the test did not get to them
             os.killpg(proc.pid, 9)
             proc.communicate()
 
@@ -985,7 +1268,9 @@ def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_r
     (good_out, good_err), (bad_out, bad_err) = good.communicate(timeout=600), bad.communicate(timeout=600)
     assert good.returncode == 0, good_out + good_err
     sbatch = [line for line in good_err.splitlines() if line.startswith("sbatch")]
-    assert len(sbatch) == 5 and all("grpo.seed=0" in line for line in sbatch[:2]), good_err   # 2 runs, 2 evals, the report
+    assert len(sbatch) == 5 and all("grpo.seed=0" in line for line in sbatch[:2]), (
+        good_err
+    )  # 2 runs, 2 evals, the report
     assert not good.out.exists() and good.out.parent.is_dir() is False, good.out
     assert bad.returncode == 1 and "sbatch" not in bad_err and not bad_out, bad_out + bad_err
     assert bad_err.splitlines() == [
@@ -993,22 +1278,35 @@ def test_submit_comparison_runs_the_real_preflight_on_the_shipped_configs(nemo_r
         "policy.megatron_cfg.defer_fp32_logits: true (NeMo-RL: 'defer_fp32_logits must be True if "
         "logprob_chunk_size is set') [nemo_rl/models/megatron/setup.py:_validate_chunking_config]",
         "submit_comparison: nothing submitted; fix the configs (nemo-granular preflight CONFIG shows the plan) "
-        "or pass --no-preflight"], bad_err
+        "or pass --no-preflight",
+    ], bad_err
     # a Python without NeMo-RL (WORKDIR is not the checkout): the preflight cannot check (its exit
     # 2), and its one-line reason is the submission's
     d = real_preflight_dry_runs["dir"]
     args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--nodes", "8", *DRY_RUN_SHIPPED]
-    env = _env(os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(d), **_without_nemo_rl_src(dict(os.environ))})
+    env = _env(
+        os.environ, {"NEMO_RL_PYTHON": sys.executable, "WORKDIR": str(d), **_without_nemo_rl_src(dict(os.environ))}
+    )
     none = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=d)
-    assert none.returncode == 1 and len(none.stderr.splitlines()) == 3, none.stderr   # a line each, then what to do
+    assert none.returncode == 1 and len(none.stderr.splitlines()) == 3, none.stderr  # a line each, then what to do
     for cfg, line in zip(DRY_RUN_SHIPPED, none.stderr.splitlines()):
-        assert line == f"submit_comparison: preflight: {cfg}: NeMo-RL is not importable here (missing 'nemo_rl'): run " \
-                       "preflight in NeMo-RL's environment like the drivers (e.g. `uv run python -m nemo_granular " \
-                       "preflight ...` in the NeMo-RL checkout)", none.stderr
+        assert (
+            line == f"submit_comparison: preflight: {cfg}: NeMo-RL is not importable here (missing 'nemo_rl'): run "
+            "preflight in NeMo-RL's environment like the drivers (e.g. `uv run python -m nemo_granular "
+            "preflight ...` in the NeMo-RL checkout)"
+        ), none.stderr
     # --no-preflight (experts) submits without checking
-    skip = subprocess.run([*args[:3], "--no-preflight", *args[3:]], capture_output=True, text=True, timeout=120,
-                          env={**env, "NEMO_RL_PYTHON": "/nonexistent/python"}, cwd=d)
-    assert skip.returncode == 0 and len([x for x in skip.stderr.splitlines() if x.startswith("sbatch")]) == 3, skip.stderr
+    skip = subprocess.run(
+        [*args[:3], "--no-preflight", *args[3:]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "NEMO_RL_PYTHON": "/nonexistent/python"},
+        cwd=d,
+    )
+    assert skip.returncode == 0 and len([x for x in skip.stderr.splitlines() if x.startswith("sbatch")]) == 3, (
+        skip.stderr
+    )
 
 
 @pytest.mark.nemo_rl
@@ -1031,11 +1329,28 @@ def test_submit_comparison_preflights_in_the_image_with_its_python(cluster, nemo
     hidden = elsewhere / "gspo_qwen2.5_math_1.5b.yaml"
     shutil.copy(ROOT / "examples" / "configs" / "gspo_qwen2.5_math_1.5b.yaml", hidden)
     srun_log, out = tmp_path / "srun.log", shared / "cmp"
-    env = _env(cluster.env, {**_pyxis_env(cluster, images["release"], [shared, ROOT], srun_log),
-                             "WORKDIR": "/opt/nemo-rl", "NEMO_RL_PYTHON": None,
-                             **_without_nemo_rl_src(cluster.env)})
-    args = ["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(out), "--nodes", "1",
-            "--train-sbatch", f"--gres=gpu:{FAKE_GPUS} --time=4:00:00", str(shipped), str(hidden)]
+    env = _env(
+        cluster.env,
+        {
+            **_pyxis_env(cluster, images["release"], [shared, ROOT], srun_log),
+            "WORKDIR": "/opt/nemo-rl",
+            "NEMO_RL_PYTHON": None,
+            **_without_nemo_rl_src(cluster.env),
+        },
+    )
+    args = [
+        "bash",
+        str(SLURM / "submit_comparison.sh"),
+        "--dry-run",
+        "--out",
+        str(out),
+        "--nodes",
+        "1",
+        "--train-sbatch",
+        f"--gres=gpu:{FAKE_GPUS} --time=4:00:00",
+        str(shipped),
+        str(hidden),
+    ]
     t0 = time.monotonic()
     r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     print(f"submission preflight in the image: {time.monotonic() - t0:.0f} s")
@@ -1043,33 +1358,52 @@ def test_submit_comparison_preflights_in_the_image_with_its_python(cluster, nemo
     assert r.stderr.splitlines() == [
         f"submit_comparison: preflight: {hidden}: {hidden}: config file not found",
         "submit_comparison: nothing submitted; fix the configs (nemo-granular preflight CONFIG shows the plan) "
-        "or pass --no-preflight"], r.stderr
+        "or pass --no-preflight",
+    ], r.stderr
     assert not out.exists()
     steps = _srun_lines(srun_log)
     assert list(steps) == ["preflight"] and len(steps["preflight"]) == 1, steps
     [step] = steps["preflight"]
-    assert {"--nodes=1", "--ntasks=1", f"--container-image={images['release']}", "--container-workdir=/opt/nemo-rl",
-            f"--container-mounts={shared}:{shared},{ROOT}:{ROOT}", "--no-container-mount-home"} <= set(step), step
+    assert {
+        "--nodes=1",
+        "--ntasks=1",
+        f"--container-image={images['release']}",
+        "--container-workdir=/opt/nemo-rl",
+        f"--container-mounts={shared}:{shared},{ROOT}:{ROOT}",
+        "--no-container-mount-home",
+    } <= set(step), step
     script = step[-1]
     assert f"exec python -m nemo_granular preflight --driver grpo {shipped} grpo.seed=0" in script, script
     assert "uv run" not in script and "NG_CONTAINER=" in script, script
 
     # the user's NEMO_RL_PYTHON wins; `uv run` in the image fails (no writable cache, no index)
-    uv = subprocess.run(args, env={**env, "NEMO_RL_PYTHON": "uv run python"}, capture_output=True, text=True,
-                        timeout=300, cwd=tmp_path)
+    uv = subprocess.run(
+        args, env={**env, "NEMO_RL_PYTHON": "uv run python"}, capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert uv.returncode == 1 and not out.exists(), uv.stderr
-    home = pwd.getpwnam("nobody").pw_dir     # HOME in the container (enroot's: the user's, empty, read-only)
+    home = pwd.getpwnam("nobody").pw_dir  # HOME in the container (enroot's: the user's, empty, read-only)
     for cfg in (shipped, hidden):
-        assert f"submit_comparison: preflight: {cfg}: error: Failed to initialize cache at `{home}/.cache/uv`" \
-            in uv.stderr.splitlines(), uv.stderr
+        assert (
+            f"submit_comparison: preflight: {cfg}: error: Failed to initialize cache at `{home}/.cache/uv`"
+            in uv.stderr.splitlines()
+        ), uv.stderr
     # a container step that cannot start: one line, exit 2, nothing submitted or written
-    broken = subprocess.run(args, env={**env, "MOUNTS": f"{tmp_path / 'missing'}:/x"}, capture_output=True,
-                            text=True, timeout=300, cwd=tmp_path)
+    broken = subprocess.run(
+        args,
+        env={**env, "MOUNTS": f"{tmp_path / 'missing'}:/x"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert broken.returncode == 2 and not broken.stdout and not out.exists(), broken.stderr
     [line] = broken.stderr.splitlines()
-    assert line.startswith(f"submit_comparison: preflight: the checks could not run in the image (srun "
-                           f"--container-image={images['release']} exited ") and \
-        line.endswith(f"--container-mounts: {tmp_path / 'missing'}: No such file or directory; nothing submitted"), line
+    assert line.startswith(
+        f"submit_comparison: preflight: the checks could not run in the image (srun "
+        f"--container-image={images['release']} exited "
+    ) and line.endswith(f"--container-mounts: {tmp_path / 'missing'}: No such file or directory; nothing submitted"), (
+        line
+    )
 
 
 def test_submit_comparison_starts_nemo_rl_with_the_images_python_in_a_container(tmp_path):
@@ -1081,10 +1415,28 @@ def test_submit_comparison_starts_nemo_rl_with_the_images_python_in_a_container(
     checkout = _fake_nemo_rl_checkout(tmp_path / "NeMo-RL")
 
     def sbatch_lines(**env) -> list[str]:
-        r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--no-preflight", "--nodes", "8",
-                            "--eval-suite", "espo", "--nemo-rl", str(checkout), *cfgs], capture_output=True, text=True,
-                           cwd=tmp_path, env=_env(os.environ, {"CONTAINER": None, "VENV": None, "NEMO_RL_PYTHON": None,
-                                                               "MOUNTS": f"{tmp_path}:{tmp_path}", **env}))
+        r = subprocess.run(
+            [
+                "bash",
+                str(SLURM / "submit_comparison.sh"),
+                "--dry-run",
+                "--no-preflight",
+                "--nodes",
+                "8",
+                "--eval-suite",
+                "espo",
+                "--nemo-rl",
+                str(checkout),
+                *cfgs,
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=_env(
+                os.environ,
+                {"CONTAINER": None, "VENV": None, "NEMO_RL_PYTHON": None, "MOUNTS": f"{tmp_path}:{tmp_path}", **env},
+            ),
+        )
         assert r.returncode == 0, r.stderr
         return [line for line in r.stderr.splitlines() if line.startswith("sbatch")]
 
@@ -1102,9 +1454,24 @@ def test_submit_comparison_starts_nemo_rl_with_the_images_python_in_a_container(
 def test_submit_comparison_dry_run_writes_nothing_and_keeps_training_resources_off_the_report(tmp_path):
     local = ROOT / "examples" / "configs" / "local"
     out = tmp_path / "cmp"
-    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(out),
-                        "--sbatch", "-A acct -p part", "--train-sbatch", "--gres=gpu:8 --time=4:00:00",
-                        str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            "bash",
+            str(SLURM / "submit_comparison.sh"),
+            "--dry-run",
+            "--out",
+            str(out),
+            "--sbatch",
+            "-A acct -p part",
+            "--train-sbatch",
+            "--gres=gpu:8 --time=4:00:00",
+            str(local / "espo.yaml"),
+            str(local / "gspo.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert not out.exists(), "a dry run created the comparison directory"
     sbatch = [line for line in r.stderr.splitlines() if line.startswith("sbatch")]
@@ -1112,20 +1479,47 @@ def test_submit_comparison_dry_run_writes_nothing_and_keeps_training_resources_o
     assert all("-A acct -p part" in line for line in sbatch)
     assert all("--gres=gpu:8" in line and "--time=4:00:00" in line for line in sbatch[:2])
     assert "--gres" not in sbatch[2] and "--time=00:30:00" in sbatch[2] and "--dependency=afterany:" in sbatch[2]
-    bad = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--sbatch", "--gres=gpu:8",
-                          str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True,
-                         cwd=tmp_path)
+    bad = subprocess.run(
+        [
+            "bash",
+            str(SLURM / "submit_comparison.sh"),
+            "--dry-run",
+            "--sbatch",
+            "--gres=gpu:8",
+            str(local / "espo.yaml"),
+            str(local / "gspo.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2 and "--train-sbatch" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
-
 
 
 def test_submit_comparison_eval_jobs_follow_training_and_precede_the_report(tmp_path):
     """--eval-suite: one eval job per run, afterok on its training job, with the training
     resources on one node; the report waits for training AND eval jobs."""
     local = ROOT / "examples" / "configs" / "local"
-    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(tmp_path / "cmp"),
-                        "--train-sbatch", "--gres=gpu:8", "--eval-suite", "espo", "--eval-args", "--data-dir /data",
-                        str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True, cwd=tmp_path)
+    r = subprocess.run(
+        [
+            "bash",
+            str(SLURM / "submit_comparison.sh"),
+            "--dry-run",
+            "--out",
+            str(tmp_path / "cmp"),
+            "--train-sbatch",
+            "--gres=gpu:8",
+            "--eval-suite",
+            "espo",
+            "--eval-args",
+            "--data-dir /data",
+            str(local / "espo.yaml"),
+            str(local / "gspo.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     sbatch = [line for line in r.stderr.splitlines() if line.startswith("sbatch")]
     assert len(sbatch) == 5, r.stderr
@@ -1137,10 +1531,22 @@ def test_submit_comparison_eval_jobs_follow_training_and_precede_the_report(tmp_
         assert "eval-checkpoints" in line and "--suite" in line and "espo" in line and "--data-dir" in line
     report_dep = re.search(r"--dependency=afterany:(\S+)", sbatch[4]).group(1).split(":")
     assert sorted(report_dep) == sorted(train_ids + [e for e, _ in eval_ids])
-    bad = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--eval-suite", "aime",
-                          str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True,
-                         cwd=tmp_path)
+    bad = subprocess.run(
+        [
+            "bash",
+            str(SLURM / "submit_comparison.sh"),
+            "--dry-run",
+            "--eval-suite",
+            "aime",
+            str(local / "espo.yaml"),
+            str(local / "gspo.yaml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert bad.returncode == 2 and "--eval-suite" in bad.stderr and bad.stderr.count("\n") == 1, bad.stderr
+
 
 def test_max_restarts_default_covers_the_30b_pair_at_4_hours_per_attempt():
     """Issue 24.9: launch.sh's MAX_RESTARTS default against the arithmetic docs/slurm.md states:
@@ -1157,13 +1563,13 @@ def test_max_restarts_default_covers_the_30b_pair_at_4_hours_per_attempt():
     minutes = int(re.search(r"a step of about (\d+) minutes", row).group(1))
     restarts_doc, per_attempt_doc = map(int, re.search(r"e\.g\. (\d+) at (\d+) steps per attempt", row).groups())
 
-    def restarts(step_s: float) -> tuple[int, int]:   # (steps per attempt, restarts after the first attempt)
-        per_attempt = budget // step_s - 1             # one step's time goes to setup (Ray, Megatron, vLLM)
+    def restarts(step_s: float) -> tuple[int, int]:  # (steps per attempt, restarts after the first attempt)
+        per_attempt = budget // step_s - 1  # one step's time goes to setup (Ray, Megatron, vLLM)
         return int(per_attempt), math.ceil(steps / per_attempt) - 1
 
     per_attempt, needed = restarts(minutes * 60)
     slow = restarts(2 * minutes * 60)[1]
-    assert (per_attempt, needed) == (per_attempt_doc, restarts_doc), row   # the docs' numbers
+    assert (per_attempt, needed) == (per_attempt_doc, restarts_doc), row  # the docs' numbers
     assert f"twice as slow need {slow};" in row and f"| {default} |" in row, row
     assert default >= needed and default >= slow, (default, needed, slow)
     assert 20 < needed and per_attempt * 21 == int(re.search(r"at step (\d+)", row).group(1)), row
@@ -1189,35 +1595,70 @@ def test_submit_comparison_eval_jobs_run_the_eval_preflight_first(tmp_path):
     cfgs = [str(ROOT / "examples" / "configs" / f"{a}_qwen3_30b_a3b_megatron.yaml") for a in ("espo", "gspo")]
     checkout, data, out = _fake_nemo_rl_checkout(tmp_path / "NeMo-RL"), tmp_path / "bench", tmp_path / "cmp"
     data.mkdir()
-    for key in ("aime24", "aime25", "math500"):   # hmmt25 missing
+    for key in ("aime24", "aime25", "math500"):  # hmmt25 missing
         (data / f"{key}.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
     # no interpreter with Megatron-Bridge: not the driver's either (the NeMo-RL world puts its sources on PYTHONPATH)
     bridge = os.environ.get("MEGATRON_BRIDGE_SRC")
     path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and not (bridge and p == bridge)]
-    env = _env(os.environ, {"CONTAINER": None, "VENV": None, "NEMO_RL_VENV_DIR": str(tmp_path / "no-venvs"),
-                            "NG_EXPORT_PYTHON": None, "NEMO_RL_PY_EXECUTABLES_SYSTEM": None,
-                            "MEGATRON_BRIDGE_SRC": None, "PYTHONPATH": os.pathsep.join(path),
-                            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
-    r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--no-preflight", "--out", str(out),
-                        "--nodes", "1", "--eval-suite", "espo", "--nemo-rl", str(checkout),
-                        "--eval-args", f"--data-dir {data}", *cfgs], capture_output=True, text=True, cwd=tmp_path,
-                       env=env)
+    env = _env(
+        os.environ,
+        {
+            "CONTAINER": None,
+            "VENV": None,
+            "NEMO_RL_VENV_DIR": str(tmp_path / "no-venvs"),
+            "NG_EXPORT_PYTHON": None,
+            "NEMO_RL_PY_EXECUTABLES_SYSTEM": None,
+            "MEGATRON_BRIDGE_SRC": None,
+            "PYTHONPATH": os.pathsep.join(path),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        },
+    )
+    r = subprocess.run(
+        [
+            "bash",
+            str(SLURM / "submit_comparison.sh"),
+            "--dry-run",
+            "--no-preflight",
+            "--out",
+            str(out),
+            "--nodes",
+            "1",
+            "--eval-suite",
+            "espo",
+            "--nemo-rl",
+            str(checkout),
+            "--eval-args",
+            f"--data-dir {data}",
+            *cfgs,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     evals = [shlex.split(line) for line in r.stderr.splitlines() if line.startswith("sbatch") and "cmp-eval-" in line]
     assert len(evals) == 2, r.stderr
     wraps = [next(a.split("=", 1)[1] for a in argv if a.startswith("--wrap=")) for argv in evals]
     for wrap, name in zip(wraps, ("espo", "gspo")):
-        inner = shlex.split(wrap)[-1]   # exec bash -c SCRIPT
-        check = ("python -m nemo_granular.preflight.eval_checks --eval-suite espo "
-                 f"--run {out}/{name}_qwen3_30b_a3b_megatron")
+        inner = shlex.split(wrap)[-1]  # exec bash -c SCRIPT
+        check = (
+            f"python -m nemo_granular.preflight.eval_checks --eval-suite espo --run {out}/{name}_qwen3_30b_a3b_megatron"
+        )
         assert check in inner, inner
         assert f"--nemo-rl {checkout} --data-dir {data} && nemo-granular eval-checkpoints" in inner, inner
         assert inner.index(check) < inner.index("eval-checkpoints")
     run = out / "espo_qwen3_30b_a3b_megatron"
 
     def job(**extra):
-        return subprocess.run(["sh", "-c", wraps[0]], capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                              env={**env, "OMP_NUM_THREADS": "1", **extra})
+        return subprocess.run(
+            ["sh", "-c", wraps[0]],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+            env={**env, "OMP_NUM_THREADS": "1", **extra},
+        )
 
     missing = job()
     assert missing.returncode == 1, missing.stdout + missing.stderr
@@ -1227,12 +1668,14 @@ def test_submit_comparison_eval_jobs_run_the_eval_preflight_first(tmp_path):
     ], missing.stderr
     (data / "hmmt25.jsonl").write_text(json.dumps({"problem": "2+2?", "answer": "4"}) + "\n")
     weights = run / "checkpoints" / "step_4" / "policy" / "weights"
-    (weights / "iter_0000004").mkdir(parents=True)   # a Megatron checkpoint of the run
+    (weights / "iter_0000004").mkdir(parents=True)  # a Megatron checkpoint of the run
     no_bridge = job()
     assert no_bridge.returncode == 1, no_bridge.stderr
-    [line] = no_bridge.stderr.splitlines()   # the preflight's line only: eval-checkpoints did not start
-    assert line.startswith("preflight: error: exporting a Megatron checkpoint needs Megatron-Bridge") and \
-        f"{tmp_path}/no-venvs/" in line, line
+    [line] = no_bridge.stderr.splitlines()  # the preflight's line only: eval-checkpoints did not start
+    assert (
+        line.startswith("preflight: error: exporting a Megatron checkpoint needs Megatron-Bridge")
+        and f"{tmp_path}/no-venvs/" in line
+    ), line
     shutil.rmtree(run / "checkpoints")
     clean = job()
     assert clean.returncode != 0 and "preflight:" not in clean.stderr, clean.stderr
@@ -1249,7 +1692,7 @@ def test_submit_comparison_refuses_a_venv_the_container_would_not_have(tmp_path)
     home, shared = tmp_path / "home", tmp_path / "shared"
     uv_python = home / ".local" / "share" / "uv" / "python" / "cpython-3.13" / "bin" / "python3.13"
     uv_python.parent.mkdir(parents=True)
-    uv_python.write_text("")   # (uv's managed Python: a real file under $HOME)
+    uv_python.write_text("")  # (uv's managed Python: a real file under $HOME)
     (shared / "venv" / "bin").mkdir(parents=True)
     (shared / "venv" / "bin" / "python").symlink_to(uv_python)
     (shared / "own" / "bin").mkdir(parents=True)
@@ -1258,25 +1701,43 @@ def test_submit_comparison_refuses_a_venv_the_container_would_not_have(tmp_path)
 
     def submit(**env):
         out = tmp_path / f"cmp{len(list(tmp_path.iterdir()))}"
-        r = subprocess.run(["bash", str(SLURM / "submit_comparison.sh"), "--dry-run", "--out", str(out),
-                            str(local / "espo.yaml"), str(local / "gspo.yaml")], capture_output=True, text=True,
-                           cwd=tmp_path, env=_env(os.environ, {"HOME": str(home), "CONTAINER": "img.sqsh", **env}))
+        r = subprocess.run(
+            [
+                "bash",
+                str(SLURM / "submit_comparison.sh"),
+                "--dry-run",
+                "--out",
+                str(out),
+                str(local / "espo.yaml"),
+                str(local / "gspo.yaml"),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env=_env(os.environ, {"HOME": str(home), "CONTAINER": "img.sqsh", **env}),
+        )
         return r
 
     keep = "With CONTAINER, leave VENV unset (the image's environment runs the jobs; docs/slurm.md)"
     for env, want in (
-            ({"VENV": str(shared / "venv"), "MOUNTS": f"{tmp_path / 'other'}:/x"},
-             f"VENV={shared / 'venv'} is not inside MOUNTS={tmp_path / 'other'}:/x: the container does not have it. "),
-            ({"VENV": str(shared / "venv"), "MOUNTS": f"{shared}:{shared}"},
-             f"VENV={shared / 'venv'}: its python is a link to {uv_python}, outside MOUNTS "
-             f"({shared}:{shared}): in the container (no $HOME: --no-container-mount-home) it does not exist. "),
-            ({"VENV": str(home / "venv"), "MOUNTS": None},
-             None)):
-        if want is None:   # no MOUNTS: only a python under $HOME is refused
+        (
+            {"VENV": str(shared / "venv"), "MOUNTS": f"{tmp_path / 'other'}:/x"},
+            f"VENV={shared / 'venv'} is not inside MOUNTS={tmp_path / 'other'}:/x: the container does not have it. ",
+        ),
+        (
+            {"VENV": str(shared / "venv"), "MOUNTS": f"{shared}:{shared}"},
+            f"VENV={shared / 'venv'}: its python is a link to {uv_python}, outside MOUNTS "
+            f"({shared}:{shared}): in the container (no $HOME: --no-container-mount-home) it does not exist. ",
+        ),
+        ({"VENV": str(home / "venv"), "MOUNTS": None}, None),
+    ):
+        if want is None:  # no MOUNTS: only a python under $HOME is refused
             (home / "venv" / "bin").mkdir(parents=True)
             (home / "venv" / "bin" / "python").symlink_to(uv_python)
-            want = (f"VENV={home / 'venv'}: its python is a link to {uv_python}, under $HOME, "
-                    "which the container does not have (--no-container-mount-home). ")
+            want = (
+                f"VENV={home / 'venv'}: its python is a link to {uv_python}, under $HOME, "
+                "which the container does not have (--no-container-mount-home). "
+            )
         r = submit(**env)
         assert r.returncode == 2 and not r.stdout, r.stdout + r.stderr
         assert r.stderr.splitlines() == [f"submit_comparison: {want}{keep}"], r.stderr
@@ -1292,19 +1753,29 @@ def _nemo_rl_world(d: Path) -> dict[str, Path]:
     words = ["what", "is", "1", "2", "3", "+", "=", "answer", "\\boxed{", "}"]
     model = write_word_level_model(d / "model", words, vocab_size=32)
     data = d / "train.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"what is {a} + {b}", "answer": str(a + b)}) + "\n"
-                            for a in (1, 2) for b in (1, 2, 3)))
+    data.write_text(
+        "".join(
+            json.dumps({"problem": f"what is {a} + {b}", "answer": str(a + b)}) + "\n"
+            for a in (1, 2)
+            for b in (1, 2, 3)
+        )
+    )
     ds = f"{{dataset_name: ResponseDataset, data_path: {data}, input_key: problem, output_key: answer}}"
-    common = (f"policy: {{model_name: {model}, tokenizer: {{name: {model}}}}}\n"
-              "data:\n  _override_: true\n  max_input_seq_length: 64\n  shuffle: false\n  num_workers: 0\n"
-              f"  use_multiple_dataloader: false\n  train: {ds}\n  validation: {ds}\n"
-              "  default: {prompt_file: null, system_prompt_file: null, processor: math_hf_data_processor, "
-              "env_name: math}\nenv: {math: {num_workers: 1}}\n"
-              "checkpointing: {enabled: true, metric_name: null, keep_top_k: 1000, checkpoint_must_save_by: null}\n")
+    common = (
+        f"policy: {{model_name: {model}, tokenizer: {{name: {model}}}}}\n"
+        "data:\n  _override_: true\n  max_input_seq_length: 64\n  shuffle: false\n  num_workers: 0\n"
+        f"  use_multiple_dataloader: false\n  train: {ds}\n  validation: {ds}\n"
+        "  default: {prompt_file: null, system_prompt_file: null, processor: math_hf_data_processor, "
+        "env_name: math}\nenv: {math: {num_workers: 1}}\n"
+        "checkpointing: {enabled: true, metric_name: null, keep_top_k: 1000, checkpoint_must_save_by: null}\n"
+    )
     cfgs = {"grpo": d / "grpo.yaml", "sppo": d / "sppo.yaml"}
     cfgs["grpo"].write_text(f"defaults: {ROOT / 'examples/configs/nemo_rl/sspo_math_1B.yaml'}\n" + common)
-    cfgs["sppo"].write_text(f"defaults: {ROOT / 'examples/configs/sppo_r1_distill_qwen_1.5b.yaml'}\n" + common
-                            + f"value: {{model_name: {model}}}\n")
+    cfgs["sppo"].write_text(
+        f"defaults: {ROOT / 'examples/configs/sppo_r1_distill_qwen_1.5b.yaml'}\n"
+        + common
+        + f"value: {{model_name: {model}}}\n"
+    )
     return cfgs
 
 
@@ -1333,26 +1804,64 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
     ``one_node_jobs`` tests."""
     cfgs = _nemo_rl_world(tmp_path / "world")
     usr1_run, limit_run = tmp_path / "usr1", tmp_path / "limit"
-    homes = {"usr1": _home(tmp_path / "home-usr1", token="a-token-left-by-an-earlier-ray-init-0123"),
-             "limit": _home(tmp_path / "home-limit")}
-    base = {"START_RAY": "1", "PREEMPT_RESEND": "1", "NG_FAKE_STEP_SECONDS": "0.5", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "NG_FAKE_PREFLIGHT": "1",
-            "NG_FAKE_PREFLIGHT_LOG": str(tmp_path / "preflight.log")}
+    homes = {
+        "usr1": _home(tmp_path / "home-usr1", token="a-token-left-by-an-earlier-ray-init-0123"),
+        "limit": _home(tmp_path / "home-limit"),
+    }
+    base = {
+        "START_RAY": "1",
+        "PREEMPT_RESEND": "1",
+        "NG_FAKE_STEP_SECONDS": "0.5",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "NG_FAKE_PREFLIGHT": "1",
+        "NG_FAKE_PREFLIGHT_LOG": str(tmp_path / "preflight.log"),
+    }
 
     def cmd(module: str, cfg: Path, run: Path, *extra: str) -> list[str]:
-        return [sys.executable, str(LOOP_DRIVER), "-m", module, "--config", str(cfg), *extra,
-                f"checkpointing.checkpoint_dir={run}/checkpoints", f"logger.log_dir={run}/logs"]
+        return [
+            sys.executable,
+            str(LOOP_DRIVER),
+            "-m",
+            module,
+            "--config",
+            str(cfg),
+            *extra,
+            f"checkpointing.checkpoint_dir={run}/checkpoints",
+            f"logger.log_dir={run}/logs",
+        ]
 
     submitted = time.time()
-    usr1 = _submit(cluster, tmp_path / "w-usr1", "ng-usr1",
-                   cmd("nemo_granular.run_grpo", cfgs["grpo"], usr1_run, "grpo.max_num_steps=6",
-                       "checkpointing.save_period=2"), nodes=1, sbatch=("--time=30",),
-                   env={**base, "HOME": str(homes["usr1"]), "NG_FAKE_STARTUP_SECONDS": "6",
-                        "NG_FAKE_SAVE_SECONDS": "4", "NG_SAVE_RESERVE_SECONDS": "600"})
-    limit = _submit(cluster, tmp_path / "w-limit", "ng-limit",
-                    cmd("nemo_granular.run_sppo", cfgs["sppo"], limit_run, "ppo.max_num_steps=6",
-                        "checkpointing.save_period=100", "checkpointing.checkpoint_must_save_by=00:00:00:03"),
-                    nodes=1, env={**base, "HOME": str(homes["limit"])})
+    usr1 = _submit(
+        cluster,
+        tmp_path / "w-usr1",
+        "ng-usr1",
+        cmd("nemo_granular.run_grpo", cfgs["grpo"], usr1_run, "grpo.max_num_steps=6", "checkpointing.save_period=2"),
+        nodes=1,
+        sbatch=("--time=30",),
+        env={
+            **base,
+            "HOME": str(homes["usr1"]),
+            "NG_FAKE_STARTUP_SECONDS": "6",
+            "NG_FAKE_SAVE_SECONDS": "4",
+            "NG_SAVE_RESERVE_SECONDS": "600",
+        },
+    )
+    limit = _submit(
+        cluster,
+        tmp_path / "w-limit",
+        "ng-limit",
+        cmd(
+            "nemo_granular.run_sppo",
+            cfgs["sppo"],
+            limit_run,
+            "ppo.max_num_steps=6",
+            "checkpointing.save_period=100",
+            "checkpointing.checkpoint_must_save_by=00:00:00:03",
+        ),
+        nodes=1,
+        env={**base, "HOME": str(homes["limit"])},
+    )
     w = tmp_path / "w-usr1"
     _wait_for("the driver's start", lambda: (usr1_run / "startup.0").exists(), cluster, usr1, w)
     _signal_usr1(cluster, usr1)
@@ -1372,7 +1881,7 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
         # every step exactly once over the two attempts, resumed from NeMo-RL's checkpoint
         steps = _nemo_rl_steps(run)
         assert [s for s, _ in steps] == list(range(1, 7)), (steps, info)
-        assert not list((run / "checkpoints").glob("tmp_step_*")), info     # no half-written save left
+        assert not list((run / "checkpoints").glob("tmp_step_*")), info  # no half-written save left
         first = [s for s, a in steps if a == 0]
         assert first and 1 <= max(first) < 6 and {a for s, a in steps if s > max(first)} == {1}, steps
         # the second attempt's loop started from the first one's last checkpoint (NeMo-RL's setup
@@ -1386,8 +1895,10 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
         _pinned_ports(nodes)
         if name == "limit":
             assert "Timeout has been reached, stopping training early" in driver, info
-            assert f"stopped at NeMo-RL's time limit (checkpointing.checkpoint_must_save_by) after step " \
-                   f"{max(first)} of 6" in driver, info
+            assert (
+                f"stopped at NeMo-RL's time limit (checkpointing.checkpoint_must_save_by) after step "
+                f"{max(first)} of 6" in driver
+            ), info
         else:
             assert saving, "no save was in progress when the second USR1 was sent"
             # the time budget (--time=30): the job's end (NG_JOB_END_TIME, from Slurm's EndTime)
@@ -1398,9 +1909,14 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
             # each attempt's budget, from the wall-clock window in which its checker was made (the
             # harness's record) and its job's end: the last attempt's from Slurm's StartTime above,
             # the first's started between the submission and its checker
-            lines = [(int(x), int(b)) for x, b in re.findall(
-                r"the Slurm job ends in (\d+) s; NeMo-RL will save and stop within (\d+) s \(job end minus "
-                r"NG_SAVE_RESERVE_SECONDS=600\)", driver)]
+            lines = [
+                (int(x), int(b))
+                for x, b in re.findall(
+                    r"the Slurm job ends in (\d+) s; NeMo-RL will save and stop within (\d+) s \(job end minus "
+                    r"NG_SAVE_RESERVE_SECONDS=600\)",
+                    driver,
+                )
+            ]
             made = {r["attempt"]: r for r in map(json.loads, (run / "checkers.jsonl").read_text().splitlines())}
             assert len(lines) == 2 and sorted(made) == [0, 1], (lines, made, info)
             assert all(abs(x - 600 - b) <= 1 for x, b in lines), lines
@@ -1411,13 +1927,14 @@ def test_nemo_rl_runs_stopped_early_are_requeued_and_resume(cluster, nemo_rl_src
             assert f"stopped by SIGUSR1 after step {max(first)} of 6" in driver, info
     assert sorted(p.name for p in (homes["usr1"] / ".ray").iterdir()) == ["auth_token"]
     assert (homes["usr1"] / ".ray" / "auth_token").read_text().startswith("a-token-left")
-    assert not list((homes["limit"] / ".ray").iterdir())     # NeMo-RL's ray.init wrote no token into the home
+    assert not list((homes["limit"] / ".ray").iterdir())  # NeMo-RL's ray.init wrote no token into the home
     # the preflight checked each attempt's command line, with the launcher's cluster overrides
     checked = (tmp_path / "preflight.log").read_text().splitlines()
     assert len(checked) == 4 and all("cluster.num_nodes=1" in c and "cluster.gpus_per_node=2" in c for c in checked)
 
 
 # ------------------------------------------------------- one-node jobs, submitted together ---
+
 
 def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jobs: dict, images: dict) -> None:
     """``one_node_jobs["ok"]`` and ``["bad"]`` (see there)."""
@@ -1426,33 +1943,70 @@ def _submit_real_preflight_jobs(cluster: Cluster, d: Path, nemo_rl_src: Path, jo
     # docs/slurm.md's story (a), word for word but the cluster's names; after it, a short run and
     # the override forms ~key and +key=value, which the preflight must pass on to the driver
     extra = ["grpo.max_num_steps=2", "~logger.mlflow", "+logger.note=checked"]
-    script = substitute(story(bash_blocks(CONTAINER_STORIES)[0], "a", skip=("git clone",)),
-                        [("/lustre/images/nemo-rl-v0.7.0.sqsh", str(images["release"]))])
+    script = substitute(
+        story(bash_blocks(CONTAINER_STORIES)[0], "a", skip=("git clone",)),
+        [("/lustre/images/nemo-rl-v0.7.0.sqsh", str(images["release"]))],
+    )
     script = substitute(script, _cluster_names(images, d, nodes=1), each=False).rstrip("\n") + f" {' '.join(extra)}\n"
-    (d / "data").mkdir()      # NG_DATA_DIR: the MATH files the stand-in driver does not read
+    (d / "data").mkdir()  # NG_DATA_DIR: the MATH files the stand-in driver does not read
     (d / "ok").mkdir()
-    env = _env(cluster.env, {"PATH": f"{PYXIS}:{cluster.env['PATH']}", "VENV": None, "NG_SRUN_LOG": str(srun_log),
-                             "NG_STAND_IN_DRIVER": str(NRL_DRIVER), "START_RAY": "0", "NG_FAKE_STEP_SECONDS": "0.1",
-                             **_without_nemo_rl_src(cluster.env)})
-    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
-                       cwd=d / "ok", timeout=60)
+    env = _env(
+        cluster.env,
+        {
+            "PATH": f"{PYXIS}:{cluster.env['PATH']}",
+            "VENV": None,
+            "NG_SRUN_LOG": str(srun_log),
+            "NG_STAND_IN_DRIVER": str(NRL_DRIVER),
+            "START_RAY": "0",
+            "NG_FAKE_STEP_SECONDS": "0.1",
+            **_without_nemo_rl_src(cluster.env),
+        },
+    )
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True, cwd=d / "ok", timeout=60
+    )
     assert r.returncode == 0 and r.stdout.startswith("Submitted batch job "), script + r.stdout + r.stderr
-    cmd = ["python", "-m", "nemo_granular.run_grpo", "--config", str(shipped),
-           f"checkpointing.checkpoint_dir={run}/checkpoints", f"logger.log_dir={run}/logs", *extra]
-    jobs["ok"] = SimpleNamespace(job=r.stdout.split()[-1], workdir=d / "ok", logs=d / "slurm-logs", name="nemo-granular",
-                                 cmd=cmd, checkout="/opt/nemo-rl", srun_log=srun_log, run=run, config=shipped,
-                                 image=images["release"])
+    cmd = [
+        "python",
+        "-m",
+        "nemo_granular.run_grpo",
+        "--config",
+        str(shipped),
+        f"checkpointing.checkpoint_dir={run}/checkpoints",
+        f"logger.log_dir={run}/logs",
+        *extra,
+    ]
+    jobs["ok"] = SimpleNamespace(
+        job=r.stdout.split()[-1],
+        workdir=d / "ok",
+        logs=d / "slurm-logs",
+        name="nemo-granular",
+        cmd=cmd,
+        checkout="/opt/nemo-rl",
+        srun_log=srun_log,
+        run=run,
+        config=shipped,
+        image=images["release"],
+    )
 
-    bad_cfg = d / "sspo_before_defer_fix.yaml"   # as every shipped Megatron config resolved before its fix
+    bad_cfg = d / "sspo_before_defer_fix.yaml"  # as every shipped Megatron config resolved before its fix
     bad_cfg.write_text(f"defaults: {shipped}\npolicy:\n  megatron_cfg:\n    defer_fp32_logits: false\n")
     bad_cmd = [sys.executable, "-m", "nemo_granular.run_grpo", "--config", str(bad_cfg), "grpo.seed=3"]
     # a COMMAND string of plain words is the command's arguments: the launcher finds the driver's
     # Python and config and appends the cluster overrides
-    jobs["bad"] = SimpleNamespace(job=_submit(cluster, d / "bad", "ng-pf-bad", [], nodes=1,
-                                              # bare metal, as the docs' story: TORCH_CUDA_ARCH_LIST exported
-                                              env={"COMMAND": " ".join(bad_cmd),
-                                                   "TORCH_CUDA_ARCH_LIST": IMAGE_CUDA_ARCHS}),
-                                  workdir=d / "bad", config=bad_cfg)
+    jobs["bad"] = SimpleNamespace(
+        job=_submit(
+            cluster,
+            d / "bad",
+            "ng-pf-bad",
+            [],
+            nodes=1,
+            # bare metal, as the docs' story: TORCH_CUDA_ARCH_LIST exported
+            env={"COMMAND": " ".join(bad_cmd), "TORCH_CUDA_ARCH_LIST": IMAGE_CUDA_ARCHS},
+        ),
+        workdir=d / "bad",
+        config=bad_cfg,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -1481,10 +2035,14 @@ def one_node_jobs(cluster, images, tmp_path_factory):
     if os.environ.get("NEMO_RL_SRC"):
         _submit_real_preflight_jobs(cluster, d, Path(os.environ["NEMO_RL_SRC"]).resolve(), jobs, images)
 
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "the-token-the-head-starts-with-0123456789",
-           "SETUP_COMMAND": '[[ $SLURM_STEP_ID == 0 ]] || export RAY_AUTH_TOKEN=a-different-token-9876543210'}
-    jobs["probe"] = SimpleNamespace(job=_submit(cluster, d / "probe", "ng-probe", ["true"], nodes=1, env=env),
-                                    workdir=d / "probe")
+    env = {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": "the-token-the-head-starts-with-0123456789",
+        "SETUP_COMMAND": "[[ $SLURM_STEP_ID == 0 ]] || export RAY_AUTH_TOKEN=a-different-token-9876543210",
+    }
+    jobs["probe"] = SimpleNamespace(
+        job=_submit(cluster, d / "probe", "ng-probe", ["true"], nodes=1, env=env), workdir=d / "probe"
+    )
 
     # CONTAINER + a VENV made on the host: its python links into $HOME (uv's managed Pythons live
     # there), which the container does not have (--no-container-mount-home)
@@ -1499,14 +2057,31 @@ def one_node_jobs(cluster, images, tmp_path_factory):
     # its console scripts start with the venv's python, as uv writes them
     (venv / "bin" / "ray").write_text(f"#!{venv}/bin/python\nfrom ray.scripts.scripts import main\nmain()\n")
     (venv / "bin" / "ray").chmod(0o755)
-    env = {"HOME": str(home), **_pyxis_env(cluster, images["release"], [shared, ROOT]), "VENV": str(venv),
-           "WORKDIR": str(shared)}
-    jobs["venv"] = SimpleNamespace(job=_submit(cluster, d / "venv-home", "ng-venv", ["python", "-c", "print(1)"],
-                                               nodes=1, env=env), workdir=d / "venv-home", venv=venv, shared=shared)
+    env = {
+        "HOME": str(home),
+        **_pyxis_env(cluster, images["release"], [shared, ROOT]),
+        "VENV": str(venv),
+        "WORKDIR": str(shared),
+    }
+    jobs["venv"] = SimpleNamespace(
+        job=_submit(cluster, d / "venv-home", "ng-venv", ["python", "-c", "print(1)"], nodes=1, env=env),
+        workdir=d / "venv-home",
+        venv=venv,
+        shared=shared,
+    )
     # a 1-GPU job on the 2-GPU nodes under launch.sh's --exclusive: Ray and the driver get 1 GPU
-    jobs["gpus"] = SimpleNamespace(job=_submit(cluster, d / "gpus", "ng-gpus", [], nodes=1, sbatch=("--gres=gpu:1",),
-                                               env={"START_RAY": "0", "COMMAND": 'echo "gpus=$NG_GPUS_PER_NODE"'}),
-                                   workdir=d / "gpus")
+    jobs["gpus"] = SimpleNamespace(
+        job=_submit(
+            cluster,
+            d / "gpus",
+            "ng-gpus",
+            [],
+            nodes=1,
+            sbatch=("--gres=gpu:1",),
+            env={"START_RAY": "0", "COMMAND": 'echo "gpus=$NG_GPUS_PER_NODE"'},
+        ),
+        workdir=d / "gpus",
+    )
 
     # a node without GRES (a site that declares no GPUs to Slurm) that has two GPU devices: the
     # launcher counts them (NG_GPU_DEVICE_GLOB: two device files made here, and the two that are no GPU)
@@ -1514,18 +2089,31 @@ def one_node_jobs(cluster, images, tmp_path_factory):
     devices.mkdir()
     for name in ("nvidia0", "nvidia1", "nvidiactl", "nvidia-uvm"):
         (devices / name).touch()
-    jobs["nogres"] = SimpleNamespace(job=_submit(cluster, d / "nogres", "ng-nogres", [], nodes=1,
-                                                 sbatch=("--partition=nogres",),
-                                                 env={"NG_GPU_DEVICE_GLOB": f"{devices}/nvidia[0-9]*",
-                                                      "COMMAND": 'echo "gpus=$NG_GPUS_PER_NODE"'}),
-                                     workdir=d / "nogres")
+    jobs["nogres"] = SimpleNamespace(
+        job=_submit(
+            cluster,
+            d / "nogres",
+            "ng-nogres",
+            [],
+            nodes=1,
+            sbatch=("--partition=nogres",),
+            env={"NG_GPU_DEVICE_GLOB": f"{devices}/nvidia[0-9]*", "COMMAND": 'echo "gpus=$NG_GPUS_PER_NODE"'},
+        ),
+        workdir=d / "nogres",
+    )
 
     log = d / "off-preflight.log"
-    off_cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", "--config"]   # no config: exit 2
-    env = {"PREFLIGHT": "0", "START_RAY": "0", "CLUSTER_OVERRIDES": "0", "NG_FAKE_PREFLIGHT": "1",
-           "NG_FAKE_PREFLIGHT_LOG": str(log)}
-    jobs["off"] = SimpleNamespace(job=_submit(cluster, d / "off", "ng-pf-off", off_cmd, nodes=1, env=env),
-                                  workdir=d / "off", preflight_log=log)
+    off_cmd = [sys.executable, str(NRL_DRIVER), "-m", "nemo_granular.run_grpo", "--config"]  # no config: exit 2
+    env = {
+        "PREFLIGHT": "0",
+        "START_RAY": "0",
+        "CLUSTER_OVERRIDES": "0",
+        "NG_FAKE_PREFLIGHT": "1",
+        "NG_FAKE_PREFLIGHT_LOG": str(log),
+    }
+    jobs["off"] = SimpleNamespace(
+        job=_submit(cluster, d / "off", "ng-pf-off", off_cmd, nodes=1, env=env), workdir=d / "off", preflight_log=log
+    )
     return jobs
 
 
@@ -1552,16 +2140,30 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     # the exact argv: the driver's Python, --driver, the config, the driver's overrides in order
     # (options removed, ~key and +key=value kept), then the cluster overrides from the allocation
     words = [w for w in j.cmd[3:] if w not in ("--config", str(j.config))]
-    argv = [j.cmd[0], "-m", "nemo_granular", "preflight", "--driver", "grpo", str(j.config), *words,
-            "cluster.num_nodes=1", f"cluster.gpus_per_node={FAKE_GPUS}"]
+    argv = [
+        j.cmd[0],
+        "-m",
+        "nemo_granular",
+        "preflight",
+        "--driver",
+        "grpo",
+        str(j.config),
+        *words,
+        "cluster.num_nodes=1",
+        f"cluster.gpus_per_node={FAKE_GPUS}",
+    ]
     steps = _srun_lines(j.srun_log)
     assert sorted(steps) == ["cleanup", "driver", "preflight"] and len(steps["preflight"]) == 1, steps
     pf = steps["preflight"][0]
     prefix, _, words = pf[-1].partition(" && exec ")
     assert prefix == f"source '{logs}/node_env.sh'" and shlex.split(words) == argv, (pf[-1], argv)
-    for argv_ in (pf, steps["driver"][0]):    # preflight and driver: one named container, in WORKDIR
-        assert {f"--container-image={j.image}", f"--container-name=ray-head-{j.job}",
-                f"--container-workdir={j.checkout}", "--no-container-mount-home"} <= set(argv_), argv_
+    for argv_ in (pf, steps["driver"][0]):  # preflight and driver: one named container, in WORKDIR
+        assert {
+            f"--container-image={j.image}",
+            f"--container-name=ray-head-{j.job}",
+            f"--container-workdir={j.checkout}",
+            "--no-container-mount-home",
+        } <= set(argv_), argv_
     assert f"--output={logs}/preflight.log" in pf and f"--error={logs}/preflight-0.err" in pf, pf
     assert f"cd {j.checkout}\n" in (logs / "node_env.sh").read_text()
     # the plugin's Megatron extension runs in the image's prebuilt MegatronPolicyWorker venv: nothing
@@ -1577,15 +2179,16 @@ def test_real_preflight_passes_a_shipped_config_in_the_head_container(cluster, n
     from nemo_granular.nemo_rl import compat
 
     image_version = compat.classify(nemo_rl_src / "nemo_rl")
-    assert f"nemo-rl   checked against {compat.TITLES[image_version.key]} (" in plan \
-        and "at /opt/nemo-rl/nemo_rl" in plan, plan
-    if os.environ.get("NEMO_GRANULAR_EXPECT_NEMO_RL"):   # scripts/test.sh names the world it built
+    assert (
+        f"nemo-rl   checked against {compat.TITLES[image_version.key]} (" in plan and "at /opt/nemo-rl/nemo_rl" in plan
+    ), plan
+    if os.environ.get("NEMO_GRANULAR_EXPECT_NEMO_RL"):  # scripts/test.sh names the world it built
         assert image_version.key == os.environ["NEMO_GRANULAR_EXPECT_NEMO_RL"], image_version
     # its warnings shown, and the job went on; the venvs it looked for are the checkout's
     assert re.search(r"preflight: no problems, \d+ warning\(s\):", launcher), info
     # (inside the image NeMo-RL looks for them in the image's NEMO_RL_VENV_DIR, not <checkout>/venvs)
     assert "[preflight] preflight: warning: worker venv missing: /opt/ray_venvs/" in launcher, info
-    assert "TORCH_CUDA_ARCH_LIST" not in launcher, info      # the image sets it, as NeMo-RL's does
+    assert "TORCH_CUDA_ARCH_LIST" not in launcher, info  # the image sets it, as NeMo-RL's does
     assert "driver exited with code 0" in launcher, info
     # the driver ran the command line the preflight checked
     cfg = yaml.safe_load((j.run / "checkpoints" / "step_2" / "config.yaml").read_text())
@@ -1601,17 +2204,22 @@ def test_real_preflight_stops_a_job_whose_config_nemo_rl_would_reject(cluster, n
     skips the check and the driver runs."""
     j = one_node_jobs["bad"]
     logs, info = _finished(cluster, j, "ng-pf-bad", "FAILED")
-    problem = ("policy.logprob_chunk_size=1024 needs policy.megatron_cfg.defer_fp32_logits: true (NeMo-RL: "
-               "'defer_fp32_logits must be True if logprob_chunk_size is set') "
-               "[nemo_rl/models/megatron/setup.py:_validate_chunking_config]")
+    problem = (
+        "policy.logprob_chunk_size=1024 needs policy.megatron_cfg.defer_fp32_logits: true (NeMo-RL: "
+        "'defer_fp32_logits must be True if logprob_chunk_size is set') "
+        "[nemo_rl/models/megatron/setup.py:_validate_chunking_config]"
+    )
     launcher = (logs / "launcher.log").read_text()
-    assert f"preflight: {sys.executable} -m nemo_granular preflight --driver grpo {j.config} grpo.seed=3 " \
-           f"cluster.num_nodes=1 cluster.gpus_per_node={FAKE_GPUS}\n" in launcher, info
+    assert (
+        f"preflight: {sys.executable} -m nemo_granular preflight --driver grpo {j.config} grpo.seed=3 "
+        f"cluster.num_nodes=1 cluster.gpus_per_node={FAKE_GPUS}\n" in launcher
+    ), info
     assert f"[preflight] preflight: error: {problem}\n" in launcher, info
     out = (j.workdir / f"slurm-{j.job}.out").read_text()
     errors = [line for line in out.splitlines() if "ERROR:" in line]
-    assert len(errors) == 1 and errors[0].endswith(f"ERROR: preflight of {j.config}: {problem} "
-                                                   "(PREFLIGHT=0 skips the check)"), (errors, info)
+    assert len(errors) == 1 and errors[0].endswith(
+        f"ERROR: preflight of {j.config}: {problem} (PREFLIGHT=0 skips the check)"
+    ), (errors, info)
     assert "starting the Ray head" not in out and "driver:" not in out, out
     status = json.loads((logs / "status.json").read_text())
     assert status["exit_code"] == 2 and problem in status["reason"], status
@@ -1637,7 +2245,8 @@ def test_container_with_a_host_venv_outside_the_mounts_fails_before_ray(cluster,
     assert len(errors) == 1 and errors[0].split("ERROR: ", 1)[1] == (
         f"VENV={j.venv}: its python is a link to {target}, outside MOUNTS ({j.shared}:{j.shared},{ROOT}:{ROOT}): "
         "in the container (no $HOME: --no-container-mount-home) it does not exist. With CONTAINER, leave VENV "
-        "unset (the image's environment runs the job; docs/slurm.md)"), (errors, info)
+        "unset (the image's environment runs the job; docs/slurm.md)"
+    ), (errors, info)
     assert "starting the Ray head" not in (logs / "launcher.log").read_text(), info
 
 
@@ -1651,7 +2260,8 @@ def test_gpus_per_node_come_from_the_jobs_request_not_the_nodes_gres(cluster, on
 
 
 def test_container_steps_run_as_the_user_with_the_images_venv_linked_into_its_uv_cache_and_names_persist(
-        cluster, images, tmp_path):
+    cluster, images, tmp_path
+):
     """What the local cluster's pyxis shows of a real container (issue 33, items 2 and 6): a step
     runs as a non-root user (``nobody``, the job's user in a user namespace), HOME its empty home in
     a read-only root, and the image's venv takes its packages from the image's /root/.cache/uv, as
@@ -1665,16 +2275,36 @@ def test_container_steps_run_as_the_user_with_the_images_venv_linked_into_its_uv
     cache.mkdir()
 
     def step(*opts: str, cmd: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["srun", "--nodes=1", "--ntasks=1", f"--container-image={images['release']}",
-                               "--no-container-mount-home", *opts, "bash", "-c", cmd],
-                              env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [
+                "srun",
+                "--nodes=1",
+                "--ntasks=1",
+                f"--container-image={images['release']}",
+                "--no-container-mount-home",
+                *opts,
+                "bash",
+                "-c",
+                cmd,
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     user = step(cmd='id -un; echo "$HOME"; python -c "import torch; print(torch.__file__)"; touch "$HOME/x" 2>&1; true')
     lines = user.stdout.splitlines()
-    assert user.returncode == 0 and lines[:3] == [
-        "nobody", pwd.getpwnam("nobody").pw_dir,
-        f"/opt/nemo_rl_venv/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages/torch/__init__.py"
-    ] and "Read-only file system" in lines[3], user.stdout + user.stderr
+    assert (
+        user.returncode == 0
+        and lines[:3]
+        == [
+            "nobody",
+            pwd.getpwnam("nobody").pw_dir,
+            f"/opt/nemo_rl_venv/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages/torch/__init__.py",
+        ]
+        and "Read-only file system" in lines[3]
+    ), user.stdout + user.stderr
     hidden = step(f"--container-mounts={cache}:/root/.cache/uv", cmd="python -c 'import torch'")
     assert hidden.returncode != 0 and "No module named 'torch'" in hidden.stderr, hidden.stderr
     root = step("--container-remap-root", cmd="id -u")
@@ -1683,20 +2313,56 @@ def test_container_steps_run_as_the_user_with_the_images_venv_linked_into_its_uv
     # a named container outlives its job (pyxis' default global scope): a later job's step that
     # names it runs in it, on its image, whatever --container-image says, until enroot removes it
     other = tmp_path / "other-image"
-    subprocess.run(["bash", str(MAKE_IMAGE), str(other), "--venv", sys.prefix, "--env", "NG_IMAGE=other"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["bash", str(MAKE_IMAGE), str(other), "--venv", sys.prefix, "--env", "NG_IMAGE=other"],
+        check=True,
+        capture_output=True,
+    )
     show = 'cat /tmp/mark 2>/dev/null || echo no-mark; echo "image=${NG_IMAGE:-first}"'
     first = step("-w", "ngt1", "--container-name=kept", cmd="echo kept > /tmp/mark")
-    again = subprocess.run(["srun", "-w", "ngt1", f"--container-image={other}", "--container-name=kept",
-                            "--no-container-mount-home", "bash", "-c", show], env=env, capture_output=True, text=True,
-                           timeout=120)
+    again = subprocess.run(
+        [
+            "srun",
+            "-w",
+            "ngt1",
+            f"--container-image={other}",
+            "--container-name=kept",
+            "--no-container-mount-home",
+            "bash",
+            "-c",
+            show,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert first.returncode == 0 and again.stdout.split() == ["kept", "image=first"], again.stdout + again.stderr
-    listed = subprocess.run(["srun", "-w", "ngt1", "bash", "-c", "enroot list; enroot remove -f pyxis_kept"],
-                            env=env, capture_output=True, text=True, timeout=120)
+    listed = subprocess.run(
+        ["srun", "-w", "ngt1", "bash", "-c", "enroot list; enroot remove -f pyxis_kept"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0 and listed.stdout.split() == ["pyxis_kept"], listed.stdout + listed.stderr
-    fresh = subprocess.run(["srun", "-w", "ngt1", f"--container-image={other}", "--container-name=kept",
-                            "--no-container-mount-home", "bash", "-c", show], env=env, capture_output=True, text=True,
-                           timeout=120)
+    fresh = subprocess.run(
+        [
+            "srun",
+            "-w",
+            "ngt1",
+            f"--container-image={other}",
+            "--container-name=kept",
+            "--no-container-mount-home",
+            "bash",
+            "-c",
+            show,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert fresh.stdout.split() == ["no-mark", "image=other"], fresh.stdout + fresh.stderr
 
 
@@ -1733,8 +2399,10 @@ def test_failed_readiness_probe_prints_rays_own_reason(cluster, one_node_jobs):
 def test_worker_that_cannot_start_fails_the_job_at_once(cluster, tmp_path):
     """A worker node whose set-up fails (its srun step exits): the job fails within seconds, naming
     the node, instead of waiting RAY_WAIT_TIMEOUT (600 s here) for a node that never joins."""
-    env = {"RAY_WAIT_TIMEOUT": "600",
-           "SETUP_COMMAND": '[[ $(hostname) != ngt2 ]] || { echo "no /scratch on $(hostname)"; false; }'}
+    env = {
+        "RAY_WAIT_TIMEOUT": "600",
+        "SETUP_COMMAND": '[[ $(hostname) != ngt2 ]] || { echo "no /scratch on $(hostname)"; false; }',
+    }
     t0 = time.monotonic()
     job = _submit(cluster, tmp_path, "ng-wfail", ["true"], env=env)
     state = cluster.wait_terminal(job, timeout=240)
@@ -1753,14 +2421,20 @@ def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
     # MAX_RESTARTS=0: a lost node fails the job instead of requeueing it (tests/test_launch_checks.py)
     # faster dead-node detection by Ray's GCS (defaults: 3000 ms x 5), in this job only: it was set for
     # every job when a CI run under full load saw a head's Ray process die (likely this, not confirmed)
-    job = _submit(cluster, tmp_path, "ng-kill", _driver_cmd(run_dir, 100000, every=1000, slow=True),
-                  env={"MAX_RESTARTS": "0", "RAY_health_check_period_ms": "1000",
-                       "RAY_health_check_failure_threshold": "3"})
+    job = _submit(
+        cluster,
+        tmp_path,
+        "ng-kill",
+        _driver_cmd(run_dir, 100000, every=1000, slow=True),
+        env={"MAX_RESTARTS": "0", "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3"},
+    )
     deadline = time.monotonic() + 240
     while not _steps(run_dir):
-        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), _explain(cluster, tmp_path, job)
+        assert time.monotonic() < deadline and cluster.state(job) in ("PENDING", "RUNNING"), _explain(
+            cluster, tmp_path, job
+        )
         time.sleep(0.5)
-    victims = cluster.netns_pids(2)          # node ngt2 "crashes": slurmd, slurmstepd, raylet, ...
+    victims = cluster.netns_pids(2)  # node ngt2 "crashes": slurmd, slurmstepd, raylet, ...
     assert victims
     for pid in victims:
         try:
@@ -1769,10 +2443,11 @@ def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
             pass
     t_kill = time.monotonic()
     status_file = tmp_path / "slurm-logs" / f"ng-kill-{job}" / "status.json"
-    bound = 150.0   # detection: Ray health checks (~15-30 s) + launcher poll + teardown grace
+    bound = 150.0  # detection: Ray health checks (~15-30 s) + launcher poll + teardown grace
     while not status_file.exists():
-        assert time.monotonic() - t_kill < bound, f"launcher still running {bound:.0f} s after the node died\n" + \
-            _explain(cluster, tmp_path, job)
+        assert time.monotonic() - t_kill < bound, (
+            f"launcher still running {bound:.0f} s after the node died\n" + _explain(cluster, tmp_path, job)
+        )
         time.sleep(1.0)
     status = json.loads(status_file.read_text())
     info = _explain(cluster, tmp_path, job)
@@ -1780,7 +2455,7 @@ def test_worker_node_death_fails_job_promptly(cluster, tmp_path):
     assert "ngt2" in status["reason"] and ("lost" in status["reason"] or "died" in status["reason"]), status
     err = (tmp_path / f"slurm-{job}.out").read_text()
     assert "ERROR:" in err and "ngt2" in err, info
-    assert not list((Path(cluster.env["HOME"]) / ".ray").glob("*"))     # no Ray token written into the home
+    assert not list((Path(cluster.env["HOME"]) / ".ray").glob("*"))  # no Ray token written into the home
     # the batch script has ended; Slurm finishes the record once it declares the node down
     assert cluster.state(job) in ("COMPLETING", "FAILED", "NODE_FAIL"), info
     print(f"node failure detected after {time.monotonic() - t_kill:.0f} s (reason: {status['reason']})")

@@ -86,7 +86,8 @@ def test_config_paper_settings(name, mode, request):
         assert cfg["value"]["optimizer"]["kwargs"]["lr"] == vlr
         vm = cfg["value"]["model_name"]
         assert vm == f"deepseek-ai/DeepSeek-R1-Distill-Qwen-{critic}" or (
-            vm == "${policy.model_name}" and critic == model)
+            vm == "${policy.model_name}" and critic == model
+        )
     else:
         assert cfg["grpo"]["use_leave_one_out_baseline"] is False and cfg["grpo"]["normalize_rewards"] is True
     if mode == "nemo_rl":
@@ -100,9 +101,14 @@ def test_config_paper_settings(name, mode, request):
 
 
 BASE = {
-    "ppo": {"num_prompts_per_step": 8, "num_generations_per_prompt": 1, "ppo_epochs": 1,
-            "adv_estimator": {"name": "sppo"}, "reward_scaling": {"enabled": False},
-            "reward_shaping": {"enabled": False}},
+    "ppo": {
+        "num_prompts_per_step": 8,
+        "num_generations_per_prompt": 1,
+        "ppo_epochs": 1,
+        "adv_estimator": {"name": "sppo"},
+        "reward_scaling": {"enabled": False},
+        "reward_shaping": {"enabled": False},
+    },
     "policy": {"train_global_batch_size": 4, "model_name": "p"},
     "value": {"train_global_batch_size": 8},
     "loss_fn": {"reference_policy_kl_penalty": 0.0},
@@ -119,15 +125,18 @@ def _with(path, value):
     return cfg
 
 
-@pytest.mark.parametrize("path,value,match", [
-    ("ppo.reward_scaling.enabled", True, r"x\.yaml: ppo\.reward_scaling\.enabled must be false"),
-    ("ppo.reward_shaping.enabled", True, r"ppo\.reward_shaping\.enabled must be false"),
-    ("ppo.adv_estimator.name", "gae", r"ppo\.adv_estimator\.name must be 'sppo' \(got 'gae'\)"),
-    ("value.train_global_batch_size", 3, r"value\.train_global_batch_size=3 must divide"),
-    ("value.sequence_packing.fuse_loss", True, r"fuse_loss must be false"),
-    ("loss_fn.use_kl_in_reward", True, r"use_kl_in_reward must be false"),
-    ("sppo.dedup", True, r"sppo\.dedup: Extra inputs are not permitted"),
-])
+@pytest.mark.parametrize(
+    "path,value,match",
+    [
+        ("ppo.reward_scaling.enabled", True, r"x\.yaml: ppo\.reward_scaling\.enabled must be false"),
+        ("ppo.reward_shaping.enabled", True, r"ppo\.reward_shaping\.enabled must be false"),
+        ("ppo.adv_estimator.name", "gae", r"ppo\.adv_estimator\.name must be 'sppo' \(got 'gae'\)"),
+        ("value.train_global_batch_size", 3, r"value\.train_global_batch_size=3 must divide"),
+        ("value.sequence_packing.fuse_loss", True, r"fuse_loss must be false"),
+        ("loss_fn.use_kl_in_reward", True, r"use_kl_in_reward must be false"),
+        ("sppo.dedup", True, r"sppo\.dedup: Extra inputs are not permitted"),
+    ],
+)
 def test_validation_errors_are_one_line(path, value, match):
     with pytest.raises(ValueError, match=match) as err:
         validate_sppo_config(_with(path, value), source="x.yaml")

@@ -69,9 +69,12 @@ def test_bad_inputs_raise_one_line_errors():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=4), min_size=1, max_size=5),
-       st.lists(st.integers(0, 4), min_size=12, max_size=12), st.sampled_from(["left", "right"]),
-       st.integers(0, 3))
+@given(
+    st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=4), min_size=1, max_size=5),
+    st.lists(st.integers(0, 4), min_size=12, max_size=12),
+    st.sampled_from(["left", "right"]),
+    st.integers(0, 3),
+)
 def test_dedup_property(pool, picks, side, extra_width):
     rows = [pool[i % len(pool)] for i in picks]
     width = max(len(r) for r in rows) + extra_width
@@ -115,9 +118,14 @@ def test_query_batch_shapes_padding_and_row_multiple():
 def test_train_batch_one_row_per_sample_binary_targets():
     ids = torch.tensor([[5, 6, 10, 11, 0], [7, 12, 13, 0, 0], [5, 6, 14, 0, 0], [5, 6, 0, 0, 0]])
     tm = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0]])
-    data = {"input_ids": ids, "input_lengths": torch.tensor([4, 3, 3, 2]), "token_mask": tm,
-            "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0]), "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]),
-            "values": torch.arange(20.0).reshape(4, 5)}
+    data = {
+        "input_ids": ids,
+        "input_lengths": torch.tensor([4, 3, 3, 2]),
+        "token_mask": tm,
+        "sample_mask": torch.tensor([1.0, 1.0, 0.0, 1.0]),
+        "rewards": torch.tensor([1.0, 0.0, 1.0, 0.0]),
+        "values": torch.arange(20.0).reshape(4, 5),
+    }
     cols = prompt_value_columns(tm, data["input_lengths"])
     b = build_value_train_batch(data, cols, PAD, pad_to_multiple=2)
     assert b["input_ids"].shape == (4, 4)  # longest p + 1 = 3, rounded to 2

@@ -28,15 +28,25 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_entry_script_names_missing_nemo_rl_in_one_line():
     """World without NeMo-RL (forced in the subprocess)."""
     cfg = ROOT / "examples" / "configs" / "sppo_r1_distill_qwen_1.5b.yaml"
-    proc = subprocess.run([sys.executable, "-m", "nemo_granular.run_sppo", "--config", str(cfg), "ppo.seed=1"],
-                          capture_output=True, text=True, env=env_without_nemo_rl(), timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_granular.run_sppo", "--config", str(cfg), "ppo.seed=1"],
+        capture_output=True,
+        text=True,
+        env=env_without_nemo_rl(),
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("nemo_granular.run_sppo: error: NeMo-RL is not installed")
     assert "'nemo_rl'" in lines[0]
-    helped = subprocess.run([sys.executable, "-m", "nemo_granular.run_sppo", "--help"], capture_output=True,
-                            text=True, env=env_without_nemo_rl(), timeout=120)
+    helped = subprocess.run(
+        [sys.executable, "-m", "nemo_granular.run_sppo", "--help"],
+        capture_output=True,
+        text=True,
+        env=env_without_nemo_rl(),
+        timeout=120,
+    )
     assert helped.returncode == 0 and "--config" in helped.stdout
 
 
@@ -57,13 +67,16 @@ def test_async_ppo_checks_mirror_nemo_rl(nemo_rl_src):
     if compat.find("async_ppo_train") is None:
         # v0.7.0 has no async PPO: the key is refused when the config loads, the check names the version
         ver = re.escape(compat.version().title)
-        with pytest.raises(compat.VersionRefusal, match=rf"^ppo\.async_ppo: {{'enabled': True}} needs NeMo-RL main "
-                                                        rf"\(7ea279ab\); {ver} does not have this key \(PPO runs "
-                                                        rf"synchronously \(no async_ppo_train\)\)$"):
+        with pytest.raises(
+            compat.VersionRefusal,
+            match=rf"^ppo\.async_ppo: {{'enabled': True}} needs NeMo-RL main "
+            rf"\(7ea279ab\); {ver} does not have this key \(PPO runs "
+            rf"synchronously \(no async_ppo_train\)\)$",
+        ):
             load_resolved(path, ["+ppo.async_ppo.enabled=true"])
         with pytest.raises(compat.VersionRefusal, match=rf"^ppo\.async_ppo\.enabled: true: {ver} has no async PPO "):
             _check_async(ppo.MasterConfig(**base))
-        assert load_resolved(path, ["+ppo.async_ppo.enabled=false"]) == base   # the same as leaving it out
+        assert load_resolved(path, ["+ppo.async_ppo.enabled=false"]) == base  # the same as leaving it out
         return
     base["ppo"]["async_ppo"]["enabled"] = True
     base["ppo"]["max_num_epochs"] = -1
@@ -146,8 +159,9 @@ def _save_tokenizer(path: Path, words, eos="</s>") -> str:
     vocab = {w: i for i, w in enumerate(specials + list(words))}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                                bos_token="<s>", eos_token=eos)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token=eos
+    )
     fast.save_pretrained(str(path))
     return str(path)
 
@@ -179,8 +193,10 @@ def test_same_tokenizer_passes_and_mismatches_raise(tok_dirs):
 
 
 def test_check_from_config_uses_policy_tokenizer_and_value_model_name(tok_dirs):
-    cfg = {"policy": {"model_name": "x", "tokenizer": {"name": tok_dirs["policy"]}},
-           "value": {"model_name": tok_dirs["critic_same"]}}
+    cfg = {
+        "policy": {"model_name": "x", "tokenizer": {"name": tok_dirs["policy"]}},
+        "value": {"model_name": tok_dirs["critic_same"]},
+    }
     assert check_critic_tokenizer(cfg) is True
     cfg["value"]["model_name"] = tok_dirs["policy"]
     assert check_critic_tokenizer(cfg) is False  # same checkpoint: nothing to compare

@@ -37,10 +37,19 @@ VOCAB = 50
 
 def tiny_critic(seed: int = 0):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                   max_position_embeddings=128, num_labels=1, pad_token_id=PAD,
-                                   classifier_dropout=0.0)  # the token-classification head has dropout 0.1 by default
+    cfg = transformers.Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        num_labels=1,
+        pad_token_id=PAD,
+        classifier_dropout=0.0,
+    )  # the token-classification head has dropout 0.1 by default
     model = transformers.Qwen3ForTokenClassification(cfg).float()
     model.score.weight.data.normal_(0, 1.0)  # make the head output O(1)
     return model.eval()
@@ -93,13 +102,13 @@ class LocalValue:
         metrics: dict = {}
         losses = []
         for g in range(B // gbs):
-            gb = {k: v[g * gbs:(g + 1) * gbs] for k, v in data.items()}
+            gb = {k: v[g * gbs : (g + 1) * gbs] for k, v in data.items()}
             gvs = gb["sample_mask"].sum()
             gvt = (gb["token_mask"][:, 1:] * gb["sample_mask"][:, None]).sum()
             self.opt.zero_grad()
             total = 0.0
             for m in range(gbs // mbs):
-                mb = {k: v[m * mbs:(m + 1) * mbs] for k, v in gb.items()}
+                mb = {k: v[m * mbs : (m + 1) * mbs] for k, v in gb.items()}
                 logits = self._head(mb["input_ids"], mb["input_lengths"])
                 if self.backend == "megatron":
                     v = logits.squeeze(-1)
@@ -119,8 +128,14 @@ class LocalValue:
         return {"loss": torch.tensor(losses), "grad_norm": torch.tensor(0.0), "all_mb_metrics": metrics}
 
     def __getattr__(self, name):
-        if name in {"prepare_for_inference", "finish_inference", "prepare_for_training", "finish_training",
-                    "save_checkpoint", "shutdown"}:
+        if name in {
+            "prepare_for_inference",
+            "finish_inference",
+            "prepare_for_training",
+            "finish_training",
+            "save_checkpoint",
+            "shutdown",
+        }:
             return lambda *a, **k: self.calls.append(name)
         raise AttributeError(name)
 
@@ -143,9 +158,14 @@ def make_batch(seed=1, n_per_prompt=2, divisible_by=4):
         ids[i, : len(r)] = r
         tm[i, : len(m)] = m
     B = len(rows)
-    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows]),
-            "generation_logprobs": torch.zeros(B, S), "rewards": torch.randint(0, 2, (B,), generator=g).float(),
-            "token_mask": tm, "sample_mask": torch.ones(B)}
+    return {
+        "input_ids": ids,
+        "input_lengths": torch.tensor([len(r) for r in rows]),
+        "generation_logprobs": torch.zeros(B, S),
+        "rewards": torch.randint(0, 2, (B,), generator=g).float(),
+        "token_mask": tm,
+        "sample_mask": torch.ones(B),
+    }
 
 
 def test_prompt_only_values_equal_full_sequence_read():
@@ -204,7 +224,9 @@ def test_short_training_batch_matches_full_training(backend):
     # two SGD steps (2 global batches) took both critics to the same parameters
     for (n, a), b in zip(full_v.model.named_parameters(), short_inner.model.parameters()):
         assert float((a - b).detach().abs().max()) <= 1e-5, n
-    assert any(float((a - b).detach().abs().max()) > 1e-4 for a, b in zip(base.parameters(), short_inner.model.parameters()))
+    assert any(
+        float((a - b).detach().abs().max()) > 1e-4 for a, b in zip(base.parameters(), short_inner.model.parameters())
+    )
 
 
 class _Logger:
@@ -228,7 +250,8 @@ def test_ppo_train_step_sequence_with_patched_estimator():
     ppo_module._create_advantage_estimator = original
     restore = install_sppo_estimator(ppo_module)
     master_config = types.SimpleNamespace(
-        ppo=types.SimpleNamespace(adv_estimator={"name": "sppo", "gae_lambda": 0.95, "gae_gamma": 1.0}), loss_fn={})
+        ppo=types.SimpleNamespace(adv_estimator={"name": "sppo", "gae_lambda": 0.95, "gae_gamma": 1.0}), loss_fn={}
+    )
     logger = _Logger()
     inner = LocalValue(model, backend="megatron")
     value_model = PromptOnlyValue(inner, PAD, logger=logger, start_step=10)
@@ -241,8 +264,13 @@ def test_ppo_train_step_sequence_with_patched_estimator():
     value_model.finish_inference()
     advantage_mask = train_data["token_mask"] * train_data["sample_mask"].unsqueeze(-1)
     advantages, returns = adv_estimator.compute_advantage(
-        prompt_ids=data["input_ids"], rewards=train_data["rewards"], mask=advantage_mask,
-        reference_logprobs=None, logprobs=torch.zeros_like(advantage_mask), values=train_data["values"])
+        prompt_ids=data["input_ids"],
+        rewards=train_data["rewards"],
+        mask=advantage_mask,
+        reference_logprobs=None,
+        logprobs=torch.zeros_like(advantage_mask),
+        values=train_data["values"],
+    )
     train_data["advantages"], train_data["returns"] = advantages, returns
     value_model.prepare_for_training()
     results = value_model.train(train_data, SequenceValueLoss(), timer=None)
@@ -254,11 +282,18 @@ def test_ppo_train_step_sequence_with_patched_estimator():
     expect = (data["rewards"] - torch.sigmoid(v))[:, None] * advantage_mask
     assert float((advantages - expect).abs().max()) <= 1e-5
     assert torch.equal(returns, data["rewards"][:, None] * advantage_mask)
-    assert inner.calls == ["prepare_for_inference", "get_values", "finish_inference", "prepare_for_training",
-                           "train", "finish_training", "save_checkpoint"]
+    assert inner.calls == [
+        "prepare_for_inference",
+        "get_values",
+        "finish_inference",
+        "prepare_for_training",
+        "train",
+        "finish_training",
+        "save_checkpoint",
+    ]
     assert results["all_mb_metrics"]["num_valid_samples"] and results["loss"].numel() == 2
     # diagnostics: logged once, at step start_step + 1, pre-update predictions vs rewards, 4 prompts x 2
-    (prefix, step, m), = logger.logged
+    ((prefix, step, m),) = logger.logged
     assert prefix == "sppo_critic" and step == 11
     assert m["num_prompts_multi"] == 4 and m["rows_forwarded"] == 4 and m["rows_total"] == 8
     assert m["value_mean"] == pytest.approx(float(torch.sigmoid(v).mean()), abs=1e-6)

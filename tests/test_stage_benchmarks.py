@@ -32,7 +32,7 @@ def _source_rows(key: str, config, ci: int, n: int) -> tuple[list[dict], list[di
     for i in range(n + ci):
         q = f"{key} {config or ''} #{i}: compute {i} + {ci}."
         if key.startswith("aime"):
-            a, text = 100 * ci + i, str(100 * ci + i)               # AIME answers are integers
+            a, text = 100 * ci + i, str(100 * ci + i)  # AIME answers are integers
         elif key == "olympiadbench":
             a, text = [f"$\\frac{{{i}}}{{2}}$"], f"\\frac{{{i}}}{{2}}"  # a one-element list in $...$
         else:
@@ -55,22 +55,23 @@ def write_mirror(root: Path, n: int = 3) -> dict[str, list[dict]]:
         for ci, config in enumerate(src.configs):
             rows, want = _source_rows(key, config, ci, n)
             want_all += want
-            if config is not None:            # named configs: the README's configs block
+            if config is not None:  # named configs: the README's configs block
                 name = f"{config}.jsonl"
                 readme += [f"- config_name: {config}", "  data_files:", f"  - split: {src.split}", f"    path: {name}"]
-            elif key == "hmmt25":             # a parquet shard named by split (data/train-00000-of-00001.parquet)
+            elif key == "hmmt25":  # a parquet shard named by split (data/train-00000-of-00001.parquet)
                 (repo / "data").mkdir()
                 Dataset.from_list(rows).to_parquet(str(repo / "data" / f"{src.split}-00000-of-00001.parquet"))
                 continue
             else:
-                name = f"{src.split}.jsonl"   # split inferred from the file name
+                name = f"{src.split}.jsonl"  # split inferred from the file name
             (repo / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         if len(readme) > 2:
             (repo / "README.md").write_text("\n".join(readme + ["---", ""]))
         expected[key] = want_all
     # a decoy split that must not be read
-    (root / SOURCES["math500"].repo / "train.jsonl").write_text(json.dumps({"problem": "decoy", "answer": "0",
-                                                                            "id": 0}) + "\n")
+    (root / SOURCES["math500"].repo / "train.jsonl").write_text(
+        json.dumps({"problem": "decoy", "answer": "0", "id": 0}) + "\n"
+    )
     return expected
 
 
@@ -106,7 +107,7 @@ def test_stage_all_suites_then_resume_and_never_overwrite(mirror, tmp_path, caps
     assert rc == 0, err
     for key in BENCHMARKS:
         path = data / f"{key}.jsonl"
-        assert read_jsonl(path) == expected[key], key   # the exact rows, in source order, configs concatenated
+        assert read_jsonl(path) == expected[key], key  # the exact rows, in source order, configs concatenated
         # the file eval-checkpoints reads for this benchmark
         assert ev.benchmark_data(key, data)[0] == f"data.dataset_name={path.resolve()}"
     assert len(read_jsonl(data / "aime25.jsonl")) == 3 + 4  # AIME2025-I then AIME2025-II
@@ -168,7 +169,7 @@ def test_preflight_names_what_an_offline_eval_job_cannot_load(mirror, tmp_path, 
 
 
 # without the datasets library (the quick-start venv has none): a blocker on the import path
-NO_DATASETS = r'''
+NO_DATASETS = r"""
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
@@ -177,14 +178,19 @@ class Block:
 sys.meta_path.insert(0, Block())
 from nemo_granular.cli import main
 sys.exit(main(["stage-benchmarks", *sys.argv[1:]]))
-'''
+"""
 
 
 def test_missing_datasets_is_one_line_with_the_install_command_and_creates_nothing(tmp_path):
     """It was `No module named 'datasets'`, no hint, and an empty --data-dir left behind."""
     data = tmp_path / "new" / "benchmarks"
-    res = subprocess.run([sys.executable, "-c", NO_DATASETS, "--suite", "espo", "--data-dir", str(data)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", NO_DATASETS, "--suite", "espo", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert "needs the Python package 'datasets'" in res.stderr
     assert f"{sys.executable} -m pip install 'datasets>=4.0.0'" in res.stderr
@@ -193,8 +199,13 @@ def test_missing_datasets_is_one_line_with_the_install_command_and_creates_nothi
     data.mkdir(parents=True)
     for key in suite_benchmarks("espo"):
         (data / f"{key}.jsonl").write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
-    res = subprocess.run([sys.executable, "-c", NO_DATASETS, "--suite", "espo", "--data-dir", str(data)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", NO_DATASETS, "--suite", "espo", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert res.returncode == 0 and res.stdout.count("already staged, kept") == 4, res.stderr
 
 
@@ -229,14 +240,23 @@ def test_prepare_math_writes_the_math500_file_eval_checkpoints_reads(tmp_path):
 
     root = tmp_path / "mirror"
     expected = write_mirror(root)
-    subsets = ["algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
-               "prealgebra", "precalculus"]
+    subsets = [
+        "algebra",
+        "counting_and_probability",
+        "geometry",
+        "intermediate_algebra",
+        "number_theory",
+        "prealgebra",
+        "precalculus",
+    ]
     math = root / "EleutherAI" / "hendrycks_math"
     math.mkdir(parents=True)
     readme = ["---", "configs:"]
     for s in subsets:
-        rows = [{"problem": f"{s} {lvl}", "solution": f"so \\boxed{{{lvl}}}", "level": f"Level {lvl}", "type": s}
-                for lvl in (1, 3, 5)]
+        rows = [
+            {"problem": f"{s} {lvl}", "solution": f"so \\boxed{{{lvl}}}", "level": f"Level {lvl}", "type": s}
+            for lvl in (1, 3, 5)
+        ]
         (math / f"{s}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         readme += [f"- config_name: {s}", "  data_files:", "  - split: train", f"    path: {s}.jsonl"]
     (math / "README.md").write_text("\n".join(readme + ["---", ""]))
@@ -258,7 +278,7 @@ def test_prepare_math_writes_the_math500_file_eval_checkpoints_reads(tmp_path):
 
 # the eval side of an offline node: the data section eval-checkpoints gives run_eval (our config +
 # benchmark_data's overrides), loaded the way NeMo-RL's examples/run_eval.py:setup_data loads it
-OFFLINE_LOADER = r'''
+OFFLINE_LOADER = r"""
 import json, sys
 from pathlib import Path
 from omegaconf import OmegaConf
@@ -280,17 +300,28 @@ for key in sys.argv[3:]:
     except Exception as err:
         out[key] = {"error": type(err).__name__ + ": " + str(err).splitlines()[0][:200]}
 print("RESULT " + json.dumps(out))
-'''
+"""
 
 
 def _load_offline(nemo_rl_src: Path, tmp_path: Path, data: Path | None, keys: list[str]) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "empty_hf_home"),
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", OFFLINE_LOADER, str(CONFIGS), str(data or "-"), *keys],
-                         cwd=nemo_rl_src, env=env, capture_output=True, text=True, timeout=900)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(tmp_path / "empty_hf_home"),
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", OFFLINE_LOADER, str(CONFIGS), str(data or "-"), *keys],
+        cwd=nemo_rl_src,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     line = next((x for x in res.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, res.stderr[-3000:]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 @pytest.mark.nemo_rl

@@ -32,8 +32,7 @@ REFERENCE_SCOPE = CHECKED
 
 # "spec §" is the old name of math.md's sections; "integration guide" was a design note kept
 # outside the repository.
-FORBIDDEN = ["../shared", "shared/spec", "shared/papers", "shared/docs", "/work/", "spec §",
-             "integration guide"]
+FORBIDDEN = ["../shared", "shared/spec", "shared/papers", "shared/docs", "/work/", "spec §", "integration guide"]
 
 _SKIP_DIRS = {".git", ".venv", "__pycache__", "node_modules", ".pytest_cache"}
 
@@ -128,8 +127,9 @@ def _expand(ref: str) -> list[str]:
     return out
 
 
-def reference_problems(path: str, text: str, sections: set[str], anchors: set[str], notation: bool,
-                       math_path: Path = MATH) -> list[str]:
+def reference_problems(
+    path: str, text: str, sections: set[str], anchors: set[str], notation: bool, math_path: Path = MATH
+) -> list[str]:
     """Every math.md reference in ``text`` that does not resolve, as ``path:line: why``."""
     problems = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -179,12 +179,13 @@ def test_math_references_resolve():
 def test_the_scanners_catch_what_they_must():
     """The checks above can fail: planted violations are found, valid references pass."""
     assert forbidden_hits("x.py", "ok\n# see spec §3\n") == ["x.py:2: 'spec §'"]
-    assert forbidden_hits("x.md", "`/work/shared/papers/a.txt`") == [
-        "x.md:1: 'shared/papers'", "x.md:1: '/work/'"]
+    assert forbidden_hits("x.md", "`/work/shared/papers/a.txt`") == ["x.md:1: 'shared/papers'", "x.md:1: '/work/'"]
     sections = {"1", "2", "3", "4", "5", "8", "9", "9.1", "9.2"}
     anchors = {"3-clip-bounds", "notation"}
-    ok = ("docs/algorithms/math.md §1–§5, §8 and math.md §9.2; (docs/algorithms/math.md, Notation)\n"
-          "[math.md §3](math.md#3-clip-bounds)")
+    ok = (
+        "docs/algorithms/math.md §1–§5, §8 and math.md §9.2; (docs/algorithms/math.md, Notation)\n"
+        "[math.md §3](math.md#3-clip-bounds)"
+    )
     assert reference_problems("docs/algorithms/x.md", ok, sections, anchors, True) == []
     bad = "math.md §7\nmath.md §9.3\nmath.md §4–§6\n[math.md §3](math.md#4-nope)\n[m](../math.md)"
     got = reference_problems("docs/algorithms/x.md", bad, sections, anchors, False)
@@ -196,16 +197,24 @@ def test_the_scanners_catch_what_they_must():
         "docs/algorithms/x.md:5: link '../math.md' does not lead to docs/algorithms/math.md",
     ]
     assert reference_problems("x.py", "(docs/algorithms/math.md, Notation)", sections, anchors, False) == [
-        "x.py:1: math.md has no Notation section"]
+        "x.py:1: math.md has no Notation section"
+    ]
     assert _expand("§1–§3, §8") == ["1", "2", "3", "8"] and _expand("§9.2") == ["9.2"]
     assert slug("9. Identities") == "9-identities" and slug("1. Token groups") == "1-token-groups"
 
 
-
 # Files that only the third-party packages have (a vendored copy, under any folder, holds one of these)
-VENDORED = [re.compile(p) for p in (r"(^|/)nemo_rl/algorithms/grpo\.py$", r"(^|/)nemo_rl/package_info\.py$",
-                                    r"(^|/)megatron/core/", r"(^|/)megatron/bridge/", r"(^|/)nemo_automodel/",
-                                    r"(^|/)3rdparty/")]
+VENDORED = [
+    re.compile(p)
+    for p in (
+        r"(^|/)nemo_rl/algorithms/grpo\.py$",
+        r"(^|/)nemo_rl/package_info\.py$",
+        r"(^|/)megatron/core/",
+        r"(^|/)megatron/bridge/",
+        r"(^|/)nemo_automodel/",
+        r"(^|/)3rdparty/",
+    )
+]
 ARCHIVES = re.compile(r"\.(tar|tgz|gz|bz2|xz|zst|zip|whl|7z|sqsh|squashfs)$")
 # (spelled in two parts so that this file does not carry the header it looks for)
 THIRD_PARTY_HEADER = re.compile(r"Copyright \(c\) 20\d\d,? NVIDIA " + "CORPORATION")
@@ -233,9 +242,14 @@ def test_no_third_party_code_is_tracked():
 def test_vendored_code_check_finds_each_kind():
     """The check above can fail: each kind of vendored file is found (paths and contents made here)."""
     header = "# Copyright (c) 2025, NVIDIA " + "CORPORATION.  All rights reserved.\nimport torch\n"
-    files = {"vendor/nemo-rl/nemo_rl/algorithms/grpo.py": "", "third/megatron/core/parallel_state.py": "",
-             "src/megatron/bridge/__init__.py": "", "x/nemo_automodel/__init__.py": "",
-             "snap/nemo-rl-v0.7.0.tar.gz": "", "tests/helpers/copied_loss.py": header,
-             "nemo_granular/nemo_rl/compat.py": "# ours\n"}
+    files = {
+        "vendor/nemo-rl/nemo_rl/algorithms/grpo.py": "",
+        "third/megatron/core/parallel_state.py": "",
+        "src/megatron/bridge/__init__.py": "",
+        "x/nemo_automodel/__init__.py": "",
+        "snap/nemo-rl-v0.7.0.tar.gz": "",
+        "tests/helpers/copied_loss.py": header,
+        "nemo_granular/nemo_rl/compat.py": "# ours\n",
+    }
     found = vendored_code(list(files), read=files.__getitem__)
     assert sorted(found) == sorted(f for f in files if f != "nemo_granular/nemo_rl/compat.py")

@@ -21,7 +21,7 @@ from nemo_granular.nemo_rl.time_limit import PREEMPTED_EXIT_CODE, StopWatch, ins
 
 
 @dataclass
-class State:          # the fields of NeMo-RL's GRPOSaveState the exit code reads
+class State:  # the fields of NeMo-RL's GRPOSaveState the exit code reads
     current_step: int = 0
     total_steps: int = 0
     current_epoch: int = 0
@@ -57,7 +57,13 @@ def usr1(monkeypatch):
     """SIGUSR1 / SIGTERM through ``install_stop_signal``; the handlers, the module state and the
     job's end restored after (no Slurm job: the budget is NeMo-RL's alone unless a test sets one)."""
     old = {sig: signal.getsignal(sig) for sig in (signal.SIGUSR1, signal.SIGTERM)}
-    for var in ("NG_JOB_END_TIME", "SLURM_JOB_END_TIME", "SLURM_JOB_ID", "NG_SAVE_RESERVE_SECONDS", "NG_SAVE_EVERY_MINUTES"):
+    for var in (
+        "NG_JOB_END_TIME",
+        "SLURM_JOB_END_TIME",
+        "SLURM_JOB_ID",
+        "NG_SAVE_RESERVE_SECONDS",
+        "NG_SAVE_EVERY_MINUTES",
+    ):
         monkeypatch.delenv(var, raising=False)
     time_limit._STOP["signal"] = None
     time_limit._JOB["deadline"] = None
@@ -88,7 +94,7 @@ def test_time_limit_before_the_end_is_exit_99_and_the_class_is_given_back(algo):
     state = State()
     with StopWatch(algo) as watch:
         assert algo.TimeoutChecker is not original and issubclass(algo.TimeoutChecker, original)
-        stopped = _loop(algo, "00:00:00:00", state, steps=10, max_steps=10)   # the limit is already up
+        stopped = _loop(algo, "00:00:00:00", state, steps=10, max_steps=10)  # the limit is already up
     assert algo.TimeoutChecker is original
     assert stopped == 1 and watch.fired == "time limit"
     assert watch.exit_code(state, {"max_num_steps": 10, "max_num_epochs": 1}, {"enabled": True}) == PREEMPTED_EXIT_CODE
@@ -121,15 +127,15 @@ def test_no_limit_no_signal_is_exit_0_and_no_checkpointing_is_exit_1(algo, capsy
 @pytest.mark.nemo_rl
 def test_sigusr1_stops_at_the_next_step_boundary_through_the_checker(algo, usr1, capsys):
     install_stop_signal()
-    state = {"current_step": 0, "total_steps": 0, "current_epoch": 0}      # NeMo-RL's PPO state is a dict
+    state = {"current_step": 0, "total_steps": 0, "current_epoch": 0}  # NeMo-RL's PPO state is a dict
     with StopWatch(algo) as watch:
         timeout = algo.TimeoutChecker(timeout=None, fit_last_save_time=True)
         timeout.start_iterations()
         timeout.mark_iteration()
-        assert timeout.check_save() is False                     # no limit, no signal
-        os.kill(os.getpid(), signal.SIGUSR1)                     # the process lives on
+        assert timeout.check_save() is False  # no limit, no signal
+        os.kill(os.getpid(), signal.SIGUSR1)  # the process lives on
         timeout.mark_iteration()
-        assert timeout.check_save() is True and timeout.check_save() is False   # once, like NeMo-RL's
+        assert timeout.check_save() is True and timeout.check_save() is False  # once, like NeMo-RL's
         state.update(current_step=2, total_steps=2)
     assert watch.fired == "SIGUSR1" and time_limit.stop_requested() == "SIGUSR1"
     # the loop is over: a repeat of the signal must not kill the driver while it shuts down
@@ -153,7 +159,7 @@ def test_sigterm_stops_at_the_next_step_boundary_like_sigusr1(algo, capsys):
     with StopWatch(algo) as watch:
         timeout = algo.TimeoutChecker(timeout=None, fit_last_save_time=True)
         timeout.start_iterations()
-        os.kill(os.getpid(), signal.SIGTERM)                     # the process lives on
+        os.kill(os.getpid(), signal.SIGTERM)  # the process lives on
         timeout.mark_iteration()
         assert timeout.check_save() is True
         state.current_step = state.total_steps = 3
@@ -163,14 +169,18 @@ def test_sigterm_stops_at_the_next_step_boundary_like_sigusr1(algo, capsys):
 
 
 @pytest.mark.nemo_rl
-@pytest.mark.parametrize("must_save_by, left, reserve, at_once", [
-    ("00:03:45:00", 3600.0, 900.0, False),     # the job ends first, but more than the reserve is left
-    ("00:00:30:00", 7200.0, 900.0, False),     # NeMo-RL's own limit first: unchanged
-    (None, 800.0, 900.0, True),                # no NeMo-RL limit: the job's end still counts
-    ("00:03:45:00", 600.0, 900.0, True),       # less left than the reserve: save at the first step
-])
-def test_the_budget_counts_from_the_driver_start_and_ends_before_the_job(algo, monkeypatch, must_save_by, left,
-                                                                          reserve, at_once):
+@pytest.mark.parametrize(
+    "must_save_by, left, reserve, at_once",
+    [
+        ("00:03:45:00", 3600.0, 900.0, False),  # the job ends first, but more than the reserve is left
+        ("00:00:30:00", 7200.0, 900.0, False),  # NeMo-RL's own limit first: unchanged
+        (None, 800.0, 900.0, True),  # no NeMo-RL limit: the job's end still counts
+        ("00:03:45:00", 600.0, 900.0, True),  # less left than the reserve: save at the first step
+    ],
+)
+def test_the_budget_counts_from_the_driver_start_and_ends_before_the_job(
+    algo, monkeypatch, must_save_by, left, reserve, at_once
+):
     """The checker NeMo-RL builds after its setup keeps NeMo-RL's ``checkpoint_must_save_by``, and
     also fires when less of the Slurm job (its end recorded when the driver started) is left than a
     step and a save: before any step or save is measured, NG_SAVE_RESERVE_SECONDS."""
@@ -181,8 +191,11 @@ def test_the_budget_counts_from_the_driver_start_and_ends_before_the_job(algo, m
     assert abs(deadline - (time.time() + left)) <= 2
     with StopWatch(algo) as watch:
         timeout = algo.TimeoutChecker(timeout=must_save_by, fit_last_save_time=True)
-        own = float("inf") if must_save_by is None else sum(
-            int(x) * m for x, m in zip(must_save_by.split(":"), (86400, 3600, 60, 1)))
+        own = (
+            float("inf")
+            if must_save_by is None
+            else sum(int(x) * m for x, m in zip(must_save_by.split(":"), (86400, 3600, 60, 1)))
+        )
         assert timeout.last_save_time == own
         timeout.start_iterations()
         assert timeout.check_save() is at_once
@@ -195,19 +208,19 @@ def test_must_stop_now_takes_the_longest_recent_step_and_the_measured_save():
     must = time_limit.must_stop_now
     assert time_limit.RECENT_STEPS == 5 and time_limit.SHUTDOWN_SECONDS == 120
     # no save measured: the reserve (900) stands for the save and the shutdown
-    assert must(1000, [100, 200, 150], None, 900) is True          # 200 + 900 = 1100
+    assert must(1000, [100, 200, 150], None, 900) is True  # 200 + 900 = 1100
     assert must(1200, [100, 200, 150], None, 900) is False
-    assert must(800, [], None, 900) is True                        # nothing measured: 0 + 900
+    assert must(800, [], None, 900) is True  # nothing measured: 0 + 900
     # the longest step, not the mean: mean 180 + 320 = 500 < 800 would go on; max 500 + 320 = 820
     assert must(800, [100, 100, 100, 100, 500], 200, 900) is True
     assert must(830, [100, 100, 100, 100, 500], 200, 900) is False
     # only the last 5 steps: the slow first one (e.g. compilation) no longer counts
-    assert must(500, [1000, 10, 10, 10, 10], 300, 900) is True     # 1000 + 420
-    assert must(500, [1000, 10, 10, 10, 10, 10], 300, 900) is False   # 10 + 420 = 430
+    assert must(500, [1000, 10, 10, 10, 10], 300, 900) is True  # 1000 + 420
+    assert must(500, [1000, 10, 10, 10, 10, 10], 300, 900) is False  # 10 + 420 = 430
     # a measured save replaces the reserve, both ways: a fast one (100 + 60 + 120 = 280) ...
-    assert must(600, [100], 60, 900) is False                      # the reserve would stop: 1000
+    assert must(600, [100], 60, 900) is False  # the reserve would stop: 1000
     # ... and a slow one (100 + 1300 + 120 = 1520)
-    assert must(1500, [100], 1300, 900) is True                    # the reserve would go on: 1000
+    assert must(1500, [100], 1300, 900) is True  # the reserve would go on: 1000
 
 
 @pytest.mark.nemo_rl
@@ -221,20 +234,21 @@ def test_the_job_end_fires_at_the_longest_recent_step_plus_the_last_save(algo, m
     monkeypatch.setenv("NG_JOB_END_TIME", str(int(clock.now + 4000)))
     monkeypatch.setenv("NG_SAVE_RESERVE_SECONDS", "900")
     install_stop_signal()
-    clock.advance(1000)                                           # setup: 3000 s of the job are left
+    clock.advance(1000)  # setup: 3000 s of the job are left
     state = State()
     with StopWatch(algo) as watch:
         timeout = algo.TimeoutChecker(timeout=None, fit_last_save_time=True)
         timer = algo.Timer()
         timeout.start_iterations()
         # (step seconds, save after it) -> left at its check, the rule's need, stop?
-        plan = [(100, 200),   # left 2900; 100 + reserve 900 = 1000: go on; save 200 s
-                (100, None),  # left 2600 (300 s since the last mark, 200 of them the save); 100 + 200 + 120
-                (100, None),  # left 2500
-                (1000, None),  # left 1500; a validation step: 1000 + 320 = 1320: go on
-                (100, None),  # left 1400; 1320: go on
-                (100, None),  # left 1300; the last 5 steps still hold the 1000: 1320 > 1300: stop
-                ]
+        plan = [
+            (100, 200),  # left 2900; 100 + reserve 900 = 1000: go on; save 200 s
+            (100, None),  # left 2600 (300 s since the last mark, 200 of them the save); 100 + 200 + 120
+            (100, None),  # left 2500
+            (1000, None),  # left 1500; a validation step: 1000 + 320 = 1320: go on
+            (100, None),  # left 1400; 1320: go on
+            (100, None),  # left 1300; the last 5 steps still hold the 1000: 1320 > 1300: stop
+        ]
         fired_at = None
         for step, (seconds, save) in enumerate(plan, start=1):
             clock.advance(seconds)
@@ -251,13 +265,15 @@ def test_the_job_end_fires_at_the_longest_recent_step_plus_the_last_save(algo, m
         assert timeout.step_seconds == [100, 100, 100, 1000, 100, 100]
     assert watch.exit_code(state, {"max_num_steps": 10}, {"enabled": True}) == PREEMPTED_EXIT_CODE
     err = capsys.readouterr().err
-    assert ("time limit: 1300 s left in the Slurm job, less than the longest of the last 5 steps (1000 s) plus the "
-            "last save (200 s) and 120 s to shut down: NeMo-RL saves now and stops") in err, err
+    assert (
+        "time limit: 1300 s left in the Slurm job, less than the longest of the last 5 steps (1000 s) plus the "
+        "last save (200 s) and 120 s to shut down: NeMo-RL saves now and stops"
+    ) in err, err
     assert "stopped at the Slurm job's time limit after step 6 of 10: checkpoint saved; exit 99" in err, err
 
 
 def test_job_seconds_left_reads_the_launcher_then_slurm(monkeypatch):
-    assert time_limit.job_seconds_left({}) is None                       # not a Slurm job
+    assert time_limit.job_seconds_left({}) is None  # not a Slurm job
     now = time.time()
     assert abs(time_limit.job_seconds_left({"NG_JOB_END_TIME": str(int(now) + 100)}) - 100) <= 2
     assert abs(time_limit.job_seconds_left({"SLURM_JOB_END_TIME": str(int(now) + 50)}) - 50) <= 2
@@ -269,33 +285,46 @@ def test_job_seconds_left_reads_the_launcher_then_slurm(monkeypatch):
 
 # ---------------------------------------------------------------- periodic saves by wall time -----
 
+
 def test_save_every_minutes_is_a_positive_number_of_minutes_or_one_line():
-    assert time_limit.save_every_seconds({}) is None and time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": " "}) is None
+    assert (
+        time_limit.save_every_seconds({}) is None
+        and time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": " "}) is None
+    )
     assert time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": "30"}) == 1800.0
     assert time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": "0.5"}) == 30.0
     for bad in ("0", "-5", "ten", "inf", "nan"):
         with pytest.raises(ValueError) as err:
             time_limit.save_every_seconds({"NG_SAVE_EVERY_MINUTES": bad})
-        assert str(err.value) == (f"NG_SAVE_EVERY_MINUTES={bad!r}: must be a positive number of minutes (unset: no "
-                                  "periodic saves by wall time)"), err.value
+        assert str(err.value) == (
+            f"NG_SAVE_EVERY_MINUTES={bad!r}: must be a positive number of minutes (unset: no "
+            "periodic saves by wall time)"
+        ), err.value
     time_limit.check_save_every(True, {"NG_SAVE_EVERY_MINUTES": "30"})
     time_limit.check_save_every(False, {})
-    with pytest.raises(ValueError, match=r"^NG_SAVE_EVERY_MINUTES=30 asks for periodic checkpoints, but "
-                                         r"checkpointing.enabled is false$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^NG_SAVE_EVERY_MINUTES=30 asks for periodic checkpoints, but "
+        r"checkpointing.enabled is false$",
+    ):
         time_limit.check_save_every(False, {"NG_SAVE_EVERY_MINUTES": "30"})
 
 
 @pytest.mark.nemo_rl
-@pytest.mark.parametrize("order, period, saves, due", [
-    # grpo_train / ppo_train / async_ppo_train (7ea279ab) and v0.7.0's loops: mark, decide, check, save
-    ("mark_first", 5, [3, 5, 8, 10, 13], 3),
-    # async_grpo_train at 7ea279ab: decide, check, mark, save: the periodic save comes one step later
-    ("decide_first", 5, [4, 5, 9, 10], 3),
-    # ... and a save made due at the mark of a step that saves anyway is that save (with the user's period)
-    ("decide_first", 3, [3, 6, 9, 12], 4),
-])
-def test_periodic_saves_by_wall_time_go_through_the_loops_own_save_decision(algo, monkeypatch, capsys, order,
-                                                                             period, saves, due):
+@pytest.mark.parametrize(
+    "order, period, saves, due",
+    [
+        # grpo_train / ppo_train / async_ppo_train (7ea279ab) and v0.7.0's loops: mark, decide, check, save
+        ("mark_first", 5, [3, 5, 8, 10, 13], 3),
+        # async_grpo_train at 7ea279ab: decide, check, mark, save: the periodic save comes one step later
+        ("decide_first", 5, [4, 5, 9, 10], 3),
+        # ... and a save made due at the mark of a step that saves anyway is that save (with the user's period)
+        ("decide_first", 3, [3, 6, 9, 12], 4),
+    ],
+)
+def test_periodic_saves_by_wall_time_go_through_the_loops_own_save_decision(
+    algo, monkeypatch, capsys, order, period, saves, due
+):
     """NG_SAVE_EVERY_MINUTES=10 with steps of 4 min, saves of 1 min and ``save_period: 5``, driven
     as NeMo-RL's loops drive the real TimeoutChecker and Timer: the step decision reads
     ``checkpointing["save_period"]`` (``(step + 1) % save_period``), ``check_save`` follows it, a
@@ -320,7 +349,7 @@ def test_periodic_saves_by_wall_time_go_through_the_loops_own_save_decision(algo
                 timeout.mark_iteration()
             if decided:
                 with timer.time("checkpointing"):
-                    seen_period.append(checkpointing["save_period"])   # what init_tmp_checkpoint records
+                    seen_period.append(checkpointing["save_period"])  # what init_tmp_checkpoint records
                     clock.advance(60)
                 saved.append(step)
     # with period 5 due at the boundaries of minutes 12, 34, 56 (steps 3, 8, 13); in decide_first order
@@ -329,8 +358,9 @@ def test_periodic_saves_by_wall_time_go_through_the_loops_own_save_decision(algo
     assert set(seen_period) == {period} and checkpointing["save_period"] == period
     err = capsys.readouterr().err
     assert err.count("periodic checkpoint: ") == watch.periodic_saves, err
-    assert "periodic checkpoint: 12.0 min since the last one (NG_SAVE_EVERY_MINUTES=10): NeMo-RL saves at this step" \
-        in err, err
+    assert (
+        "periodic checkpoint: 12.0 min since the last one (NG_SAVE_EVERY_MINUTES=10): NeMo-RL saves at this step" in err
+    ), err
 
 
 @pytest.mark.nemo_rl

@@ -26,8 +26,9 @@ def _shellcheck() -> str | None:
     if shutil.which("shellcheck") is None and os.geteuid() == 0 and shutil.which("apt-get"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", "shellcheck"], env=env,
-                       capture_output=True)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "shellcheck"], env=env, capture_output=True
+        )
     return shutil.which("shellcheck")
 
 
@@ -43,8 +44,14 @@ def test_scripts_pass_shellcheck():
 
 @pytest.mark.parametrize("launcher", ["run_grpo", "run_sppo"])
 def test_both_launchers_help_explains_the_overrides(launcher):
-    r = subprocess.run([sys.executable, "-m", f"nemo_granular.{launcher}", "--help"], capture_output=True,
-                       text=True, env=env_without_nemo_rl(), cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", f"nemo_granular.{launcher}", "--help"],
+        capture_output=True,
+        text=True,
+        env=env_without_nemo_rl(),
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert OVERRIDES in text, text
@@ -55,8 +62,14 @@ def test_both_launchers_help_explains_the_overrides(launcher):
 def test_missing_nemo_rl_message_tells_the_install_story(launcher, tmp_path):
     cfg = tmp_path / "x.yaml"
     cfg.write_text("grpo: {}\n")
-    r = subprocess.run([sys.executable, "-m", f"nemo_granular.{launcher}", "--config", str(cfg)],
-                       capture_output=True, text=True, env=env_without_nemo_rl(), cwd=tmp_path, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", f"nemo_granular.{launcher}", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        env=env_without_nemo_rl(),
+        cwd=tmp_path,
+        timeout=120,
+    )
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "nemo_rl" in lines[0] and INSTALL in lines[0] and "docs/nemo-rl.md" in lines[0], lines[0]
@@ -123,8 +136,14 @@ def test_setup_venv_says_what_it_is_doing_before_the_slow_install(tmp_path):
         (bin_dir / name).write_text("#!/bin/sh\n" + body)
         (bin_dir / name).chmod(0o755)
     # one stream for the script's lines and pip's, in the order they were written
-    r = subprocess.run(["bash", "scripts/setup_venv.sh"], cwd=tmp_path, stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=60)
+    r = subprocess.run(
+        ["bash", "scripts/setup_venv.sh"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stdout
     lines = r.stdout.splitlines()
     pips = [i for i, line in enumerate(lines) if line.startswith("PIP ")]
@@ -132,8 +151,7 @@ def test_setup_venv_says_what_it_is_doing_before_the_slow_install(tmp_path):
     assert lines[0].startswith("setup_venv: ") and "torch" in lines[0] and "minute" in lines[0], lines
     assert lines[pips[0] + 1].startswith("setup_venv: "), lines  # a line before the second install too
     assert lines[-1].startswith("setup_venv: done in ") and str(bin_dir / "nemo-granular") in lines[-1], lines
-    again = subprocess.run(["bash", "scripts/setup_venv.sh"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=60)
+    again = subprocess.run(["bash", "scripts/setup_venv.sh"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and again.stderr == again.stdout == ""  # already set up: quiet
 
 
@@ -146,7 +164,11 @@ def test_documented_python_commands_use_the_venvs_interpreter():
     """docs/algorithms/offpolicy.md showed `python -m nemo_granular train ...` and `python benchmarks/...`, which
     fail from a plain shell (no torch, no nemo_granular outside .venv)."""
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-    bare = [f"{p.relative_to(ROOT)}:{n}: {m.group(0)}" for p in pages
-            for n, line in enumerate(p.read_text().splitlines(), 1) for m in BARE_PYTHON.finditer(line)]
+    bare = [
+        f"{p.relative_to(ROOT)}:{n}: {m.group(0)}"
+        for p in pages
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        for m in BARE_PYTHON.finditer(line)
+    ]
     assert not bare, "use .venv/bin/python (or .venv/bin/nemo-granular):\n" + "\n".join(bare)
     assert ".venv/bin/python benchmarks/offpolicy_study.py" in (ROOT / "docs/algorithms/offpolicy.md").read_text()

@@ -19,8 +19,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["warmstart.max_steps=10", "rl.steps=2", "model.hidden_size=32", "model.num_layers=1",
-        "model.intermediate_size=64", "task.heldout_size=8"]
+TINY = [
+    "warmstart.max_steps=10",
+    "rl.steps=2",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "task.heldout_size=8",
+]
 
 
 def _run(cmd, cwd, env, timeout=900):
@@ -36,41 +42,87 @@ def test_wheel_in_a_clean_venv_runs_compare_smoke(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "nemo_granular", src / "nemo_granular",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"))
+    shutil.copytree(
+        ROOT / "nemo_granular",
+        src / "nemo_granular",
+        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
     env.update(PYTHONNOUSERSITE="1", OMP_NUM_THREADS="1")
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--disable-pip-version-check",
-          "-q", "-w", str(tmp_path / "dist"), str(src)], tmp_path, env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        tmp_path,
+        env,
+    )
     (wheel,) = (tmp_path / "dist").glob("nemo_granular-*.whl")
 
     # 2. a clean venv with only the wheel installed; dependencies visible through a .pth line
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], tmp_path, env)
     py = venv / "bin" / "python"
-    _run([sys.executable, "-m", "pip", "--python", str(py), "install", "--no-deps", "--no-index",
-          "--disable-pip-version-check", "-q", str(wheel)], tmp_path, env)
-    purelib = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                        tmp_path, env).stdout.strip())
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "--no-deps",
+            "--no-index",
+            "--disable-pip-version-check",
+            "-q",
+            str(wheel),
+        ],
+        tmp_path,
+        env,
+    )
+    purelib = Path(
+        _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], tmp_path, env).stdout.strip()
+    )
     deps = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     (purelib / "zz_nemo_granular_test_deps.pth").write_text("".join(d + "\n" for d in sorted(deps)))
 
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    where = _run([str(py), "-c", "import sys, nemo_granular; print(nemo_granular.__file__); "
-                                 f"print(any(p.startswith({str(ROOT)!r} + '/nemo_granular') or p == {str(ROOT)!r} "
-                                 "for p in sys.path))"], cwd, env).stdout.split()
+    where = _run(
+        [
+            str(py),
+            "-c",
+            "import sys, nemo_granular; print(nemo_granular.__file__); "
+            f"print(any(p.startswith({str(ROOT)!r} + '/nemo_granular') or p == {str(ROOT)!r} "
+            "for p in sys.path))",
+        ],
+        cwd,
+        env,
+    ).stdout.split()
     assert where[0].startswith(str(purelib)) and where[1] == "False", where
     exe = venv / "bin" / "nemo-granular"
     assert _run([str(exe), "--version"], cwd, env).stdout.strip().startswith("nemo-granular ")
 
     # 3. the packaged configs are found: a comparison end to end from the installed wheel
-    res = _run([str(exe), "compare", "--smoke", "--seeds", "1", "--algorithms", "grpo", "--out", "cmp", *TINY], cwd,
-               env)
+    res = _run(
+        [str(exe), "compare", "--smoke", "--seeds", "1", "--algorithms", "grpo", "--out", "cmp", *TINY], cwd, env
+    )
     assert "[grpo seed0] done: grpo step 2/2" in res.stderr, res.stderr[-3000:]
     report = (cwd / "cmp" / "report.md").read_text()
     assert "warm-start cache key seed0-" in report and "| grpo |" in report
     # and a single run by packaged config name
-    res = _run([str(exe), "train", "--config", "sspo", "warmstart.enabled=false", "rl.steps=1", *TINY[2:],
-                "output_dir=one"], cwd, env)
+    res = _run(
+        [str(exe), "train", "--config", "sspo", "warmstart.enabled=false", "rl.steps=1", *TINY[2:], "output_dir=one"],
+        cwd,
+        env,
+    )
     assert res.stdout.startswith("done: sspo step 1/1")  # the run's summary: stdout (progress: stderr)

@@ -25,8 +25,11 @@ MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.Megatron
 def registry(nemo_rl_src, monkeypatch, tmp_path):
     from nemo_rl.distributed import ray_actor_environment_registry as reg
 
-    saved = {k: reg.ACTOR_ENVIRONMENT_REGISTRY.pop(k) for k in (MEGATRON_EXTENSION_FQN, DTENSOR_V2_EXTENSION_FQN)
-             if k in reg.ACTOR_ENVIRONMENT_REGISTRY}
+    saved = {
+        k: reg.ACTOR_ENVIRONMENT_REGISTRY.pop(k)
+        for k in (MEGATRON_EXTENSION_FQN, DTENSOR_V2_EXTENSION_FQN)
+        if k in reg.ACTOR_ENVIRONMENT_REGISTRY
+    }
     monkeypatch.setenv("NEMO_RL_VENV_DIR", str(tmp_path / "venvs"))
     yield reg
     for k in (MEGATRON_EXTENSION_FQN, DTENSOR_V2_EXTENSION_FQN):
@@ -38,7 +41,7 @@ def test_the_megatron_extension_reuses_the_stock_workers_built_venv(registry, tm
     from nemo_granular.nemo_rl.policy import register_worker_extensions
     from nemo_granular.preflight.venvs import venv_plan
 
-    python = tmp_path / "venvs" / MEGATRON_WORKER / "bin" / "python"     # as the image prefetched it
+    python = tmp_path / "venvs" / MEGATRON_WORKER / "bin" / "python"  # as the image prefetched it
     python.parent.mkdir(parents=True)
     python.symlink_to(sys.executable)
     register_worker_extensions()
@@ -46,8 +49,12 @@ def test_the_megatron_extension_reuses_the_stock_workers_built_venv(registry, tm
     # NeMo-RL's own worker-group rule: an executable that does not start with "uv" is used as is
     assert not registry.get_actor_python_env(MEGATRON_EXTENSION_FQN).startswith("uv")
     # the stock DTensor v2 worker's venv is not built here: that extension keeps NeMo-RL's executable
-    assert registry.get_actor_python_env(DTENSOR_V2_EXTENSION_FQN) == \
-        registry.ACTOR_ENVIRONMENT_REGISTRY["nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2"]
+    assert (
+        registry.get_actor_python_env(DTENSOR_V2_EXTENSION_FQN)
+        == registry.ACTOR_ENVIRONMENT_REGISTRY[
+            "nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2"
+        ]
+    )
     # and the preflight's plan: nothing to build for the extension
     [entry] = venv_plan([(MEGATRON_EXTENSION_FQN, "policy (nemo-granular worker extension)")])
     assert not entry.needs_venv and entry.py_executable == str(python)

@@ -60,8 +60,10 @@ def calibrate_espo_alpha(mean_entropy: float, vocab_size: int, target_eps: float
     entropy of the first rollout.
     """
     if mean_entropy <= 0:
-        raise ValueError(f"loss_fn.granular.espo.alpha: auto needs a first rollout with a positive mean π_old entropy, "
-                         f"got {mean_entropy}")
+        raise ValueError(
+            f"loss_fn.granular.espo.alpha: auto needs a first rollout with a positive mean π_old entropy, "
+            f"got {mean_entropy}"
+        )
     return target_eps * math.log(vocab_size) / mean_entropy
 
 

@@ -10,8 +10,9 @@ from .masks import PENALTY
 __all__ = ["prob_error_sums", "masked_extrema"]
 
 
-def prob_error_sums(d: torch.Tensor, w: torch.Tensor, kl_type: str,
-                    is_ratio_bound: float | None = None) -> dict[str, torch.Tensor]:
+def prob_error_sums(
+    d: torch.Tensor, w: torch.Tensor, kl_type: str, is_ratio_bound: float | None = None
+) -> dict[str, torch.Tensor]:
     """NeMo-RL's π_old-vs-π_gen diagnostics, Σ_t w_t·f(d_t) with d = log π_old − log π_gen:
 
     token_mult_prob_error f = exp|d|; gen_kl_error f = KL estimator of ``calculate_kl(gen, old)``

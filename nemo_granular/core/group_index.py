@@ -111,8 +111,9 @@ class FewGroupIndex:
 
     one_group_per_row = False
 
-    def __init__(self, group_ids: torch.Tensor, num_groups: int, dtype: torch.dtype,
-                 member: torch.Tensor | None = None):
+    def __init__(
+        self, group_ids: torch.Tensor, num_groups: int, dtype: torch.dtype, member: torch.Tensor | None = None
+    ):
         self.B, self.T = group_ids.shape
         self.G = num_groups
         ids = group_ids.to(dtype).add_(1)  # small integers: exact in float (a float comparison is ~4x an int64 one)

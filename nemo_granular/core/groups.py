@@ -37,9 +37,7 @@ def sequence_group_ids(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, torch.zeros_like(mask, dtype=torch.long), -1)
 
 
-def segment_group_ids(
-    token_ids: torch.Tensor, mask: torch.Tensor, delimiter_table: torch.Tensor
-) -> torch.Tensor:
+def segment_group_ids(token_ids: torch.Tensor, mask: torch.Tensor, delimiter_table: torch.Tensor) -> torch.Tensor:
     """`segment` granularity (SSPO §4.1, docs/algorithms/math.md §1): cut after every delimiter token.
 
     ``delimiter_table[v]`` says whether token v's text contains a delimiter (built once by
@@ -108,8 +106,9 @@ def num_groups(group_ids: torch.Tensor) -> torch.Tensor:
     return group_ids.max(dim=-1).values.clamp(min=-1) + 1
 
 
-def build_delimiter_table(tokenizer, delimiters: Iterable[str] = ("\n\n",),
-                          vocab_size: int | None = None) -> torch.Tensor:
+def build_delimiter_table(
+    tokenizer, delimiters: Iterable[str] = ("\n\n",), vocab_size: int | None = None
+) -> torch.Tensor:
     """Per-vocabulary lookup ``table[v] = any(d in text(v) for d in delimiters)``
     (docs/algorithms/math.md §1 Decision).
 
@@ -122,8 +121,9 @@ def build_delimiter_table(tokenizer, delimiters: Iterable[str] = ("\n\n",),
         raise ValueError(f"segment_delimiters must be a non-empty list of non-empty strings, got {delimiters!r}")
     n_tok = len(tokenizer)
     size = max(n_tok, vocab_size or 0)
-    texts = tokenizer.batch_decode([[i] for i in range(n_tok)], skip_special_tokens=False,
-                                   clean_up_tokenization_spaces=False)
+    texts = tokenizer.batch_decode(
+        [[i] for i in range(n_tok)], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
     table = torch.zeros(size, dtype=torch.bool)
     hits = [i for i, text in enumerate(texts) if any(d in text for d in delimiters)]
     if hits:
@@ -147,8 +147,10 @@ def group_ids_for(
         return sequence_group_ids(mask)
     if granularity == "segment":
         if token_ids is None or delimiter_table is None:
-            raise ValueError("granularity 'segment' needs token ids and a delimiter table "
-                             "(pass a tokenizer, or precompute 'granular_group_ids')")
+            raise ValueError(
+                "granularity 'segment' needs token ids and a delimiter table "
+                "(pass a tokenizer, or precompute 'granular_group_ids')"
+            )
         return segment_group_ids(token_ids, mask, delimiter_table)
     if granularity == "entropy_group":
         if entropy is None:

@@ -11,8 +11,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PENALTY", "compute_dtype", "indicator", "finite_valid", "masked_values", "substitute_nonfinite",
-           "row_constant", "safe_divide"]
+__all__ = [
+    "PENALTY",
+    "compute_dtype",
+    "indicator",
+    "finite_valid",
+    "masked_values",
+    "substitute_nonfinite",
+    "row_constant",
+    "safe_divide",
+]
 
 # a penalty that pushes excluded entries out of a min/max (ratios are ≤ exp(20) ≈ 4.9e8)
 PENALTY = 1e30

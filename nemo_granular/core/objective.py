@@ -20,10 +20,23 @@ import torch
 from .clipping import clip_terms
 from .masks import indicator, row_constant
 
-__all__ = ["COUNT_EPS", "count_eps_dtype", "plus_count_eps", "LOG_RATIO_BOUND", "GroupRatios", "group_ratios",
-           "SurrogateTerms", "surrogate_terms",
-           "aggregation_group_weights", "aggregation_weights", "objective_logp_grad", "GroupedClip",
-           "grouped_clipped_objective", "ObjectiveResult", "PenalizedLoss"]
+__all__ = [
+    "COUNT_EPS",
+    "count_eps_dtype",
+    "plus_count_eps",
+    "LOG_RATIO_BOUND",
+    "GroupRatios",
+    "group_ratios",
+    "SurrogateTerms",
+    "surrogate_terms",
+    "aggregation_group_weights",
+    "aggregation_weights",
+    "objective_logp_grad",
+    "GroupedClip",
+    "grouped_clipped_objective",
+    "ObjectiveResult",
+    "PenalizedLoss",
+]
 
 # exp() is applied to log-ratios clamped to ±LOG_RATIO_BOUND (ratio ≤ 4.8e8): an extreme
 # token then cannot turn a zero gradient into inf·0 = NaN. Exact below the bound (math.md, Notation).
@@ -54,17 +67,23 @@ def plus_count_eps(counts: torch.Tensor, dtype: torch.dtype | None = None) -> to
 class GroupRatios:
     """r_it of docs/algorithms/math.md §2 and what its gradient needs."""
 
-    log_ratio: torch.Tensor              # ℓ_it = logp − logq, [B, T]
-    ratio: torch.Tensor                  # value of r_it (s_g gathered to the group's tokens), [B, T]
-    n_groups_row: torch.Tensor           # non-empty groups per row, [B]
-    index: Any = None                    # the GroupIndex; None: every token is its own group
-    group_ratio: torch.Tensor | None = None   # s_g = exp(L_g), [B, G]
-    counts: torch.Tensor | None = None        # |G_g| (valid tokens), [B, G]
-    cap: torch.Tensor | None = None           # 1 where the clamp of L_g is inactive, [B, G]
+    log_ratio: torch.Tensor  # ℓ_it = logp − logq, [B, T]
+    ratio: torch.Tensor  # value of r_it (s_g gathered to the group's tokens), [B, T]
+    n_groups_row: torch.Tensor  # non-empty groups per row, [B]
+    index: Any = None  # the GroupIndex; None: every token is its own group
+    group_ratio: torch.Tensor | None = None  # s_g = exp(L_g), [B, G]
+    counts: torch.Tensor | None = None  # |G_g| (valid tokens), [B, G]
+    cap: torch.Tensor | None = None  # 1 where the clamp of L_g is inactive, [B, G]
 
 
-def group_ratios(logp: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, index=None,
-                 n_row: torch.Tensor | None = None, count_dtype: torch.dtype | None = None) -> GroupRatios:
+def group_ratios(
+    logp: torch.Tensor,
+    logq: torch.Tensor,
+    valid: torch.Tensor,
+    index=None,
+    n_row: torch.Tensor | None = None,
+    count_dtype: torch.dtype | None = None,
+) -> GroupRatios:
     """L_g = Σ_{t∈g} ℓ_t / (|g| + 1e-8), s_g = exp(L_g) and r_it = s_{g(i,t)} (docs/algorithms/math.md §2;
     GSPO eq. 6, SSPO eq. 9); token groups: r_it = exp(ℓ_it). One scatter for |g| and Σℓ together.
     |g| + 1e-8 is formed in ``count_dtype`` (:func:`plus_count_eps`)."""
@@ -85,16 +104,17 @@ def group_ratios(logp: torch.Tensor, logq: torch.Tensor, valid: torch.Tensor, in
 class SurrogateTerms:
     """Per-token surrogate c_it (docs/algorithms/math.md §4) and its slope."""
 
-    value: torch.Tensor           # c_it
-    ratio_clamped: torch.Tensor   # clip(r, lo, hi); REINFORCE: logp (what NeMo-RL reports as the ratio)
-    low: torch.Tensor             # 0/1: clipped low (clipped: gradient removed; CISPO: weight truncated)
-    high: torch.Tensor            # 0/1: clipped high
-    slope: torch.Tensor           # dc/dr when ``through_ratio``, else dc/dlogp
+    value: torch.Tensor  # c_it
+    ratio_clamped: torch.Tensor  # clip(r, lo, hi); REINFORCE: logp (what NeMo-RL reports as the ratio)
+    low: torch.Tensor  # 0/1: clipped low (clipped: gradient removed; CISPO: weight truncated)
+    high: torch.Tensor  # 0/1: clipped high
+    slope: torch.Tensor  # dc/dr when ``through_ratio``, else dc/dlogp
     through_ratio: bool
 
 
-def surrogate_terms(kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo, hi,
-                    dual_clip: float | None = None, ratio_clamped=None) -> SurrogateTerms:
+def surrogate_terms(
+    kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo, hi, dual_clip: float | None = None, ratio_clamped=None
+) -> SurrogateTerms:
     """c_it for ``kind`` (docs/algorithms/math.md §4):
 
     * ``clipped`` (PPO): c = min(r·A, clip(r, lo, hi)·A) (+ dual clip), dc/dr = A where no clip acts;
@@ -111,8 +131,9 @@ def surrogate_terms(kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo,
         rc = torch.clamp(ratio, lo, hi)
         weight = rc * adv
         r = ratio.expand_as(adv)  # [B, 1] sequence ratios: full-shape clip indicators
-        return SurrogateTerms(weight * logp, rc, indicator(torch.lt, r, lo, adv), indicator(torch.gt, r, hi, adv),
-                              weight, False)
+        return SurrogateTerms(
+            weight * logp, rc, indicator(torch.lt, r, lo, adv), indicator(torch.gt, r, hi, adv), weight, False
+        )
     if kind != "reinforce":
         raise ValueError(f"unknown surrogate {kind!r}")
     c, slope = adv * logp, adv
@@ -124,9 +145,16 @@ def surrogate_terms(kind: str, ratio, logp: torch.Tensor, adv: torch.Tensor, lo,
     return SurrogateTerms(c, logp, zero, zero, slope, False)
 
 
-def aggregation_group_weights(kind: str, sample_mask: torch.Tensor, inv_gvt, inv_gvs, n_row: torch.Tensor,
-                              counts: torch.Tensor | None = None, n_groups_row: torch.Tensor | None = None,
-                              count_dtype: torch.dtype | None = None) -> torch.Tensor:
+def aggregation_group_weights(
+    kind: str,
+    sample_mask: torch.Tensor,
+    inv_gvt,
+    inv_gvs,
+    n_row: torch.Tensor,
+    counts: torch.Tensor | None = None,
+    n_groups_row: torch.Tensor | None = None,
+    count_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """ω with W_it = valid_it·ω_{i,g(i,t)} (docs/algorithms/math.md §5): one value per row ``[B, 1]``
     — token_mean: sample_mask/gvt; seq_mean_token_mean: sample_mask/(n_i·gvs) — or per group
     ``[B, G]`` — seq_mean_group_mean: sample_mask/(G_i·|g|·gvs) (``counts`` None: token groups,
@@ -140,10 +168,18 @@ def aggregation_group_weights(kind: str, sample_mask: torch.Tensor, inv_gvt, inv
     return (sample_mask * inv_gvs / n_groups_row.clamp(min=1))[:, None] / plus_count_eps(counts, count_dtype)
 
 
-def aggregation_weights(kind: str, valid: torch.Tensor, sample_mask: torch.Tensor, inv_gvt, inv_gvs,
-                        n_row: torch.Tensor, index=None, counts: torch.Tensor | None = None,
-                        n_groups_row: torch.Tensor | None = None,
-                        count_dtype: torch.dtype | None = None) -> torch.Tensor:
+def aggregation_weights(
+    kind: str,
+    valid: torch.Tensor,
+    sample_mask: torch.Tensor,
+    inv_gvt,
+    inv_gvs,
+    n_row: torch.Tensor,
+    index=None,
+    counts: torch.Tensor | None = None,
+    n_groups_row: torch.Tensor | None = None,
+    count_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """W_it with objective = Σ_it W_it·c_it (docs/algorithms/math.md §5, global denominators):
 
     token_mean: m/gvt; seq_mean_token_mean: m/(n_i·gvs); seq_mean_group_mean: m/(G_i·|g|·gvs),
@@ -153,13 +189,20 @@ def aggregation_weights(kind: str, valid: torch.Tensor, sample_mask: torch.Tenso
     With token groups the two per-sequence means coincide.
     """
     per_group = index is not None and kind == "seq_mean_group_mean"
-    omega = aggregation_group_weights(kind, sample_mask, inv_gvt, inv_gvs, n_row, counts if per_group else None,
-                                      n_groups_row, count_dtype)
+    omega = aggregation_group_weights(
+        kind, sample_mask, inv_gvt, inv_gvs, n_row, counts if per_group else None, n_groups_row, count_dtype
+    )
     return valid * (index.gather(omega) if per_group else omega)
 
 
-def objective_logp_grad(weights: torch.Tensor, terms: SurrogateTerms, ratios: GroupRatios, form: str,
-                        valid: torch.Tensor, count_dtype: torch.dtype | None = None) -> torch.Tensor:
+def objective_logp_grad(
+    weights: torch.Tensor,
+    terms: SurrogateTerms,
+    ratios: GroupRatios,
+    form: str,
+    valid: torch.Tensor,
+    count_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """d(Σ W·c)/d logp (docs/algorithms/math.md §2 for the ratio's part): W·dc/dlogp directly for
     CISPO/REINFORCE; otherwise W·dc/dr times dr/dlogp — token: r (0 where ℓ is clamped);
     ``token_decomposed``: s_g; ``shared``: s_g/(|g| + 1e-8) summed over the group's tokens (|g| + 1e-8
@@ -182,16 +225,28 @@ class GroupedClip:
     """The clipped surrogate on a group plan, per group (:func:`grouped_clipped_objective`): what
     the metrics read in place of per-token terms."""
 
-    ratio_clamped: torch.Tensor          # ĉ_g = clip(s_g, lo_g, hi_g), [B, G]
-    low: torch.Tensor                    # Σ_{t∈g} [A_t < 0] where s_g < ĉ_g (tokens clipped low), [B, G]
-    high: torch.Tensor                   # Σ_{t∈g} [A_t > 0] where s_g > ĉ_g (tokens clipped high), [B, G]
-    entropy_sum: torch.Tensor | None     # Σ_{t∈g} H_t (None without an entropy), [B, G]
-    probe: torch.Tensor                  # Σ of every channel over every slot: non-finite iff an input is
+    ratio_clamped: torch.Tensor  # ĉ_g = clip(s_g, lo_g, hi_g), [B, G]
+    low: torch.Tensor  # Σ_{t∈g} [A_t < 0] where s_g < ĉ_g (tokens clipped low), [B, G]
+    high: torch.Tensor  # Σ_{t∈g} [A_t > 0] where s_g > ĉ_g (tokens clipped high), [B, G]
+    entropy_sum: torch.Tensor | None  # Σ_{t∈g} H_t (None without an entropy), [B, G]
+    probe: torch.Tensor  # Σ of every channel over every slot: non-finite iff an input is
 
 
-def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch.Tensor, valid: torch.Tensor,
-                              ent: torch.Tensor | None, index, form: str, bounds, aggregation: str,
-                              sample_mask: torch.Tensor, inv_gvt, inv_gvs, count_dtype: torch.dtype | None = None):
+def grouped_clipped_objective(
+    logp: torch.Tensor,
+    logq: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    ent: torch.Tensor | None,
+    index,
+    form: str,
+    bounds,
+    aggregation: str,
+    sample_mask: torch.Tensor,
+    inv_gvt,
+    inv_gvs,
+    count_dtype: torch.dtype | None = None,
+):
     """Σ_it W_it·c_it of the clipped surrogate and its gradient, for group ratios r_it = s_g and
     weights W_it = valid_it·ω_g (every group granularity and aggregation, docs/algorithms/math.md
     §2–§5), written per group. With A⁺ = max(A, 0), A⁻ = min(A, 0) and ĉ_g = clip(s_g, lo_g, hi_g):
@@ -240,12 +295,14 @@ def grouped_clipped_objective(logp: torch.Tensor, logq: torch.Tensor, adv: torch
         bounds = bounds(ent_sum / counts.clamp(min=1))
     rc = torch.clamp(s, *bounds)
     keep_pos, keep_neg = indicator(torch.le, s, rc, s), indicator(torch.ge, s, rc, s)
-    omega = aggregation_group_weights(aggregation, sample_mask, inv_gvt, inv_gvs, counts.sum(-1), counts,
-                                      n_groups_row, count_dtype)
+    omega = aggregation_group_weights(
+        aggregation, sample_mask, inv_gvt, inv_gvs, counts.sum(-1), counts, n_groups_row, count_dtype
+    )
     objective = (omega * (torch.minimum(s, rc) * sum_pos + torch.maximum(s, rc) * sum_neg)).sum()
     if form == "token_decomposed" and row_adv is not None:
-        grad = index.gather(omega * s * (keep_pos * indicator(torch.gt, a, 0, a)
-                                         + keep_neg * indicator(torch.lt, a, 0, a)) * a)
+        grad = index.gather(
+            omega * s * (keep_pos * indicator(torch.gt, a, 0, a) + keep_neg * indicator(torch.lt, a, 0, a)) * a
+        )
     elif form == "token_decomposed":
         ws = omega * s
         grad = index.gather(ws * keep_pos).mul_(adv_pos).add_(index.gather(ws * keep_neg).mul_(adv_neg))
@@ -261,14 +318,14 @@ class ObjectiveResult:
     """One evaluation of the objective J = Σ_it W_it·c_it (docs/algorithms/math.md §2–§5, the
     π_old/π_gen weight of §10 folded into W) and what the metrics read of it."""
 
-    objective: torch.Tensor              # J, 0-d
-    grad: torch.Tensor                   # ∂J/∂logp, [B, T]
+    objective: torch.Tensor  # J, 0-d
+    grad: torch.Tensor  # ∂J/∂logp, [B, T]
     ratios: GroupRatios
     terms: SurrogateTerms | GroupedClip  # per token, or per group (the grouped clipped surrogate)
-    bounds: Any                          # (lo, hi): per token, numbers, or (group path) the group tables
-    group_bounds: Any                    # (lo_g, hi_g) per group, numbers, or None (token groups)
+    bounds: Any  # (lo, hi): per token, numbers, or (group path) the group tables
+    group_bounds: Any  # (lo_g, hi_g) per group, numbers, or None (token groups)
     fraction_weights: torch.Tensor | None  # the per-group-mean weights when J was built with them, else None
-    correction: Any = None               # the π_old/π_gen GenerationWeights (None: no correction)
+    correction: Any = None  # the π_old/π_gen GenerationWeights (None: no correction)
     is_oob_ratio: torch.Tensor | None = None  # NeMo-RL's share of truncated weights (None: no truncation)
 
     @property
@@ -287,5 +344,5 @@ class PenalizedLoss:
     """loss = −J + β·KL + w·NLL (NeMo-RL's loss with its two penalties) and the penalties, 0-d each."""
 
     loss: torch.Tensor
-    kl: torch.Tensor                     # β·KL, aggregated like NeMo-RL's loss type
-    nll: torch.Tensor                    # the NLL on correct responses (unweighted)
+    kl: torch.Tensor  # β·KL, aggregated like NeMo-RL's loss type
+    nll: torch.Tensor  # the NLL on correct responses (unweighted)

@@ -14,9 +14,19 @@ import torch
 
 from .objective import LOG_RATIO_BOUND, plus_count_eps
 
-__all__ = ["IS_LEVELS", "TRUNCATIONS", "GenerationWeights", "importance_weights", "truncate_importance_weights",
-           "generation_weights", "mismatch_sums", "mismatch_extrema", "batch_mismatch_extrema", "high_entropy_tokens",
-           "kl_penalty_per_token"]
+__all__ = [
+    "IS_LEVELS",
+    "TRUNCATIONS",
+    "GenerationWeights",
+    "importance_weights",
+    "truncate_importance_weights",
+    "generation_weights",
+    "mismatch_sums",
+    "mismatch_extrema",
+    "batch_mismatch_extrema",
+    "high_entropy_tokens",
+    "kl_penalty_per_token",
+]
 
 IS_LEVELS = ("token", "group_sum", "group_mean")
 TRUNCATIONS = ("tis", "icepop", "seq-mask-tis")
@@ -27,8 +37,14 @@ def _exp_weight(log_w: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(torch.exp(log_w.clamp(max=LOG_RATIO_BOUND)), nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def importance_weights(logq: torch.Tensor, log_gen: torch.Tensor, index=None, level: str = "group_sum",
-                       counts: torch.Tensor | None = None, count_dtype: torch.dtype | None = None) -> torch.Tensor:
+def importance_weights(
+    logq: torch.Tensor,
+    log_gen: torch.Tensor,
+    index=None,
+    level: str = "group_sum",
+    counts: torch.Tensor | None = None,
+    count_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """w = π_old/π_gen (detached inputs) at ``level`` (math.md §10, eq. 10.1), with δ = logq − log π_gen:
 
     * ``token`` (or ``index`` None): w_t = exp(δ_t);
@@ -52,8 +68,13 @@ def importance_weights(logq: torch.Tensor, log_gen: torch.Tensor, index=None, le
     return index.gather(_exp_weight(log_w))
 
 
-def truncate_importance_weights(weights: torch.Tensor, kind: str | None, ratio_max: float | None,
-                                ratio_min: float | None, unit_log_ratio_mean: torch.Tensor | None = None):
+def truncate_importance_weights(
+    weights: torch.Tensor,
+    kind: str | None,
+    ratio_max: float | None,
+    ratio_min: float | None,
+    unit_log_ratio_mean: torch.Tensor | None = None,
+):
     """NeMo-RL's truncated importance sampling of ``weights`` → ``(weights, out_of_bounds)``
     (math.md §10, eq. 10.2), elementwise on whatever unit ``weights`` holds (token or group):
 
@@ -85,17 +106,27 @@ def truncate_importance_weights(weights: torch.Tensor, kind: str | None, ratio_m
 class GenerationWeights:
     """The π_old/π_gen correction of one loss call (math.md §10)."""
 
-    weight: torch.Tensor            # per token, after truncation ([B, T], or [B, 1] for one group per row)
+    weight: torch.Tensor  # per token, after truncation ([B, T], or [B, 1] for one group per row)
     oob_token: torch.Tensor | None  # 0/1 per token: its weight was truncated or masked (None: no truncation)
-    oob_unit: torch.Tensor | None   # 0/1 per truncation unit [B, U]: token, group, or (seq-mask-tis) mask unit
+    oob_unit: torch.Tensor | None  # 0/1 per truncation unit [B, U]: token, group, or (seq-mask-tis) mask unit
     unit_counts: torch.Tensor | None  # valid tokens per unit [B, U] (None when the units are tokens)
 
 
-def generation_weights(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor, *, level: str,
-                       index=None, counts: torch.Tensor | None = None, kind: str | None = None,
-                       ratio_max: float | None = None, ratio_min: float | None = None,
-                       mask_index=None, mask_counts: torch.Tensor | None = None,
-                       count_dtype: torch.dtype | None = None) -> GenerationWeights:
+def generation_weights(
+    logq: torch.Tensor,
+    log_gen: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    level: str,
+    index=None,
+    counts: torch.Tensor | None = None,
+    kind: str | None = None,
+    ratio_max: float | None = None,
+    ratio_min: float | None = None,
+    mask_index=None,
+    mask_counts: torch.Tensor | None = None,
+    count_dtype: torch.dtype | None = None,
+) -> GenerationWeights:
     """Weights at ``level`` (eq. 10.1) truncated by ``kind`` (eq. 10.2) on the ratio's groups.
 
     ``index``/``counts``: the ratio's groups (None: token groups). tis and icepop act on the
@@ -138,12 +169,20 @@ def high_entropy_tokens(entropy: torch.Tensor, valid: torch.Tensor, top_fraction
     return (ids == 0).to(valid.dtype)
 
 
-def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor, w_tok: torch.Tensor,
-                  w_row: torch.Tensor, *, index=None, counts: torch.Tensor | None = None,
-                  n_groups_row: torch.Tensor | None = None,
-                  correction: GenerationWeights | None = None,
-                  gen_kl_k3: torch.Tensor | None = None,
-                  count_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def mismatch_sums(
+    logq: torch.Tensor,
+    log_gen: torch.Tensor,
+    valid: torch.Tensor,
+    w_tok: torch.Tensor,
+    w_row: torch.Tensor,
+    *,
+    index=None,
+    counts: torch.Tensor | None = None,
+    n_groups_row: torch.Tensor | None = None,
+    correction: GenerationWeights | None = None,
+    gen_kl_k3: torch.Tensor | None = None,
+    count_dtype: torch.dtype | None = None,
+) -> dict[str, torch.Tensor]:
     """Mismatch diagnostics as global-normalised partial sums (math.md §10.3), δ = logq − log π_gen:
 
     * ``gen_mismatch_abs_mean`` = Σ_t w_tok·|δ_t| (TOKENS);
@@ -161,8 +200,10 @@ def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor
     d = (logq - log_gen).mul_(valid)  # the values may be unmasked (the loss's optimistic read)
     ad = d.abs()
     w_flat = w_tok.reshape(-1)
-    out = {"gen_mismatch_abs_mean": torch.dot(ad.reshape(-1), w_flat),
-           "gen_kl_k3": torch.dot((torch.expm1(d) - d).reshape(-1), w_flat) if gen_kl_k3 is None else gen_kl_k3}
+    out = {
+        "gen_mismatch_abs_mean": torch.dot(ad.reshape(-1), w_flat),
+        "gen_kl_k3": torch.dot((torch.expm1(d) - d).reshape(-1), w_flat) if gen_kl_k3 is None else gen_kl_k3,
+    }
     n_row = valid.sum(-1)
     if index is None:
         per_row = ad.sum(-1) / plus_count_eps(n_row, count_dtype)
@@ -181,8 +222,14 @@ def mismatch_sums(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor
     return out
 
 
-def mismatch_extrema(logq: torch.Tensor, log_gen: torch.Tensor, valid: torch.Tensor, group_ids=None,
-                     entropy: torch.Tensor | None = None, top_fraction: float = 0.2) -> dict[str, float]:
+def mismatch_extrema(
+    logq: torch.Tensor,
+    log_gen: torch.Tensor,
+    valid: torch.Tensor,
+    group_ids=None,
+    entropy: torch.Tensor | None = None,
+    top_fraction: float = 0.2,
+) -> dict[str, float]:
     """Whole-batch mismatch statistics (math.md §10.3), δ = logq − log π_gen over the ``valid`` tokens:
 
     * ``gen_mismatch_token_abs_max`` = max_t |δ_t|; ``gen_mismatch_group_abs_max`` = max_g |mean_{t∈g} δ_t|
@@ -228,8 +275,9 @@ def batch_mismatch_extrema(data, granularity: str, top_fraction: float = 0.2) ->
     if ids is None and granularity == "sequence":
         ids = torch.where(valid > 0, 0, -1)
     ent = data["prev_entropy"].double() if "prev_entropy" in data else None
-    return mismatch_extrema(data["prev_logprobs"].double(), data["generation_logprobs"].double(), valid, ids,
-                            ent, top_fraction)
+    return mismatch_extrema(
+        data["prev_logprobs"].double(), data["generation_logprobs"].double(), valid, ids, ent, top_fraction
+    )
 
 
 def kl_penalty_per_token(logp, logp_ref, kl_type="k3", input_clamp=20.0, output_clamp=10.0, weights=None):

@@ -85,9 +85,7 @@ def shared_ratio(group_log_ratio_: torch.Tensor, group_ids: torch.Tensor) -> tor
     return torch.exp(gather_groups(group_log_ratio_, group_ids))
 
 
-def token_decomposed_ratio(
-    group_log_ratio_: torch.Tensor, group_ids: torch.Tensor, logp: torch.Tensor
-) -> torch.Tensor:
+def token_decomposed_ratio(group_log_ratio_: torch.Tensor, group_ids: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """`token_decomposed` ratio (GSPO-token eq. 13; ESPO §3.3): r_it = sg[s_ig]·exp(logp_it − sg[logp_it]).
 
     Its value is s_ig; its gradient flows through token t's own logprob only, scaled by s_ig.

@@ -94,8 +94,10 @@ class ScatterIndex:
         n_slots = self.B * (self.G + 1)
         if not self._few_runs():
             flat = self.flat.long()
-            full = [torch.zeros(n_slots, dtype=c.dtype, device=c.device).scatter_add_(0, flat, c.reshape(-1))
-                    for c in channels]
+            full = [
+                torch.zeros(n_slots, dtype=c.dtype, device=c.device).scatter_add_(0, flat, c.reshape(-1))
+                for c in channels
+            ]
             return torch.stack(full, dim=-1).view(self.B, self.G + 1, len(channels))
         run_sums = torch.stack([torch.segment_reduce(c.reshape(-1), "sum", lengths=lengths) for c in channels], -1)
         table = torch.zeros(n_slots, len(channels), dtype=run_sums.dtype, device=run_sums.device)

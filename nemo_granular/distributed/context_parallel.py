@@ -32,8 +32,9 @@ __all__ = ["zigzag_positions", "zigzag_shard", "zigzag_gather_index", "seq_index
 
 def _check_divisible(lengths: torch.Tensor, cp_size: int, what: str) -> None:
     if bool(((lengths % (2 * cp_size)) != 0).any()):
-        raise ValueError(f"{what}: every (padded) sequence length must be a multiple of 2·CP = {2 * cp_size}, "
-                         f"got {lengths.tolist()}")
+        raise ValueError(
+            f"{what}: every (padded) sequence length must be a multiple of 2·CP = {2 * cp_size}, got {lengths.tolist()}"
+        )
 
 
 def zigzag_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> torch.Tensor:
@@ -48,8 +49,9 @@ def zigzag_positions(seq_len: int, cp_rank: int, cp_size: int, device=None) -> t
     return torch.cat([first, second])
 
 
-def zigzag_shard(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1,
-                 cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+def zigzag_shard(
+    x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1, cu_seqlens_padded: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rank ``cp_rank``'s zig-zag shard of ``x`` along ``dim`` (per packed sequence when
     ``cu_seqlens_padded`` is given) — what Megatron feeds that rank."""
     T = x.shape[dim]
@@ -61,8 +63,9 @@ def zigzag_shard(x: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1,
     return x.index_select(dim, mine)
 
 
-def zigzag_gather_index(t_local: int, cp_size: int, cu_seqlens_padded: torch.Tensor | None = None,
-                        device=None) -> torch.Tensor:
+def zigzag_gather_index(
+    t_local: int, cp_size: int, cu_seqlens_padded: torch.Tensor | None = None, device=None
+) -> torch.Tensor:
     """``index[p]`` = slot of global (packed) position p in the all-gathered ``[CP·t_local]`` layout.
 
     Without ``cu_seqlens_padded`` the whole row is one sequence of length ``CP·t_local``.
@@ -129,8 +132,13 @@ class _GatherSequence(torch.autograd.Function):
         return mine.movedim(0, ctx.dim), None, None, None
 
 
-def gather_sequence(local: torch.Tensor, group=None, dim: int = 1, index: torch.Tensor | None = None,
-                    cu_seqlens_padded: torch.Tensor | None = None) -> torch.Tensor:
+def gather_sequence(
+    local: torch.Tensor,
+    group=None,
+    dim: int = 1,
+    index: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Full sequence along ``dim`` from this rank's CP shard (differentiable).
 
     ``index`` (a permutation, see the module docstring) defaults to Megatron's zig-zag

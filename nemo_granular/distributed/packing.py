@@ -33,8 +33,14 @@ def pack_sequences(x: torch.Tensor, input_lengths: torch.Tensor, pad_multiple: i
     return packed, cu, cu_pad
 
 
-def unpack_sequences(packed: torch.Tensor, cu_seqlens_padded: torch.Tensor, input_lengths: torch.Tensor,
-                     seq_len: int, shift: int = 0, fill: float = 0.0) -> torch.Tensor:
+def unpack_sequences(
+    packed: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    input_lengths: torch.Tensor,
+    seq_len: int,
+    shift: int = 0,
+    fill: float = 0.0,
+) -> torch.Tensor:
     """Rows ``[B, seq_len, ...]`` from a packed ``[T, ...]`` (or ``[1, T, ...]``) tensor.
 
     ``out[i, shift + j] = packed[cu_padded[i] + j]`` for ``0 <= j < L_i − shift``, ``fill``

@@ -32,8 +32,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_logprob", "vocab_parallel_entropy", "vocab_parallel_logprob_and_entropy",
-           "group_rank_size", "MAX_BLOCK_ELEMENTS", "chunk_rows"]
+__all__ = [
+    "vocab_parallel_logprob",
+    "vocab_parallel_entropy",
+    "vocab_parallel_logprob_and_entropy",
+    "group_rank_size",
+    "MAX_BLOCK_ELEMENTS",
+    "chunk_rows",
+]
 
 # float32 temporaries of one chunk when no chunk size is given (256 MiB): two [chunk, V/TP] blocks
 MAX_BLOCK_ELEMENTS = 1 << 26
@@ -178,8 +184,13 @@ def _default_start(logits: torch.Tensor, group, vocab_start: int | None) -> int:
     return rank * logits.shape[-1]  # Megatron: equal shards, rank r holds [r·V/TP, (r+1)·V/TP)
 
 
-def vocab_parallel_logprob_and_entropy(logits: torch.Tensor, target: torch.Tensor, group=None,
-                                       vocab_start: int | None = None, chunk_size: int | None = None):
+def vocab_parallel_logprob_and_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group=None,
+    vocab_start: int | None = None,
+    chunk_size: int | None = None,
+):
     """Fused ``(log p(target), H)`` per position, both ``logits.shape[:-1]``, float32
     (float64 for float64 logits).
 
@@ -190,17 +201,24 @@ def vocab_parallel_logprob_and_entropy(logits: torch.Tensor, target: torch.Tenso
     """
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"target has shape {tuple(target.shape)} but logits have positions {tuple(logits.shape[:-1])}")
-    return _VocabParallelStats.apply(logits, target, _default_start(logits, group, vocab_start), group,
-                                     chunk_size, True, True)
+    return _VocabParallelStats.apply(
+        logits, target, _default_start(logits, group, vocab_start), group, chunk_size, True, True
+    )
 
 
-def vocab_parallel_logprob(logits: torch.Tensor, target: torch.Tensor, group=None,
-                           vocab_start: int | None = None, chunk_size: int | None = None) -> torch.Tensor:
+def vocab_parallel_logprob(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    group=None,
+    vocab_start: int | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """``log p(target)`` per position from a vocabulary shard (differentiable)."""
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"target has shape {tuple(target.shape)} but logits have positions {tuple(logits.shape[:-1])}")
-    return _VocabParallelStats.apply(logits, target, _default_start(logits, group, vocab_start), group,
-                                     chunk_size, True, False)[0]
+    return _VocabParallelStats.apply(
+        logits, target, _default_start(logits, group, vocab_start), group, chunk_size, True, False
+    )[0]
 
 
 def vocab_parallel_entropy(logits: torch.Tensor, group=None, chunk_size: int | None = None) -> torch.Tensor:

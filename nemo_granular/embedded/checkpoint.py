@@ -158,8 +158,9 @@ def find_resumable(ckpt_dir: Path, warn=None) -> tuple[LoadedCheckpoint, list[Pa
     named = pointer.read_text().strip() if pointer.is_file() else None
     candidates = step_dirs(ckpt_dir)
     if not candidates and not named:
-        raise NothingToResume(f"--resume: nothing to resume in {ckpt_dir} (no checkpoint); "
-                              "drop --resume to start a fresh run")
+        raise NothingToResume(
+            f"--resume: nothing to resume in {ckpt_dir} (no checkpoint); drop --resume to start a fresh run"
+        )
     problems: list[str] = []
     if named and not (ckpt_dir / named).is_dir():
         problems.append(f"{pointer} names {named}, which does not exist")
@@ -274,8 +275,11 @@ class CheckpointWriter:
             shutil.rmtree(self.dir / f".tmp_{final.name}_{os.getpid()}", ignore_errors=True)
             if reason is None:
                 raise
-            kept = (f"the newest complete checkpoint is {self.last}" if self.last
-                    else "no checkpoint of this run was written")
+            kept = (
+                f"the newest complete checkpoint is {self.last}"
+                if self.last
+                else "no checkpoint of this run was written"
+            )
             raise CheckpointWriteError(f"cannot write checkpoint {final}: {reason} ({kept})") from err
 
     def _save(self, step, policy, tokenizer, critic, opt, critic_opt, state, config) -> Path:
@@ -293,10 +297,18 @@ class CheckpointWriter:
         ordinary_file_modes(tmp)  # safetensors creates its files 0600; every other file is 0666 - umask
         if os.environ.get("NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"):  # test hook: widen the write window
             time.sleep(float(os.environ["NEMO_GRANULAR_TEST_CHECKPOINT_DELAY"]))
-        torch.save({"policy": opt.state_dict(), "critic": critic_opt.state_dict() if critic_opt else None},
-                   tmp / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}, tmp / "rng.pt")
+        torch.save(
+            {"policy": opt.state_dict(), "critic": critic_opt.state_dict() if critic_opt else None},
+            tmp / "optimizer.pt",
+        )
+        torch.save(
+            {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+            tmp / "rng.pt",
+        )
         (tmp / "trainer_state.json").write_text(json.dumps(state, indent=1))
         (tmp / "config.yaml").write_text(config)
         write_manifest(tmp)  # fsyncs every file, then records the sizes
@@ -311,7 +323,7 @@ class CheckpointWriter:
         atomic.write_text(self.dir / "latest", name + "\n")
         self._saved_step = step
         self.last = final
-        for stale in step_dirs(self.dir)[self.keep:]:  # prune: the newest ``keep`` stay
+        for stale in step_dirs(self.dir)[self.keep :]:  # prune: the newest ``keep`` stay
             shutil.rmtree(stale, ignore_errors=True)
         return final
 
@@ -325,8 +337,9 @@ def restore_optimizers_and_rng(loaded: LoadedCheckpoint, opt, critic_opt) -> Non
         if critic_opt is not None and loaded.optimizer.get("critic"):
             critic_opt.load_state_dict(loaded.optimizer["critic"])
     except (ValueError, KeyError, RuntimeError) as err:
-        raise CheckpointError(f"{loaded.path / 'optimizer.pt'}: does not fit this model "
-                              f"({str(err).splitlines()[0]})") from None
+        raise CheckpointError(
+            f"{loaded.path / 'optimizer.pt'}: does not fit this model ({str(err).splitlines()[0]})"
+        ) from None
     rng = loaded.rng
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

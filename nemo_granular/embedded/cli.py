@@ -37,19 +37,30 @@ def resume_command(argv: list[str], output_dir: str) -> str:
 
 
 def train_main(argv: list[str]) -> int:
-    ap = ArgumentParser(prog="nemo-granular train", description="Train with the embedded trainer.",
-                        epilog=f"packaged configs (--config NAME): {', '.join(packaged_configs())}")
-    ap.add_argument("--config", required=True,
-                    help="YAML config (defaults: inheritance supported) or the name of a packaged config")
+    ap = ArgumentParser(
+        prog="nemo-granular train",
+        description="Train with the embedded trainer.",
+        epilog=f"packaged configs (--config NAME): {', '.join(packaged_configs())}",
+    )
+    ap.add_argument(
+        "--config", required=True, help="YAML config (defaults: inheritance supported) or the name of a packaged config"
+    )
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true",
-                      help="continue from the newest complete checkpoint in <output_dir>/checkpoints (an error "
-                           "when there is none)")
-    mode.add_argument("--auto-resume", action="store_true",
-                      help="continue when <output_dir> has a checkpoint, else start fresh (requeueing launchers)")
-    mode.add_argument("--force", action="store_true",
-                      help="start over in an output_dir that holds an earlier run (deletes its metrics and "
-                           "checkpoints)")
+    mode.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest complete checkpoint in <output_dir>/checkpoints (an error when there is none)",
+    )
+    mode.add_argument(
+        "--auto-resume",
+        action="store_true",
+        help="continue when <output_dir> has a checkpoint, else start fresh (requeueing launchers)",
+    )
+    mode.add_argument(
+        "--force",
+        action="store_true",
+        help="start over in an output_dir that holds an earlier run (deletes its metrics and checkpoints)",
+    )
     ap.add_argument("overrides", nargs="*", help="key=value overrides (Hydra style: a.b=v, +a.b=v, ~a.b)")
     args = ap.parse_args(argv)
     cfg = load_train_config(args.config, args.overrides)
@@ -68,8 +79,10 @@ def train_main(argv: list[str]) -> int:
         trainer = Trainer(cfg, resume=resume, force=args.force, summary=lambda msg: print(msg, flush=True))
         rc = trainer.run()
     except KeyboardInterrupt:
-        print("nemo-granular train: aborted by a second Ctrl-C: the steps since the last checkpoint are lost",
-              file=sys.stderr)
+        print(
+            "nemo-granular train: aborted by a second Ctrl-C: the steps since the last checkpoint are lost",
+            file=sys.stderr,
+        )
         return INTERRUPTED_EXIT_CODE
     if rc in (INTERRUPTED_EXIT_CODE, PREEMPTED_EXIT_CODE):
         print(f"{RESUME_HINT}{resume_command(argv, cfg.output_dir)}", file=sys.stderr)

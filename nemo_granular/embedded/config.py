@@ -31,8 +31,8 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
-    path: Optional[str] = None          # a local Hugging Face model directory (then the sizes below are ignored)
-    init_from: Optional[str] = None     # HF policy dir to start RL from (skips the warm start)
+    path: Optional[str] = None  # a local Hugging Face model directory (then the sizes below are ignored)
+    init_from: Optional[str] = None  # HF policy dir to start RL from (skips the warm start)
     hidden_size: PositiveInt = 64
     num_layers: PositiveInt = 2
     num_heads: PositiveInt = 4
@@ -47,8 +47,9 @@ class ModelConfig(_Strict):
     @model_validator(mode="after")
     def _check(self):
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"model.hidden_size ({self.hidden_size}) must be divisible by "
-                             f"model.num_heads ({self.num_heads})")
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_heads ({self.num_heads})"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model.num_heads must be divisible by model.num_kv_heads")
         if self.moe and not 1 <= self.experts_per_token <= self.num_experts:
@@ -57,7 +58,7 @@ class ModelConfig(_Strict):
 
 
 class CriticConfig(_Strict):
-    path: Optional[str] = None          # local HF model dir for the critic (same tokenizer as the policy)
+    path: Optional[str] = None  # local HF model dir for the critic (same tokenizer as the policy)
     hidden_size: Optional[PositiveInt] = None  # null: same as the policy; smaller = a small decoupled critic
     num_layers: Optional[PositiveInt] = None
     lr: PositiveFloat = 1e-3
@@ -120,14 +121,16 @@ class RLConfig(_Strict):
     def _check(self):
         n = self.prompts_per_step * self.generations_per_prompt
         if n % self.minibatches_per_rollout:
-            raise ValueError(f"rl.minibatches_per_rollout ({self.minibatches_per_rollout}) must divide "
-                             f"prompts_per_step*generations_per_prompt ({n})")
+            raise ValueError(
+                f"rl.minibatches_per_rollout ({self.minibatches_per_rollout}) must divide "
+                f"prompts_per_step*generations_per_prompt ({n})"
+            )
         return self
 
 
 class CheckpointConfig(_Strict):
     every: NonNegativeInt = 10  # RL steps between checkpoints (0: only at the end); always on a stop signal
-    keep: PositiveInt = 2       # newest checkpoints kept
+    keep: PositiveInt = 2  # newest checkpoints kept
 
 
 class LoggerConfig(_Strict):
@@ -135,7 +138,7 @@ class LoggerConfig(_Strict):
     wandb: bool = False
     wandb_project: str = "nemo-granular"
     wandb_mode: Literal["online", "offline"] = "offline"
-    progress: bool = True       # a progress bar when stderr is a terminal (else plain lines)
+    progress: bool = True  # a progress bar when stderr is a terminal (else plain lines)
     log_every: NonNegativeInt = 10  # without a bar: one progress line every N steps (0: none)
 
 
@@ -171,11 +174,15 @@ class TrainConfig(_Strict):
         alg = self.loss_fn.granular.algorithm
         est = self.grpo.adv_estimator.name
         if (est == "sppo") != (alg == "sppo"):
-            raise ValueError(f"grpo.adv_estimator.name={est!r} does not fit loss_fn.granular.algorithm={alg!r} "
-                             "(SPPO's loss and estimator go together)")
+            raise ValueError(
+                f"grpo.adv_estimator.name={est!r} does not fit loss_fn.granular.algorithm={alg!r} "
+                "(SPPO's loss and estimator go together)"
+            )
         if self.loss_fn.kl_coef != 0:
-            raise ValueError(f"loss_fn.reference_policy_kl_penalty: {self.loss_fn.reference_policy_kl_penalty} needs a "
-                             "reference policy, which the embedded trainer does not keep; set it to 0")
+            raise ValueError(
+                f"loss_fn.reference_policy_kl_penalty: {self.loss_fn.reference_policy_kl_penalty} needs a "
+                "reference policy, which the embedded trainer does not keep; set it to 0"
+            )
         return self
 
     @property
@@ -221,8 +228,9 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple = ()):
         raise ValueError(_yaml_error(path, err)) from None
     if cfg is None or (isinstance(cfg, DictConfig) and not len(cfg)):
         # an empty file would silently train a whole default run
-        raise ValueError(f"{path}: the config file is empty (no keys){where}: give it keys, or use a packaged "
-                         "config (--config grpo)")
+        raise ValueError(
+            f"{path}: the config file is empty (no keys){where}: give it keys, or use a packaged config (--config grpo)"
+        )
     if not isinstance(cfg, DictConfig):
         raise ValueError(f"{path}: the top level must be a mapping of keys, not a list")
     parents = cfg.pop("defaults", None) if "defaults" in cfg else None
@@ -237,8 +245,9 @@ def load_yaml_with_defaults(path: str | Path, _chain: tuple = ()):
     merged = OmegaConf.create({})
     for parent in parents:
         p = Path(parent)
-        merged = OmegaConf.merge(merged, load_yaml_with_defaults(p if p.is_absolute() else path.parent / p,
-                                                                 (*_chain, path.resolve())))
+        merged = OmegaConf.merge(
+            merged, load_yaml_with_defaults(p if p.is_absolute() else path.parent / p, (*_chain, path.resolve()))
+        )
     return OmegaConf.merge(merged, cfg)
 
 

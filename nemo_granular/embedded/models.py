@@ -24,8 +24,14 @@ def build_tokenizer(save_dir: str | Path | None = None):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n|[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="?", clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="?",
+        clean_up_tokenization_spaces=False,
+    )
     fast.padding_side = "left"
     if save_dir is not None:
         fast.save_pretrained(str(save_dir))
@@ -43,16 +49,30 @@ def build_policy(cfg, tokenizer):
         return load_pretrained_policy(cfg.path)
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    common = dict(vocab_size=padded_vocab(tokenizer), hidden_size=cfg.hidden_size,
-                  num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-                  num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.hidden_size // cfg.num_heads,
-                  max_position_embeddings=cfg.max_positions, tie_word_embeddings=True,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                  bos_token_id=tokenizer.bos_token_id)
+    common = dict(
+        vocab_size=padded_vocab(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_positions,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     if cfg.moe:
-        conf = Qwen3MoeConfig(**common, intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
-                              num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.expert_size,
-                              decoder_sparse_step=1, norm_topk_prob=True, output_router_logits=False)
+        conf = Qwen3MoeConfig(
+            **common,
+            intermediate_size=cfg.intermediate_size,
+            num_experts=cfg.num_experts,
+            num_experts_per_tok=cfg.experts_per_token,
+            moe_intermediate_size=cfg.expert_size,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
         return Qwen3MoeForCausalLM(conf)
     return Qwen3ForCausalLM(Qwen3Config(**common, intermediate_size=cfg.intermediate_size))
 
@@ -114,12 +134,18 @@ def build_critic(cfg, policy, tokenizer):
     hidden = cfg.hidden_size or pc.hidden_size
     heads = pc.num_attention_heads if hidden == pc.hidden_size else max(1, hidden // 16)
     kv = pc.num_key_value_heads if hidden == pc.hidden_size else heads
-    conf = Qwen3Config(vocab_size=pc.vocab_size, hidden_size=hidden, num_hidden_layers=cfg.num_layers or
-                       pc.num_hidden_layers, num_attention_heads=heads, num_key_value_heads=kv,
-                       head_dim=hidden // heads, intermediate_size=getattr(pc, "intermediate_size", 4 * hidden)
-                       if hidden == pc.hidden_size else 4 * hidden,
-                       max_position_embeddings=pc.max_position_embeddings, pad_token_id=tokenizer.pad_token_id,
-                       num_labels=1)
+    conf = Qwen3Config(
+        vocab_size=pc.vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=cfg.num_layers or pc.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        intermediate_size=getattr(pc, "intermediate_size", 4 * hidden) if hidden == pc.hidden_size else 4 * hidden,
+        max_position_embeddings=pc.max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        num_labels=1,
+    )
     critic = Qwen3ForSequenceClassification(conf)
     if same:
         critic.model.load_state_dict(policy.model.state_dict())

@@ -28,8 +28,9 @@ def existing_run_artifacts(out: Path) -> list[str]:
     return found
 
 
-def plan_start(out: Path, ckpt_dir: Path, resume: bool | str, force: bool, identity: dict,
-               log) -> tuple[LoadedCheckpoint | None, list[Path]]:
+def plan_start(
+    out: Path, ckpt_dir: Path, resume: bool | str, force: bool, identity: dict, log
+) -> tuple[LoadedCheckpoint | None, list[Path]]:
     """(checkpoint to resume or None, unusable checkpoints newer than it); raises one-line errors.
 
     ``resume``: False, True or ``"auto"`` (as :class:`~.trainer.Trainer` takes it); ``identity``:
@@ -45,14 +46,17 @@ def plan_start(out: Path, ckpt_dir: Path, resume: bool | str, force: bool, ident
             state = loaded.state
             for key, mine in identity.items():
                 if key in state and state[key] != mine:
-                    raise ValueError(f"--resume: {loaded.path} was written with {key}={state[key]!r}, the "
-                                     f"config says {key}={mine!r} (a different run: choose another output_dir)")
+                    raise ValueError(
+                        f"--resume: {loaded.path} was written with {key}={state[key]!r}, the "
+                        f"config says {key}={mine!r} (a different run: choose another output_dir)"
+                    )
             return loaded, unusable
     existing = existing_run_artifacts(out)
     if existing and not force:
         raise FileExistsError(
             f"output_dir {out} already holds a run ({', '.join(existing)}): add --resume to continue "
-            "it, --force to start over (deletes them), or choose another output_dir=")
+            "it, --force to start over (deletes them), or choose another output_dir="
+        )
     return None, []
 
 

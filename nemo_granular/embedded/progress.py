@@ -30,14 +30,15 @@ def start_line(cfg: TrainConfig, device: torch.device, out: Path, latest) -> str
     head = f"train {cfg.algorithm} (seed {cfg.seed}) on {dev}"
     if latest:
         start = int(latest.state["step"])
-        return (f"{head}: resuming at step {start} of {cfg.rl.steps} from {latest.path} "
-                f"→ {out}/ (metrics.jsonl; {checkpoint_plan(start, cfg.rl.steps, cfg.checkpoint.every)})")
+        return (
+            f"{head}: resuming at step {start} of {cfg.rl.steps} from {latest.path} "
+            f"→ {out}/ (metrics.jsonl; {checkpoint_plan(start, cfg.rl.steps, cfg.checkpoint.every)})"
+        )
     warm = not cfg.model.init_from and cfg.warmstart.enabled
     steps = f"{cfg.rl.steps} RL step{'s' if cfg.rl.steps != 1 else ''}"
     if warm:  # rl.steps=0: a warm start alone, as compare starts one (not "then 0 RL steps")
         steps = "warm start only, no RL steps" if cfg.rl.steps == 0 else f"warm start, then {steps}"
-    return (f"{head}: {steps} → {out}/ (metrics.jsonl; "
-            f"{checkpoint_plan(0, cfg.rl.steps, cfg.checkpoint.every)})")
+    return f"{head}: {steps} → {out}/ (metrics.jsonl; {checkpoint_plan(0, cfg.rl.steps, cfg.checkpoint.every)})"
 
 
 class Progress:
@@ -51,6 +52,7 @@ class Progress:
         self.bar = None
         if cfg.logger.progress and sys.stderr.isatty() and step < cfg.rl.steps:
             from tqdm.auto import tqdm
+
             self.bar = tqdm(total=cfg.rl.steps, initial=step, desc=cfg.algorithm, dynamic_ncols=True, file=sys.stderr)
 
     def update(self, rec: dict) -> None:
@@ -66,8 +68,11 @@ class Progress:
         step = rec["step"]
         if self.every and (step % self.every == 0 or step == self.total):
             rate = (time.time() - self.t0) / max(1, step - self.step0)
-            self.log(f"step {step}/{self.total}: " + ", ".join(f"{k} {v}" for k, v in fields.items())
-                     + f" ({rate:.2f} s/step)")
+            self.log(
+                f"step {step}/{self.total}: "
+                + ", ".join(f"{k} {v}" for k, v in fields.items())
+                + f" ({rate:.2f} s/step)"
+            )
 
     def close(self) -> None:
         if self.bar is not None:

@@ -21,11 +21,24 @@ from ..core.entropy import logprobs_and_entropy_from_logits
 NO_AUTOGRAD = torch.inference_mode
 
 
-def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, greedy: bool,
-             device, autocast_dtype=None) -> dict:
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    greedy: bool,
+    device,
+    autocast_dtype=None,
+) -> dict:
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-    kwargs = dict(max_new_tokens=max_new_tokens, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        return_dict_in_generate=True,
+    )
     if greedy:
         kwargs.update(do_sample=False)
     else:  # transformers' generate applies top_k=50 unless told otherwise
@@ -44,8 +57,14 @@ def generate(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempe
     if not greedy:  # (outside inference mode: the stacked logits and what follows are ordinary tensors)
         logits = torch.stack(out.logits, dim=1).float() / temperature  # [B, L, V]
         gen_lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)
-    return dict(prompt_ids=enc["input_ids"], prompt_attention=enc["attention_mask"], response_ids=resp,
-                response_len=resp_len, truncated=~has_eos, generation_logprobs=gen_lp)
+    return dict(
+        prompt_ids=enc["input_ids"],
+        prompt_attention=enc["attention_mask"],
+        response_ids=resp,
+        response_len=resp_len,
+        truncated=~has_eos,
+        generation_logprobs=gen_lp,
+    )
 
 
 def to_nemo_batch(gen: dict, pad_id: int) -> dict:

@@ -56,22 +56,31 @@ class MetricSinks:
                 with (out / "metrics.superseded.jsonl").open("a") as fh:
                     fh.write("".join(line + "\n" for line in drop))
                 if log:
-                    log(f"{len(drop)} metrics.jsonl record(s) past step {resume_step} moved to "
-                        "metrics.superseded.jsonl (those steps are redone)")
+                    log(
+                        f"{len(drop)} metrics.jsonl record(s) past step {resume_step} moved to "
+                        "metrics.superseded.jsonl (those steps are redone)"
+                    )
             atomic.write_text(self.path, "".join(line + "\n" for line in keep))
         self.fh = self.path.open("a")
         self.tb = self.wandb = None
         if cfg.logger.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
+
                 self.tb = SummaryWriter(str(out / "tensorboard"))
             except ImportError:
                 self.tb = None
         if cfg.logger.wandb:
             try:
                 import wandb
-                self.wandb = wandb.init(project=cfg.logger.wandb_project, name=cfg.name, dir=str(out),
-                                        mode=cfg.logger.wandb_mode, config=cfg.model_dump(mode="json"))
+
+                self.wandb = wandb.init(
+                    project=cfg.logger.wandb_project,
+                    name=cfg.name,
+                    dir=str(out),
+                    mode=cfg.logger.wandb_mode,
+                    config=cfg.model_dump(mode="json"),
+                )
             except ImportError:
                 self.wandb = None
 
@@ -87,8 +96,11 @@ class MetricSinks:
         self.fh.flush()
         self._track(rec)
         # a Unix time is no curve (and float32 TensorBoard scalars would round it to minutes): metrics.jsonl only
-        scalars = {k: v for k, v in rec.items() if isinstance(v, (int, float)) and k != "step" and math.isfinite(v)
-                   and not k.endswith("_unix")}
+        scalars = {
+            k: v
+            for k, v in rec.items()
+            if isinstance(v, (int, float)) and k != "step" and math.isfinite(v) and not k.endswith("_unix")
+        }
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, rec["step"])

@@ -90,8 +90,9 @@ class JsonlTask:
         return [self.train[i] for i in idx]
 
 
-def verify(responses: list[str], answers: list[str], pattern: re.Pattern | str = ANSWER_RE
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def verify(
+    responses: list[str], answers: list[str], pattern: re.Pattern | str = ANSWER_RE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(reward ∈ {0,1}, verification_failed) per response.
 
     ``pattern``'s first group is the extracted answer (default: a final ``A:<int>`` line; the

@@ -66,6 +66,7 @@ class Trainer:
         torch.set_num_threads(max(1, cfg.threads))
         try:  # the checkpoint writer's per-shard progress bar is noise next to ours
             from transformers.utils import logging as hf_logging
+
             hf_logging.disable_progress_bar()
         except ImportError:
             pass
@@ -89,8 +90,9 @@ class Trainer:
 
         # 1. where to write and what to start from: only reads, so a refusal leaves everything as it was
         check_writable_dir(self.out, "output_dir")
-        latest, self._unusable = plan_start(self.out, self.ckpt_dir, resume, force,
-                                            {"algorithm": cfg.algorithm, "seed": cfg.seed}, self.log)
+        latest, self._unusable = plan_start(
+            self.out, self.ckpt_dir, resume, force, {"algorithm": cfg.algorithm, "seed": cfg.seed}, self.log
+        )
         self.resumed = latest is not None
         self.force = force and not self.resumed
         # 2. inputs that can be missing or malformed, before the start line
@@ -128,21 +130,37 @@ class Trainer:
             self.policy = M.build_policy(cfg.model, self.tokenizer)
         self.policy.to(self.device)
         if not latest and not cfg.model.init_from and cfg.warmstart.enabled:
-            self.warmstart_info = warm_start(self.policy, self.tokenizer, self.task, cfg.warmstart, cfg.rl,
-                                             self.device, cfg.seed, self.log, self.autocast, cfg.task.answer_pattern)
+            self.warmstart_info = warm_start(
+                self.policy,
+                self.tokenizer,
+                self.task,
+                cfg.warmstart,
+                cfg.rl,
+                self.device,
+                cfg.seed,
+                self.log,
+                self.autocast,
+                cfg.task.answer_pattern,
+            )
         self.vocab_size = self.policy.config.vocab_size
-        self.loss_fn = GranularPolicyLoss(cfg.loss_fn.model_dump(), tokenizer=self.tokenizer,
-                                          vocab_size=self.vocab_size)
+        self.loss_fn = GranularPolicyLoss(
+            cfg.loss_fn.model_dump(), tokenizer=self.tokenizer, vocab_size=self.vocab_size
+        )
         self.estimator = build_advantage_estimator(cfg.grpo.adv_estimator.model_dump())
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=cfg.rl.lr, weight_decay=cfg.rl.weight_decay)
         self.critic = self.critic_opt = None
         if self.sppo:
-            critic_cfg = (cfg.critic.model_copy(update={"path": str(latest.path / "critic")})
-                          if latest and (latest.path / "critic").exists() else cfg.critic)
+            critic_cfg = (
+                cfg.critic.model_copy(update={"path": str(latest.path / "critic")})
+                if latest and (latest.path / "critic").exists()
+                else cfg.critic
+            )
             self.critic = M.build_critic(critic_cfg, self.policy, self.tokenizer).to(self.device)
             if len(self.tokenizer) > self.critic.config.vocab_size:
-                raise ValueError("critic: its vocabulary is smaller than the policy tokenizer's (the critic must "
-                                 "share the policy's tokenizer)")
+                raise ValueError(
+                    "critic: its vocabulary is smaller than the policy tokenizer's (the critic must "
+                    "share the policy's tokenizer)"
+                )
             self.value_loss_fn = SequenceValueLoss()
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic.lr)
         if latest:
@@ -185,11 +203,25 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write ``checkpoints/step_N`` of the current step (:meth:`.checkpoint.CheckpointWriter.save`:
         atomic; a failed write raises ``CheckpointWriteError``, one line naming the checkpoint)."""
-        state = {"step": self.step, "samples": self.samples, "wall_time": self.wall, "algorithm": self.cfg.algorithm,
-                 "data_position": self.step, "espo_alpha": self.espo_alpha, "seed": self.cfg.seed}
-        return self.checkpoints.save(self.step, policy=self.policy, tokenizer=self.tokenizer, critic=self.critic,
-                                     opt=self.opt, critic_opt=self.critic_opt, state=state,
-                                     config=dump_config(self.cfg))
+        state = {
+            "step": self.step,
+            "samples": self.samples,
+            "wall_time": self.wall,
+            "algorithm": self.cfg.algorithm,
+            "data_position": self.step,
+            "espo_alpha": self.espo_alpha,
+            "seed": self.cfg.seed,
+        }
+        return self.checkpoints.save(
+            self.step,
+            policy=self.policy,
+            tokenizer=self.tokenizer,
+            critic=self.critic,
+            opt=self.opt,
+            critic_opt=self.critic_opt,
+            state=state,
+            config=dump_config(self.cfg),
+        )
 
     def _load_state(self, loaded):
         state = loaded.state
@@ -209,10 +241,22 @@ class Trainer:
         data_gen = torch.Generator().manual_seed(self.cfg.seed * 1_000_003 + step)
         problems = [p for p in self.task.sample(P, data_gen) for _ in range(G)]
         self.policy.eval()
-        engine = (self.policy if cfg.generation_mismatch == 0 else  # π_gen ≠ π_old (docs/algorithms/offpolicy.md)
-                  perturbed_copy(self.policy, cfg.generation_mismatch, generation_seed(self.cfg.seed, step)))
-        gen = generate(engine, self.tokenizer, [p.prompt for p in problems], max_new_tokens=cfg.max_new_tokens,
-                       temperature=cfg.temperature, greedy=False, device=self.device, autocast_dtype=self.autocast)
+        engine = (
+            self.policy
+            if cfg.generation_mismatch == 0
+            # π_gen ≠ π_old (docs/algorithms/offpolicy.md)
+            else perturbed_copy(self.policy, cfg.generation_mismatch, generation_seed(self.cfg.seed, step))
+        )
+        gen = generate(
+            engine,
+            self.tokenizer,
+            [p.prompt for p in problems],
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            greedy=False,
+            device=self.device,
+            autocast_dtype=self.autocast,
+        )
         batch = to_nemo_batch(gen, self.tokenizer.pad_token_id)
         texts = decode_responses(self.tokenizer, gen)
         rewards, failed = verify(texts, [p.answer for p in problems], self.cfg.task.answer_pattern)
@@ -220,12 +264,20 @@ class Trainer:
         old_policy_pass(self.policy, batch, cfg.temperature, cfg.entropy_chunk_size, self.autocast)
         g = self.loss_fn.granular
         batch["granular_group_ids"] = group_ids_for(
-            g.granularity, batch["token_mask"] > 0, token_ids=batch["input_ids"], entropy=batch["prev_entropy"],
-            delimiter_table=self.loss_fn.delimiter_table, entropy_cut_points=g.entropy_cut_points)
+            g.granularity,
+            batch["token_mask"] > 0,
+            token_ids=batch["input_ids"],
+            entropy=batch["prev_entropy"],
+            delimiter_table=self.loss_fn.delimiter_table,
+            entropy_cut_points=g.entropy_cut_points,
+        )
         batch["reference_policy_logprobs"] = torch.zeros_like(batch["prev_logprobs"])
         mask = batch["token_mask"] * batch["sample_mask"][:, None]
-        kwargs = dict(repeated_batch={"verification_failed": batch["verification_failed"]},
-                      logprobs_policy=batch["prev_logprobs"], logprobs_reference=batch["reference_policy_logprobs"])
+        kwargs = dict(
+            repeated_batch={"verification_failed": batch["verification_failed"]},
+            logprobs_policy=batch["prev_logprobs"],
+            logprobs_reference=batch["reference_policy_logprobs"],
+        )
         if self.sppo:
             with torch.no_grad():
                 kwargs["values"] = self.critic_values(batch)
@@ -247,7 +299,7 @@ class Trainer:
         (the de-duplication of the NeMo-RL critic path), each row's prompt being the tokens before its
         first response token.
         """
-        col = first_response_index(batch["token_mask"] > 0)   # each row's prompt length
+        col = first_response_index(batch["token_mask"] > 0)  # each row's prompt length
         unique, inverse = unique_prompts(batch["input_ids"], self.tokenizer.pad_token_id, lengths=col)
         lengths = torch.zeros(unique.shape[0], dtype=col.dtype, device=col.device).scatter(0, inverse, col)
         attention = (torch.arange(unique.shape[1], device=col.device)[None, :] < lengths[:, None]).long()
@@ -274,24 +326,33 @@ class Trainer:
             micro = slice(start, min(start + cfg.micro_batch_size, rows.stop))
             S = int(batch["input_lengths"][micro].max())  # dynamic-batching style: trim to the longest row
             # NeMo-RL's shape rule: per-token keys [B, S] (trimmed together), per-sample keys [B]
-            data = {k: (v[micro, :S] if v.dim() == 2 else v[micro]) for k, v in batch.items()
-                    if torch.is_tensor(v) and (v.dim() == 1 or v.shape[1] == width)}
+            data = {
+                k: (v[micro, :S] if v.dim() == 2 else v[micro])
+                for k, v in batch.items()
+                if torch.is_tensor(v) and (v.dim() == 1 or v.shape[1] == width)
+            }
             if self.critic is not None:
                 values = self.critic_values(data)
-                closs, cm = self.value_loss_fn(logits=values, data=data, global_valid_seqs=global_valid_seqs,
-                                               global_valid_toks=global_valid_toks)
+                closs, cm = self.value_loss_fn(
+                    logits=values, data=data, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks
+                )
                 closs.backward()
                 merge_metrics(critic_metrics, cm)
             logp = next_token_logprobs(self.policy, data, cfg.temperature, self.autocast)
-            loss, m = self.loss_fn(next_token_logprobs=logp, data=data, global_valid_seqs=global_valid_seqs,
-                                   global_valid_toks=global_valid_toks)
+            loss, m = self.loss_fn(
+                next_token_logprobs=logp,
+                data=data,
+                global_valid_seqs=global_valid_seqs,
+                global_valid_toks=global_valid_toks,
+            )
             loss.backward()
             merge_metrics(metrics, m)
         metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), cfg.max_grad_norm))
         self.opt.step()
         if self.critic is not None:
-            critic_metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.critic.parameters(),
-                                                                               self.cfg.critic.max_grad_norm))
+            critic_metrics["grad_norm"] = float(
+                torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.critic.max_grad_norm)
+            )
             self.critic_opt.step()
         return metrics, critic_metrics
 
@@ -300,8 +361,9 @@ class Trainer:
         t0, cpu0 = time.time(), time.process_time()
         batch = self.rollout(self.step)
         t_gen = time.time() - t0
-        if self.espo_alpha is None and (self.loss_fn.espo_alpha_pending
-                                        or (self.step == 0 and self.cfg.rl.calibrate_espo_alpha_to)):
+        if self.espo_alpha is None and (
+            self.loss_fn.espo_alpha_pending or (self.step == 0 and self.cfg.rl.calibrate_espo_alpha_to)
+        ):
             self._calibrate_espo(batch)
         B = batch["input_ids"].shape[0]
         per = B // cfg.minibatches_per_rollout
@@ -326,8 +388,10 @@ class Trainer:
         target = self.cfg.rl.calibrate_espo_alpha_to or ESPO_AUTO_TARGET_EPS
         self.espo_alpha = self.loss_fn.calibrate_espo_alpha(batch["prev_entropy"], mask, target)
         mean_h = batch["prev_entropy"][mask > 0].mean().item()
-        self.log(f"espo.alpha calibrated to {self.espo_alpha:.4g} (mean π_old entropy {mean_h:.3f} nats, "
-                 f"target mean ε {target})")
+        self.log(
+            f"espo.alpha calibrated to {self.espo_alpha:.4g} (mean π_old entropy {mean_h:.3f} nats, "
+            f"target mean ε {target})"
+        )
 
     def _step_record(self, batch, per_step, per_critic, t_gen, t_all) -> dict:
         rec = {"step": self.step, "samples": self.samples, "wall_time": round(self.wall, 4)}
@@ -341,8 +405,12 @@ class Trainer:
         # (diagnostics: at metrics_level minimal only with the correction on, as the loss's own)
         g, lcfg = self.loss_fn.granular, self.loss_fn.cfg
         if lcfg.metrics_level == "full" or lcfg.use_importance_sampling_correction:
-            rec.update({f"train/{k}": v for k, v in batch_mismatch_extrema(
-                batch, g.granularity, g.entropy_cut_points[0]).items()})
+            rec.update(
+                {
+                    f"train/{k}": v
+                    for k, v in batch_mismatch_extrema(batch, g.granularity, g.entropy_cut_points[0]).items()
+                }
+            )
         n = len(per_step)
         for k in per_step[0]:
             vals = [m[k] for m in per_step]
@@ -361,8 +429,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def evaluate(self) -> float:
-        return greedy_accuracy(self.policy, self.tokenizer, self.task.heldout, self.cfg.rl.max_new_tokens,
-                               self.device, self.autocast, self.cfg.task.answer_pattern)
+        return greedy_accuracy(
+            self.policy,
+            self.tokenizer,
+            self.task.heldout,
+            self.cfg.rl.max_new_tokens,
+            self.device,
+            self.autocast,
+            self.cfg.task.answer_pattern,
+        )
 
     def run(self) -> int:
         """Train to ``rl.steps``; 0 when done, 130 after Ctrl-C, 99 after SIGTERM/SIGUSR1 (checkpoint saved)."""
@@ -409,9 +484,11 @@ class Trainer:
             accuracy = "n/a"
         else:
             accuracy = f"{acc:.3f}" if acc0 is None or self.step == 0 else f"{acc0:.3f} → {acc:.3f}"
-        self.summary(f"done: {cfg.algorithm} step {self.step}/{cfg.rl.steps} ({self.samples} samples, "
-                     f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
-                     f"metrics {self.sinks.path}")
+        self.summary(
+            f"done: {cfg.algorithm} step {self.step}/{cfg.rl.steps} ({self.samples} samples, "
+            f"{self.wall:.0f} s of RL); held-out accuracy {accuracy}; checkpoint {self.last_checkpoint}; "
+            f"metrics {self.sinks.path}"
+        )
         return 0
 
     def _write_start_record(self) -> None:

@@ -35,12 +35,21 @@ def sft_batch(tokenizer, problems, device):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, tokenizer, problems, max_new_tokens, device, autocast_dtype=None,
-                    answer_pattern=None) -> float:
+def greedy_accuracy(
+    model, tokenizer, problems, max_new_tokens, device, autocast_dtype=None, answer_pattern=None
+) -> float:
     was_training = model.training
     model.eval()
-    gen = generate(model, tokenizer, [p.prompt for p in problems], max_new_tokens=max_new_tokens,
-                   temperature=1.0, greedy=True, device=device, autocast_dtype=autocast_dtype)
+    gen = generate(
+        model,
+        tokenizer,
+        [p.prompt for p in problems],
+        max_new_tokens=max_new_tokens,
+        temperature=1.0,
+        greedy=True,
+        device=device,
+        autocast_dtype=autocast_dtype,
+    )
     texts = decode_responses(tokenizer, gen)
     model.train(was_training)
     rewards, _ = verify(texts, [p.answer for p in problems], answer_pattern or ANSWER_RE)
@@ -56,12 +65,15 @@ def check_worked_solutions(task) -> None:
     """The warm start trains on worked solutions: every task record needs one."""
     probe = task.sample(8, torch.Generator().manual_seed(0))
     if not all(p.solution for p in probe):
-        raise ValueError("warmstart.enabled: the warm start needs worked solutions ('solution' in every JSONL "
-                         "record); set warmstart.enabled=false for a model that already solves some problems")
+        raise ValueError(
+            "warmstart.enabled: the warm start needs worked solutions ('solution' in every JSONL "
+            "record); set warmstart.enabled=false for a model that already solves some problems"
+        )
 
 
-def warm_start(model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print, autocast_dtype=None,
-               answer_pattern=None) -> dict:
+def warm_start(
+    model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print, autocast_dtype=None, answer_pattern=None
+) -> dict:
     """Train on worked solutions; returns {'steps', 'accuracy', 'seconds'}."""
     check_worked_solutions(task)
     gen = torch.Generator().manual_seed(seed * 7919 + 1)
@@ -74,8 +86,9 @@ def warm_start(model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print
         attention = (torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]).long()
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1].float()
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                                reduction="none").view_as(ids[:, 1:])
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        ).view_as(ids[:, 1:])
         m = loss_mask[:, 1:].float()
         loss = (nll * m).sum() / m.sum()
         opt.zero_grad(set_to_none=True)
@@ -86,15 +99,18 @@ def warm_start(model, tokenizer, task, cfg, rl_cfg, device, seed: int, log=print
         if not math.isfinite(loss.item()):
             raise RuntimeError(f"warm start diverged at step {step} (loss {loss.item()})")
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
-            acc = greedy_accuracy(model, tokenizer, task.heldout, rl_cfg.max_new_tokens, device, autocast_dtype,
-                                  answer_pattern)
+            acc = greedy_accuracy(
+                model, tokenizer, task.heldout, rl_cfg.max_new_tokens, device, autocast_dtype, answer_pattern
+            )
             log(f"warm start step {step}: loss {loss.item():.3f}, greedy held-out accuracy {acc:.3f}")
             if acc >= cfg.target_accuracy:
                 break
     if acc < cfg.target_accuracy:  # RL still starts, from a weaker policy than asked for: say so
-        log(f"warm start missed its target: greedy held-out accuracy {acc:.3f} < warmstart.target_accuracy="
+        log(
+            f"warm start missed its target: greedy held-out accuracy {acc:.3f} < warmstart.target_accuracy="
             f"{cfg.target_accuracy:g} after warmstart.max_steps={cfg.max_steps} steps; RL starts from this policy "
-            "(more warmstart.max_steps would get closer)")
+            "(more warmstart.max_steps would get closer)"
+        )
     return {"steps": step, "accuracy": acc, "seconds": time.time() - t0}
 
 
@@ -113,8 +129,9 @@ def _file_digest(path: Path) -> str:
 
 def _dir_fingerprint(path: Path) -> list:
     """Names, sizes and mtimes of a model directory's files (hashing gigabytes would be slow)."""
-    return sorted((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
-                  for f in path.rglob("*") if f.is_file())
+    return sorted(
+        (str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns) for f in path.rglob("*") if f.is_file()
+    )
 
 
 def warmstart_key(cfg) -> tuple[str, dict]:
@@ -145,10 +162,15 @@ def warmstart_key(cfg) -> tuple[str, dict]:
             versions[pkg] = None
     here = Path(__file__).resolve().parent
     parts = {
-        "seed": cfg.seed, "threads": cfg.threads, "device": device,
+        "seed": cfg.seed,
+        "threads": cfg.threads,
+        "device": device,
         "model": cfg.model.model_dump(mode="json", exclude={"init_from"}),
-        "task": cfg.task.model_dump(mode="json"), "warmstart": cfg.warmstart.model_dump(mode="json"),
-        "rl.max_new_tokens": cfg.rl.max_new_tokens, "files": files, "versions": versions,
+        "task": cfg.task.model_dump(mode="json"),
+        "warmstart": cfg.warmstart.model_dump(mode="json"),
+        "rl.max_new_tokens": cfg.rl.max_new_tokens,
+        "files": files,
+        "versions": versions,
         "code": {name: _file_digest(here / name) for name in _KEY_SOURCES},
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()

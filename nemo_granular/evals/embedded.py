@@ -49,16 +49,18 @@ def read_benchmark(path: Path) -> list[tuple[str, str]]:
             q = obj["problem"] if "problem" in obj else obj["prompt"]
             a = obj["answer"] if "answer" in obj else obj["expected_answer"]
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{path}:{n}: expected a JSON object with 'problem' (or 'prompt') and 'answer' "
-                             "(or 'expected_answer')") from None
+            raise ValueError(
+                f"{path}:{n}: expected a JSON object with 'problem' (or 'prompt') and 'answer' (or 'expected_answer')"
+            ) from None
         rows.append((str(q), str(a).strip()))
     if not rows:
         raise ValueError(f"{path}: no problems")
     return rows
 
 
-def write_synthetic_benchmarks(out: Path, num_terms: int, max_term: int, seed: int, heldout_size: int = 128,
-                               size: int = SYNTHETIC_SIZE) -> dict[str, Path]:
+def write_synthetic_benchmarks(
+    out: Path, num_terms: int, max_term: int, seed: int, heldout_size: int = 128, size: int = SYNTHETIC_SIZE
+) -> dict[str, Path]:
     """The three held-out difficulty levels for a run of the arithmetic task (deterministic in
     (num_terms, max_term, seed)); returns {benchmark key: file}."""
     from ..embedded.task import ArithmeticTask
@@ -79,15 +81,24 @@ def write_synthetic_benchmarks(out: Path, num_terms: int, max_term: int, seed: i
             pool = pool[torch.randperm(pool.shape[0], generator=g)][:size]
             problems = [task.make(t) for t in pool.tolist()]
         path = out / f"{key}.jsonl"
-        atomic.write_text(path, "".join(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n"
-                                         for p in problems))
+        atomic.write_text(path, "".join(json.dumps({"problem": p.prompt, "answer": p.answer}) + "\n" for p in problems))
         files[key] = path
     return files
 
 
 @torch.no_grad()
-def score(model, tokenizer, problems: list[tuple[str, str]], setting: Setting, max_new_tokens: int, *, seed: int,
-          answer_pattern=None, device=None, batch_size: int = 512) -> float:
+def score(
+    model,
+    tokenizer,
+    problems: list[tuple[str, str]],
+    setting: Setting,
+    max_new_tokens: int,
+    *,
+    seed: int,
+    answer_pattern=None,
+    device=None,
+    batch_size: int = 512,
+) -> float:
     """avg@k accuracy: every problem ``setting.samples`` times, greedy when temperature is 0."""
     from ..embedded.rollout import generate
     from ..embedded.task import ANSWER_RE, verify
@@ -103,17 +114,29 @@ def score(model, tokenizer, problems: list[tuple[str, str]], setting: Setting, m
     model.eval()
     correct = 0.0
     for i in range(0, len(prompts), batch_size):
-        gen = generate(model, tokenizer, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
-                       temperature=setting.temperature or 1.0, greedy=greedy, device=device)
-        rewards, _ = verify(decode_responses(tokenizer, gen), answers[i:i + batch_size], answer_pattern or ANSWER_RE)
+        gen = generate(
+            model,
+            tokenizer,
+            prompts[i : i + batch_size],
+            max_new_tokens=max_new_tokens,
+            temperature=setting.temperature or 1.0,
+            greedy=greedy,
+            device=device,
+        )
+        rewards, _ = verify(decode_responses(tokenizer, gen), answers[i : i + batch_size], answer_pattern or ANSWER_RE)
         correct += rewards.sum().item()
     model.train(was_training)
     return correct / len(prompts)
 
 
 # source files whose code determines a score (generation, decoding, verification, the model classes)
-_SCORE_SOURCES = (("evals", "embedded.py"), ("embedded", "rollout.py"), ("embedded", "task.py"),
-                  ("embedded", "warmstart.py"), ("embedded", "models.py"))
+_SCORE_SOURCES = (
+    ("evals", "embedded.py"),
+    ("embedded", "rollout.py"),
+    ("embedded", "task.py"),
+    ("embedded", "warmstart.py"),
+    ("embedded", "models.py"),
+)
 
 
 def _hash_files(h, root: Path) -> None:
@@ -123,8 +146,9 @@ def _hash_files(h, root: Path) -> None:
         h.update(b"\0")
 
 
-def score_key(policy: Path, tokenizer: Path, benchmark: Path, setting: Setting, max_new_tokens: int, seed: int,
-              answer_pattern) -> str:
+def score_key(
+    policy: Path, tokenizer: Path, benchmark: Path, setting: Setting, max_new_tokens: int, seed: int, answer_pattern
+) -> str:
     """The cache key of one :func:`score`: a hash of every input it reads and of the code and versions that
     compute it (the contents of the files, not their paths; results are reproducible at a fixed thread count)."""
     from importlib.metadata import PackageNotFoundError, version
@@ -141,11 +165,20 @@ def score_key(policy: Path, tokenizer: Path, benchmark: Path, setting: Setting, 
         except PackageNotFoundError:
             versions[pkg] = None
     pattern = getattr(answer_pattern, "pattern", answer_pattern)
-    h.update(json.dumps({"setting": [setting.samples, setting.temperature, setting.top_p],
-                         "max_new_tokens": max_new_tokens, "seed": seed, "answer_pattern": pattern,
-                         "threads": torch.get_num_threads(), "versions": versions,
-                         "code": [hashlib.sha256((here / d / f).read_bytes()).hexdigest() for d, f in _SCORE_SOURCES]},
-                        sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            {
+                "setting": [setting.samples, setting.temperature, setting.top_p],
+                "max_new_tokens": max_new_tokens,
+                "seed": seed,
+                "answer_pattern": pattern,
+                "threads": torch.get_num_threads(),
+                "versions": versions,
+                "code": [hashlib.sha256((here / d / f).read_bytes()).hexdigest() for d, f in _SCORE_SOURCES],
+            },
+            sort_keys=True,
+        ).encode()
+    )
     return h.hexdigest()[:32]
 
 
@@ -178,9 +211,15 @@ def available_steps(run: Path) -> list[int]:
     return sorted(_policy_dirs(Path(run), cfg))
 
 
-def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str, Path] | None = None,
-                 max_samples: int | None = None, log=print, steps: list[int] | None = None,
-                 score_cache: Path | None = None) -> dict:
+def evaluate_run(
+    run: Path,
+    protocols: list[Protocol],
+    benchmark_files: dict[str, Path] | None = None,
+    max_samples: int | None = None,
+    log=print,
+    steps: list[int] | None = None,
+    score_cache: Path | None = None,
+) -> dict:
     """Evaluate the checkpoints each protocol asks for (best: every ``every``-th step; last: step 0
     and the last) on the benchmark files; merge the scores into ``<run>/evals.json``. ``max_samples``
     caps the samples per problem (CPU time); the table states the number used. ``steps``: exactly
@@ -207,9 +246,13 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
     if benchmark_files is None:
         if task.get("kind", "arithmetic") != "arithmetic":
             raise ValueError(f"{run}: a JSONL-task run needs --benchmark NAME=FILE (no synthetic default)")
-        benchmark_files = write_synthetic_benchmarks(run / "benchmarks", int(task.get("num_terms", 4)),
-                                                     int(task.get("max_term", 9)), seed,
-                                                     int(task.get("heldout_size", 128)))
+        benchmark_files = write_synthetic_benchmarks(
+            run / "benchmarks",
+            int(task.get("num_terms", 4)),
+            int(task.get("max_term", 9)),
+            seed,
+            int(task.get("heldout_size", 128)),
+        )
     sets = {k: read_benchmark(Path(p)) for k, p in benchmark_files.items()}
     base_tokens = int(rl.get("max_new_tokens", 32))
     num_terms = int(task.get("num_terms", 4))
@@ -217,8 +260,9 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
     final = rl.get("steps")
     missing_final = ""
     if isinstance(final, int) and final > have[-1]:
-        missing_final = (f"the run's final checkpoint (step {final}, rl.steps) is missing: step {have[-1]} "
-                         "is evaluated as the last")
+        missing_final = (
+            f"the run's final checkpoint (step {final}, rl.steps) is missing: step {have[-1]} is evaluated as the last"
+        )
         log(f"[evals {run.name}] note: {missing_final}")
     cache: dict = {}
     memo: dict = {}
@@ -233,9 +277,18 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
         setting = proto.default
         if max_samples is not None and setting.samples > max_samples:
             setting = Setting(max_samples, setting.temperature, setting.top_p)
-        benches = {k: {"label": k, "problems": len(v), "samples_per_problem": setting.samples,
-                       "decoding": setting.decoding + f", ≤{new_tokens[k]} new tokens", "metric": setting.metric,
-                       "max_new_tokens": new_tokens[k], "file": str(benchmark_files[k])} for k, v in sets.items()}
+        benches = {
+            k: {
+                "label": k,
+                "problems": len(v),
+                "samples_per_problem": setting.samples,
+                "decoding": setting.decoding + f", ≤{new_tokens[k]} new tokens",
+                "metric": setting.metric,
+                "max_new_tokens": new_tokens[k],
+                "file": str(benchmark_files[k]),
+            }
+            for k, v in sets.items()
+        }
         results = {}
         for step in chosen:
             results[step], reused = {}, 0
@@ -245,8 +298,15 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
                     path = policies[step]
                     key = None
                     if score_cache is not None:
-                        key = score_key(path, Path(tokenizer_dir(str(path))), Path(benchmark_files[k]), setting,
-                                        new_tokens[k], seed * 1009 + step, task.get("answer_pattern"))
+                        key = score_key(
+                            path,
+                            Path(tokenizer_dir(str(path))),
+                            Path(benchmark_files[k]),
+                            setting,
+                            new_tokens[k],
+                            seed * 1009 + step,
+                            task.get("answer_pattern"),
+                        )
                     memo[memo_key] = _cached_score(score_cache, key)
                     if memo[memo_key] is not None:
                         reused += 1
@@ -255,18 +315,36 @@ def evaluate_run(run: Path, protocols: list[Protocol], benchmark_files: dict[str
                             cache.clear()  # one model in memory at a time
                             cache[step] = (load_pretrained_policy(str(path)), load_tokenizer(tokenizer_dir(str(path))))
                         model, tok = cache[step]
-                        memo[memo_key] = score(model, tok, v, setting, new_tokens[k], seed=seed * 1009 + step,
-                                               answer_pattern=task.get("answer_pattern"))
+                        memo[memo_key] = score(
+                            model,
+                            tok,
+                            v,
+                            setting,
+                            new_tokens[k],
+                            seed=seed * 1009 + step,
+                            answer_pattern=task.get("answer_pattern"),
+                        )
                         if key is not None:
                             score_cache.mkdir(parents=True, exist_ok=True)
                             atomic.write_text(score_cache / f"{key}.json", json.dumps({"score": memo[memo_key]}))
                 results[step][k] = memo[memo_key]
-            log(f"[evals {run.name}] {proto.name} step {step}: " +
-                ", ".join(f"{k} {s:.3f}" for k, s in results[step].items()) +
-                (f" ({reused} from the score cache)" if reused else ""))
-        data = merge_write(run / "evals.json", run.name, "embedded", proto.name,
-                           {"description": proto.description + " — embedded: on the held-out synthetic levels",
-                            "select": proto.select,
-                            "select_note": "; ".join(n for n in (proto.select_note, missing_final) if n),
-                            "every": proto.every}, benches, results)
+            log(
+                f"[evals {run.name}] {proto.name} step {step}: "
+                + ", ".join(f"{k} {s:.3f}" for k, s in results[step].items())
+                + (f" ({reused} from the score cache)" if reused else "")
+            )
+        data = merge_write(
+            run / "evals.json",
+            run.name,
+            "embedded",
+            proto.name,
+            {
+                "description": proto.description + " — embedded: on the held-out synthetic levels",
+                "select": proto.select,
+                "select_note": "; ".join(n for n in (proto.select_note, missing_final) if n),
+                "every": proto.every,
+            },
+            benches,
+            results,
+        )
     return data

@@ -31,13 +31,13 @@ from typing import Mapping
 
 STOCK_MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
 PLUGIN_MEGATRON_WORKER = "nemo_granular.nemo_rl.megatron_worker.GranularMegatronPolicyWorker"
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]   # the directory holding nemo_granular/
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding nemo_granular/
 
 
 @dataclass(frozen=True)
 class ExportPython:
-    python: tuple[str, ...]   # the interpreter command (one path, or a launcher + arguments)
-    why: str                  # which rule chose it (printed with the plan)
+    python: tuple[str, ...]  # the interpreter command (one path, or a launcher + arguments)
+    why: str  # which rule chose it (printed with the plan)
 
     @property
     def is_this_interpreter(self) -> bool:
@@ -47,8 +47,9 @@ class ExportPython:
         """``nemo-granular export ARGS`` run by this interpreter."""
         if self.is_this_interpreter:
             return [sys.executable, "-m", "nemo_granular", "export", *args]
-        boot = (f"import sys; sys.path.append({str(PACKAGE_ROOT)!r}); "
-                "from nemo_granular.cli import main; sys.exit(main())")
+        boot = (
+            f"import sys; sys.path.append({str(PACKAGE_ROOT)!r}); from nemo_granular.cli import main; sys.exit(main())"
+        )
         return [*self.python, "-c", boot, "export", *args]
 
 
@@ -72,12 +73,16 @@ def venv_dir(nemo_rl_dir: Path | None, env: Mapping[str, str] = os.environ) -> P
 
 def worker_venv_pythons(nemo_rl_dir: Path | None, env: Mapping[str, str] = os.environ) -> list[Path]:
     base = venv_dir(nemo_rl_dir, env)
-    return [] if base is None else [base / fqn / "bin" / "python" for fqn in (STOCK_MEGATRON_WORKER,
-                                                                            PLUGIN_MEGATRON_WORKER)]
+    return (
+        []
+        if base is None
+        else [base / fqn / "bin" / "python" for fqn in (STOCK_MEGATRON_WORKER, PLUGIN_MEGATRON_WORKER)]
+    )
 
 
-def megatron_export_python(nemo_rl_dir: Path | None, *, explicit: str | None = None,
-                           env: Mapping[str, str] = os.environ) -> ExportPython:
+def megatron_export_python(
+    nemo_rl_dir: Path | None, *, explicit: str | None = None, env: Mapping[str, str] = os.environ
+) -> ExportPython:
     """The interpreter that exports Megatron checkpoints (rules in the module docstring); a
     one-line ``ValueError`` naming every place looked at when none has Megatron-Bridge."""
     explicit = explicit or env.get("NG_EXPORT_PYTHON")
@@ -95,14 +100,18 @@ def megatron_export_python(nemo_rl_dir: Path | None, *, explicit: str | None = N
         if python.exists():
             return ExportPython((str(python),), f"NeMo-RL's Megatron worker venv {python.parents[1]}")
     looked = ", ".join([sys.executable] + [str(p) for p in candidates])
-    raise ValueError("exporting a Megatron checkpoint needs Megatron-Bridge (NeMo-RL's `mcore` extra) and no "
-                     f"interpreter has it: looked at {looked}; build NeMo-RL's Megatron worker venv "
-                     "(`nemo-granular preflight CONFIG --build-venvs`) or pass --export-python PYTHON")
+    raise ValueError(
+        "exporting a Megatron checkpoint needs Megatron-Bridge (NeMo-RL's `mcore` extra) and no "
+        f"interpreter has it: looked at {looked}; build NeMo-RL's Megatron worker venv "
+        "(`nemo-granular preflight CONFIG --build-venvs`) or pass --export-python PYTHON"
+    )
 
 
 def bridge_probe_argv(export: ExportPython) -> list[str]:
     """A command that exits 0 when ``export``'s interpreter imports Megatron-Bridge and the
     exporter (the imports ``nemo-granular export`` makes for a Megatron checkpoint)."""
-    code = (f"import sys; sys.path.append({str(PACKAGE_ROOT)!r}); "
-            "import megatron.bridge, megatron.bridge.training.model_load_save, nemo_granular.export.megatron")
+    code = (
+        f"import sys; sys.path.append({str(PACKAGE_ROOT)!r}); "
+        "import megatron.bridge, megatron.bridge.training.model_load_save, nemo_granular.export.megatron"
+    )
     return [*export.python, "-c", code]

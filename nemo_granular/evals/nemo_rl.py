@@ -47,12 +47,14 @@ def default_launcher(environ=None) -> str:
 
     env = os.environ if environ is None else environ
     return CONTAINER_LAUNCHER if env.get("NG_CONTAINER") else DEFAULT_LAUNCHER
+
+
 STEP_RE = re.compile(r"step_(\d+)")
 
 
 @dataclass
 class Command:
-    kind: str                  # "export" | "eval"
+    kind: str  # "export" | "eval"
     argv: list[str]
     cwd: Path | None
     step: int
@@ -83,8 +85,13 @@ def benchmark_data(key: str, data_dir: Path | None) -> list[str]:
         return []
     if local is None:
         raise ValueError(f"benchmark {key}: NeMo-RL has no loader for it; give --data-dir with {key}.jsonl")
-    return [f"data.dataset_name={local}", "data.problem_key=problem", "data.solution_key=answer",
-            "data.file_format=json", "data.split=train"]
+    return [
+        f"data.dataset_name={local}",
+        "data.problem_key=problem",
+        "data.solution_key=answer",
+        "data.file_format=json",
+        "data.split=train",
+    ]
 
 
 def is_megatron_checkpoint(step_dir: Path) -> bool:
@@ -113,11 +120,24 @@ def training_vllm_tp(step_dir: Path) -> int | None:
     return tp if isinstance(tp, int) and tp >= 1 else None
 
 
-def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: Path | None = None,
-         launcher: str | None = None, config_dir: Path = CONFIG_DIR, gpus_per_node: int = 8,
-         num_nodes: int = 1, tensor_parallel: int | None = None, prompt_tokens: int = 1024,
-         python: str = sys.executable, export_python: str | None = None, steps: list[int] | None = None,
-         extra: list[str] | None = None, benchmarks: list[str] | None = None) -> list[Command]:
+def plan(
+    run: Path,
+    protocols: list[Protocol],
+    *,
+    nemo_rl_dir: Path,
+    data_dir: Path | None = None,
+    launcher: str | None = None,
+    config_dir: Path = CONFIG_DIR,
+    gpus_per_node: int = 8,
+    num_nodes: int = 1,
+    tensor_parallel: int | None = None,
+    prompt_tokens: int = 1024,
+    python: str = sys.executable,
+    export_python: str | None = None,
+    steps: list[int] | None = None,
+    extra: list[str] | None = None,
+    benchmarks: list[str] | None = None,
+) -> list[Command]:
     """The commands, in order. ``python`` exports DTensor checkpoints; ``export_python`` is the
     interpreter for Megatron ones (default: :func:`.export_python.megatron_export_python`).
     ``benchmarks``: only these of each protocol's benchmarks (None: all). ``launcher``: None =
@@ -145,9 +165,11 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
             tp = tensor_parallel if tensor_parallel is not None else (training_vllm_tp(ckpts[step]) or 1)
             if tp > gpus_per_node * num_nodes:
                 source = "--tensor-parallel" if tensor_parallel is not None else "the run's policy.generation.vllm_cfg"
-                raise ValueError(f"vLLM tensor_parallel_size {tp} ({source}) needs more GPUs than the eval has "
-                                 f"({num_nodes} node(s) x {gpus_per_node}); give --gpus-per-node/--num-nodes "
-                                 "or --tensor-parallel")
+                raise ValueError(
+                    f"vLLM tensor_parallel_size {tp} ({source}) needs more GPUs than the eval has "
+                    f"({num_nodes} node(s) x {gpus_per_node}); give --gpus-per-node/--num-nodes "
+                    "or --tensor-parallel"
+                )
             if step not in exported:
                 exported.add(step)
                 if not (hf / "config.json").is_file():
@@ -164,18 +186,40 @@ def plan(run: Path, protocols: list[Protocol], *, nemo_rl_dir: Path, data_dir: P
                     continue
                 save = run / "evals" / proto.name / f"step_{step}" / key
                 argv = shlex.split(launcher) + [
-                    "--config", str(Path(config_dir).resolve() / f"{key}.yaml"),
-                    f"generation.model_name={hf}", f"tokenizer.name={hf}",
-                    "eval.metric=pass@k", "eval.k_value=1", f"eval.num_tests_per_prompt={setting.samples}",
-                    f"generation.temperature={setting.temperature:g}", f"generation.top_p={setting.top_p:g}",
+                    "--config",
+                    str(Path(config_dir).resolve() / f"{key}.yaml"),
+                    f"generation.model_name={hf}",
+                    f"tokenizer.name={hf}",
+                    "eval.metric=pass@k",
+                    "eval.k_value=1",
+                    f"eval.num_tests_per_prompt={setting.samples}",
+                    f"generation.temperature={setting.temperature:g}",
+                    f"generation.top_p={setting.top_p:g}",
                     f"generation.vllm_cfg.max_model_len={prompt_tokens + proto.max_new_tokens}",
                     f"generation.vllm_cfg.tensor_parallel_size={tp}",
-                    f"cluster.gpus_per_node={gpus_per_node}", f"cluster.num_nodes={num_nodes}",
-                    *benchmark_data(key, data_dir), f"eval.save_path={save}", *(extra or [])]
-                cmds.append(Command("eval", argv, Path(nemo_rl_dir), step, proto.name, key,
-                                    save / "evaluation_data.json",
-                                    {"samples": setting.samples, "decoding": setting.decoding,
-                                     "metric": setting.metric, "max_new_tokens": proto.max_new_tokens}))
+                    f"cluster.gpus_per_node={gpus_per_node}",
+                    f"cluster.num_nodes={num_nodes}",
+                    *benchmark_data(key, data_dir),
+                    f"eval.save_path={save}",
+                    *(extra or []),
+                ]
+                cmds.append(
+                    Command(
+                        "eval",
+                        argv,
+                        Path(nemo_rl_dir),
+                        step,
+                        proto.name,
+                        key,
+                        save / "evaluation_data.json",
+                        {
+                            "samples": setting.samples,
+                            "decoding": setting.decoding,
+                            "metric": setting.metric,
+                            "max_new_tokens": proto.max_new_tokens,
+                        },
+                    )
+                )
     return cmds
 
 
@@ -211,20 +255,42 @@ def collect(run: Path, protocols: list[Protocol], cmds: list[Command], benchmark
                 continue
             s, problems, n = read_result(c.result)
             results.setdefault(c.step, {})[c.benchmark] = s
-            benches[c.benchmark] = {"label": BENCHMARKS[c.benchmark].label, "problems": problems,
-                                    "samples_per_problem": n, "decoding": c.settings["decoding"] +
-                                    f", ≤{c.settings['max_new_tokens']} new tokens", "metric": c.settings["metric"]}
+            benches[c.benchmark] = {
+                "label": BENCHMARKS[c.benchmark].label,
+                "problems": problems,
+                "samples_per_problem": n,
+                "decoding": c.settings["decoding"] + f", ≤{c.settings['max_new_tokens']} new tokens",
+                "metric": c.settings["metric"],
+            }
         if not results:
             continue
         for key, setting in proto.benchmarks.items():  # benchmarks with no result yet still get a column
             if benchmarks is not None and key not in benchmarks:
                 continue
-            benches.setdefault(key, {"label": BENCHMARKS[key].label, "problems": "?",
-                                     "samples_per_problem": setting.samples, "decoding": setting.decoding,
-                                     "metric": setting.metric})
-        data = merge_write(run / "evals.json", run.name, "nemo-rl", proto.name,
-                           {"description": proto.description, "select": proto.select,
-                            "select_note": proto.select_note, "every": proto.every}, benches, results)
+            benches.setdefault(
+                key,
+                {
+                    "label": BENCHMARKS[key].label,
+                    "problems": "?",
+                    "samples_per_problem": setting.samples,
+                    "decoding": setting.decoding,
+                    "metric": setting.metric,
+                },
+            )
+        data = merge_write(
+            run / "evals.json",
+            run.name,
+            "nemo-rl",
+            proto.name,
+            {
+                "description": proto.description,
+                "select": proto.select,
+                "select_note": proto.select_note,
+                "every": proto.every,
+            },
+            benches,
+            results,
+        )
     return data
 
 

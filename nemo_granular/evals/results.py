@@ -34,8 +34,9 @@ def load(path: Path) -> dict:
     return data
 
 
-def merge_write(path: Path, run_name: str, source: str, suite: str, protocol: dict, benchmarks: dict,
-                checkpoints: dict) -> dict:
+def merge_write(
+    path: Path, run_name: str, source: str, suite: str, protocol: dict, benchmarks: dict, checkpoints: dict
+) -> dict:
     """Merge one suite's results into ``path`` (atomic replace) and return the whole file."""
     data = load(path)
     data.update(format=FORMAT, run=run_name, source=source)
@@ -71,5 +72,7 @@ def check_steps(run: Path, asked: list[int] | None, have: list[int]) -> None:
         return
     missing = sorted(set(asked) - set(have))
     if missing:
-        raise ValueError(f"--steps: {run} has no checkpoint of step {', '.join(map(str, missing))} "
-                         f"(its checkpoints: {', '.join(map(str, sorted(have))) or 'none'})")
+        raise ValueError(
+            f"--steps: {run} has no checkpoint of step {', '.join(map(str, missing))} "
+            f"(its checkpoints: {', '.join(map(str, sorted(have))) or 'none'})"
+        )

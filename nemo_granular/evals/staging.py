@@ -35,18 +35,19 @@ MANIFEST = "benchmarks.json"
 
 @dataclass(frozen=True)
 class Source:
-    repo: str                       # Hugging Face dataset id
+    repo: str  # Hugging Face dataset id
     split: str
-    problem: str                    # column holding the question
-    answer: str                     # column holding the final answer (what the verifier compares)
-    configs: tuple = (None,)        # dataset configs, concatenated in this order
-    problems: int | None = None     # the benchmark's size (a different count is reported)
+    problem: str  # column holding the question
+    answer: str  # column holding the final answer (what the verifier compares)
+    configs: tuple = (None,)  # dataset configs, concatenated in this order
+    problems: int | None = None  # the benchmark's size (a different count is reported)
 
 
 SOURCES: dict[str, Source] = {
     "aime24": Source("HuggingFaceH4/aime_2024", "train", "problem", "answer", problems=30),  # NeMo-RL's AIME2024
-    "aime25": Source("opencompass/AIME2025", "test", "question", "answer", ("AIME2025-I", "AIME2025-II"),
-                     problems=30),                                                           # NeMo-RL's AIME2025
+    "aime25": Source(
+        "opencompass/AIME2025", "test", "question", "answer", ("AIME2025-I", "AIME2025-II"), problems=30
+    ),  # NeMo-RL's AIME2025
     "amc23": Source("math-ai/amc23", "test", "question", "answer", problems=40),
     "math500": Source("HuggingFaceH4/MATH-500", "test", "problem", "answer", problems=500),
     "minerva_math": Source("math-ai/minervamath", "test", "question", "answer", problems=272),
@@ -116,8 +117,9 @@ def load_rows(key: str, mirror: Path | None = None, load_dataset: Callable | Non
             ds = load_dataset(where, config, split=src.split)
         except Exception as err:  # noqa: BLE001 - offline without a cache, unknown split, bad files: one line
             text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"{key}: cannot load {src.repo}{f' ({config})' if config else ''} split "
-                             f"{src.split!r}: {text}") from None
+            raise ValueError(
+                f"{key}: cannot load {src.repo}{f' ({config})' if config else ''} split {src.split!r}: {text}"
+            ) from None
         missing = [c for c in (src.problem, src.answer) if c not in ds.column_names]
         if missing:
             raise ValueError(f"{key}: {src.repo} has no column {missing[0]!r} (columns: {', '.join(ds.column_names)})")
@@ -157,8 +159,9 @@ def _write_manifest(data_dir: Path, entries: Mapping[str, dict]) -> None:
     atomic.write_text(path, json.dumps(dict(sorted(data.items())), indent=1) + "\n")
 
 
-def stage(keys: list[str], data_dir: Path, *, mirror: Path | None = None, load_dataset: Callable | None = None,
-          log=print) -> dict[str, Path]:
+def stage(
+    keys: list[str], data_dir: Path, *, mirror: Path | None = None, load_dataset: Callable | None = None, log=print
+) -> dict[str, Path]:
     """Stage each benchmark of ``keys`` into ``data_dir``; returns {key: file}."""
     data_dir = Path(data_dir)
     if load_dataset is None and any(not staged_path(data_dir, k).exists() for k in keys):
@@ -179,9 +182,13 @@ def stage(keys: list[str], data_dir: Path, *, mirror: Path | None = None, load_d
             write_new(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
             note = "" if src.problems in (None, len(rows)) else f" (expected {src.problems}: check the source)"
             log(f"{key}: {path} ({len(rows)} problems from {src.repo}){note}")
-            manifest[key] = {"file": path.name, "problems": len(rows), "sha256": _sha256(path),
-                             **{k: v for k, v in asdict(src).items() if k != "problems"},
-                             "configs": [c for c in src.configs if c]}
+            manifest[key] = {
+                "file": path.name,
+                "problems": len(rows),
+                "sha256": _sha256(path),
+                **{k: v for k, v in asdict(src).items() if k != "problems"},
+                "configs": [c for c in src.configs if c],
+            }
             done[key] = path
     finally:
         if manifest:
@@ -190,7 +197,7 @@ def stage(keys: list[str], data_dir: Path, *, mirror: Path | None = None, load_d
 
 
 OFFLINE_VARS = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
-DATASETS_REQUIREMENT = "datasets>=4.0.0"   # what stage-benchmarks reads the sources with (NeMo-RL's own pin)
+DATASETS_REQUIREMENT = "datasets>=4.0.0"  # what stage-benchmarks reads the sources with (NeMo-RL's own pin)
 
 
 def offline_vars(env: Mapping[str, str] = os.environ) -> list[str]:
@@ -209,12 +216,15 @@ def require_datasets() -> None:
     try:
         import datasets  # noqa: F401
     except ImportError:
-        raise ImportError(f"stage-benchmarks needs the Python package 'datasets' (not installed for {sys.executable}): "
-                          f"{shlex.join([sys.executable, '-m', 'pip', 'install', DATASETS_REQUIREMENT])}") from None
+        raise ImportError(
+            f"stage-benchmarks needs the Python package 'datasets' (not installed for {sys.executable}): "
+            f"{shlex.join([sys.executable, '-m', 'pip', 'install', DATASETS_REQUIREMENT])}"
+        ) from None
 
 
-def staging_problems(suite: str, data_dir: Path | None, env: Mapping[str, str] = os.environ,
-                     keys=None, assume_offline: bool = False) -> list[str]:
+def staging_problems(
+    suite: str, data_dir: Path | None, env: Mapping[str, str] = os.environ, keys=None, assume_offline: bool = False
+) -> list[str]:
     """One line per benchmark of ``suite`` (those in ``keys`` only, when given) that an eval job
     could not load: no staged file where NeMo-RL has no loader, or none while offline (NeMo-RL's
     loaders download), or a bad file. ``assume_offline``: judge as for a node without internet
@@ -240,8 +250,10 @@ def staging_problems(suite: str, data_dir: Path | None, env: Mapping[str, str] =
         if BENCHMARKS[key].builtin is None:
             out.append(f"{key}: {where} and NeMo-RL has no loader for it; stage it: {hint}")
         elif set_vars or assume_offline:
-            out.append(f"{key}: {where} and {why_offline}, where NeMo-RL's "
-                       f"{BENCHMARKS[key].builtin} loader downloads; stage it: {hint}")
+            out.append(
+                f"{key}: {where} and {why_offline}, where NeMo-RL's "
+                f"{BENCHMARKS[key].builtin} loader downloads; stage it: {hint}"
+            )
     return out
 
 
@@ -273,15 +285,21 @@ def staging_refusal(suite: str, data_dir: Path | None, env: Mapping[str, str] = 
 def build_parser():
     from ..cli_common import ArgumentParser
 
-    ap = ArgumentParser(prog="nemo-granular stage-benchmarks",
-                        description="Write every benchmark of the papers' suites as DIR/<key>.jsonl "
-                                    "(problem/answer), the files `eval-checkpoints --data-dir DIR` reads offline.")
+    ap = ArgumentParser(
+        prog="nemo-granular stage-benchmarks",
+        description="Write every benchmark of the papers' suites as DIR/<key>.jsonl "
+        "(problem/answer), the files `eval-checkpoints --data-dir DIR` reads offline.",
+    )
     ap.add_argument("--suite", default="all", choices=SUITES, help="which suite's benchmarks (default: all)")
     ap.add_argument("--data-dir", required=True, help="where to write <key>.jsonl (created if missing)")
-    ap.add_argument("--mirror", default=None,
-                    help="read each dataset from a local copy DIR/<owner>/<name> instead of the Hub")
-    ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 if an eval job of --suite could not load a benchmark offline")
+    ap.add_argument(
+        "--mirror", default=None, help="read each dataset from a local copy DIR/<owner>/<name> instead of the Hub"
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if an eval job of --suite could not load a benchmark offline",
+    )
     return ap
 
 
@@ -300,6 +318,10 @@ def main(argv: list[str]) -> int:
             print(f"{args.suite}: every benchmark staged in {data_dir}")
         return 1 if problems else 0
     check_writable_dir(data_dir, "--data-dir")
-    stage(suite_benchmarks(args.suite), data_dir, mirror=Path(args.mirror) if args.mirror else None,
-          log=lambda m: print(m, flush=True))
+    stage(
+        suite_benchmarks(args.suite),
+        data_dir,
+        mirror=Path(args.mirror) if args.mirror else None,
+        log=lambda m: print(m, flush=True),
+    )
     return 0

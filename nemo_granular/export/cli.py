@@ -20,23 +20,41 @@ __all__ = ["main", "export_checkpoint", "build_parser"]
 def build_parser() -> argparse.ArgumentParser:
     from ..cli_common import ArgumentParser  # one-line usage errors, exit 2
 
-    p = ArgumentParser(prog="nemo-granular export",
-                       description="Export a checkpoint to a Hugging Face model directory, verified by round trip.")
+    p = ArgumentParser(
+        prog="nemo-granular export",
+        description="Export a checkpoint to a Hugging Face model directory, verified by round trip.",
+    )
     p.add_argument("src", help="run dir, step dir, or NeMo-RL step_N dir")
     p.add_argument("out", help="output directory (must not exist)")
     p.add_argument("--source", choices=("auto", "embedded", "dcp", "megatron"), default="auto")
-    p.add_argument("--what", choices=("policy", "critic"), default="policy",
-                   help="critic: the SPPO critic (embedded) / PPO value model (NeMo-RL DCP)")
+    p.add_argument(
+        "--what",
+        choices=("policy", "critic"),
+        default="policy",
+        help="critic: the SPPO critic (embedded) / PPO value model (NeMo-RL DCP)",
+    )
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB, 2GiB (default 5GB)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--verify", dest="verify", action="store_true", default=None,
-                   help="reload with transformers and compare with the source (default: on when it fits in memory)")
+    g.add_argument(
+        "--verify",
+        dest="verify",
+        action="store_true",
+        default=None,
+        help="reload with transformers and compare with the source (default: on when it fits in memory)",
+    )
     g.add_argument("--no-verify", dest="verify", action="store_false")
-    p.add_argument("--prompts", action="append", default=None,
-                   help="verification prompt (repeatable; default: three built-in prompts)")
-    p.add_argument("--model-config", default=None,
-                   help="HF config dir/name for DCP/Megatron sources (default: policy.model_name of config.yaml)")
+    p.add_argument(
+        "--prompts",
+        action="append",
+        default=None,
+        help="verification prompt (repeatable; default: three built-in prompts)",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="HF config dir/name for DCP/Megatron sources (default: policy.model_name of config.yaml)",
+    )
     p.add_argument("--json", action="store_true", help="print the export report as JSON")
     return p
 
@@ -59,11 +77,20 @@ def open_source(src: Path, source: str, what: str, scratch_parent: Path, model_c
     return load_megatron(step_dir, what, scratch_parent, model_config)
 
 
-def export_checkpoint(src, out, *, source: str = "auto", what: str = "policy", dtype: str = "bf16",
-                      max_shard_size: str | int = "5GB", verify: Optional[bool] = None,
-                      prompts: Optional[Sequence[str]] = None, model_config: Optional[str] = None) -> dict:
+def export_checkpoint(
+    src,
+    out,
+    *,
+    source: str = "auto",
+    what: str = "policy",
+    dtype: str = "bf16",
+    max_shard_size: str | int = "5GB",
+    verify: Optional[bool] = None,
+    prompts: Optional[Sequence[str]] = None,
+    model_config: Optional[str] = None,
+) -> dict:
     """Export ``src`` to ``out`` atomically; returns a report (files, sizes, verification numbers)."""
-    if not Path(src).exists():   # before torch is imported (seconds): a mistyped path answers at once
+    if not Path(src).exists():  # before torch is imported (seconds): a mistyped path answers at once
         raise FileNotFoundError(f"checkpoint {src} does not exist")
     import copy
     import shutil
@@ -112,14 +139,32 @@ def export_checkpoint(src, out, *, source: str = "auto", what: str = "policy", d
         arch = (config.architectures or [type(config).__name__])[0]
         card = model_card(
             title=f"{src_obj.algorithm or 'RL'}-trained {'critic' if src_obj.critic else 'policy'} ({arch})",
-            what=what, source_kind=src_obj.kind, source_path=str(src_obj.path), algorithm=src_obj.algorithm,
-            step=src_obj.step, dtype=dtype, architecture=arch, num_params=num_params,
-            train_config=src_obj.train_config, verification=describe(report, reason),
-            critic_meaning=SPPO_VALUE if src_obj.critic else None)
+            what=what,
+            source_kind=src_obj.kind,
+            source_path=str(src_obj.path),
+            algorithm=src_obj.algorithm,
+            step=src_obj.step,
+            dtype=dtype,
+            architecture=arch,
+            num_params=num_params,
+            train_config=src_obj.train_config,
+            verification=describe(report, reason),
+            critic_meaning=SPPO_VALUE if src_obj.critic else None,
+        )
         (tmp / "README.md").write_text(card)
-    return {"output": str(out), "source": src_obj.kind, "what": what, "step_dir": str(src_obj.path),
-            "dtype": dtype, "num_params": num_params, "files": files["files"], "total_size": files["total_size"],
-            "num_tensors": files["num_tensors"], "verification": report, "notes": src_obj.notes}
+    return {
+        "output": str(out),
+        "source": src_obj.kind,
+        "what": what,
+        "step_dir": str(src_obj.path),
+        "dtype": dtype,
+        "num_params": num_params,
+        "files": files["files"],
+        "total_size": files["total_size"],
+        "num_tensors": files["num_tensors"],
+        "verification": report,
+        "notes": src_obj.notes,
+    }
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -129,9 +174,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # keep the CLI's stderr to errors only
     try:
-        rep = export_checkpoint(args.src, args.out, source=args.source, what=args.what, dtype=args.dtype,
-                                max_shard_size=args.max_shard_size, verify=args.verify, prompts=args.prompts,
-                                model_config=args.model_config)
+        rep = export_checkpoint(
+            args.src,
+            args.out,
+            source=args.source,
+            what=args.what,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            verify=args.verify,
+            prompts=args.prompts,
+            model_config=args.model_config,
+        )
     except OSError as err:
         if isinstance(err, FileNotFoundError):
             raise
@@ -145,14 +198,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(rep, indent=2, default=str))
         return 0
     v = rep["verification"]
-    print(f"exported {rep['source']} {rep['what']} ({rep['num_params']:,} params, {rep['dtype']}) to {rep['output']} "
-          f"in {len(rep['files'])} shard(s), {rep['total_size']:,} bytes")
+    print(
+        f"exported {rep['source']} {rep['what']} ({rep['num_params']:,} params, {rep['dtype']}) to {rep['output']} "
+        f"in {len(rep['files'])} shard(s), {rep['total_size']:,} bytes"
+    )
     if v is None:
         print("verification: not run")
     else:
-        print(f"verification: passed on {v['prompts']} prompts; "
-              f"max |Δ| vs rounded source {v['exact_max_abs_diff']:.2e}, "
-              f"vs fp32 source {v['drift_max_abs_diff']:.2e} (tol {v['drift_tol']:.2e})")
+        print(
+            f"verification: passed on {v['prompts']} prompts; "
+            f"max |Δ| vs rounded source {v['exact_max_abs_diff']:.2e}, "
+            f"vs fp32 source {v['drift_max_abs_diff']:.2e} (tol {v['drift_tol']:.2e})"
+        )
     for note in rep["notes"]:
         print(f"note: {note}")
     return 0

@@ -71,8 +71,10 @@ def read_dcp(path: Path, *, safetensors: bool = False) -> dict[str, torch.Tensor
         ranks = sorted(int(m.group(1)) for f in files if (m := re.match(r"shard-(\d+)-", f.name)))
         if ranks and ranks != list(range(1, ranks[-1] + 1)):
             gap = min(set(range(1, ranks[-1] + 1)) - set(ranks))
-            raise ValueError(f"incomplete DCP checkpoint {path}: shard-{gap:05d}-*.safetensors is missing "
-                             f"(a rank's shard is missing)")
+            raise ValueError(
+                f"incomplete DCP checkpoint {path}: shard-{gap:05d}-*.safetensors is missing "
+                f"(a rank's shard is missing)"
+            )
         reader = dcp.HuggingFaceStorageReader(str(path))
         what = f"safetensors headers in {path}"
     else:
@@ -82,8 +84,9 @@ def read_dcp(path: Path, *, safetensors: bool = False) -> dict[str, torch.Tensor
         meta = reader.read_metadata()
     except Exception as err:  # noqa: BLE001 - unpickling a truncated/corrupt .metadata raises many types
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise ValueError(f"corrupt DCP metadata {what}: {type(err).__name__}"
-                         + (f": {first}" if first else "")) from None
+        raise ValueError(
+            f"corrupt DCP metadata {what}: {type(err).__name__}" + (f": {first}" if first else "")
+        ) from None
     if not safetensors:
         sizes: dict[str, int] = {}
         for info in (meta.storage_data or {}).values():
@@ -94,16 +97,19 @@ def read_dcp(path: Path, *, safetensors: bool = False) -> dict[str, torch.Tensor
                     raise ValueError(f"missing DCP shard {f} (listed in {path / '.metadata'})")
                 sizes[rel] = f.stat().st_size
             if info.offset + info.length > sizes[rel]:
-                raise ValueError(f"truncated DCP shard {path / rel}: needs {info.offset + info.length} bytes, "
-                                 f"has {sizes[rel]}")
+                raise ValueError(
+                    f"truncated DCP shard {path / rel}: needs {info.offset + info.length} bytes, has {sizes[rel]}"
+                )
     sd = {}
     for fqn, m in meta.state_dict_metadata.items():
         if not isinstance(m, TensorStorageMetadata):
             continue
         covered = sum(int(torch.Size(c.sizes).numel()) for c in m.chunks)
         if covered < int(m.size.numel()):
-            raise ValueError(f"incomplete DCP checkpoint {path}: tensor {fqn} has {covered} of "
-                             f"{int(m.size.numel())} elements (a rank's shard is missing)")
+            raise ValueError(
+                f"incomplete DCP checkpoint {path}: tensor {fqn} has {covered} of "
+                f"{int(m.size.numel())} elements (a rank's shard is missing)"
+            )
         sd[fqn] = torch.empty(m.size, dtype=m.properties.dtype)
     if not sd:
         raise ValueError(f"DCP checkpoint {path} holds no tensors")
@@ -127,7 +133,7 @@ def load_dcp(step_dir: Path, what: str, model_config: str | None = None) -> Expo
     directory, layout = find_dcp_dir(weights)
     tok_dir = step_dir / section / "tokenizer"
     if not tok_dir.is_dir() and critic:
-        tok_dir = step_dir / "policy" / "tokenizer"   # PPO builds the critic with the policy's tokenizer
+        tok_dir = step_dir / "policy" / "tokenizer"  # PPO builds the critic with the policy's tokenizer
     origin = str(directory)
 
     overrides = {}
@@ -137,8 +143,9 @@ def load_dcp(step_dir: Path, what: str, model_config: str | None = None) -> Expo
     else:
         model_ref = model_config or sec.get("model_name")
         if not model_ref:
-            raise ValueError(f"{cfg_path}: {section}.model_name is needed to rebuild the model config "
-                             "(or pass --model-config DIR)")
+            raise ValueError(
+                f"{cfg_path}: {section}.model_name is needed to rebuild the model config (or pass --model-config DIR)"
+            )
         # NeMo-RL's DTensor workers build the model from AutoConfig.from_pretrained(model_name,
         # **hf_config_overrides): the same keywords on whichever config --model-config names
         overrides = hf_config_overrides(sec, f"{cfg_path}: {section}")
@@ -155,9 +162,17 @@ def load_dcp(step_dir: Path, what: str, model_config: str | None = None) -> Expo
     if step is None and step_dir.name.startswith("step_") and step_dir.name[5:].isdigit():
         step = int(step_dir.name[5:])
     src = ExportSource(
-        kind="dcp", what=what, path=step_dir, config=config, state_dict=sd, reference=reference,
-        tokenizer_dir=tok_dir if tok_dir.is_dir() else None, generation_config_dir=gen_dir,
-        train_config=train_cfg, algorithm=algorithm_of(train_cfg), step=step,
+        kind="dcp",
+        what=what,
+        path=step_dir,
+        config=config,
+        state_dict=sd,
+        reference=reference,
+        tokenizer_dir=tok_dir if tok_dir.is_dir() else None,
+        generation_config_dir=gen_dir,
+        train_config=train_cfg,
+        algorithm=algorithm_of(train_cfg),
+        step=step,
     )
     if overrides:
         src.notes.append(f"{section}.hf_config_overrides applied as in training: {', '.join(sorted(overrides))}")
@@ -185,14 +200,18 @@ def _reference_builder(config, sd_disk: dict[str, torch.Tensor], critic: bool):
         mem = model.state_dict()
         if set(sd_disk) <= set(mem):  # identical layouts: load directly, no file round trip
             model = build_model(config, critic=critic)
-            missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                         for k, v in sd_disk.items()}, strict=False)
+            missing, unexpected = model.load_state_dict(
+                {k: v.float() if v.is_floating_point() else v for k, v in sd_disk.items()}, strict=False
+            )
             if unexpected:
                 raise ValueError(f"source tensors unknown to the model: {unexpected[0]}")
             if getattr(model.config, "tie_word_embeddings", False):
                 model.tie_weights()
-            tied = (set(model.get_expanded_tied_weights_keys())
-                    if hasattr(model, "get_expanded_tied_weights_keys") else set())
+            tied = (
+                set(model.get_expanded_tied_weights_keys())
+                if hasattr(model, "get_expanded_tied_weights_keys")
+                else set()
+            )
             if set(missing) - tied:
                 raise ValueError(f"source model lacks tensor {sorted(set(missing) - tied)[0]}")
             return model.float().eval()
@@ -200,8 +219,10 @@ def _reference_builder(config, sd_disk: dict[str, torch.Tensor], critic: bool):
 
         cls = AutoModelForSequenceClassification if critic else AutoModelForCausalLM
         with tempfile.TemporaryDirectory(prefix="nemo-granular-ref-") as tmp:
-            save_file({k: v.float().contiguous() if v.is_floating_point() else v.contiguous()
-                       for k, v in sd_disk.items()}, os.path.join(tmp, "model.safetensors"))
+            save_file(
+                {k: v.float().contiguous() if v.is_floating_point() else v.contiguous() for k, v in sd_disk.items()},
+                os.path.join(tmp, "model.safetensors"),
+            )
             config.save_pretrained(tmp)
             return cls.from_pretrained(tmp, dtype=torch.float32).eval()
 

@@ -1,12 +1,12 @@
 """Reader for the embedded trainer's checkpoints (the contract, one step directory)::
 
-    step_000020/
-      policy/             HF model dir (save_pretrained): config.json, model.safetensors, generation_config.json
-      tokenizer/          tokenizer.save_pretrained output
-      critic/             SPPO only: *ForSequenceClassification(num_labels=1), pad_token_id set
-      trainer_state.json  {"step": 20, "algorithm": "sspo", ...}
-      config.yaml         resolved training config
-      optimizer.pt, rng.pt  (ignored: never unpickled)
+step_000020/
+  policy/             HF model dir (save_pretrained): config.json, model.safetensors, generation_config.json
+  tokenizer/          tokenizer.save_pretrained output
+  critic/             SPPO only: *ForSequenceClassification(num_labels=1), pad_token_id set
+  trainer_state.json  {"step": 20, "algorithm": "sspo", ...}
+  config.yaml         resolved training config
+  optimizer.pt, rng.pt  (ignored: never unpickled)
 """
 
 from __future__ import annotations
@@ -52,8 +52,15 @@ def load_embedded(step_dir: Path, what: str) -> ExportSource:
     gen = model_dir if (model_dir / "generation_config.json").exists() else None
     step = state.get("step")
     return ExportSource(
-        kind="embedded", what=what, path=step_dir, config=config, state_dict=sd, reference=reference,
-        tokenizer_dir=tok if tok.is_dir() else None, generation_config_dir=None if critic else gen,
-        train_config=train_cfg, algorithm=state.get("algorithm") or algorithm_of(train_cfg),
+        kind="embedded",
+        what=what,
+        path=step_dir,
+        config=config,
+        state_dict=sd,
+        reference=reference,
+        tokenizer_dir=tok if tok.is_dir() else None,
+        generation_config_dir=None if critic else gen,
+        train_config=train_cfg,
+        algorithm=state.get("algorithm") or algorithm_of(train_cfg),
         step=int(step) if isinstance(step, (int, float)) else None,
     )

@@ -23,8 +23,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["read_hf_weights", "check_safetensors_file", "meta_model", "disk_layout", "to_disk_layout",
-           "load_config", "build_model"]
+__all__ = [
+    "read_hf_weights",
+    "check_safetensors_file",
+    "meta_model",
+    "disk_layout",
+    "to_disk_layout",
+    "load_config",
+    "build_model",
+]
 
 
 def _first_line(err: BaseException) -> str:
@@ -124,8 +131,10 @@ def build_model(config, *, critic: bool, device: str | torch.device = "cpu", dty
         try:
             return cls.from_config(config, dtype=dtype)
         except ValueError as err:
-            raise ValueError(f"transformers cannot build {config.model_type!r} as "
-                             f"{'a sequence classifier' if critic else 'a causal LM'}: {_first_line(err)}") from None
+            raise ValueError(
+                f"transformers cannot build {config.model_type!r} as "
+                f"{'a sequence classifier' if critic else 'a causal LM'}: {_first_line(err)}"
+            ) from None
 
 
 def meta_model(config, *, critic: bool):
@@ -143,8 +152,9 @@ def _revert(model, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _drop_tied(model, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     tied = {}
-    if (getattr(model.config, "tie_word_embeddings", False)
-            or getattr(model.config.get_text_config(), "tie_word_embeddings", False)):
+    if getattr(model.config, "tie_word_embeddings", False) or getattr(
+        model.config.get_text_config(), "tie_word_embeddings", False
+    ):
         try:
             tied = model.get_expanded_tied_weights_keys()
         except AttributeError:
@@ -166,8 +176,9 @@ def _strip_wrappers(key: str) -> str:
     return key
 
 
-def to_disk_layout(sd: dict[str, torch.Tensor], config, *, critic: bool, origin: str,
-                   strip_prefixes: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+def to_disk_layout(
+    sd: dict[str, torch.Tensor], config, *, critic: bool, origin: str, strip_prefixes: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
     """Validate ``sd`` against ``config`` and return it in the on-disk layout.
 
     ``strip_prefixes`` are tried in order (e.g. ``"model."`` for NeMo-RL DTensor-v1 checkpoints,
@@ -182,7 +193,7 @@ def to_disk_layout(sd: dict[str, torch.Tensor], config, *, critic: bool, origin:
 
     for prefix in strip_prefixes:
         if sd and all(k.startswith(prefix) for k in sd):
-            stripped = {k[len(prefix):]: v for k, v in sd.items()}
+            stripped = {k[len(prefix) :]: v for k, v in sd.items()}
             if score(stripped) > score(sd):
                 sd = stripped
     tied = set(mem) - set(_drop_tied(model, mem))

@@ -42,9 +42,13 @@ from .source import ExportSource, algorithm_of, hf_config_overrides, read_yaml
 
 __all__ = ["find_iter_dir", "saved_parallelism", "check_megatron_supported", "load_megatron"]
 
-PARALLEL_KEYS = {"tensor_model_parallel_size": "TP", "pipeline_model_parallel_size": "PP",
-                 "context_parallel_size": "CP", "expert_model_parallel_size": "EP",
-                 "expert_tensor_parallel_size": "ETP"}
+PARALLEL_KEYS = {
+    "tensor_model_parallel_size": "TP",
+    "pipeline_model_parallel_size": "PP",
+    "context_parallel_size": "CP",
+    "expert_model_parallel_size": "EP",
+    "expert_tensor_parallel_size": "ETP",
+}
 
 
 def find_iter_dir(weights: Path) -> Path:
@@ -77,16 +81,20 @@ def check_megatron_supported(run_cfg: dict, origin: str) -> None:
     ckpt = run_cfg.get("checkpoint") if isinstance(run_cfg.get("checkpoint"), dict) else {}
     fmt = ckpt.get("ckpt_format", "torch_dist")
     if fmt not in (None, "torch_dist"):
-        raise ValueError(f"{origin}: checkpoint.ckpt_format={fmt!r}; Megatron-Bridge's load_megatron_model "
-                         "reads only torch_dist checkpoints")
+        raise ValueError(
+            f"{origin}: checkpoint.ckpt_format={fmt!r}; Megatron-Bridge's load_megatron_model "
+            "reads only torch_dist checkpoints"
+        )
 
 
 def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config: str | None = None) -> ExportSource:
     from .embedded import load_hf_dir
 
     if what == "critic":
-        raise ValueError(f"{step_dir}: exporting a Megatron value model (critic) is not supported; "
-                         "NeMo-RL's converters target the policy LM")
+        raise ValueError(
+            f"{step_dir}: exporting a Megatron value model (critic) is not supported; "
+            "NeMo-RL's converters target the policy LM"
+        )
     train_cfg = read_yaml(step_dir / "config.yaml") if (step_dir / "config.yaml").exists() else {}
     policy = train_cfg.get("policy") or {}
     iter_dir = find_iter_dir(step_dir / "policy" / "weights")
@@ -107,16 +115,17 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
         from megatron.bridge import AutoBridge
         from megatron.bridge.training.model_load_save import temporary_distributed_context
     except ImportError as err:
-        raise ImportError("exporting a Megatron checkpoint needs Megatron-Bridge (package megatron-bridge, "
-                          f"NeMo-RL's `mcore` extra); importing it failed: {err}") from None
+        raise ImportError(
+            "exporting a Megatron checkpoint needs Megatron-Bridge (package megatron-bridge, "
+            f"NeMo-RL's `mcore` extra); importing it failed: {err}"
+        ) from None
 
     scratch = Path(tempfile.mkdtemp(prefix=".megatron-hf-", dir=scratch_parent))
     out = scratch / "hf"
     log = io.StringIO()
     try:  # Bridge prints progress to stdout; keep the CLI's stdout for its own report (--json)
         with contextlib.redirect_stdout(log):
-            _convert(AutoBridge, temporary_distributed_context, model_name, overrides,
-                     iter_dir, out)
+            _convert(AutoBridge, temporary_distributed_context, model_name, overrides, iter_dir, out)
     except BaseException:
         sys.stderr.write(log.getvalue()[-4000:])
         raise
@@ -127,24 +136,37 @@ def load_megatron(step_dir: Path, what: str, scratch_parent: Path, model_config:
         tokenizer_dir = tok
     else:
         tokenizer_dir = out if (out / "tokenizer_config.json").exists() else None
-    src = ExportSource(kind="megatron", what=what, path=step_dir, config=config, state_dict=sd, reference=reference,
-                       tokenizer_dir=tokenizer_dir,
-                       generation_config_dir=out if (out / "generation_config.json").exists() else None,
-                       train_config=train_cfg, algorithm=algorithm_of(train_cfg), step=step)
+    src = ExportSource(
+        kind="megatron",
+        what=what,
+        path=step_dir,
+        config=config,
+        state_dict=sd,
+        reference=reference,
+        tokenizer_dir=tokenizer_dir,
+        generation_config_dir=out if (out / "generation_config.json").exists() else None,
+        train_config=train_cfg,
+        algorithm=algorithm_of(train_cfg),
+        step=step,
+    )
     layout = "×".join(f"{k}{v}" for k, v in saved_parallelism(run_cfg).items() if v > 1) or "no model parallelism"
-    src.notes.append(f"Megatron checkpoint saved with {layout}; read in one process by Megatron-Bridge "
-                     "(torch_dist resharding)")
+    src.notes.append(
+        f"Megatron checkpoint saved with {layout}; read in one process by Megatron-Bridge (torch_dist resharding)"
+    )
     src.notes.append("verified against Megatron-Bridge's HF conversion of the checkpoint")
     if overrides:
         src.notes.append(f"policy.hf_config_overrides applied as in training: {', '.join(sorted(overrides))}")
     if ignored:
-        src.notes.append(f"policy.hf_config_overrides ({', '.join(ignored)}) not applied: NeMo-RL ignores them for "
-                         "pretrained_checkpoint.format megatron_bridge")
+        src.notes.append(
+            f"policy.hf_config_overrides ({', '.join(ignored)}) not applied: NeMo-RL ignores them for "
+            "pretrained_checkpoint.format megatron_bridge"
+        )
     return src
 
 
-def _convert(AutoBridge: Any, temporary_distributed_context: Any, model_name: str, overrides: dict,
-             iter_dir: Path, out: Path) -> None:
+def _convert(
+    AutoBridge: Any, temporary_distributed_context: Any, model_name: str, overrides: dict, iter_dir: Path, out: Path
+) -> None:
     # the call NeMo-RL's HF import makes (community_import.import_model_from_hf_name), overrides included
     bridge = AutoBridge.from_hf_pretrained(model_name, **overrides)
     with temporary_distributed_context(backend="gloo"):
@@ -155,6 +177,7 @@ def _convert(AutoBridge: Any, temporary_distributed_context: Any, model_name: st
         except Exception:  # noqa: BLE001 - CPU-only hosts: nothing is initialised randomly
             pass  # (the weights come from the checkpoint)
         # alltoall's constructor needs a CUDA stream; no forward runs here, so allgather is equivalent
-        megatron_model = bridge.load_megatron_model(str(iter_dir),
-                                                    mp_overrides={"moe_token_dispatcher_type": "allgather"})
+        megatron_model = bridge.load_megatron_model(
+            str(iter_dir), mp_overrides={"moe_token_dispatcher_type": "allgather"}
+        )
         bridge.save_hf_pretrained(megatron_model, str(out))

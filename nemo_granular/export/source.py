@@ -26,12 +26,12 @@ __all__ = ["ExportSource", "detect", "resolve_step_dir", "read_yaml", "algorithm
 class ExportSource:
     """A checkpoint opened for export; ``state_dict`` is already validated and in HF on-disk layout."""
 
-    kind: str                                   # embedded | dcp | megatron
-    what: str                                   # policy | critic
-    path: Path                                  # the step directory
-    config: Any                                 # transformers PretrainedConfig
+    kind: str  # embedded | dcp | megatron
+    what: str  # policy | critic
+    path: Path  # the step directory
+    config: Any  # transformers PretrainedConfig
     state_dict: dict[str, torch.Tensor]
-    reference: Callable[[], torch.nn.Module]    # builds the *source* model (fp32, eval) for verification
+    reference: Callable[[], torch.nn.Module]  # builds the *source* model (fp32, eval) for verification
     tokenizer_dir: Optional[Path] = None
     generation_config_dir: Optional[Path] = None
     train_config: Optional[dict] = None
@@ -114,8 +114,11 @@ def _is_nemo_rl_step(p: Path) -> bool:
 
 
 def _is_megatron_weights(w: Path) -> bool:
-    return ((w / "latest_checkpointed_iteration.txt").exists() or (w / "run_config.yaml").exists()
-            or any(c.is_dir() and re.fullmatch(r"iter_\d+", c.name) for c in w.iterdir()))
+    return (
+        (w / "latest_checkpointed_iteration.txt").exists()
+        or (w / "run_config.yaml").exists()
+        or any(c.is_dir() and re.fullmatch(r"iter_\d+", c.name) for c in w.iterdir())
+    )
 
 
 def resolve_step_dir(src: Path) -> Path:
@@ -136,8 +139,9 @@ def resolve_step_dir(src: Path) -> Path:
                 raise FileNotFoundError(f"{latest} names {name!r} but {step} does not exist")
             return step
     if not _is_embedded_step(src) and not _is_nemo_rl_step(src):
-        steps = [(int(m.group(1)), c) for c in src.iterdir()
-                 if c.is_dir() and (m := re.fullmatch(r"step_(\d+)", c.name))]
+        steps = [
+            (int(m.group(1)), c) for c in src.iterdir() if c.is_dir() and (m := re.fullmatch(r"step_(\d+)", c.name))
+        ]
         if steps:
             return max(steps)[1]
     return src
@@ -151,11 +155,15 @@ def detect(step_dir: Path, what: str) -> str:
     if weights.is_dir():
         return "megatron" if _is_megatron_weights(weights) else "dcp"
     if _is_nemo_rl_step(step_dir):
-        raise ValueError(f"{step_dir} has no {weights.relative_to(step_dir)} (is this a "
-                         f"{'PPO value' if what == 'critic' else 'policy'} checkpoint?)")
-    raise ValueError(f"cannot detect the checkpoint format of {step_dir}: expected policy/config.json "
-                     "(nemo-granular embedded), policy/weights/ (NeMo-RL), a run dir with checkpoints/latest, "
-                     "or a directory of step_N checkpoints")
+        raise ValueError(
+            f"{step_dir} has no {weights.relative_to(step_dir)} (is this a "
+            f"{'PPO value' if what == 'critic' else 'policy'} checkpoint?)"
+        )
+    raise ValueError(
+        f"cannot detect the checkpoint format of {step_dir}: expected policy/config.json "
+        "(nemo-granular embedded), policy/weights/ (NeMo-RL), a run dir with checkpoints/latest, "
+        "or a directory of step_N checkpoints"
+    )
 
 
 def read_json(path: Path) -> dict:

@@ -116,28 +116,40 @@ def verify_export(source, out_dir: Path, dtype_name: str, prompts: Sequence[str]
     drift = _max_diff(got, full)
     scale = max(1.0, max(float(x.abs().max()) for x in full))
     drift_tol = DRIFT_REL_TOL[dtype_name] * (1.0 if dtype_name == "fp32" else scale)
-    report = {"prompts": len(ids), "quantity": "critic logit v (V=sigmoid(v))" if source.critic else "LM logits",
-              "exact_max_abs_diff": exact, "exact_tol": EXACT_TOL,
-              "drift_max_abs_diff": drift, "drift_tol": drift_tol, "ref_max_abs": scale}
+    report = {
+        "prompts": len(ids),
+        "quantity": "critic logit v (V=sigmoid(v))" if source.critic else "LM logits",
+        "exact_max_abs_diff": exact,
+        "exact_tol": EXACT_TOL,
+        "drift_max_abs_diff": drift,
+        "drift_tol": drift_tol,
+        "ref_max_abs": scale,
+    }
     if source.critic:
         report["values_source"] = [round(float(v), 6) for v in torch.sigmoid(full[0])]
         report["values_exported"] = [round(float(v), 6) for v in torch.sigmoid(got[0])]
         report["value_max_abs_diff"] = float((torch.sigmoid(got[0]) - torch.sigmoid(full[0])).abs().max())
     if not exact <= EXACT_TOL:
-        raise ValueError(f"verification failed: exported model differs from the source (weights rounded to "
-                         f"{dtype_name}) by max |Δ| = {exact:.3g} > {EXACT_TOL:g}")
+        raise ValueError(
+            f"verification failed: exported model differs from the source (weights rounded to "
+            f"{dtype_name}) by max |Δ| = {exact:.3g} > {EXACT_TOL:g}"
+        )
     if not (drift <= drift_tol and all(bool(torch.isfinite(x).all()) for x in got)):
-        raise ValueError(f"verification failed: {dtype_name} export drifts from the fp32 source by "
-                         f"max |Δ| = {drift:.3g} > {drift_tol:.3g}")
+        raise ValueError(
+            f"verification failed: {dtype_name} export drifts from the fp32 source by "
+            f"max |Δ| = {drift:.3g} > {drift_tol:.3g}"
+        )
     return report
 
 
 def describe(report: Optional[dict], reason: str = "") -> str:
     if report is None:
         return f"not run ({reason})" if reason else "not run"
-    text = (f"passed on {report['prompts']} prompts ({report['quantity']}): max |Δ| vs source rounded to the "
-            f"export dtype = {report['exact_max_abs_diff']:.2e} (≤ {report['exact_tol']:g}); vs fp32 source = "
-            f"{report['drift_max_abs_diff']:.2e} (≤ {report['drift_tol']:.2e})")
+    text = (
+        f"passed on {report['prompts']} prompts ({report['quantity']}): max |Δ| vs source rounded to the "
+        f"export dtype = {report['exact_max_abs_diff']:.2e} (≤ {report['exact_tol']:g}); vs fp32 source = "
+        f"{report['drift_max_abs_diff']:.2e} (≤ {report['drift_tol']:.2e})"
+    )
     if "value_max_abs_diff" in report:
         text += f"; max |ΔV| = {report['value_max_abs_diff']:.2e}"
     return text

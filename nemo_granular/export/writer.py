@@ -33,8 +33,18 @@ __all__ = ["DTYPES", "parse_size", "plan_shards", "write_safetensors", "atomic_o
 
 DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 def parse_size(text: str | int) -> int:
@@ -59,8 +69,9 @@ def _export_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     return dtype if t.is_floating_point() else t.dtype
 
 
-def plan_shards(shapes: Mapping[str, tuple[torch.Size, torch.dtype]], dtype: torch.dtype,
-                max_bytes: int) -> list[list[str]]:
+def plan_shards(
+    shapes: Mapping[str, tuple[torch.Size, torch.dtype]], dtype: torch.dtype, max_bytes: int
+) -> list[list[str]]:
     """Greedy shard plan: ``shapes`` maps name → (shape, source dtype); returns lists of names."""
     shards: list[list[str]] = [[]]
     used = 0
@@ -76,8 +87,9 @@ def plan_shards(shapes: Mapping[str, tuple[torch.Size, torch.dtype]], dtype: tor
     return shards
 
 
-def write_safetensors(out_dir: Path, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype,
-                      max_bytes: int) -> dict[str, Any]:
+def write_safetensors(
+    out_dir: Path, state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, max_bytes: int
+) -> dict[str, Any]:
     """Write ``state_dict`` (cast to ``dtype``) as sharded safetensors into ``out_dir``.
 
     Each shard's tensors are cast and copied only while that shard is written (peak extra memory
@@ -102,8 +114,10 @@ def write_safetensors(out_dir: Path, state_dict: Mapping[str, torch.Tensor], dty
         os.chmod(out_dir / fname, 0o666 & ~current_umask())  # safetensors creates 0600 files
         del shard
     if n > 1:
-        index = {"metadata": {"total_size": total},
-                 "weight_map": dict(sorted(weight_map.items(), key=lambda kv: _natural_key(kv[0])))}
+        index = {
+            "metadata": {"total_size": total},
+            "weight_map": dict(sorted(weight_map.items(), key=lambda kv: _natural_key(kv[0]))),
+        }
         (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return {"files": names, "total_size": total, "num_tensors": len(weight_map)}
 
@@ -141,9 +155,21 @@ def atomic_output_dir(out: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
-def model_card(*, title: str, what: str, source_kind: str, source_path: str, algorithm: str | None,
-               step: int | None, dtype: str, architecture: str, num_params: int,
-               train_config: Any, verification: str, critic_meaning: Mapping[str, str] | None = None) -> str:
+def model_card(
+    *,
+    title: str,
+    what: str,
+    source_kind: str,
+    source_path: str,
+    algorithm: str | None,
+    step: int | None,
+    dtype: str,
+    architecture: str,
+    num_params: int,
+    train_config: Any,
+    verification: str,
+    critic_meaning: Mapping[str, str] | None = None,
+) -> str:
     """A short ``README.md``: YAML front matter, provenance, verification and the training config."""
     import yaml
 

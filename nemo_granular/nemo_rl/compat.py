@@ -48,17 +48,42 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["V0_7", "MAIN", "VERSIONS", "TITLES", "NemoRLVersion", "NotInThisVersion", "UnsupportedNemoRL",
-           "VersionRefusal", "version", "LOCATIONS", "VERSIONED", "MODULES", "CONFIG_KEYS", "BEHAVIOURS",
-           "LOGPROB_OPTIONAL_KEYS", "get", "find", "module", "logprob_outputs", "conf", "adapt_config", "require",
-           "shutdown_environments", "checkpoint_flush", "should_use_async_rollouts", "estimator_config",
-           "fused_linear_logprobs", "verify_scores_need_own_call",
-           "render_version_table"]
+__all__ = [
+    "V0_7",
+    "MAIN",
+    "VERSIONS",
+    "TITLES",
+    "NemoRLVersion",
+    "NotInThisVersion",
+    "UnsupportedNemoRL",
+    "VersionRefusal",
+    "version",
+    "LOCATIONS",
+    "VERSIONED",
+    "MODULES",
+    "CONFIG_KEYS",
+    "BEHAVIOURS",
+    "LOGPROB_OPTIONAL_KEYS",
+    "get",
+    "find",
+    "module",
+    "logprob_outputs",
+    "conf",
+    "adapt_config",
+    "require",
+    "shutdown_environments",
+    "checkpoint_flush",
+    "should_use_async_rollouts",
+    "estimator_config",
+    "fused_linear_logprobs",
+    "verify_scores_need_own_call",
+    "render_version_table",
+]
 
 V0_7, MAIN = "v0.7.0", "main"
 VERSIONS = (V0_7, MAIN)
 TITLES = {V0_7: "NeMo-RL v0.7.0", MAIN: "NeMo-RL main (7ea279ab)"}
-MAIN_MARKER = "algorithms/single_controller.py"   # in main since after v0.7.0; not in v0.7.0
+MAIN_MARKER = "algorithms/single_controller.py"  # in main since after v0.7.0; not in v0.7.0
 
 
 class UnsupportedNemoRL(ImportError):
@@ -75,9 +100,9 @@ class VersionRefusal(ValueError):
 
 @dataclass(frozen=True)
 class NemoRLVersion:
-    key: str               # V0_7 or MAIN
-    package_version: str   # nemo_rl/package_info.py, e.g. "0.7.0"
-    root: str              # the nemo_rl package folder
+    key: str  # V0_7 or MAIN
+    package_version: str  # nemo_rl/package_info.py, e.g. "0.7.0"
+    root: str  # the nemo_rl package folder
 
     @property
     def title(self) -> str:
@@ -108,8 +133,9 @@ def classify(root: str | Path) -> NemoRLVersion:
         return NemoRLVersion(MAIN, text, str(root))
     if ver[:2] == (0, 7):
         return NemoRLVersion(V0_7, text, str(root))
-    raise UnsupportedNemoRL(f"NeMo-RL {text} at {root} is not supported: nemo-granular runs on "
-                            f"{' and '.join(TITLES.values())}")
+    raise UnsupportedNemoRL(
+        f"NeMo-RL {text} at {root} is not supported: nemo-granular runs on {' and '.join(TITLES.values())}"
+    )
 
 
 @functools.cache
@@ -181,10 +207,14 @@ LOCATIONS: dict[str, tuple[str, ...]] = {
 VERSIONED: dict[str, dict[str, str | None]] = {
     "shutdown_environments": {V0_7: None, MAIN: "nemo_rl.algorithms.grpo"},
     "async_ppo_train": {V0_7: None, MAIN: "nemo_rl.algorithms.ppo"},
-    "should_use_nemo_gym": {V0_7: "nemo_rl.algorithms.grpo:_should_use_nemo_gym",
-                            MAIN: "nemo_rl.environments.nemo_gym"},
-    "should_use_async_rollouts": {V0_7: "nemo_rl.algorithms.grpo:_should_use_async_rollouts",
-                                  MAIN: "nemo_rl.models.generation.interfaces"},
+    "should_use_nemo_gym": {
+        V0_7: "nemo_rl.algorithms.grpo:_should_use_nemo_gym",
+        MAIN: "nemo_rl.environments.nemo_gym",
+    },
+    "should_use_async_rollouts": {
+        V0_7: "nemo_rl.algorithms.grpo:_should_use_async_rollouts",
+        MAIN: "nemo_rl.models.generation.interfaces",
+    },
     "AdvEstimatorConfig": {V0_7: "nemo_rl.algorithms.grpo", MAIN: "nemo_rl.algorithms.advantage_estimator"},
     "MetricNormalizer": {V0_7: None, MAIN: "nemo_rl.algorithms.loss.interfaces"},
     "warn_on_unsupported_dataset_config_keys": {V0_7: None, MAIN: "nemo_rl.data.datasets.utils"},
@@ -223,8 +253,10 @@ def get(name: str) -> Any:
         spec = VERSIONED[name][ver.key]
         if spec is None:
             where = {k: v for k, v in VERSIONED[name].items() if v}
-            raise NotInThisVersion(f"{ver.title} has no {name} (" + "; ".join(
-                f"{TITLES[k]}: {v}" for k, v in where.items()) + ")", name=name)
+            raise NotInThisVersion(
+                f"{ver.title} has no {name} (" + "; ".join(f"{TITLES[k]}: {v}" for k, v in where.items()) + ")",
+                name=name,
+            )
         mod, attr = _place(spec)
         return getattr(importlib.import_module(mod), attr or name)
     places = LOCATIONS.get(name)
@@ -236,14 +268,17 @@ def get(name: str) -> Any:
             mod = importlib.import_module(place)
         except ImportError as err:
             if err.name is not None and not place.startswith(err.name):
-                raise            # the module exists but one of ITS imports is missing: say so
+                raise  # the module exists but one of ITS imports is missing: say so
             tried.append(place)
             continue
         if hasattr(mod, name):
             return getattr(mod, name)
         tried.append(place)
-    raise ImportError(f"NeMo-RL has no {name!r} in {', '.join(tried)} (supported: "
-                      f"{', '.join(TITLES.values())}; and the 0.8 locations)", name=places[0])
+    raise ImportError(
+        f"NeMo-RL has no {name!r} in {', '.join(tried)} (supported: "
+        f"{', '.join(TITLES.values())}; and the 0.8 locations)",
+        name=places[0],
+    )
 
 
 def find(name: str) -> Any:
@@ -295,9 +330,9 @@ def conf(obj: Any, dotted: str, default: Any = _UNSET) -> Any:
 class ConfigKey:
     """A config key one supported version declares and another does not."""
 
-    versions: tuple[str, ...]            # the versions that declare it
+    versions: tuple[str, ...]  # the versions that declare it
     neutral: Callable[[dict, Any], bool]  # (whole config, value) -> the value means what its absence means
-    absent_means: str                    # what a version without the key does instead
+    absent_means: str  # what a version without the key does instead
     note: str = ""
 
 
@@ -307,18 +342,25 @@ def _same_as(sibling: str) -> Callable[[dict, Any], bool]:
 
 CONFIG_KEYS: dict[str, ConfigKey] = {
     "policy.generation.val_temperature": ConfigKey(
-        (MAIN,), _same_as("policy.generation.temperature"),
+        (MAIN,),
+        _same_as("policy.generation.temperature"),
         "validation samples at policy.generation.temperature",
-        "main's example configs set it to `${.temperature}`"),
+        "main's example configs set it to `${.temperature}`",
+    ),
     "policy.generation.val_top_p": ConfigKey(
-        (MAIN,), _same_as("policy.generation.top_p"), "validation samples at policy.generation.top_p"),
+        (MAIN,), _same_as("policy.generation.top_p"), "validation samples at policy.generation.top_p"
+    ),
     "policy.generation.val_top_k": ConfigKey(
-        (MAIN,), _same_as("policy.generation.top_k"), "validation samples at policy.generation.top_k"),
+        (MAIN,), _same_as("policy.generation.top_k"), "validation samples at policy.generation.top_k"
+    ),
     "ppo.async_ppo": ConfigKey(
-        (MAIN,), lambda cfg, value: not conf(value or {}, "enabled", False),
-        "PPO runs synchronously (no async_ppo_train)"),
+        (MAIN,),
+        lambda cfg, value: not conf(value or {}, "enabled", False),
+        "PPO runs synchronously (no async_ppo_train)",
+    ),
     "grpo.adv_estimator.reward_weights": ConfigKey(
-        (MAIN,), lambda cfg, value: value is None, "GDPO weighs every reward component 1"),
+        (MAIN,), lambda cfg, value: value is None, "GDPO weighs every reward component 1"
+    ),
 }
 
 
@@ -338,11 +380,14 @@ def adapt_config(cfg: dict) -> list[str]:
             continue
         value = parent[leaf]
         if not key.neutral(cfg, value):
-            raise VersionRefusal(f"{dotted}: {value!r} needs {' or '.join(TITLES[v] for v in key.versions)}; "
-                                 f"{ver.title} does not have this key ({key.absent_means})")
+            raise VersionRefusal(
+                f"{dotted}: {value!r} needs {' or '.join(TITLES[v] for v in key.versions)}; "
+                f"{ver.title} does not have this key ({key.absent_means})"
+            )
         del parent[leaf]
-        notes.append(f"{dotted}: removed ({ver.title} does not have it; {key.absent_means}, which is what "
-                     f"{value!r} asks for)")
+        notes.append(
+            f"{dotted}: removed ({ver.title} does not have it; {key.absent_means}, which is what {value!r} asks for)"
+        )
     return notes
 
 
@@ -353,16 +398,19 @@ FEATURES: dict[str, dict[str, str | None]] = {
     "async_ppo": {V0_7: "async PPO (nemo_rl.algorithms.ppo.async_ppo_train, ppo.async_ppo)", MAIN: None},
     # preflight's set-up checks restate main's setup(); on v0.7.0 they run where its keys exist, but
     # check-by-check agreement with NeMo-RL is established against main only
-    "preflight_setup_parity": {V0_7: "set-up checks that preflight mirrors check by check (preflight restates "
-                                     "main's setup(); v0.7.0's own setup() accepts every shipped config)",
-                               MAIN: None},
+    "preflight_setup_parity": {
+        V0_7: "set-up checks that preflight mirrors check by check (preflight restates "
+        "main's setup(); v0.7.0's own setup() accepts every shipped config)",
+        MAIN: None,
+    },
     # grpo_train indexes metrics["token_mult_prob_error"] / ["gen_kl_error"] after every step on both
     # versions; the loss drops them at metrics_level: minimal (NeMo-RL's next loss, pull request 3751)
     "grpo_minimal_loss_metrics": {
         V0_7: "grpo_train that runs without the loss's token_mult_prob_error / gen_kl_error metrics "
-              "(it reads them every step: KeyError)",
+        "(it reads them every step: KeyError)",
         MAIN: "grpo_train that runs without the loss's token_mult_prob_error / gen_kl_error metrics "
-              "(it reads them every step: KeyError)"},
+        "(it reads them every step: KeyError)",
+    },
 }
 
 
@@ -371,8 +419,10 @@ def require(feature: str, where: str = "") -> None:
     ver = version()
     missing = FEATURES[feature][ver.key]
     if missing is not None:
-        have = " or ".join(TITLES[k] for k, v in FEATURES[feature].items() if v is None) or \
-            "a NeMo-RL newer than the supported versions"
+        have = (
+            " or ".join(TITLES[k] for k, v in FEATURES[feature].items() if v is None)
+            or "a NeMo-RL newer than the supported versions"
+        )
         raise VersionRefusal(f"{where + ': ' if where else ''}{ver.title} has no {missing}; it needs {have}")
 
 
@@ -402,8 +452,10 @@ def should_use_async_rollouts(master_config) -> bool:
 
 # Megatron's fused linear + logprob kernel: the post-processor's flag and the config key, per version
 FUSED_LOGPROBS_ATTR = {V0_7: "use_linear_ce_fusion", MAIN: "use_fused_linear_logprobs"}
-FUSED_LOGPROBS_KEY = {V0_7: "policy.megatron_cfg.use_linear_ce_fusion_loss",
-                      MAIN: "policy.megatron_cfg.use_fused_linear_logprobs"}
+FUSED_LOGPROBS_KEY = {
+    V0_7: "policy.megatron_cfg.use_linear_ce_fusion_loss",
+    MAIN: "policy.megatron_cfg.use_fused_linear_logprobs",
+}
 
 
 def fused_linear_logprobs(post_processor) -> bool:
@@ -420,7 +472,7 @@ ESTIMATOR_REQUIRED: dict[str, tuple[str, ...]] = {
 # what NeMo-RL uses when the whole grpo.adv_estimator section is absent
 ESTIMATOR_WITHOUT_SECTION: dict[str, str] = {
     V0_7: "grpo: normalize_rewards from grpo.normalize_rewards (true), use_leave_one_out_baseline from "
-          "grpo.use_leave_one_out_baseline (false)",
+    "grpo.use_leave_one_out_baseline (false)",
     MAIN: "AdvEstimatorConfig's defaults: name grpo, normalize_rewards true, use_leave_one_out_baseline true",
 }
 
@@ -432,15 +484,18 @@ def estimator_config(master_config, section: str = "grpo") -> dict:
     the gaps."""
     try:
         ver = version().key
-    except ImportError:   # no NeMo-RL in this process (a unit test of the estimator alone): main's rules
+    except ImportError:  # no NeMo-RL in this process (a unit test of the estimator alone): main's rules
         ver = MAIN
     est = conf(master_config, f"{section}.adv_estimator", None)
     if est is None:
         if ver == V0_7 and section == "grpo":
             sec = conf(master_config, section)
-            return {"name": "grpo", "normalize_rewards": conf(sec, "normalize_rewards", True),
-                    "use_leave_one_out_baseline": conf(sec, "use_leave_one_out_baseline", False),
-                    "minus_baseline": True}
+            return {
+                "name": "grpo",
+                "normalize_rewards": conf(sec, "normalize_rewards", True),
+                "use_leave_one_out_baseline": conf(sec, "use_leave_one_out_baseline", False),
+                "minus_baseline": True,
+            }
         return {}
     est = dict(est) if isinstance(est, Mapping) else est.model_dump()
     for key in ESTIMATOR_REQUIRED[ver] if section == "grpo" else ():
@@ -461,45 +516,92 @@ def verify_scores_need_own_call() -> bool:
 class Behaviour:
     what: str
     per_version: dict[str, str]
-    handled_by: str   # the compat function (or module) that holds it
+    handled_by: str  # the compat function (or module) that holds it
 
 
 BEHAVIOURS: tuple[Behaviour, ...] = (
-    Behaviour("config sections (`master.grpo`, `master.ppo`)",
-              {V0_7: "TypedDicts: plain dicts", MAIN: "pydantic models (attribute access)"}, "conf"),
-    Behaviour("environments after training",
-              {V0_7: "left to the Ray job's end (no `shutdown_environments`)",
-               MAIN: "`shutdown_environments(task_to_env, val_task_to_env)`"}, "shutdown_environments"),
-    Behaviour("`CheckpointManager` as a context manager",
-              {V0_7: "no (saves in the foreground)", MAIN: "yes: waits for background saves on exit"},
-              "checkpoint_flush"),
-    Behaviour("async-rollout test",
-              {V0_7: "`grpo._should_use_async_rollouts(master_config)`",
-               MAIN: "`should_use_async_rollouts(policy.generation)`"}, "should_use_async_rollouts"),
-    Behaviour("`grpo.adv_estimator` keys",
-              {V0_7: "`name`, `normalize_rewards`, `use_leave_one_out_baseline` required (`KeyError`); no "
-                     "section: " + ESTIMATOR_WITHOUT_SECTION[V0_7].split(": ", 1)[1],
-               MAIN: "defaults name grpo, normalize_rewards true, use_leave_one_out_baseline true"},
-              "estimator_config"),
-    Behaviour("Megatron's fused linear + logprob kernel (the worker extension refuses it: no logits)",
-              {V0_7: f"`{FUSED_LOGPROBS_KEY[V0_7]}`, post-processor flag `{FUSED_LOGPROBS_ATTR[V0_7]}`",
-               MAIN: f"`{FUSED_LOGPROBS_KEY[MAIN]}`, post-processor flag `{FUSED_LOGPROBS_ATTR[MAIN]}`"},
-              "fused_linear_logprobs"),
-    Behaviour("async PPO (`ppo.async_ppo.enabled: true`)",
-              {V0_7: "absent: refused in one line", MAIN: "`async_ppo_train`"}, "require"),
-    Behaviour("`loss_fn.metrics_level: minimal` under `run_grpo`",
-              {V0_7: "refused in one line (`grpo_train` reads `token_mult_prob_error`)",
-               MAIN: "refused in one line (`grpo_train` reads `token_mult_prob_error`)"}, "require"),
-    Behaviour("preflight's restated `setup()` checks",
-              {V0_7: "main's, on the keys v0.7.0 has (agreement with v0.7.0's `setup()` tested on the shipped "
-                     "configs only)", MAIN: "each checked against NeMo-RL's own code"}, "require"),
-    Behaviour("math verifier `verify(..., return_extracted_answer=True)` (ESPO's environment)",
-              {V0_7: "an answer extraction that fails after scoring adds a second score: scores from a second "
-                     "call without answers",
-               MAIN: "one score and one answer per response"}, "verify_scores_need_own_call"),
-    Behaviour("split-step metric rescale (`MetricNormalizer`)",
-              {V0_7: "absent: the losses' local enum stands in (`nemo_granular.protocol`)",
-               MAIN: "per metric, by the loss's `metric_normalizations`"}, "nemo_granular.protocol"),
+    Behaviour(
+        "config sections (`master.grpo`, `master.ppo`)",
+        {V0_7: "TypedDicts: plain dicts", MAIN: "pydantic models (attribute access)"},
+        "conf",
+    ),
+    Behaviour(
+        "environments after training",
+        {
+            V0_7: "left to the Ray job's end (no `shutdown_environments`)",
+            MAIN: "`shutdown_environments(task_to_env, val_task_to_env)`",
+        },
+        "shutdown_environments",
+    ),
+    Behaviour(
+        "`CheckpointManager` as a context manager",
+        {V0_7: "no (saves in the foreground)", MAIN: "yes: waits for background saves on exit"},
+        "checkpoint_flush",
+    ),
+    Behaviour(
+        "async-rollout test",
+        {
+            V0_7: "`grpo._should_use_async_rollouts(master_config)`",
+            MAIN: "`should_use_async_rollouts(policy.generation)`",
+        },
+        "should_use_async_rollouts",
+    ),
+    Behaviour(
+        "`grpo.adv_estimator` keys",
+        {
+            V0_7: "`name`, `normalize_rewards`, `use_leave_one_out_baseline` required (`KeyError`); no "
+            "section: " + ESTIMATOR_WITHOUT_SECTION[V0_7].split(": ", 1)[1],
+            MAIN: "defaults name grpo, normalize_rewards true, use_leave_one_out_baseline true",
+        },
+        "estimator_config",
+    ),
+    Behaviour(
+        "Megatron's fused linear + logprob kernel (the worker extension refuses it: no logits)",
+        {
+            V0_7: f"`{FUSED_LOGPROBS_KEY[V0_7]}`, post-processor flag `{FUSED_LOGPROBS_ATTR[V0_7]}`",
+            MAIN: f"`{FUSED_LOGPROBS_KEY[MAIN]}`, post-processor flag `{FUSED_LOGPROBS_ATTR[MAIN]}`",
+        },
+        "fused_linear_logprobs",
+    ),
+    Behaviour(
+        "async PPO (`ppo.async_ppo.enabled: true`)",
+        {V0_7: "absent: refused in one line", MAIN: "`async_ppo_train`"},
+        "require",
+    ),
+    Behaviour(
+        "`loss_fn.metrics_level: minimal` under `run_grpo`",
+        {
+            V0_7: "refused in one line (`grpo_train` reads `token_mult_prob_error`)",
+            MAIN: "refused in one line (`grpo_train` reads `token_mult_prob_error`)",
+        },
+        "require",
+    ),
+    Behaviour(
+        "preflight's restated `setup()` checks",
+        {
+            V0_7: "main's, on the keys v0.7.0 has (agreement with v0.7.0's `setup()` tested on the shipped "
+            "configs only)",
+            MAIN: "each checked against NeMo-RL's own code",
+        },
+        "require",
+    ),
+    Behaviour(
+        "math verifier `verify(..., return_extracted_answer=True)` (ESPO's environment)",
+        {
+            V0_7: "an answer extraction that fails after scoring adds a second score: scores from a second "
+            "call without answers",
+            MAIN: "one score and one answer per response",
+        },
+        "verify_scores_need_own_call",
+    ),
+    Behaviour(
+        "split-step metric rescale (`MetricNormalizer`)",
+        {
+            V0_7: "absent: the losses' local enum stands in (`nemo_granular.protocol`)",
+            MAIN: "per metric, by the loss's `metric_normalizations`",
+        },
+        "nemo_granular.protocol",
+    ),
 )
 
 
@@ -523,8 +625,12 @@ def render_version_table() -> str:
                 cells.append(f"`{mod}.{attr or name}`")
         rows.append(f"| name | `{name}` | {' | '.join(cells)} |")
     for dotted, key in CONFIG_KEYS.items():
-        cells = [("declared" + (f" ({key.note})" if key.note else "")) if v in key.versions else
-                 f"absent: {key.absent_means}; dropped when it means the same, else refused" for v in VERSIONS]
+        cells = [
+            ("declared" + (f" ({key.note})" if key.note else ""))
+            if v in key.versions
+            else f"absent: {key.absent_means}; dropped when it means the same, else refused"
+            for v in VERSIONS
+        ]
         rows.append(f"| config key | `{dotted}` | {' | '.join(cell(c) for c in cells)} |")
     for b in BEHAVIOURS:
         rows.append(f"| behaviour | {cell(b.what)} | {' | '.join(cell(b.per_version[v]) for v in VERSIONS)} |")

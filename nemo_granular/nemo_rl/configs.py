@@ -27,12 +27,20 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigFileError", "UPSTREAM_DIR", "nemo_rl_configs_dir", "stage_config", "load_config",
-           "check_config_files"]
+__all__ = [
+    "ConfigFileError",
+    "UPSTREAM_DIR",
+    "nemo_rl_configs_dir",
+    "stage_config",
+    "load_config",
+    "check_config_files",
+]
 
 UPSTREAM_DIR = "upstream"
-HOW_TO = ("set NEMO_RL_SRC to your NeMo-RL checkout (its examples/configs are used), or run where "
-          "nemo_rl is importable from its checkout (e.g. `uv run` in NeMo-RL)")
+HOW_TO = (
+    "set NEMO_RL_SRC to your NeMo-RL checkout (its examples/configs are used), or run where "
+    "nemo_rl is importable from its checkout (e.g. `uv run` in NeMo-RL)"
+)
 
 
 class ConfigFileError(FileNotFoundError):
@@ -48,7 +56,7 @@ def nemo_rl_configs_dir() -> Path | None:
             raise ConfigFileError(f"NEMO_RL_SRC={src} has no examples/configs folder (expected a NeMo-RL checkout)")
         return d.resolve()
     try:
-        spec = importlib.util.find_spec("nemo_rl")   # locates the package without importing it
+        spec = importlib.util.find_spec("nemo_rl")  # locates the package without importing it
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.origin:
@@ -88,12 +96,13 @@ def _upstream_rest(entry: str) -> str | None:
     if UPSTREAM_DIR not in parts:
         return None
     i = len(parts) - 1 - parts[::-1].index(UPSTREAM_DIR)
-    rest = parts[i + 1:]
+    rest = parts[i + 1 :]
     return str(Path(*rest)) if rest else None
 
 
-def stage_config(path: str | os.PathLike, workdir: str | os.PathLike, nemo_configs: Path | None = None,
-                 _seen: tuple[Path, ...] = ()) -> Path:
+def stage_config(
+    path: str | os.PathLike, workdir: str | os.PathLike, nemo_configs: Path | None = None, _seen: tuple[Path, ...] = ()
+) -> Path:
     """The file NeMo-RL's ``load_config`` should read for ``path``: ``path`` itself when its whole
     ``defaults:`` chain exists, else a copy in ``workdir`` whose entries are absolute (``upstream``
     entries pointing into NeMo-RL's ``examples/configs``)."""
@@ -120,12 +129,15 @@ def stage_config(path: str | os.PathLike, workdir: str | os.PathLike, nemo_confi
             raise ConfigFileError(f"{path}: defaults entry {entry!r}: {parent} not found")
         base = nemo_configs if nemo_configs is not None else nemo_rl_configs_dir()
         if base is None:
-            raise ConfigFileError(f"{path}: defaults entry {entry!r} inherits NeMo-RL's example configs, "
-                                  f"which were not found: {HOW_TO}")
+            raise ConfigFileError(
+                f"{path}: defaults entry {entry!r} inherits NeMo-RL's example configs, which were not found: {HOW_TO}"
+            )
         target = base / rest
         if not target.is_file():
-            raise ConfigFileError(f"{path}: defaults entry {entry!r}: NeMo-RL has no examples/configs/{rest} "
-                                  f"(looked in {base}; a NeMo-RL checkout at commit 7ea279ab is expected)")
+            raise ConfigFileError(
+                f"{path}: defaults entry {entry!r}: NeMo-RL has no examples/configs/{rest} "
+                f"(looked in {base}; a NeMo-RL checkout at commit 7ea279ab is expected)"
+            )
         new.append(str(target))
         changed = True
     if not changed:
@@ -226,15 +238,17 @@ def check_ratio_is_active(config: dict, algo_section: str, allow_key: str) -> No
     how = f"(or set {allow_key}: true to run with ratio 1 anyway)"
     loss = config.get("loss_fn") or {}
     if bool(loss.get("force_on_policy_ratio", False)):
-        raise ValueError("loss_fn.force_on_policy_ratio: true fixes the importance ratio at 1, so the granular "
-                         f"ratios and their clipping do nothing; set it to false {how}")
+        raise ValueError(
+            "loss_fn.force_on_policy_ratio: true fixes the importance ratio at 1, so the granular "
+            f"ratios and their clipping do nothing; set it to false {how}"
+        )
     algo = config.get(algo_section) or {}
     policy = config.get("policy") or {}
     try:
         rows = int(algo["num_prompts_per_step"]) * int(algo["num_generations_per_prompt"])
         gbs = int(policy["train_global_batch_size"])
     except (KeyError, TypeError, ValueError):
-        return   # NeMo-RL's own validation reports missing batch keys
+        return  # NeMo-RL's own validation reports missing batch keys
     epochs = int(algo.get("ppo_epochs", 1) or 1) if algo_section == "ppo" else 1
     steps = (rows // gbs if gbs > 0 else 0) * epochs
     if steps <= 1:
@@ -243,4 +257,5 @@ def check_ratio_is_active(config: dict, algo_section: str, allow_key: str) -> No
             f"one optimizer step per rollout ({algo_section}.num_prompts_per_step × num_generations_per_prompt = "
             f"{rows}, policy.train_global_batch_size={gbs}{epoch_note}): that step is on-policy, the importance "
             f"ratio is 1 and the granular ratios/clipping do nothing; use several optimizer steps per rollout, "
-            f"e.g. policy.train_global_batch_size={max(rows // 2, 1)} {how}")
+            f"e.g. policy.train_global_batch_size={max(rows // 2, 1)} {how}"
+        )

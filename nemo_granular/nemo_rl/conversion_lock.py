@@ -49,9 +49,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["file_lock", "wait_for_lock", "locked_model_import", "converted", "move_aside_partial",
-           "ConversionLock", "DirectoryLock", "Mount", "parse_mounts", "mount_for_path", "flock_verdict",
-           "lock_kind_for", "stale_seconds", "FLOCK", "DIRECTORY", "STALE_SECONDS_ENV"]
+__all__ = [
+    "file_lock",
+    "wait_for_lock",
+    "locked_model_import",
+    "converted",
+    "move_aside_partial",
+    "ConversionLock",
+    "DirectoryLock",
+    "Mount",
+    "parse_mounts",
+    "mount_for_path",
+    "flock_verdict",
+    "lock_kind_for",
+    "stale_seconds",
+    "FLOCK",
+    "DIRECTORY",
+    "STALE_SECONDS_ENV",
+]
 
 # Written last by a conversion (Megatron-Bridge's save_checkpoint, via bridge.save_megatron_model):
 # Megatron's dist_checkpointing.save writes metadata.json after every shard ("only if the checkpoint is
@@ -74,6 +89,7 @@ OWNER_RECORD = "owner.json"
 
 
 # ---------------------------------------------------------------- which lock: the mount of the lock path
+
 
 @dataclass(frozen=True)
 class Mount:
@@ -174,12 +190,15 @@ def stale_seconds(environ: Mapping[str, str] = os.environ) -> float:
     except ValueError:
         raise ValueError(f"{STALE_SECONDS_ENV}={value!r}: not a number of seconds") from None
     if not seconds >= MIN_STALE_SECONDS:
-        raise ValueError(f"{STALE_SECONDS_ENV}={value!r}: at least {MIN_STALE_SECONDS:g} s (two heartbeats of the "
-                         f"lock's holder), or a live holder's lock would be taken over")
+        raise ValueError(
+            f"{STALE_SECONDS_ENV}={value!r}: at least {MIN_STALE_SECONDS:g} s (two heartbeats of the "
+            f"lock's holder), or a live holder's lock would be taken over"
+        )
     return seconds
 
 
 # ---------------------------------------------------------------- the two locks
+
 
 def _open_lock_file(path: str) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -207,7 +226,7 @@ class _FlockLock:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     def holder(self) -> str:
-        return ""   # flock does not say who
+        return ""  # flock does not say who
 
     def release(self) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
@@ -275,21 +294,32 @@ class DirectoryLock:
 
     kind = DIRECTORY
 
-    def __init__(self, path: str, *, stale_s: float | None = None, heartbeat_s: float = HEARTBEAT_SECONDS,
-                 log: Callable[[str], None] = print):
+    def __init__(
+        self,
+        path: str,
+        *,
+        stale_s: float | None = None,
+        heartbeat_s: float = HEARTBEAT_SECONDS,
+        log: Callable[[str], None] = print,
+    ):
         self.path = path.rstrip("/")
         self.stale_s = stale_seconds() if stale_s is None else stale_s
         self.heartbeat_s = heartbeat_s
         self.log = log
-        self._record: dict | None = None   # this holder's record while held
+        self._record: dict | None = None  # this holder's record while held
         self._stop = threading.Event()
         self._beater: threading.Thread | None = None
 
     def _new_record(self) -> dict:
         now = time.time()
-        return {"host": socket.gethostname(), "pid": os.getpid(), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                "token": f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}",
-                "acquired": now, "heartbeat": now}
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "token": f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:12]}",
+            "acquired": now,
+            "heartbeat": now,
+        }
 
     def _claim(self) -> bool:
         """One atomic attempt to create the lock directory with a fresh record of ours."""
@@ -322,13 +352,15 @@ class DirectoryLock:
         while not self._stop.wait(self.heartbeat_s):
             current = _read_owner(self.path)
             if current is None or current.get("token") != self._record["token"]:
-                self.log(f"conversion lock: {self.path} was taken over by {describe_owner(current)} while this job "
-                         f"held it (its heartbeat was found stale)")
+                self.log(
+                    f"conversion lock: {self.path} was taken over by {describe_owner(current)} while this job "
+                    f"held it (its heartbeat was found stale)"
+                )
                 return
             try:
                 _write_owner(self.path, {**self._record, "heartbeat": time.time()})
             except OSError:
-                pass   # a passing file-system hiccup: the next beat tries again, well before stale_s
+                pass  # a passing file-system hiccup: the next beat tries again, well before stale_s
 
     def heartbeat_age(self, record: dict | None) -> float | None:
         """Seconds since the holder's last heartbeat (the directory's change time without a record), or
@@ -353,7 +385,7 @@ class DirectoryLock:
             os.rename(self.path, aside)
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
-                return False   # released meanwhile, or another waiter took it over first
+                return False  # released meanwhile, or another waiter took it over first
             raise
         moved = _read_owner(aside)
         if record is not None and (moved or {}).get("token") != token:
@@ -363,9 +395,11 @@ class DirectoryLock:
             except OSError:
                 pass
             return False
-        self.log(f"conversion lock: {self.path}: taking over the lock of {describe_owner(record)}, whose last "
-                 f"heartbeat is {age:.0f} s old (over {self.stale_s:g} s, "
-                 f"{STALE_SECONDS_ENV}); its directory is kept as {aside}")
+        self.log(
+            f"conversion lock: {self.path}: taking over the lock of {describe_owner(record)}, whose last "
+            f"heartbeat is {age:.0f} s old (over {self.stale_s:g} s, "
+            f"{STALE_SECONDS_ENV}); its directory is kept as {aside}"
+        )
         return True
 
     def try_acquire(self) -> bool:
@@ -391,11 +425,13 @@ class DirectoryLock:
             return
         current = _read_owner(self.path)
         if (current or {}).get("token") != record["token"]:
-            self.log(f"conversion lock: {self.path} is held by {describe_owner(current)} now (this job's lock was "
-                     f"taken over): left as it is")
+            self.log(
+                f"conversion lock: {self.path} is held by {describe_owner(current)} now (this job's lock was "
+                f"taken over): left as it is"
+            )
             return
         gone = f"{self.path}.released-{record['token']}"
-        os.rename(self.path, gone)   # away from the lock's name first: never an empty directory there
+        os.rename(self.path, gone)  # away from the lock's name first: never an empty directory there
         _remove_tree_of_files(gone)
 
     def close(self) -> None:
@@ -407,9 +443,16 @@ class ConversionLock:
     :class:`DirectoryLock` at ``<path>.d``; ``kind`` forces one (tests). Logs one line saying which and why,
     and switches to the directory lock (another line) when ``flock`` turns out not to be supported."""
 
-    def __init__(self, path: str, *, kind: str | None = None, log: Callable[[str], None] = print,
-                 mounts_text: str | None = None, stale_s: float | None = None,
-                 heartbeat_s: float = HEARTBEAT_SECONDS):
+    def __init__(
+        self,
+        path: str,
+        *,
+        kind: str | None = None,
+        log: Callable[[str], None] = print,
+        mounts_text: str | None = None,
+        stale_s: float | None = None,
+        heartbeat_s: float = HEARTBEAT_SECONDS,
+    ):
         if kind not in (None, *LOCK_KINDS):
             raise ValueError(f"lock kind {kind!r}: one of {', '.join(LOCK_KINDS)}")
         self.path, self.log = path, log
@@ -445,9 +488,11 @@ class ConversionLock:
                 raise
             self._lock.close()
             self._lock = DirectoryLock(f"{self.path}.d", **self._directory_args)
-            self.log(f"conversion lock: flock on {self.path} failed ({errno.errorcode.get(e.errno, e.errno)}: "
-                     f"{e.strerror}): no flock on this file system; using a lock directory with a heartbeat "
-                     f"({self._lock.path})")
+            self.log(
+                f"conversion lock: flock on {self.path} failed ({errno.errorcode.get(e.errno, e.errno)}: "
+                f"{e.strerror}): no flock on this file system; using a lock directory with a heartbeat "
+                f"({self._lock.path})"
+            )
             return self._lock.try_acquire()
 
     def acquire(self, poll_s: float = 1.0) -> None:
@@ -470,8 +515,9 @@ class ConversionLock:
 
 
 @contextmanager
-def file_lock(path: str, *, kind: str | None = None, log: Callable[[str], None] = print,
-              poll_s: float = 1.0) -> Iterator[None]:
+def file_lock(
+    path: str, *, kind: str | None = None, log: Callable[[str], None] = print, poll_s: float = 1.0
+) -> Iterator[None]:
     """The lock at ``path`` (:class:`ConversionLock`: ``flock``, or the directory lock where ``flock`` is not
     trusted across nodes), held for the ``with`` block."""
     lock = ConversionLock(path, kind=kind, log=log)
@@ -486,8 +532,15 @@ def file_lock(path: str, *, kind: str | None = None, log: Callable[[str], None] 
 
 
 @contextmanager
-def wait_for_lock(path: str, *, rank0: bool, broadcast: Callable[[bool], bool], poll_s: float = 5.0,
-                  log: Callable[[str], None] = print, kind: str | None = None) -> Iterator[None]:
+def wait_for_lock(
+    path: str,
+    *,
+    rank0: bool,
+    broadcast: Callable[[bool], bool],
+    poll_s: float = 5.0,
+    log: Callable[[str], None] = print,
+    kind: str | None = None,
+) -> Iterator[None]:
     """Rank 0 holds the lock at ``path`` (:class:`ConversionLock`) for the ``with`` block; every rank enters
     it together. Why rounds: a rank that waited in one collective while rank 0 blocked on the lock
     would hit the process-group timeout when another job holds the lock longer than that; here
@@ -503,8 +556,10 @@ def wait_for_lock(path: str, *, rank0: bool, broadcast: Callable[[bool], bool], 
                 held = lock.try_acquire()
                 if not held and not waited:
                     holder = lock.holder()
-                    log(f"{lock.lock_path}: held by another job{f' ({holder})' if holder else ''} (converting this "
-                        f"model); trying again every {poll_s:g} s")
+                    log(
+                        f"{lock.lock_path}: held by another job{f' ({holder})' if holder else ''} (converting this "
+                        f"model); trying again every {poll_s:g} s"
+                    )
                     waited = True
             if broadcast(held):
                 break
@@ -533,15 +588,23 @@ def move_aside_partial(pretrained_path: str, log: Callable[[str], None] = print)
         return None
     aside = f"{pretrained_path.rstrip('/')}.partial-{int(time.time())}"
     os.rename(pretrained_path, aside)
-    log(f"{pretrained_path}: an unfinished conversion (no {' / '.join(COMPLETION_MARKERS)}); moved to {aside}, "
-        f"converting again")
+    log(
+        f"{pretrained_path}: an unfinished conversion (no {' / '.join(COMPLETION_MARKERS)}); moved to {aside}, "
+        f"converting again"
+    )
     return aside
 
 
-def locked_model_import(handle_model_import: Callable[..., Any], *, is_rank0: Callable[[], bool],
-                        broadcast: Callable[[bool], bool], barrier: Callable[[], None],
-                        log: Callable[[str], None] = print, poll_s: float = 5.0,
-                        lock_kind: str | None = None) -> Callable[..., Any]:
+def locked_model_import(
+    handle_model_import: Callable[..., Any],
+    *,
+    is_rank0: Callable[[], bool],
+    broadcast: Callable[[bool], bool],
+    barrier: Callable[[], None],
+    log: Callable[[str], None] = print,
+    poll_s: float = 5.0,
+    lock_kind: str | None = None,
+) -> Callable[..., Any]:
     """``handle_model_import`` (NeMo-RL's signature: ``config, hf_model_name, pretrained_path,
     pt_checkpoint_exists, **hooks``) under the cache folder's lock. ``broadcast`` sends rank 0's
     bool to every rank, ``barrier`` waits for all ranks (``torch.distributed`` in the worker);

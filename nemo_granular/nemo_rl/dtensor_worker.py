@@ -38,14 +38,21 @@ class EntropyLogprobsPostProcessor(_atrain.LogprobsPostProcessor):
             local, tp_group = logits.to_local(), logits.device_mesh.get_group()
         else:
             local, tp_group = logits, None
-        self.sink.append(dtensor_entropy(
-            local, input_lengths=data_dict["input_lengths"], seq_len=original_seq_len, tp_group=tp_group,
-            cp_group=self.cp_mesh.get_group() if self.cp_size > 1 else None,
-            seq_index_local=processed_inputs.seq_index if self.cp_size > 1 else None,
-            cu_seqlens_q=_cu_seqlens_q(processed_inputs) if self.enable_seq_packing else None,
-            chunk_size=self.logprob_chunk_size))
-        return super().__call__(logits, data_dict, processed_inputs, original_batch_size, original_seq_len,
-                                sequence_dim)
+        self.sink.append(
+            dtensor_entropy(
+                local,
+                input_lengths=data_dict["input_lengths"],
+                seq_len=original_seq_len,
+                tp_group=tp_group,
+                cp_group=self.cp_mesh.get_group() if self.cp_size > 1 else None,
+                seq_index_local=processed_inputs.seq_index if self.cp_size > 1 else None,
+                cu_seqlens_q=_cu_seqlens_q(processed_inputs) if self.enable_seq_packing else None,
+                chunk_size=self.logprob_chunk_size,
+            )
+        )
+        return super().__call__(
+            logits, data_dict, processed_inputs, original_batch_size, original_seq_len, sequence_dim
+        )
 
 
 class GranularDTensorPolicyWorkerV2Impl(_dpw.DTensorPolicyWorkerV2Impl):

@@ -79,8 +79,9 @@ def _last_environment_content(message_log: Sequence[Any]) -> str | None:
 
 def verification_failed_from_message_logs(message_logs: Sequence[Sequence[Any]]) -> torch.Tensor:
     """bool ``[B]``: the last environment message of sample i is :data:`VERIFICATION_FAILED_CONTENT`."""
-    return torch.tensor([_last_environment_content(log) == VERIFICATION_FAILED_CONTENT for log in message_logs],
-                        dtype=torch.bool)
+    return torch.tensor(
+        [_last_environment_content(log) == VERIFICATION_FAILED_CONTENT for log in message_logs], dtype=torch.bool
+    )
 
 
 def attach_verification_flags(repeated_batch, key: str = "verification_failed") -> torch.Tensor:
@@ -98,8 +99,11 @@ def attach_verification_flags(repeated_batch, key: str = "verification_failed") 
     flags = verification_failed_from_message_logs(logs)
     if not _warned_no_flags and not any(_last_environment_content(log) in _KNOWN for log in logs):
         _warned_no_flags = True
-        warnings.warn(f"ESPO: no '{ESPO_ENV_NAME}' observations in the rollout; every response is treated as "
-                      f"verified. Set data.env_name: {ESPO_ENV_NAME} (see docs/nemo-rl.md).", stacklevel=2)
+        warnings.warn(
+            f"ESPO: no '{ESPO_ENV_NAME}' observations in the rollout; every response is treated as "
+            f"verified. Set data.env_name: {ESPO_ENV_NAME} (see docs/nemo-rl.md).",
+            stacklevel=2,
+        )
     repeated_batch[key] = flags
     return flags
 
@@ -110,8 +114,10 @@ def _build_espo_math_environment():  # pragma: no cover - needs NeMo-RL and Ray
     from . import compat
 
     EnvironmentReturn, BaseMathEnvironment = compat.get("EnvironmentReturn"), compat.get("BaseMathEnvironment")
-    EnglishMultichoiceVerifyWorker, HFVerifyWorker = (compat.get("EnglishMultichoiceVerifyWorker"),
-                                                      compat.get("HFVerifyWorker"))
+    EnglishMultichoiceVerifyWorker, HFVerifyWorker = (
+        compat.get("EnglishMultichoiceVerifyWorker"),
+        compat.get("HFVerifyWorker"),
+    )
     MultilingualMultichoiceVerifyWorker = compat.get("MultilingualMultichoiceVerifyWorker")
     chunk_list_to_workers = compat.get("chunk_list_to_workers")
 
@@ -125,18 +131,25 @@ def _build_espo_math_environment():  # pragma: no cover - needs NeMo-RL and Ray
         }
 
         def step(self, message_log_batch, metadata, return_extracted_answer: bool = False):
-            responses = ["".join(str(m["content"]) for m in log if m["role"] == "assistant")
-                         for log in message_log_batch]
+            responses = [
+                "".join(str(m["content"]) for m in log if m["role"] == "assistant") for log in message_log_batch
+            ]
             truths = [m["ground_truth"] for m in metadata]
             impl = self.cfg.get("math_verify_impl", "hf_math_verify")
-            work = zip(self.workers, chunk_list_to_workers(responses, self.num_workers),
-                       chunk_list_to_workers(truths, self.num_workers))
+            work = zip(
+                self.workers,
+                chunk_list_to_workers(responses, self.num_workers),
+                chunk_list_to_workers(truths, self.num_workers),
+            )
             work = list(work)
             futures = [w.verify.remote(r, t, True, math_verify_impl=impl) for w, r, t in work]
             # v0.7.0's verifier adds a second score when the answer extraction fails after scoring:
             # its answers stay one per response, its scores come from a call without answers
-            score_futures = ([w.verify.remote(r, t, False, math_verify_impl=impl) for w, r, t in work]
-                             if compat.verify_scores_need_own_call() else None)
+            score_futures = (
+                [w.verify.remote(r, t, False, math_verify_impl=impl) for w, r, t in work]
+                if compat.verify_scores_need_own_call()
+                else None
+            )
             scores: list[float] = []
             answers: list[str | None] = []
             for s, a in ray.get(futures):
@@ -146,9 +159,14 @@ def _build_espo_math_environment():  # pragma: no cover - needs NeMo-RL and Ray
                 scores = [score for s in ray.get(score_futures) for score in s]
             n = len(scores)
             rewards = torch.tensor(scores, dtype=torch.float32)
-            return EnvironmentReturn(observations=espo_observations(scores, answers), metadata=metadata,
-                                     next_stop_strings=[None] * n, rewards=rewards, terminateds=torch.ones(n),
-                                     answers=answers if return_extracted_answer else None)
+            return EnvironmentReturn(
+                observations=espo_observations(scores, answers),
+                metadata=metadata,
+                next_stop_strings=[None] * n,
+                rewards=rewards,
+                terminateds=torch.ones(n),
+                answers=answers if return_extracted_answer else None,
+            )
 
     ESPOMathEnvironmentImpl.__module__ = __name__
     ESPOMathEnvironmentImpl.__qualname__ = "ESPOMathEnvironmentImpl"

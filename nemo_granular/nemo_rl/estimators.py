@@ -77,7 +77,7 @@ class _ESPOFromRollout:
 
     def __init__(self, inner):
         self.inner = inner
-        self.calls = 0   # compute_advantage calls: lets the run_grpo logger log last_metrics once per step
+        self.calls = 0  # compute_advantage calls: lets the run_grpo logger log last_metrics once per step
 
     @property
     def last_metrics(self) -> dict:
@@ -95,7 +95,7 @@ def build_grpo_estimator(master_config: Any, section: str = "grpo"):
     """Our estimator for ``master_config.<section>.adv_estimator`` (grpo | espo)."""
     from .compat import estimator_config
 
-    est_cfg = estimator_config(master_config, section)   # NeMo-RL's KeyError / fallbacks, per version
+    est_cfg = estimator_config(master_config, section)  # NeMo-RL's KeyError / fallbacks, per version
     est = build_advantage_estimator(est_cfg, config_get(master_config, "loss_fn"))
     name = estimator_name(master_config, section)
     print(f"  ✓ Using nemo_granular '{name}' advantage estimator", flush=True)
@@ -109,8 +109,10 @@ LAST_BUILT: list = []
 
 
 def _refuse_sppo(master_config: Any):
-    raise ValueError("grpo.adv_estimator.name: 'sppo' needs a critic and the PPO loop; "
-                     "launch python -m nemo_granular.run_sppo instead of run_grpo")
+    raise ValueError(
+        "grpo.adv_estimator.name: 'sppo' needs a critic and the PPO loop; "
+        "launch python -m nemo_granular.run_sppo instead of run_grpo"
+    )
 
 
 GRPO_FACTORIES: dict[str, Callable[[Any], Any]] = {
@@ -121,9 +123,11 @@ GRPO_FACTORIES: dict[str, Callable[[Any], Any]] = {
 
 
 def _refuse_espo_in_grpo_sync(master_config: Any):
-    raise ValueError("grpo.adv_estimator.name: 'espo' cannot run in nemo_rl.algorithms.grpo_sync: its data-plane "
-                     "loop gives the estimator no message_log, so ESPO's verification flags never arrive; use "
-                     "grpo_train / async_grpo_train (python -m nemo_granular.run_grpo)")
+    raise ValueError(
+        "grpo.adv_estimator.name: 'espo' cannot run in nemo_rl.algorithms.grpo_sync: its data-plane "
+        "loop gives the estimator no message_log, so ESPO's verification flags never arrive; use "
+        "grpo_train / async_grpo_train (python -m nemo_granular.run_grpo)"
+    )
 
 
 # per-module replacements of GRPO_FACTORIES entries: grpo_sync builds `repeated_batch` for the
@@ -148,14 +152,20 @@ class PatchHandle:
             setattr(self.module, self.attr, self.original)
 
 
-def patch_estimator_factory(module: str | ModuleType, names_to_factory: Mapping[str, Callable[[Any], Any]],
-                            *, attr: str = FACTORY_ATTR, config_section: str = "grpo") -> PatchHandle:
+def patch_estimator_factory(
+    module: str | ModuleType,
+    names_to_factory: Mapping[str, Callable[[Any], Any]],
+    *,
+    attr: str = FACTORY_ATTR,
+    config_section: str = "grpo",
+) -> PatchHandle:
     """Rebind ``module.<attr>(master_config)`` to build ``names_to_factory[name](master_config)``
     for our names and call the saved original for every other name (same arguments)."""
     mod = importlib.import_module(module) if isinstance(module, str) else module
     if not hasattr(mod, attr):
-        raise AttributeError(f"{mod.__name__}.{attr} does not exist "
-                             "(NeMo-RL version mismatch? written against 7ea279ab)")
+        raise AttributeError(
+            f"{mod.__name__}.{attr} does not exist (NeMo-RL version mismatch? written against 7ea279ab)"
+        )
     original = getattr(mod, attr)
     table = dict(names_to_factory)
 
@@ -175,8 +185,12 @@ def patch_estimator_factory(module: str | ModuleType, names_to_factory: Mapping[
 _INSTALLED: list[PatchHandle] = []
 
 
-def install(modules: Iterable[str] = GRPO_MODULES, names: Iterable[str] | None = None,
-            *, required: Iterable[str] = ("nemo_rl.algorithms.grpo",)) -> list[PatchHandle]:
+def install(
+    modules: Iterable[str] = GRPO_MODULES,
+    names: Iterable[str] | None = None,
+    *,
+    required: Iterable[str] = ("nemo_rl.algorithms.grpo",),
+) -> list[PatchHandle]:
     """Rebind the GRPO estimator factories (idempotent). A module outside ``required`` that
     fails to import (e.g. ``grpo_sync`` without the data-plane extras) is skipped with a warning."""
     if _INSTALLED:

@@ -36,8 +36,12 @@ from ..losses import GranularPolicyLoss
 from ..protocol import HostMember, LossInputType
 from .estimators import config_get
 
-__all__ = ["rollout_split_steps", "warn_if_rollout_split", "current_logits_logprobs_and_entropy",
-           "CurrentLogitsEntropyLoss"]
+__all__ = [
+    "rollout_split_steps",
+    "warn_if_rollout_split",
+    "current_logits_logprobs_and_entropy",
+    "CurrentLogitsEntropyLoss",
+]
 
 _warned = False
 
@@ -61,10 +65,12 @@ def warn_if_rollout_split(master_config: Any) -> bool:
         return False
     if not _warned:
         _warned = True
-        msg = (f"nemo_granular: prev_entropy comes from the CURRENT logits (fallback), but one rollout is "
-               f"split into {steps} optimizer steps (grpo.num_prompts_per_step × num_generations_per_prompt > "
-               f"policy.train_global_batch_size): from the 2nd step on the entropy is π_θ's, not π_old's. "
-               f"Use the worker extension (nemo_granular.entropy_source: extension) for exact π_old entropy.")
+        msg = (
+            f"nemo_granular: prev_entropy comes from the CURRENT logits (fallback), but one rollout is "
+            f"split into {steps} optimizer steps (grpo.num_prompts_per_step × num_generations_per_prompt > "
+            f"policy.train_global_batch_size): from the 2nd step on the entropy is π_θ's, not π_old's. "
+            f"Use the worker extension (nemo_granular.entropy_source: extension) for exact π_old entropy."
+        )
         print("\n" + "!" * 100 + "\n" + msg + "\n" + "!" * 100 + "\n", file=sys.stderr, flush=True)
         warnings.warn(msg, stacklevel=2)
     return True
@@ -79,8 +85,9 @@ def _backend_groups(logits: torch.Tensor):  # pragma: no cover - depends on the 
     if DTensor and isinstance(logits, DTensor):
         mesh = logits.device_mesh
         if mesh.ndim != 1:
-            raise NotImplementedError("CurrentLogitsEntropyLoss: DTensor context parallelism is not supported; "
-                                      "use the worker extension")
+            raise NotImplementedError(
+                "CurrentLogitsEntropyLoss: DTensor context parallelism is not supported; use the worker extension"
+            )
         group = mesh.get_group()
         rank, size = group_rank_size(group)
         return logits.to_local(), group, None, rank * (-(-logits.shape[-1] // size))
@@ -95,9 +102,14 @@ def _backend_groups(logits: torch.Tensor):  # pragma: no cover - depends on the 
     return logits, None, None, 0
 
 
-def current_logits_logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, tp_group=None,
-                                        cp_group=None, vocab_start: int | None = None,
-                                        chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def current_logits_logprobs_and_entropy(
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    tp_group=None,
+    cp_group=None,
+    vocab_start: int | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(next_token_logprobs [B, W−1], entropy [B, W])`` from (sharded) training logits.
 
     ``logits``: ``[B, P/CP, V/TP]`` for ONE sequence per row (Megatron per-sequence packing
@@ -133,8 +145,13 @@ class CurrentLogitsEntropyLoss:
 
     input_type = HostMember(LossInputType.LOGIT)
 
-    def __init__(self, inner: GranularPolicyLoss | Mapping, master_config: Any = None, chunk_size: int | None = None,
-                 **inner_kwargs):
+    def __init__(
+        self,
+        inner: GranularPolicyLoss | Mapping,
+        master_config: Any = None,
+        chunk_size: int | None = None,
+        **inner_kwargs,
+    ):
         self.inner = inner if isinstance(inner, GranularPolicyLoss) else GranularPolicyLoss(inner, **inner_kwargs)
         self.reference_policy_kl_penalty = self.inner.reference_policy_kl_penalty
         self.use_fused_linear_logprobs = False
@@ -150,8 +167,16 @@ class CurrentLogitsEntropyLoss:
     def metric_normalizations(self) -> dict:
         return self.inner.metric_normalizations
 
-    def __call__(self, logits: torch.Tensor, data: Mapping, global_valid_seqs, global_valid_toks,
-                 process_groups: tuple | None = None, vocab_start: int | None = None, **kwargs):
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        data: Mapping,
+        global_valid_seqs,
+        global_valid_toks,
+        process_groups: tuple | None = None,
+        vocab_start: int | None = None,
+        **kwargs,
+    ):
         if process_groups is None:
             local, tp, cp, start = _backend_groups(logits)
         else:
@@ -162,5 +187,6 @@ class CurrentLogitsEntropyLoss:
         lp, entropy = current_logits_logprobs_and_entropy(local, input_ids, tp, cp, start, self.chunk_size)
         view = dict(data.items())  # plain mapping, like NeMo-RL's packing wrapper passes
         view["prev_entropy"] = entropy.to(lp.device)
-        return self.inner(next_token_logprobs=lp, data=view, global_valid_seqs=global_valid_seqs,
-                          global_valid_toks=global_valid_toks)
+        return self.inner(
+            next_token_logprobs=lp, data=view, global_valid_seqs=global_valid_seqs, global_valid_toks=global_valid_toks
+        )

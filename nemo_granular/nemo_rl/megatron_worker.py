@@ -43,17 +43,24 @@ class EntropyLogprobsPostProcessor(_mtrain.LogprobsPostProcessor):
         packed = bool(self.cfg["sequence_packing"]["enabled"])
         if compat.fused_linear_logprobs(self):
             key = compat.FUSED_LOGPROBS_KEY[compat.version().key]
-            raise ValueError(f"{key}: the fused kernel returns logprobs, not logits, so the π_old entropy cannot "
-                             f"be computed; disable it")
+            raise ValueError(
+                f"{key}: the fused kernel returns logprobs, not logits, so the π_old entropy cannot "
+                f"be computed; disable it"
+            )
 
         def processor(output_tensor):
             # entropy first: NeMo-RL's logprob path may work in place on the logits
-            self.sink.append(megatron_entropy(
-                output_tensor, input_lengths=data_dict["input_lengths"], seq_len=data_dict["input_ids"].shape[1],
-                cu_seqlens_padded=cu_seqlens_padded if packed else None,
-                tp_group=parallel_state.get_tensor_model_parallel_group(),
-                cp_group=parallel_state.get_context_parallel_group(),
-                chunk_size=self.cfg.get("logprob_chunk_size", None)))
+            self.sink.append(
+                megatron_entropy(
+                    output_tensor,
+                    input_lengths=data_dict["input_lengths"],
+                    seq_len=data_dict["input_ids"].shape[1],
+                    cu_seqlens_padded=cu_seqlens_padded if packed else None,
+                    tp_group=parallel_state.get_tensor_model_parallel_group(),
+                    cp_group=parallel_state.get_context_parallel_group(),
+                    chunk_size=self.cfg.get("logprob_chunk_size", None),
+                )
+            )
             return inner(output_tensor)
 
         return processor
@@ -85,8 +92,9 @@ class GranularMegatronPolicyWorkerImpl(_mpw.MegatronPolicyWorkerImpl):
         # comparison, started side by side on a fresh cache, would both convert into one folder.
         # A job waiting for the other's conversion polls the lock in short rounds (conversion_lock.py),
         # so no NCCL collective outlasts the process group's timeout while it waits.
-        locked = locked_model_import(_mpw.handle_model_import, is_rank0=_is_rank0,
-                                     broadcast=_broadcast_from_rank0, barrier=_barrier)
+        locked = locked_model_import(
+            _mpw.handle_model_import, is_rank0=_is_rank0, broadcast=_broadcast_from_rank0, barrier=_barrier
+        )
         with swap_attr(_mpw, "handle_model_import", locked):
             super().__init__(*args, **kwargs)
 

@@ -47,9 +47,13 @@ __all__ = [
 _SHARD_AXES = ["context_parallel", "tensor_parallel", "pipeline_parallel"]
 
 
-def compute_granular_group_ids(granular: GranularSpec, input_ids: torch.Tensor, token_mask: torch.Tensor,
-                               prev_entropy: torch.Tensor | None = None,
-                               delimiter_table: torch.Tensor | None = None) -> torch.Tensor | None:
+def compute_granular_group_ids(
+    granular: GranularSpec,
+    input_ids: torch.Tensor,
+    token_mask: torch.Tensor,
+    prev_entropy: torch.Tensor | None = None,
+    delimiter_table: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """``granular_group_ids`` ``[B, S]`` for the driver batch, or ``None`` when the loss needs none.
 
     segment (SSPO): cut after every response token whose text contains a delimiter (vocabulary
@@ -96,8 +100,10 @@ def extension_fqn_for(policy_cfg: Mapping) -> str:
     dt = policy_cfg.get("dtensor_cfg") or {}
     if bool(dt.get("enabled", False)) and bool(dt.get("_v2", False)):
         return DTENSOR_V2_EXTENSION_FQN
-    raise ValueError("policy: the π_old entropy extension supports policy.megatron_cfg.enabled=true or "
-                     "policy.dtensor_cfg.{enabled: true, _v2: true} (not the DTensor v1 worker)")
+    raise ValueError(
+        "policy: the π_old entropy extension supports policy.megatron_cfg.enabled=true or "
+        "policy.dtensor_cfg.{enabled: true, _v2: true} (not the DTensor v1 worker)"
+    )
 
 
 # each extension runs in the Python environment NeMo-RL registers for the worker it extends
@@ -168,8 +174,12 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
             with timer.time("get_logprobs/shard_data") if timer else nullcontext():
                 sharded, unsorted = self._shard_for_logprob(data)
             futures = self.worker_group.run_all_workers_sharded_data(
-                ENTROPY_METHOD, data=sharded, in_sharded_axes=["data_parallel"],
-                replicate_on_axes=_SHARD_AXES, output_is_replicated=_SHARD_AXES)
+                ENTROPY_METHOD,
+                data=sharded,
+                in_sharded_axes=["data_parallel"],
+                replicate_on_axes=_SHARD_AXES,
+                output_is_replicated=_SHARD_AXES,
+            )
             out = BatchedDataDict.from_batches(self.worker_group.get_all_worker_results(futures))
             if unsorted is not None:
                 out.reorder_data(unsorted)
@@ -184,8 +194,9 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
         def _entropy_for(self, data, timer=None):
             if self._stash is not None:
                 ids, ent = self._stash
-                if ids is data["input_ids"] or (ids.shape == data["input_ids"].shape
-                                                and torch.equal(ids, data["input_ids"])):
+                if ids is data["input_ids"] or (
+                    ids.shape == data["input_ids"].shape and torch.equal(ids, data["input_ids"])
+                ):
                     return ent
             # no matching π_old pass (e.g. force_on_policy_ratio skipped get_logprobs): weights are
             # still π_old before training, so one forward-only pass gives the exact entropy
@@ -199,8 +210,15 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
             add_granular_keys(data, self._granular_loss, entropy, self._delimiter_table)
             alpha = espo_alpha_for_step(loss_fn, data, self._run_state)
             self._stash = None
-            results = super().train(data, loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs, timer=timer,
-                                    check_dim_skip_keys=check_dim_skip_keys)
+            results = super().train(
+                data,
+                loss_fn,
+                eval_mode=eval_mode,
+                gbs=gbs,
+                mbs=mbs,
+                timer=timer,
+                check_dim_skip_keys=check_dim_skip_keys,
+            )
             if alpha is not None:  # grpo_train logs all_mb_metrics as train/<name>
                 results.setdefault("all_mb_metrics", {})["espo_alpha"] = [alpha]
             # whole-batch mismatch maxima and entropy split: one value each (grpo_train sums the list);
@@ -209,7 +227,8 @@ def granular_policy_class():  # pragma: no cover - needs NeMo-RL
             g = cfg.granular
             if cfg.metrics_level == "full" or cfg.use_importance_sampling_correction:
                 results.setdefault("all_mb_metrics", {}).update(
-                    {k: [v] for k, v in batch_mismatch_extrema(data, g.granularity, g.entropy_cut_points[0]).items()})
+                    {k: [v] for k, v in batch_mismatch_extrema(data, g.granularity, g.entropy_cut_points[0]).items()}
+                )
             return results
 
         def save_checkpoint(self, weights_path, *args, **kwargs):
@@ -232,8 +251,10 @@ def make_policy_factory(master_config: Any, delimiter_table: torch.Tensor | None
 
     def factory(**kwargs):
         if "worker_extension_cls_fqn" in kwargs and kwargs["worker_extension_cls_fqn"] not in (None, fqn):
-            warnings.warn(f"policy_factory: replacing worker_extension_cls_fqn={kwargs['worker_extension_cls_fqn']}"
-                          f" by {fqn}", stacklevel=2)
+            warnings.warn(
+                f"policy_factory: replacing worker_extension_cls_fqn={kwargs['worker_extension_cls_fqn']} by {fqn}",
+                stacklevel=2,
+            )
         kwargs["worker_extension_cls_fqn"] = fqn
         return cls(granular_loss_cfg=loss_cfg, delimiter_table=delimiter_table, **kwargs)
 

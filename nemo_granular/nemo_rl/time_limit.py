@@ -58,19 +58,29 @@ import time
 from types import ModuleType
 from typing import Any
 
-__all__ = ["PREEMPTED_EXIT_CODE", "StopWatch", "install_stop_signal", "stop_requested", "job_seconds_left",
-           "parse_slurm_duration", "must_stop_now", "save_every_seconds", "check_save_every", "SAVE_EVERY_VAR"]
+__all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "StopWatch",
+    "install_stop_signal",
+    "stop_requested",
+    "job_seconds_left",
+    "parse_slurm_duration",
+    "must_stop_now",
+    "save_every_seconds",
+    "check_save_every",
+    "SAVE_EVERY_VAR",
+]
 
-PREEMPTED_EXIT_CODE = 99   # slurm/launch.sh's PREEMPT_EXIT_CODE, the embedded trainer's too
+PREEMPTED_EXIT_CODE = 99  # slurm/launch.sh's PREEMPT_EXIT_CODE, the embedded trainer's too
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 DEFAULT_SAVE_RESERVE_SECONDS = 900.0
-RECENT_STEPS = 5          # the steps whose longest sizes the next one
+RECENT_STEPS = 5  # the steps whose longest sizes the next one
 # after a measured save: the driver's exit and the launcher's requeue (Ray steps stopped, the job's
 # containers removed, scontrol requeue), which must also end before the time limit
 SHUTDOWN_SECONDS = 120.0
 SAVE_EVERY_VAR = "NG_SAVE_EVERY_MINUTES"
 _STOP: dict[str, str | None] = {"signal": None}
-_JOB: dict[str, float | None] = {"deadline": None}   # wall-clock time the Slurm job ends, when known
+_JOB: dict[str, float | None] = {"deadline": None}  # wall-clock time the Slurm job ends, when known
 
 
 def parse_slurm_duration(text: str) -> float | None:
@@ -112,16 +122,19 @@ def save_every_seconds(environ=os.environ) -> float | None:
     except ValueError:
         minutes = float("nan")
     if not minutes > 0 or minutes == float("inf"):
-        raise ValueError(f"{SAVE_EVERY_VAR}={value!r}: must be a positive number of minutes (unset: no periodic "
-                         "saves by wall time)")
+        raise ValueError(
+            f"{SAVE_EVERY_VAR}={value!r}: must be a positive number of minutes (unset: no periodic saves by wall time)"
+        )
     return minutes * 60.0
 
 
 def check_save_every(checkpointing_enabled: bool, environ=os.environ) -> None:
     """The driver's start-up check: ``NG_SAVE_EVERY_MINUTES`` valid, and only with checkpoints on."""
     if save_every_seconds(environ) is not None and not checkpointing_enabled:
-        raise ValueError(f"{SAVE_EVERY_VAR}={environ[SAVE_EVERY_VAR].strip()} asks for periodic checkpoints, but "
-                         "checkpointing.enabled is false")
+        raise ValueError(
+            f"{SAVE_EVERY_VAR}={environ[SAVE_EVERY_VAR].strip()} asks for periodic checkpoints, but "
+            "checkpointing.enabled is false"
+        )
 
 
 def save_reserve_seconds(environ=os.environ) -> float:
@@ -129,8 +142,7 @@ def save_reserve_seconds(environ=os.environ) -> float:
     return float(value) if value else DEFAULT_SAVE_RESERVE_SECONDS
 
 
-def must_stop_now(seconds_left: float, recent_step_seconds, last_save_seconds: float | None,
-                  reserve: float) -> bool:
+def must_stop_now(seconds_left: float, recent_step_seconds, last_save_seconds: float | None, reserve: float) -> bool:
     """Whether the run must save and stop at this step boundary: less of the job is left than the
     longest of the last :data:`RECENT_STEPS` steps plus the last save and :data:`SHUTDOWN_SECONDS`
     (``reserve``, NG_SAVE_RESERVE_SECONDS, while no save has been measured)."""
@@ -142,8 +154,11 @@ def must_stop_now(seconds_left: float, recent_step_seconds, last_save_seconds: f
 def _on_stop_signal(signum, _frame) -> None:
     if _STOP["signal"] is None:
         _STOP["signal"] = signal.Signals(signum).name
-        print(f"received {_STOP['signal']}: NeMo-RL will save a checkpoint at the end of the current step and stop",
-              file=sys.stderr, flush=True)
+        print(
+            f"received {_STOP['signal']}: NeMo-RL will save a checkpoint at the end of the current step and stop",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def install_stop_signal(sigs: tuple[int, ...] = STOP_SIGNALS) -> None:
@@ -173,7 +188,7 @@ def _get(obj: Any, key: str, default: Any = 0) -> Any:
 def _length(dataloader: Any) -> int | None:
     try:
         return len(dataloader)
-    except TypeError:            # an endless loader (multiple dataloaders): no epochs
+    except TypeError:  # an endless loader (multiple dataloaders): no epochs
         return None
 
 
@@ -187,12 +202,12 @@ class StopWatch:
         self.module = module
         self.checkpointing = checkpointing
         self.save_every = save_every_seconds() if checkpointing is not None else None
-        self.last_save_end: float | None = None   # when the last save ended (the loop's start before one)
+        self.last_save_end: float | None = None  # when the last save ended (the loop's start before one)
         self.periodic_saves = 0
-        self._user_period: Any = None             # the user's save_period while ours (1) stands in
-        self.fired: str | None = None      # "time limit", "job end" or the stop signal's name
-        self.last_save_seconds: float | None = None   # NeMo-RL's last "checkpointing" section
-        self._saves_in_step = 0.0          # seconds saved since the last step boundary
+        self._user_period: Any = None  # the user's save_period while ours (1) stands in
+        self.fired: str | None = None  # "time limit", "job end" or the stop signal's name
+        self.last_save_seconds: float | None = None  # NeMo-RL's last "checkpointing" section
+        self._saves_in_step = 0.0  # seconds saved since the last step boundary
         self._original = self._patched = None
         self._timer_original = self._timer_patched = None
 
@@ -212,9 +227,13 @@ class StopWatch:
         self._user_period = self.checkpointing["save_period"]
         self.checkpointing["save_period"] = 1
         self.periodic_saves += 1
-        self.last_save_end = now      # the save happens at this boundary (a loop without Timer, too)
-        print(f"periodic checkpoint: {since / 60:.1f} min since the last one ({SAVE_EVERY_VAR}="
-              f"{self.save_every / 60:g}): NeMo-RL saves at this step", file=sys.stderr, flush=True)
+        self.last_save_end = now  # the save happens at this boundary (a loop without Timer, too)
+        print(
+            f"periodic checkpoint: {since / 60:.1f} min since the last one ({SAVE_EVERY_VAR}="
+            f"{self.save_every / 60:g}): NeMo-RL saves at this step",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _restore_period(self) -> None:
         if self._user_period is not None:
@@ -224,8 +243,10 @@ class StopWatch:
     def start(self) -> StopWatch:
         base = getattr(self.module, "TimeoutChecker", None)
         if base is None:
-            raise AttributeError(f"{self.module.__name__}.TimeoutChecker does not exist "
-                                 "(NeMo-RL version mismatch? written against 7ea279ab)")
+            raise AttributeError(
+                f"{self.module.__name__}.TimeoutChecker does not exist "
+                "(NeMo-RL version mismatch? written against 7ea279ab)"
+            )
         watch = self
 
         class RecordingTimeoutChecker(base):
@@ -234,19 +255,23 @@ class StopWatch:
 
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                self.step_seconds: list[float] = []   # each step, the saves in it left out
+                self.step_seconds: list[float] = []  # each step, the saves in it left out
                 self.step_started: float | None = None
                 if watch.last_save_end is None:
-                    watch.last_save_end = time.time()   # the periodic saves' clock starts with the loop
+                    watch.last_save_end = time.time()  # the periodic saves' clock starts with the loop
                 if _JOB["deadline"] is not None:
                     reserve = save_reserve_seconds()
                     budget = _JOB["deadline"] - reserve - self.start_time
                     if budget < self.last_save_time:
-                        print(f"time limit: the Slurm job ends in {_JOB['deadline'] - self.start_time:.0f} s; NeMo-RL "
-                              f"will save and stop within {max(budget, 0):.0f} s (job end minus "
-                              f"NG_SAVE_RESERVE_SECONDS={reserve:.0f}) less its longest recent step, before "
-                              f"checkpointing.checkpoint_must_save_by; once a save has been timed, that save plus "
-                              f"{SHUTDOWN_SECONDS:.0f} s stands for the reserve", file=sys.stderr, flush=True)
+                        print(
+                            f"time limit: the Slurm job ends in {_JOB['deadline'] - self.start_time:.0f} s; NeMo-RL "
+                            f"will save and stop within {max(budget, 0):.0f} s (job end minus "
+                            f"NG_SAVE_RESERVE_SECONDS={reserve:.0f}) less its longest recent step, before "
+                            f"checkpointing.checkpoint_must_save_by; once a save has been timed, that save plus "
+                            f"{SHUTDOWN_SECONDS:.0f} s stands for the reserve",
+                            file=sys.stderr,
+                            flush=True,
+                        )
 
             def start_iterations(self) -> None:
                 super().start_iterations()
@@ -263,7 +288,7 @@ class StopWatch:
                 watch._due(now)
 
             def check_save(self) -> bool:
-                watch._restore_period()   # the loop has read save_period for this step's decision
+                watch._restore_period()  # the loop has read save_period for this step's decision
                 if stop_requested() and not self.last_saved:
                     self.last_saved = True
                     watch.fired = stop_requested()
@@ -279,25 +304,31 @@ class StopWatch:
                 self.last_saved = True
                 watch.fired = "job end"
                 step = max(self.step_seconds[-RECENT_STEPS:], default=0.0)
-                after = (f"NG_SAVE_RESERVE_SECONDS={reserve:.0f}" if watch.last_save_seconds is None else
-                         f"the last save ({watch.last_save_seconds:.0f} s) and {SHUTDOWN_SECONDS:.0f} s to shut down")
-                print(f"time limit: {max(left, 0):.0f} s left in the Slurm job, less than the longest of the last "
-                      f"{RECENT_STEPS} steps ({step:.0f} s) plus {after}: NeMo-RL saves now and stops",
-                      file=sys.stderr, flush=True)
+                after = (
+                    f"NG_SAVE_RESERVE_SECONDS={reserve:.0f}"
+                    if watch.last_save_seconds is None
+                    else f"the last save ({watch.last_save_seconds:.0f} s) and {SHUTDOWN_SECONDS:.0f} s to shut down"
+                )
+                print(
+                    f"time limit: {max(left, 0):.0f} s left in the Slurm job, less than the longest of the last "
+                    f"{RECENT_STEPS} steps ({step:.0f} s) plus {after}: NeMo-RL saves now and stops",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return True
 
         self._original = base
         self._patched = RecordingTimeoutChecker
         self.module.TimeoutChecker = RecordingTimeoutChecker
         timer = getattr(self.module, "Timer", None)
-        if timer is not None:    # without it no save is measured, and the reserve stays
+        if timer is not None:  # without it no save is measured, and the reserve stays
 
             class SaveTimingTimer(timer):
                 """NeMo-RL's Timer; also hands the watch each checkpoint save's duration (the loops
                 save inside ``timer.time("checkpointing")``)."""
 
                 def start(self, label, *args, **kwargs):
-                    if label == "checkpointing":   # a save begins: it records the user's save_period
+                    if label == "checkpointing":  # a save begins: it records the user's save_period
                         watch._restore_period()
                     return super().start(label, *args, **kwargs)
 
@@ -348,19 +379,31 @@ class StopWatch:
         max_num_steps, max_num_epochs = int(_get(algo_cfg, "max_num_steps")), _get(algo_cfg, "max_num_epochs", None)
         steps_per_epoch = None if dataloader is None else _length(dataloader)
         done = max(int(_get(state, "total_steps")), int(_get(state, "current_step")))
-        epochs_done = (max_num_epochs is not None and steps_per_epoch is not None
-                       and int(_get(state, "current_epoch")) + 1 >= int(max_num_epochs)
-                       and int(_get(state, "current_step")) >= steps_per_epoch)
+        epochs_done = (
+            max_num_epochs is not None
+            and steps_per_epoch is not None
+            and int(_get(state, "current_epoch")) + 1 >= int(max_num_epochs)
+            and int(_get(state, "current_step")) >= steps_per_epoch
+        )
         if checkpointing and (done >= max_num_steps or epochs_done):
             return 0
-        why = {"time limit": "NeMo-RL's time limit (checkpointing.checkpoint_must_save_by)",
-               "job end": "the Slurm job's time limit"}.get(self.fired, self.fired)
+        why = {
+            "time limit": "NeMo-RL's time limit (checkpointing.checkpoint_must_save_by)",
+            "job end": "the Slurm job's time limit",
+        }.get(self.fired, self.fired)
         if not checkpointing:
-            print(f"stopped by {why} with checkpointing.enabled: false: the run is incomplete and cannot resume",
-                  file=sys.stderr, flush=True)
+            print(
+                f"stopped by {why} with checkpointing.enabled: false: the run is incomplete and cannot resume",
+                file=sys.stderr,
+                flush=True,
+            )
             return 1
         at = "at" if self.fired in ("time limit", "job end") else "by"
-        print(f"stopped {at} {why} after step {done} of {max_num_steps}: "
-              f"checkpoint saved; exit {PREEMPTED_EXIT_CODE} so that slurm/launch.sh requeues the job and NeMo-RL "
-              f"resumes from it", file=sys.stderr, flush=True)
+        print(
+            f"stopped {at} {why} after step {done} of {max_num_steps}: "
+            f"checkpoint saved; exit {PREEMPTED_EXIT_CODE} so that slurm/launch.sh requeues the job and NeMo-RL "
+            f"resumes from it",
+            file=sys.stderr,
+            flush=True,
+        )
         return PREEMPTED_EXIT_CODE

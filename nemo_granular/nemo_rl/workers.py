@@ -48,15 +48,22 @@ def shift_to_token_columns(per_position: torch.Tensor, input_lengths: torch.Tens
     out = per_position.new_zeros(B, seq_len)
     n = min(s_in, seq_len) - 1
     if n > 0:
-        out[:, 1:n + 1] = per_position[:, :n]
+        out[:, 1 : n + 1] = per_position[:, :n]
     cols = torch.arange(seq_len, device=out.device)
     keep = cols[None, :] < input_lengths.to(out.device).reshape(-1, 1)
     return torch.where(keep, out, torch.zeros_like(out))
 
 
-def megatron_entropy(logits: torch.Tensor, *, input_lengths: torch.Tensor, seq_len: int,
-                     cu_seqlens_padded: torch.Tensor | None = None, tp_group=None, cp_group=None,
-                     chunk_size: int | None = None) -> torch.Tensor:
+def megatron_entropy(
+    logits: torch.Tensor,
+    *,
+    input_lengths: torch.Tensor,
+    seq_len: int,
+    cu_seqlens_padded: torch.Tensor | None = None,
+    tp_group=None,
+    cp_group=None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """Entropy ``[B, seq_len]`` from Megatron's vocab-parallel output (packed when
     ``cu_seqlens_padded`` is given: TP reduction, per-sequence zig-zag CP gather, unpack)."""
     with torch.no_grad():
@@ -69,9 +76,17 @@ def megatron_entropy(logits: torch.Tensor, *, input_lengths: torch.Tensor, seq_l
         return unpack_sequences(full.float(), cu_seqlens_padded, input_lengths, seq_len, shift=1)
 
 
-def dtensor_entropy(logits_local: torch.Tensor, *, input_lengths: torch.Tensor, seq_len: int, tp_group=None,
-                    cp_group=None, seq_index_local: torch.Tensor | None = None,
-                    cu_seqlens_q: torch.Tensor | None = None, chunk_size: int | None = None) -> torch.Tensor:
+def dtensor_entropy(
+    logits_local: torch.Tensor,
+    *,
+    input_lengths: torch.Tensor,
+    seq_len: int,
+    tp_group=None,
+    cp_group=None,
+    seq_index_local: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """Entropy ``[B, seq_len]`` from DTensor-v2 logits (the local vocabulary shard).
 
     CP > 1: the local ``seq_index`` shard is all-gathered (rank order = DTensor ``Shard(1)``),

@@ -32,26 +32,53 @@ def batch_plan(cfg: Mapping, algo: str, section: str, dp: int) -> dict:
     epochs = int(dig(cfg, "ppo.ppo_epochs", 1) or 1) if algo == "ppo" else 1
     steps = (rows // gbs) * epochs if gbs else 0
     packed = bool(dig(part, "sequence_packing.enabled", False)) or bool(dig(part, "dynamic_batching.enabled", False))
-    return dict(rows_per_step=rows, train_global_batch_size=gbs, train_micro_batch_size=mbs,
-                logprob_batch_size=part.get("logprob_batch_size"), epochs=epochs, optimizer_steps_per_rollout=steps,
-                rows_per_dp_rank=gbs // dp if dp and gbs else 0, dp=dp, packed=packed)
+    return dict(
+        rows_per_step=rows,
+        train_global_batch_size=gbs,
+        train_micro_batch_size=mbs,
+        logprob_batch_size=part.get("logprob_batch_size"),
+        epochs=epochs,
+        optimizer_steps_per_rollout=steps,
+        rows_per_dp_rank=gbs // dp if dp and gbs else 0,
+        dp=dp,
+        packed=packed,
+    )
 
 
 def batch_checks(section: str, plan: dict) -> list[Finding]:
-    rows, gbs, mbs, dp = plan["rows_per_step"], plan["train_global_batch_size"], plan["train_micro_batch_size"], \
-        plan["dp"]
+    rows, gbs, mbs, dp = (
+        plan["rows_per_step"],
+        plan["train_global_batch_size"],
+        plan["train_micro_batch_size"],
+        plan["dp"],
+    )
     out: list[Finding] = []
     if not rows or not gbs or not dp:
         return out
     if rows % dp:
-        out.append(error(SHARD, f"{section}: the {rows} rollout rows per step are not a multiple of DP {dp} "
-                                f"(get_logprobs shards them over DP)"))
+        out.append(
+            error(
+                SHARD,
+                f"{section}: the {rows} rollout rows per step are not a multiple of DP {dp} "
+                f"(get_logprobs shards them over DP)",
+            )
+        )
     if rows % gbs:
-        out.append(error(SHARD, f"{section}: the {rows} rollout rows per step are not a multiple of "
-                                f"{section}.train_global_batch_size {gbs}"))
+        out.append(
+            error(
+                SHARD,
+                f"{section}: the {rows} rollout rows per step are not a multiple of "
+                f"{section}.train_global_batch_size {gbs}",
+            )
+        )
     if gbs % dp:
         out.append(error(SHARD, f"{section}.train_global_batch_size {gbs} is not a multiple of DP {dp}"))
     elif not plan["packed"] and mbs and (gbs // dp) % mbs:
-        out.append(error(MICRO, f"{section}: {gbs // dp} rows per DP rank per optimizer step are not a multiple of "
-                                f"{section}.train_micro_batch_size {mbs}"))
+        out.append(
+            error(
+                MICRO,
+                f"{section}: {gbs // dp} rows per DP rank per optimizer step are not a multiple of "
+                f"{section}.train_micro_batch_size {mbs}",
+            )
+        )
     return out

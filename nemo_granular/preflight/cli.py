@@ -20,27 +20,41 @@ PROG = "nemo-granular preflight"
 def build_parser() -> argparse.ArgumentParser:
     from ..cli_common import ArgumentParser
 
-    p = ArgumentParser(prog=PROG, description="Offline checks of a run_grpo/run_sppo config: NeMo-RL's own "
-                                              "set-up and worker-init checks, nemo-granular's, and the plan.")
+    p = ArgumentParser(
+        prog=PROG,
+        description="Offline checks of a run_grpo/run_sppo config: NeMo-RL's own "
+        "set-up and worker-init checks, nemo-granular's, and the plan.",
+    )
     p.add_argument("config", nargs="?", help="the YAML config run_grpo / run_sppo would get")
-    p.add_argument("overrides", nargs="*",
-                   help="NeMo-RL Hydra overrides, as the drivers take them (a.b=v, +a.b=v, ~a.b)")
+    p.add_argument(
+        "overrides", nargs="*", help="NeMo-RL Hydra overrides, as the drivers take them (a.b=v, +a.b=v, ~a.b)"
+    )
     p.add_argument("--config", dest="config_opt", metavar="CONFIG", help="same as the positional CONFIG")
-    p.add_argument("--driver", default="auto", choices=("auto", "grpo", "sppo"),
-                   help="run_grpo or run_sppo "
-                        "(auto: a file name containing 'sppo' → run_sppo, as submit_comparison.sh)")
+    p.add_argument(
+        "--driver",
+        default="auto",
+        choices=("auto", "grpo", "sppo"),
+        help="run_grpo or run_sppo (auto: a file name containing 'sppo' → run_sppo, as submit_comparison.sh)",
+    )
     p.add_argument("--json", action="store_true", help="print the findings and the plan as one JSON object")
     p.add_argument("--strict", action="store_true", help="warnings fail too (exit 1)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="vocabulary size for the logits estimate when the model config is not cached locally")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocabulary size for the logits estimate when the model config is not cached locally",
+    )
     p.add_argument("--no-venv-check", action="store_true", help="skip the worker-venv check")
-    p.add_argument("--build-venvs", action="store_true",
-                   help="build the missing worker venvs now with NeMo-RL's create_local_venv (needs uv and network)")
+    p.add_argument(
+        "--build-venvs",
+        action="store_true",
+        help="build the missing worker venvs now with NeMo-RL's create_local_venv (needs uv and network)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)   # options may sit between the overrides
+    args = build_parser().parse_intermixed_args(argv)  # options may sit between the overrides
     config = args.config_opt or args.config
     overrides = list(args.overrides)
     if args.config_opt and args.config:
@@ -55,10 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .run import PreflightUnavailable, run_preflight
 
-    try:   # NeMo-RL prints while it loads; stdout carries only the plan (or the JSON)
+    try:  # NeMo-RL prints while it loads; stdout carries only the plan (or the JSON)
         with contextlib.redirect_stdout(sys.stderr):
-            res = run_preflight(config, overrides, driver=args.driver, vocab_size=args.vocab_size,
-                                check_venvs=not args.no_venv_check)
+            res = run_preflight(
+                config, overrides, driver=args.driver, vocab_size=args.vocab_size, check_venvs=not args.no_venv_check
+            )
     except PreflightUnavailable as err:
         print(f"{PROG}: {err}", file=sys.stderr)
         return 2
@@ -69,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.build_venvs:
         with contextlib.redirect_stdout(sys.stderr):
             _build(res)
-            res = run_preflight(config, overrides, driver=args.driver, vocab_size=args.vocab_size,
-                                check_venvs=not args.no_venv_check)
+            res = run_preflight(
+                config, overrides, driver=args.driver, vocab_size=args.vocab_size, check_venvs=not args.no_venv_check
+            )
     from .report import as_json, plan_text
 
     print(as_json(res, args.strict) if args.json else plan_text(res))
@@ -78,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"preflight: {f.line()}", file=sys.stderr)
     failed = res.errors(args.strict)
     if not args.json:
-        print(f"  result    {'FAILED: ' + str(len(failed)) + ' problem(s)' if failed else 'ok'}"
-              + (f", {len(res.findings) - len(failed)} warning(s)" if len(res.findings) > len(failed) else ""))
+        print(
+            f"  result    {'FAILED: ' + str(len(failed)) + ' problem(s)' if failed else 'ok'}"
+            + (f", {len(res.findings) - len(failed)} warning(s)" if len(res.findings) > len(failed) else "")
+        )
     return 1 if failed else 0
 
 

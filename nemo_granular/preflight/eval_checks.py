@@ -30,8 +30,13 @@ __all__ = ["check_export_interpreter", "check_staged_benchmarks", "has_megatron_
 SOURCE = "nemo-granular eval-checkpoints"
 
 
-def check_export_interpreter(nemo_rl_dir: Path | None, *, export_python: str | None = None,
-                             env: Mapping[str, str] = os.environ, timeout: float = 600) -> list[Finding]:
+def check_export_interpreter(
+    nemo_rl_dir: Path | None,
+    *,
+    export_python: str | None = None,
+    env: Mapping[str, str] = os.environ,
+    timeout: float = 600,
+) -> list[Finding]:
     """Megatron-Bridge importable by the interpreter that will export Megatron checkpoints."""
     from ..evals.export_python import bridge_probe_argv, megatron_export_python
 
@@ -40,14 +45,20 @@ def check_export_interpreter(nemo_rl_dir: Path | None, *, export_python: str | N
     except ValueError as err:
         return [error(SOURCE, str(err))]
     try:
-        probe = subprocess.run(bridge_probe_argv(exporter), capture_output=True, text=True, timeout=timeout,
-                               env=dict(env))
+        probe = subprocess.run(
+            bridge_probe_argv(exporter), capture_output=True, text=True, timeout=timeout, env=dict(env)
+        )
     except (OSError, subprocess.TimeoutExpired) as err:
         return [error(SOURCE, f"cannot run the export interpreter {' '.join(exporter.python)}: {err}")]
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or [f"exit {probe.returncode}"])[-1]
-        return [error(SOURCE, f"the interpreter that exports Megatron checkpoints ({' '.join(exporter.python)}; "
-                              f"{exporter.why}) cannot import Megatron-Bridge: {last}")]
+        return [
+            error(
+                SOURCE,
+                f"the interpreter that exports Megatron checkpoints ({' '.join(exporter.python)}; "
+                f"{exporter.why}) cannot import Megatron-Bridge: {last}",
+            )
+        ]
     return []
 
 
@@ -69,20 +80,28 @@ def main(argv: list[str] | None = None) -> int:
     from ..cli_common import ArgumentParser
     from ..evals.suite import SUITES
 
-    ap = ArgumentParser(prog="python -m nemo_granular.preflight.eval_checks",
-                        description="Check an eval job's runtime: the Megatron export interpreter and the staged data.")
+    ap = ArgumentParser(
+        prog="python -m nemo_granular.preflight.eval_checks",
+        description="Check an eval job's runtime: the Megatron export interpreter and the staged data.",
+    )
     ap.add_argument("--eval-suite", required=True, choices=SUITES)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--nemo-rl", default=os.environ.get("NEMO_RL_SRC"), help="NeMo-RL checkout (default $NEMO_RL_SRC)")
     ap.add_argument("--megatron", action="store_true", help="the runs are Megatron runs: check the export interpreter")
-    ap.add_argument("--run", action="append", default=[], metavar="RUN_DIR",
-                    help="a run directory to evaluate: check the export interpreter when it has a Megatron checkpoint")
+    ap.add_argument(
+        "--run",
+        action="append",
+        default=[],
+        metavar="RUN_DIR",
+        help="a run directory to evaluate: check the export interpreter when it has a Megatron checkpoint",
+    )
     ap.add_argument("--export-python", default=None)
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     findings = check_staged_benchmarks(args.eval_suite, Path(args.data_dir) if args.data_dir else None)
     if args.megatron or any(has_megatron_checkpoint(Path(r)) for r in args.run):
-        findings += check_export_interpreter(Path(args.nemo_rl) if args.nemo_rl else None,
-                                             export_python=args.export_python)
+        findings += check_export_interpreter(
+            Path(args.nemo_rl) if args.nemo_rl else None, export_python=args.export_python
+        )
     for f in findings:
         print(f"preflight: {f.line()}", file=sys.stderr)
     return 1 if findings else 0

@@ -75,44 +75,88 @@ def cluster_layout(cfg: Mapping, algorithm: str) -> tuple[Layout | None, list[Fi
     rm_nodes, rm_gpus = _reward_model_resources(cfg)
     policy_nodes = total if total == 1 else total - rm_nodes
     if policy_nodes <= 0:
-        return None, [error(src, f"policy nodes = cluster.num_nodes {total} - reward-model nodes {rm_nodes} "
-                                 f"= {policy_nodes}; must be > 0")]
+        return None, [
+            error(
+                src,
+                f"policy nodes = cluster.num_nodes {total} - reward-model nodes {rm_nodes} "
+                f"= {policy_nodes}; must be > 0",
+            )
+        ]
     if algorithm == "ppo" and not colocated and gen.get("backend") != "vllm":
-        return None, [error(src, f"non-colocated PPO generation supports only vLLM "
-                                 f"(policy.generation.backend={gen.get('backend')!r})")]
+        return None, [
+            error(
+                src,
+                f"non-colocated PPO generation supports only vLLM (policy.generation.backend={gen.get('backend')!r})",
+            )
+        ]
     if colocated:
         per_node = gpn - rm_gpus if total == 1 else gpn
         if per_node <= 0:
-            return None, [error(src, f"cluster.gpus_per_node {gpn} - reward-model GPUs {rm_gpus} = {per_node} "
-                                     f"policy GPUs per node; must be > 0")]
+            return None, [
+                error(
+                    src,
+                    f"cluster.gpus_per_node {gpn} - reward-model GPUs {rm_gpus} = {per_node} "
+                    f"policy GPUs per node; must be > 0",
+                )
+            ]
         return Layout(total, gpn, True, policy_nodes, per_node, policy_nodes, per_node, rm_nodes), []
     res = dig(gen, "colocated.resources", {}) or {}
     inf_gpn, inf_nodes = res.get("gpus_per_node"), res.get("num_nodes")
     train_gpn, train_nodes = gpn, policy_nodes
     if policy_nodes == 1:
         if inf_gpn is None or inf_gpn <= 0:
-            return None, [error(src, "policy.generation.colocated.resources.gpus_per_node must be set > 0 for "
-                                     f"non-colocated generation on one policy node (got {inf_gpn})")]
+            return None, [
+                error(
+                    src,
+                    "policy.generation.colocated.resources.gpus_per_node must be set > 0 for "
+                    f"non-colocated generation on one policy node (got {inf_gpn})",
+                )
+            ]
         if inf_nodes not in (None, 1):
-            return None, [error(src, "policy.generation.colocated.resources.num_nodes must be 1 or null when the "
-                                     f"policy has one node and generation is non-colocated (got {inf_nodes})")]
+            return None, [
+                error(
+                    src,
+                    "policy.generation.colocated.resources.num_nodes must be 1 or null when the "
+                    f"policy has one node and generation is non-colocated (got {inf_nodes})",
+                )
+            ]
         inf_nodes = 1
         train_gpn -= inf_gpn + (rm_gpus if total == 1 else 0)
         if train_gpn <= 0:
-            return None, [error(src, f"no GPUs left for training: cluster.gpus_per_node {gpn} - generation "
-                                     f"{inf_gpn} - reward model {rm_gpus if total == 1 else 0} = {train_gpn}")]
+            return None, [
+                error(
+                    src,
+                    f"no GPUs left for training: cluster.gpus_per_node {gpn} - generation "
+                    f"{inf_gpn} - reward model {rm_gpus if total == 1 else 0} = {train_gpn}",
+                )
+            ]
     else:
         if inf_nodes is None or inf_nodes <= 0:
-            return None, [error(src, "policy.generation.colocated.resources.num_nodes must be > 0 when "
-                                     f"cluster.num_nodes > 1 and generation is non-colocated (got {inf_nodes})")]
+            return None, [
+                error(
+                    src,
+                    "policy.generation.colocated.resources.num_nodes must be > 0 when "
+                    f"cluster.num_nodes > 1 and generation is non-colocated (got {inf_nodes})",
+                )
+            ]
         if inf_gpn != gpn:
-            return None, [error(src, "policy.generation.colocated.resources.gpus_per_node must equal "
-                                     f"cluster.gpus_per_node ({gpn}) on a multi-node non-colocated run "
-                                     f"(got {inf_gpn})")]
+            return None, [
+                error(
+                    src,
+                    "policy.generation.colocated.resources.gpus_per_node must equal "
+                    f"cluster.gpus_per_node ({gpn}) on a multi-node non-colocated run "
+                    f"(got {inf_gpn})",
+                )
+            ]
         train_nodes -= inf_nodes
     if train_nodes <= 0 or inf_nodes <= 0:
-        return None, [error(src, f"non-colocated generation needs training and generation nodes > 0 "
-                                 f"(train {train_nodes}, generation {inf_nodes})")]
+        return None, [
+            error(
+                src,
+                f"non-colocated generation needs training and generation nodes > 0 "
+                f"(train {train_nodes}, generation {inf_nodes})",
+            )
+        ]
     return Layout(total, gpn, False, train_nodes, train_gpn, int(inf_nodes), int(inf_gpn), rm_nodes), []
 
 
@@ -121,22 +165,33 @@ def policy_parallel(policy: Mapping) -> dict[str, int | str]:
     (``nemo_rl/models/policy/lm_policy.py``)."""
     meg = policy.get("megatron_cfg") or {}
     if bool(meg.get("enabled", False)):
-        return dict(backend="megatron", tp=int(meg.get("tensor_model_parallel_size", 1) or 1),
-                    pp=int(meg.get("pipeline_model_parallel_size", 1) or 1),
-                    cp=int(meg.get("context_parallel_size", 1) or 1),
-                    ep=int(meg.get("expert_model_parallel_size", 1) or 1),
-                    etp=int(meg.get("expert_tensor_parallel_size", 1) or 1))
+        return dict(
+            backend="megatron",
+            tp=int(meg.get("tensor_model_parallel_size", 1) or 1),
+            pp=int(meg.get("pipeline_model_parallel_size", 1) or 1),
+            cp=int(meg.get("context_parallel_size", 1) or 1),
+            ep=int(meg.get("expert_model_parallel_size", 1) or 1),
+            etp=int(meg.get("expert_tensor_parallel_size", 1) or 1),
+        )
     dt = policy.get("dtensor_cfg") or {}
     backend = "dtensor_v2" if dt.get("_v2") else "dtensor"
-    return dict(backend=backend, tp=int(dt.get("tensor_parallel_size", 1) or 1), pp=1,
-                cp=int(dt.get("context_parallel_size", 1) or 1), ep=int(dt.get("expert_parallel_size", 1) or 1),
-                etp=1)
+    return dict(
+        backend=backend,
+        tp=int(dt.get("tensor_parallel_size", 1) or 1),
+        pp=1,
+        cp=int(dt.get("context_parallel_size", 1) or 1),
+        ep=int(dt.get("expert_parallel_size", 1) or 1),
+        etp=1,
+    )
 
 
 def vllm_parallel(gen: Mapping) -> dict[str, int]:
     """vLLM's TP/PP/EP as ``VllmGeneration.__init__`` reads them; ``engine_dp`` = EP / TP (vLLM's
     EP = DP × TP inside one engine)."""
     v = gen.get("vllm_cfg") or {}
-    tp, pp, ep = int(v.get("tensor_parallel_size", 1) or 1), int(v.get("pipeline_parallel_size", 1) or 1), \
-        int(v.get("expert_parallel_size", 1) or 1)
+    tp, pp, ep = (
+        int(v.get("tensor_parallel_size", 1) or 1),
+        int(v.get("pipeline_parallel_size", 1) or 1),
+        int(v.get("expert_parallel_size", 1) or 1),
+    )
     return dict(tp=tp, pp=pp, ep=ep, engine_dp=max(ep // tp, 1) if tp else 1)

@@ -44,8 +44,11 @@ class ModelFacts:
         norms and biases ignored. ``lm_head=False``: a scalar value head instead of the LM head."""
         h, hd = self.hidden_size, self.head_dim
         attn = h * self.num_heads * hd * 2 + h * self.num_kv_heads * hd * 2
-        mlp = 3 * h * self.moe_ffn_size * self.num_experts + h * self.num_experts if self.num_experts \
+        mlp = (
+            3 * h * self.moe_ffn_size * self.num_experts + h * self.num_experts
+            if self.num_experts
             else 3 * h * self.ffn_size
+        )
         if not lm_head:
             head = h
         else:
@@ -60,12 +63,18 @@ def facts_from_hf_config(hf) -> ModelFacts:
     head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
     experts = int(getattr(hf, "num_experts", None) or getattr(hf, "num_local_experts", None) or 0)
     return ModelFacts(
-        vocab_size=int(hf.vocab_size), hidden_size=int(hf.hidden_size), num_layers=int(hf.num_hidden_layers),
-        num_heads=heads, num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads), head_dim=head_dim,
-        ffn_size=int(getattr(hf, "intermediate_size", 0) or 0), num_experts=experts,
+        vocab_size=int(hf.vocab_size),
+        hidden_size=int(hf.hidden_size),
+        num_layers=int(hf.num_hidden_layers),
+        num_heads=heads,
+        num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        ffn_size=int(getattr(hf, "intermediate_size", 0) or 0),
+        num_experts=experts,
         experts_per_token=int(getattr(hf, "num_experts_per_tok", 0) or 0),
         moe_ffn_size=int(getattr(hf, "moe_intermediate_size", 0) or 0),
-        tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)))
+        tied_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+    )
 
 
 def model_facts(model_name: str, overrides: Mapping | None = None) -> tuple[ModelFacts | None, str]:
@@ -74,8 +83,9 @@ def model_facts(model_name: str, overrides: Mapping | None = None) -> tuple[Mode
     try:
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(model_name, local_files_only=True, trust_remote_code=False,
-                                        **dict(overrides or {}))
+        hf = AutoConfig.from_pretrained(
+            model_name, local_files_only=True, trust_remote_code=False, **dict(overrides or {})
+        )
         return facts_from_hf_config(hf), "local"
     except Exception as err:  # noqa: BLE001 - any failure means "not available offline"; say why
         text = str(err).strip().splitlines()
@@ -89,19 +99,35 @@ def architecture_checks(section: str, facts: ModelFacts, par: Mapping, meg: Mapp
     tp, pp, ep = par["tp"], par["pp"], par["ep"]
     out = []
     if facts.num_heads % tp:
-        out.append(error(TRANSFORMER_CONFIG, f"{section}: {facts.num_heads} attention heads not a multiple of "
-                                             f"tensor_model_parallel_size {tp}"))
+        out.append(
+            error(
+                TRANSFORMER_CONFIG,
+                f"{section}: {facts.num_heads} attention heads not a multiple of tensor_model_parallel_size {tp}",
+            )
+        )
     if facts.num_kv_heads % tp and tp % facts.num_kv_heads:
-        out.append(error(TRANSFORMER_CONFIG, f"{section}: {facts.num_kv_heads} KV heads neither a multiple nor a "
-                                             f"divisor of tensor_model_parallel_size {tp}"))
+        out.append(
+            error(
+                TRANSFORMER_CONFIG,
+                f"{section}: {facts.num_kv_heads} KV heads neither a multiple nor a "
+                f"divisor of tensor_model_parallel_size {tp}",
+            )
+        )
     if ep > 1 and not facts.num_experts:
         out.append(error(TRANSFORMER_CONFIG, f"{section}: expert_model_parallel_size {ep} on a model without experts"))
     if facts.num_experts and facts.num_experts % ep:
-        out.append(error(MOE_LAYER, f"{section}: {facts.num_experts} experts not divisible by "
-                                    f"expert_model_parallel_size {ep}"))
-    uneven = meg.get("num_layers_in_first_pipeline_stage") is not None or \
-        meg.get("num_layers_in_last_pipeline_stage") is not None
+        out.append(
+            error(MOE_LAYER, f"{section}: {facts.num_experts} experts not divisible by expert_model_parallel_size {ep}")
+        )
+    uneven = (
+        meg.get("num_layers_in_first_pipeline_stage") is not None
+        or meg.get("num_layers_in_last_pipeline_stage") is not None
+    )
     if pp > 1 and not uneven and facts.num_layers % pp:
-        out.append(error(TRANSFORMER_BLOCK, f"{section}: {facts.num_layers} layers not divisible by "
-                                            f"pipeline_model_parallel_size {pp}"))
+        out.append(
+            error(
+                TRANSFORMER_BLOCK,
+                f"{section}: {facts.num_layers} layers not divisible by pipeline_model_parallel_size {pp}",
+            )
+        )
     return out

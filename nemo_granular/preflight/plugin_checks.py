@@ -47,18 +47,25 @@ def grpo_plugin_checks(cfg: Mapping) -> list[Finding]:
         out.append(error("nemo_granular/config.py:parse_policy_loss_config", _first_line(err)))
     name = dig(cfg, "grpo.adv_estimator.name", "grpo")
     if name == "sppo":
-        out.append(error("nemo_granular/nemo_rl/estimators.py:install",
-                         "grpo.adv_estimator.name: sppo needs the PPO loop and a critic: "
-                         "use run_sppo with a PPO config"))
+        out.append(
+            error(
+                "nemo_granular/nemo_rl/estimators.py:install",
+                "grpo.adv_estimator.name: sppo needs the PPO loop and a critic: use run_sppo with a PPO config",
+            )
+        )
     elif name in OUR_ESTIMATORS:
         try:
             parse_advantage_config(dig(cfg, "grpo.adv_estimator", {}))
         except ValueError as err:
             out.append(error("nemo_granular/config.py:parse_advantage_config", _first_line(err)))
     elif name not in NEMO_RL_ESTIMATORS:
-        out.append(error("nemo_rl/algorithms/grpo.py:_create_advantage_estimator",
-                         f"grpo.adv_estimator.name {name!r} is unknown (ours: {', '.join(OUR_ESTIMATORS)}; "
-                         f"NeMo-RL's: {', '.join(NEMO_RL_ESTIMATORS)})"))
+        out.append(
+            error(
+                "nemo_rl/algorithms/grpo.py:_create_advantage_estimator",
+                f"grpo.adv_estimator.name {name!r} is unknown (ours: {', '.join(OUR_ESTIMATORS)}; "
+                f"NeMo-RL's: {', '.join(NEMO_RL_ESTIMATORS)})",
+            )
+        )
     if opts.get("entropy_source") == "extension":
         try:
             extension_fqn_for(cfg.get("policy") or {})
@@ -103,10 +110,16 @@ def _value_head_checks(cfg: Mapping) -> list[Finding]:
     where = "nemo_granular/sppo/validate.py:check_value_head_initialised"
     try:
         readable = check_value_head_initialised(
-            cfg, lambda name: AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False))
+            cfg, lambda name: AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False)
+        )
     except ValueError as err:
         return [error(where, _first_line(err))]
     if not readable:
-        return [warning(where, "the value model's config is not cached here, so its pad_token_id (an uninitialised "
-                               "value head on several GPUs) was not checked; run_sppo checks it at start")]
+        return [
+            warning(
+                where,
+                "the value model's config is not cached here, so its pad_token_id (an uninitialised "
+                "value head on several GPUs) was not checked; run_sppo checks it at start",
+            )
+        ]
     return []

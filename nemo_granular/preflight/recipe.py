@@ -18,9 +18,9 @@ __all__ = ["RecipeDiff", "reference_recipe", "recipe_diff", "flatten"]
 
 @dataclass(frozen=True)
 class RecipeDiff:
-    reference: str                         # NeMo-RL's examples/configs/<file>
-    changed: list[tuple[str, Any, Any]]    # (key, NeMo-RL's value, ours)
-    added: list[tuple[str, Any]]           # (key, ours): keys NeMo-RL's example does not have
+    reference: str  # NeMo-RL's examples/configs/<file>
+    changed: list[tuple[str, Any, Any]]  # (key, NeMo-RL's value, ours)
+    added: list[tuple[str, Any]]  # (key, ours): keys NeMo-RL's example does not have
 
 
 def flatten(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -40,7 +40,7 @@ def reference_recipe(path: str | os.PathLike) -> Path | None:
     from ..nemo_rl.configs import _defaults, _upstream_rest, nemo_rl_configs_dir
 
     current = Path(path).expanduser().absolute()
-    for _ in range(32):   # a chain longer than this loops
+    for _ in range(32):  # a chain longer than this loops
         entries = _defaults(OmegaConf.load(current)) or []
         if not entries:
             return None

@@ -33,9 +33,9 @@ class Result:
     driver: str
     findings: list[Finding] = field(default_factory=list)
     plan: dict = field(default_factory=dict)
-    resolved: dict = field(default_factory=dict, repr=False)   # the loaded config (not in --json)
-    nemo_rl: str = ""                                           # the NeMo-RL version checked against
-    adapted: list[str] = field(default_factory=list)           # keys that version lacks, dropped (compat)
+    resolved: dict = field(default_factory=dict, repr=False)  # the loaded config (not in --json)
+    nemo_rl: str = ""  # the NeMo-RL version checked against
+    adapted: list[str] = field(default_factory=list)  # keys that version lacks, dropped (compat)
 
     def errors(self, strict: bool = False) -> list[Finding]:
         return [f for f in self.findings if f.level == "error" or strict]
@@ -64,7 +64,8 @@ def _import_nemo_rl(driver: str):
         raise PreflightUnavailable(
             f"NeMo-RL is not importable here (missing {err.name or module!r}): run preflight in NeMo-RL's "
             f"environment like the drivers (e.g. `uv run python -m nemo_granular preflight ...` in the "
-            f"NeMo-RL checkout)") from None
+            f"NeMo-RL checkout)"
+        ) from None
 
 
 def _master(algo_module, cfg: dict, source: str) -> tuple[object | None, list[Finding]]:
@@ -82,54 +83,87 @@ def _model_findings(cfg: dict, plan: dict, vocab_size: int | None, driver: str) 
     facts, why = model.model_facts(str(policy.get("model_name")), policy.get("hf_config_overrides"))
     out: list[Finding] = []
     if facts is None:
-        out.append(warning("nemo-granular preflight", f"{why}; the architecture checks and the parameter counts "
-                                                       f"are skipped"))
+        out.append(
+            warning("nemo-granular preflight", f"{why}; the architecture checks and the parameter counts are skipped")
+        )
     else:
         par = policy_parallel(policy)
         out += model.architecture_checks("policy", facts, par, policy.get("megatron_cfg") or {})
-        plan["model"] = dict(name=policy.get("model_name"), vocab_size=facts.vocab_size,
-                             parameters=facts.parameter_count(), layers=facts.num_layers, experts=facts.num_experts)
+        plan["model"] = dict(
+            name=policy.get("model_name"),
+            vocab_size=facts.vocab_size,
+            parameters=facts.parameter_count(),
+            layers=facts.num_layers,
+            experts=facts.num_experts,
+        )
     vocab = vocab_size or (facts.vocab_size if facts else None) or dig(cfg, "loss_fn.granular.espo.vocab_size")
     if vocab:
         par = policy_parallel(policy)
         est = {kind: memory.logits_estimate(policy, par, int(vocab), kind) for kind in ("logprob", "train")}
-        plan["logits_memory"] = dict(vocab_size=int(vocab), tokens_per_gpu=est["logprob"].tokens_per_gpu,
-                                     vocab_per_gpu=est["logprob"].vocab_per_gpu, chunk=est["logprob"].chunk,
-                                     logprob_pass_bytes=est["logprob"].logprob_pass_bytes,
-                                     train_bytes=est["train"].train_bytes)
+        plan["logits_memory"] = dict(
+            vocab_size=int(vocab),
+            tokens_per_gpu=est["logprob"].tokens_per_gpu,
+            vocab_per_gpu=est["logprob"].vocab_per_gpu,
+            chunk=est["logprob"].chunk,
+            logprob_pass_bytes=est["logprob"].logprob_pass_bytes,
+            train_bytes=est["train"].train_bytes,
+        )
     if driver == "sppo":
         value = cfg.get("value") or {}
-        vfacts = facts if value.get("model_name") == policy.get("model_name") else \
-            model.model_facts(str(value.get("model_name")), value.get("hf_config_overrides"))[0]
+        vfacts = (
+            facts
+            if value.get("model_name") == policy.get("model_name")
+            else model.model_facts(str(value.get("model_name")), value.get("hf_config_overrides"))[0]
+        )
         if vfacts is not None:
-            plan["critic_memory"] = memory.critic_estimate(vfacts.parameter_count(lm_head=False),
-                                                           plan["layout"]["train_world"], value)
+            plan["critic_memory"] = memory.critic_estimate(
+                vfacts.parameter_count(lm_head=False), plan["layout"]["train_world"], value
+            )
             out += model.architecture_checks("value", vfacts, policy_parallel(value), value.get("megatron_cfg") or {})
     return out
 
 
 def _venv_findings(cfg: dict, driver: str, plan: dict) -> list[Finding]:
     entries = venvs.venv_plan(venvs.needed_actors(cfg, driver))
-    plan["venvs"] = dict(dir=venvs.venv_dir(), entries=[dict(fqn=e.fqn, role=e.role, py_executable=e.py_executable,
-                                                            path=e.path, built=e.built) for e in entries])
+    plan["venvs"] = dict(
+        dir=venvs.venv_dir(),
+        entries=[
+            dict(fqn=e.fqn, role=e.role, py_executable=e.py_executable, path=e.path, built=e.built) for e in entries
+        ],
+    )
     src = "nemo_rl/utils/venvs.py:create_local_venv_on_each_node"
-    out = [warning(src, f"worker venv missing: {e.path} ({e.role}, extra {e.extra}); the job would build it on "
-                        f"every node (`nemo-granular preflight CONFIG --build-venvs` builds it now)")
-           for e in entries if e.needs_venv and not e.built]
+    out = [
+        warning(
+            src,
+            f"worker venv missing: {e.path} ({e.role}, extra {e.extra}); the job would build it on "
+            f"every node (`nemo-granular preflight CONFIG --build-venvs` builds it now)",
+        )
+        for e in entries
+        if e.needs_venv and not e.built
+    ]
     if out:
         gone = venvs.missing_sources()
         plan["venvs"]["missing_sources"] = gone
         if gone:
-            out.append(warning("nemo_rl/utils/venvs.py:create_local_venv",
-                               f"the NeMo-RL checkout {venvs.nemo_rl_root()} lacks the submodule sources "
-                               f"{', '.join(gone)}: a venv build will fail; clone NeMo-RL with `git clone "
-                               f"--recursive` (or run `git submodule update --init --recursive`)"))
+            out.append(
+                warning(
+                    "nemo_rl/utils/venvs.py:create_local_venv",
+                    f"the NeMo-RL checkout {venvs.nemo_rl_root()} lacks the submodule sources "
+                    f"{', '.join(gone)}: a venv build will fail; clone NeMo-RL with `git clone "
+                    f"--recursive` (or run `git submodule update --init --recursive`)",
+                )
+            )
     return out
 
 
-def run_preflight(path: str | os.PathLike, overrides: Sequence[str] = (), driver: str = "auto",
-                  vocab_size: int | None = None, env: Mapping[str, str] | None = None,
-                  check_venvs: bool = True) -> Result:
+def run_preflight(
+    path: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    driver: str = "auto",
+    vocab_size: int | None = None,
+    env: Mapping[str, str] | None = None,
+    check_venvs: bool = True,
+) -> Result:
     """All checks and the plan for one config. Raises :class:`PreflightUnavailable` without NeMo-RL and a
     one-line ``ValueError`` / ``FileNotFoundError`` for a config that cannot be loaded."""
     driver = driver_for(path, driver)
@@ -175,8 +209,9 @@ def run_preflight(path: str | os.PathLike, overrides: Sequence[str] = (), driver
         value = cfg.get("value") or {}
         vpar = policy_parallel(value)
         res.findings += worker_checks.value_init_checks(value, layout.train_world)
-        res.findings += worker_checks.megatron_parallel_state_checks(value.get("megatron_cfg") or {},
-                                                                     layout.train_world, "value")
+        res.findings += worker_checks.megatron_parallel_state_checks(
+            value.get("megatron_cfg") or {}, layout.train_world, "value"
+        )
         res.findings += worker_checks.automodel_worker_checks("value", value, layout.train_world)
         vdp = layout.train_world // max(vpar["tp"] * vpar["pp"] * vpar["cp"], 1)
         res.plan["value_parallel"] = dict(vpar, dp=vdp)

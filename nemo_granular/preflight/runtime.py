@@ -76,22 +76,30 @@ def container_venv_problem(venv: str, mounts: str, in_container: bool, home: str
     target = os.path.realpath(python)
     if in_container:
         if not os.path.exists(target):
-            return (f"VENV={venv}: its python ({python} -> {target}) does not exist in the container; with CONTAINER "
-                    "leave VENV unset (the image's environment runs the job; docs/slurm.md)")
+            return (
+                f"VENV={venv}: its python ({python} -> {target}) does not exist in the container; with CONTAINER "
+                "leave VENV unset (the image's environment runs the job; docs/slurm.md)"
+            )
         return None
     if not mounts:
         if home and _inside(target, [home.rstrip("/")]):
-            return (f"VENV={venv}: its python is a link to {target}, under $HOME, which the container does not have "
-                    "(--no-container-mount-home); with CONTAINER leave VENV unset (the image's environment runs the "
-                    "job; docs/slurm.md)")
+            return (
+                f"VENV={venv}: its python is a link to {target}, under $HOME, which the container does not have "
+                "(--no-container-mount-home); with CONTAINER leave VENV unset (the image's environment runs the "
+                "job; docs/slurm.md)"
+            )
         return None
     roots = _mount_sources(mounts)
     if not _inside(os.path.abspath(venv), roots) and not _inside(os.path.realpath(venv), roots):
-        return (f"VENV={venv} is not inside MOUNTS={mounts or '<none>'}: the container does not have it; with "
-                "CONTAINER leave VENV unset (the image's environment runs the job; docs/slurm.md)")
+        return (
+            f"VENV={venv} is not inside MOUNTS={mounts or '<none>'}: the container does not have it; with "
+            "CONTAINER leave VENV unset (the image's environment runs the job; docs/slurm.md)"
+        )
     if os.path.exists(target) and not _inside(target, roots) and not target.startswith("/usr/"):
-        return (f"VENV={venv}: its python is a link to {target}, outside MOUNTS ({mounts}): it does not exist in "
-                "the container; with CONTAINER leave VENV unset (the image's environment runs the job; docs/slurm.md)")
+        return (
+            f"VENV={venv}: its python is a link to {target}, outside MOUNTS ({mounts}): it does not exist in "
+            "the container; with CONTAINER leave VENV unset (the image's environment runs the job; docs/slurm.md)"
+        )
     return None
 
 
@@ -146,26 +154,41 @@ def container_path_findings(cfg: Mapping, environ: Mapping[str, str] = os.enviro
             continue
         path = os.path.normpath(os.path.join(base, value))
         if not _inside(path, roots) and "/" not in roots:
-            out.append(error(SOURCE, f"{key}={value} is {path} in the container, outside MOUNTS={mounts}: the "
-                                     "image's own file system (not shared, lost with the container); set it under "
-                                     "a mounted directory"))
+            out.append(
+                error(
+                    SOURCE,
+                    f"{key}={value} is {path} in the container, outside MOUNTS={mounts}: the "
+                    "image's own file system (not shared, lost with the container); set it under "
+                    "a mounted directory",
+                )
+            )
     return out
 
 
 def _venv_dir_findings(environ: Mapping[str, str], venv_dir: str | None) -> list[Finding]:
     if venv_dir is None or not environ.get("CONTAINER") or environ.get("NG_CONTAINER"):
-        return []          # not a container job, or already inside it (then venv_dir is NeMo-RL's own view)
+        return []  # not a container job, or already inside it (then venv_dir is NeMo-RL's own view)
     if not environ.get("NEMO_RL_VENV_DIR"):
-        return [warning(SOURCE, f"CONTAINER: NeMo-RL in the image looks for the worker venvs in the image's "
-                                f"NEMO_RL_VENV_DIR (pyxis: the image's value wins), not in {venv_dir}, where this "
-                                f"preflight checks (and --build-venvs builds) them; export NEMO_RL_VENV_DIR="
-                                f"{venv_dir} for the job (launch.sh passes it into the container) on a file system "
-                                "in MOUNTS, or use the venvs the image ships")]
+        return [
+            warning(
+                SOURCE,
+                f"CONTAINER: NeMo-RL in the image looks for the worker venvs in the image's "
+                f"NEMO_RL_VENV_DIR (pyxis: the image's value wins), not in {venv_dir}, where this "
+                f"preflight checks (and --build-venvs builds) them; export NEMO_RL_VENV_DIR="
+                f"{venv_dir} for the job (launch.sh passes it into the container) on a file system "
+                "in MOUNTS, or use the venvs the image ships",
+            )
+        ]
     roots = _mount_sources(environ.get("MOUNTS", ""))
     path = os.path.realpath(environ["NEMO_RL_VENV_DIR"])
     if not _inside(environ["NEMO_RL_VENV_DIR"].rstrip("/"), roots) and not _inside(path, roots):
-        return [error(SOURCE, f"NEMO_RL_VENV_DIR={environ['NEMO_RL_VENV_DIR']} is not inside MOUNTS="
-                              f"{environ.get('MOUNTS') or '<none>'}: the worker venvs there are not in the container")]
+        return [
+            error(
+                SOURCE,
+                f"NEMO_RL_VENV_DIR={environ['NEMO_RL_VENV_DIR']} is not inside MOUNTS="
+                f"{environ.get('MOUNTS') or '<none>'}: the worker venvs there are not in the container",
+            )
+        ]
     return []
 
 
@@ -179,25 +202,36 @@ def _time_findings(cfg: Mapping, environ: Mapping[str, str]) -> list[Finding]:
         return []
     reserve = save_reserve_seconds(environ)
     if limit <= reserve:
-        return [error(SOURCE, f"{what} ({limit:.0f} s) is not more than NG_SAVE_RESERVE_SECONDS={reserve:.0f}: NeMo-RL "
-                              "would save at its first step and stop; give the job more time or a smaller reserve")]
+        return [
+            error(
+                SOURCE,
+                f"{what} ({limit:.0f} s) is not more than NG_SAVE_RESERVE_SECONDS={reserve:.0f}: NeMo-RL "
+                "would save at its first step and stop; give the job more time or a smaller reserve",
+            )
+        ]
     must = dig(cfg, "checkpointing.checkpoint_must_save_by", None)
     if not must or not dig(cfg, "checkpointing.enabled", False):
         return []
     parts = str(must).split(":")
     if len(parts) != 4 or not all(p.isdigit() for p in parts):
-        return []           # NeMo-RL's own format check reports it
+        return []  # NeMo-RL's own format check reports it
     seconds = sum(int(p) * m for p, m in zip(parts, (86400, 3600, 60, 1)))
     if seconds > limit - reserve:
-        return [warning(SOURCE, f"checkpointing.checkpoint_must_save_by={must} ({seconds} s, counted from after "
-                                f"NeMo-RL's setup) is later than {what} ({limit:.0f} s) minus NG_SAVE_RESERVE_SECONDS="
-                                f"{reserve:.0f}: the driver stops NeMo-RL before the job's end instead, a step and a "
-                                f"save ahead (the reserve until a save is measured)")]
+        return [
+            warning(
+                SOURCE,
+                f"checkpointing.checkpoint_must_save_by={must} ({seconds} s, counted from after "
+                f"NeMo-RL's setup) is later than {what} ({limit:.0f} s) minus NG_SAVE_RESERVE_SECONDS="
+                f"{reserve:.0f}: the driver stops NeMo-RL before the job's end instead, a step and a "
+                f"save ahead (the reserve until a save is measured)",
+            )
+        ]
     return []
 
 
-def runtime_findings(cfg: Mapping, environ: Mapping[str, str] = os.environ,
-                     venv_dir: str | None = None) -> list[Finding]:
+def runtime_findings(
+    cfg: Mapping, environ: Mapping[str, str] = os.environ, venv_dir: str | None = None
+) -> list[Finding]:
     """The runtime checks for a config (see the module docstring). ``venv_dir``: where this
     preflight looks for worker venvs (``venvs.venv_dir()``), None to skip that check."""
     out: list[Finding] = []
@@ -205,8 +239,9 @@ def runtime_findings(cfg: Mapping, environ: Mapping[str, str] = os.environ,
     container = environ.get("NG_CONTAINER") or environ.get("CONTAINER")
     venv = environ.get("NG_VENV") if inside else environ.get("VENV")
     if container and venv:
-        problem = container_venv_problem(venv, environ.get("NG_MOUNTS" if inside else "MOUNTS", ""), inside,
-                                         environ.get("HOME", ""))
+        problem = container_venv_problem(
+            venv, environ.get("NG_MOUNTS" if inside else "MOUNTS", ""), inside, environ.get("HOME", "")
+        )
         if problem:
             out.append(error(SOURCE, problem))
     out += _venv_dir_findings(environ, venv_dir)

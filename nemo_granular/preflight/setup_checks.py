@@ -51,11 +51,21 @@ def _sampling_override_checks(gen: dict, nemo_gym: bool) -> list[Finding]:
         return []
     out = []
     if not (gen.get("backend") == "vllm" and nemo_gym):
-        out.append(error(src, "policy.generation.val_temperature/val_top_p/val_top_k differ from temperature/top_p/"
-                              "top_k: only supported for vLLM NeMo-Gym rollouts"))
+        out.append(
+            error(
+                src,
+                "policy.generation.val_temperature/val_top_p/val_top_k differ from temperature/top_p/"
+                "top_k: only supported for vLLM NeMo-Gym rollouts",
+            )
+        )
     if gen.get("val_top_k"):
-        out.append(error(src, "policy.generation.val_top_k is not supported (NeMo-Gym honours only val_temperature/"
-                              "val_top_p); leave it null"))
+        out.append(
+            error(
+                src,
+                "policy.generation.val_top_k is not supported (NeMo-Gym honours only val_temperature/"
+                "val_top_p); leave it null",
+            )
+        )
     return out
 
 
@@ -68,12 +78,16 @@ def _fp8_generation_checks(src: str, master, policy: dict, gen: dict) -> list[Fi
     vllm = gen.get("vllm_cfg") or {}
     out = []
     if vllm.get("precision") == "fp8" and not master.loss_fn.use_importance_sampling_correction:
-        out.append(error(src, "policy.generation.vllm_cfg.precision=fp8 needs "
-                              "loss_fn.use_importance_sampling_correction: true"))
+        out.append(
+            error(
+                src, "policy.generation.vllm_cfg.precision=fp8 needs loss_fn.use_importance_sampling_correction: true"
+            )
+        )
     if str(vllm.get("kv_cache_dtype", "auto")).startswith("fp8"):
         if vllm.get("precision") != "fp8":
-            out.append(error(src, f"vllm_cfg.kv_cache_dtype={vllm.get('kv_cache_dtype')!r} "
-                                  "needs vllm_cfg.precision=fp8"))
+            out.append(
+                error(src, f"vllm_cfg.kv_cache_dtype={vllm.get('kv_cache_dtype')!r} needs vllm_cfg.precision=fp8")
+            )
         if (policy.get("dtensor_cfg") or {}).get("enabled"):
             out.append(error(src, "an fp8 vLLM KV cache is not supported with the DTensor policy backend"))
         if compat.should_use_async_rollouts(master):
@@ -91,8 +105,13 @@ def _force_on_policy_check(src: str, master, section: str) -> list[Finding]:
     rows = conf(master, f"{section}.num_prompts_per_step") * conf(master, f"{section}.num_generations_per_prompt")
     gbs = master.policy["train_global_batch_size"]
     if rows != gbs:
-        return [error(src, f"loss_fn.force_on_policy_ratio needs policy.train_global_batch_size ({gbs}) == "
-                           f"num_prompts_per_step × num_generations_per_prompt ({rows})")]
+        return [
+            error(
+                src,
+                f"loss_fn.force_on_policy_ratio needs policy.train_global_batch_size ({gbs}) == "
+                f"num_prompts_per_step × num_generations_per_prompt ({rows})",
+            )
+        ]
     return []
 
 
@@ -108,18 +127,21 @@ def grpo_setup_checks(master) -> list[Finding]:
     src = f"{GRPO}:setup"
     policy, loss = master.policy, master.loss_fn
 
-    def g(key: str, default=None):   # grpo.<key>: a pydantic model on main, a dict on v0.7.0 (defaults: main's)
+    def g(key: str, default=None):  # grpo.<key>: a pydantic model on main, a dict on v0.7.0 (defaults: main's)
         return compat.conf(master, f"grpo.{key}", default)
 
-    gen = policy.get("generation") or {}   # None is refused by NeMo-RL's MasterConfig already
+    gen = policy.get("generation") or {}  # None is refused by NeMo-RL's MasterConfig already
     out: list[Finding] = []
     if gen.get("backend") == "dynamo" and g("async_grpo.in_flight_weight_updates", False):
-        out.append(error(src, "grpo.async_grpo.in_flight_weight_updates must be false "
-                              "with policy.generation.backend=dynamo"))
+        out.append(
+            error(src, "grpo.async_grpo.in_flight_weight_updates must be false with policy.generation.backend=dynamo")
+        )
     out += _nemo_rl_check(grpo, "_validate_multimodal_dedup_capability", master)
     nemo_gym: list[bool] = []
-    out += _call("nemo_rl/environments/nemo_gym.py:should_use_nemo_gym",
-                 lambda: nemo_gym.append(bool(should_use_nemo_gym(master))))
+    out += _call(
+        "nemo_rl/environments/nemo_gym.py:should_use_nemo_gym",
+        lambda: nemo_gym.append(bool(should_use_nemo_gym(master))),
+    )
     out += _sampling_override_checks(gen, bool(nemo_gym and nemo_gym[0]))
     val_gens = g("val_num_generations_per_prompt", 1)
     if val_gens < 1:
@@ -137,23 +159,47 @@ def grpo_setup_checks(master) -> list[Finding]:
         per_loader = data.get("num_prompts_per_dataloader") or 0
         per_loader = per_loader * (multiplier if dynamic else 1)
         if not per_loader or int(prompts) % int(per_loader):
-            out.append(error(src, f"grpo.num_prompts_per_step ({int(prompts)}) must be a multiple of "
-                                  f"data.num_prompts_per_dataloader ({int(per_loader)})"))
+            out.append(
+                error(
+                    src,
+                    f"grpo.num_prompts_per_step ({int(prompts)}) must be a multiple of "
+                    f"data.num_prompts_per_dataloader ({int(per_loader)})",
+                )
+            )
     meg = policy.get("megatron_cfg") or {}
     if meg.get("enabled") and meg.get("use_fused_linear_logprobs"):
         if policy["sequence_packing"]["enabled"]:
-            out.append(error(src, "policy.megatron_cfg.use_fused_linear_logprobs is not supported with "
-                                  "policy.sequence_packing.enabled for GRPO"))
+            out.append(
+                error(
+                    src,
+                    "policy.megatron_cfg.use_fused_linear_logprobs is not supported with "
+                    "policy.sequence_packing.enabled for GRPO",
+                )
+            )
         if need_top_k_or_top_p_filtering(TrainingSamplingParams(top_k=gen.get("top_k"), top_p=gen.get("top_p"))):
-            out.append(error(src, "policy.megatron_cfg.use_fused_linear_logprobs does not support top-k/top-p "
-                                  "training-time filtering (policy.generation.top_k/top_p)"))
+            out.append(
+                error(
+                    src,
+                    "policy.megatron_cfg.use_fused_linear_logprobs does not support top-k/top-p "
+                    "training-time filtering (policy.generation.top_k/top_p)",
+                )
+            )
     out += _force_on_policy_check(src, master, "grpo")
     if g("skip_reference_policy_logprobs_calculation", False) and loss.reference_policy_kl_penalty != 0:
-        out.append(error(src, "grpo.skip_reference_policy_logprobs_calculation: true needs "
-                              f"loss_fn.reference_policy_kl_penalty == 0 (got {loss.reference_policy_kl_penalty})"))
+        out.append(
+            error(
+                src,
+                "grpo.skip_reference_policy_logprobs_calculation: true needs "
+                f"loss_fn.reference_policy_kl_penalty == 0 (got {loss.reference_policy_kl_penalty})",
+            )
+        )
     out += _nemo_rl_check(grpo, "_validate_use_kl_in_reward_compat", master)
-    out += _nemo_rl_check(grpo, "_raise_if_reward_penalties_enabled_without_nemo_gym", master,
-                          enable_nemo_gym=bool(nemo_gym and nemo_gym[0]))
+    out += _nemo_rl_check(
+        grpo,
+        "_raise_if_reward_penalties_enabled_without_nemo_gym",
+        master,
+        enable_nemo_gym=bool(nemo_gym and nemo_gym[0]),
+    )
     out += _nemo_rl_check(grpo, "_resolve_message_level_advantage_penalties", master)
     out += _fp8_generation_checks(src, master, policy, gen)
     if gen.get("refit_transport") is not None and gen.get("backend") != "vllm":
@@ -169,21 +215,35 @@ def ppo_setup_checks(master) -> list[Finding]:
     src = f"{PPO}:setup"
     policy, value, loss = master.policy, master.value, master.loss_fn
 
-    def p(key: str, default=None):   # ppo.<key>: a pydantic model on main, a dict on v0.7.0 (defaults: main's)
+    def p(key: str, default=None):  # ppo.<key>: a pydantic model on main, a dict on v0.7.0 (defaults: main's)
         return conf(master, f"ppo.{key}", default)
 
-    gen = policy.get("generation") or {}   # None is refused by NeMo-RL's MasterConfig already
+    gen = policy.get("generation") or {}  # None is refused by NeMo-RL's MasterConfig already
     out: list[Finding] = []
     if gen.get("backend") == "vllm" and gen.get("refit_transport") is not None:
-        out.append(error(src, f"policy.generation.refit_transport={gen.get('refit_transport')!r} is not supported by "
-                              f"PPO; set it to null"))
+        out.append(
+            error(
+                src,
+                f"policy.generation.refit_transport={gen.get('refit_transport')!r} is not supported by "
+                f"PPO; set it to null",
+            )
+        )
     meg = policy.get("megatron_cfg") or {}
     ckpt = master.checkpointing
-    if (meg.get("enabled") and p("policy_training_start_step", 0) > 0
-            and ckpt.get("enabled") and ckpt.get("save_optimizer")
-            and (meg.get("checkpoint") or {}).get("ckpt_assume_constant_structure")):
-        out.append(error(src, "policy.megatron_cfg.checkpoint.ckpt_assume_constant_structure is incompatible with "
-                              "critic warm-up (ppo.policy_training_start_step > 0) and optimizer checkpointing"))
+    if (
+        meg.get("enabled")
+        and p("policy_training_start_step", 0) > 0
+        and ckpt.get("enabled")
+        and ckpt.get("save_optimizer")
+        and (meg.get("checkpoint") or {}).get("ckpt_assume_constant_structure")
+    ):
+        out.append(
+            error(
+                src,
+                "policy.megatron_cfg.checkpoint.ckpt_assume_constant_structure is incompatible with "
+                "critic warm-up (ppo.policy_training_start_step > 0) and optimizer checkpointing",
+            )
+        )
     vmeg, vdt = value.get("megatron_cfg") or {}, value.get("dtensor_cfg") or {}
     if vmeg.get("enabled"):
         if vmeg.get("context_parallel_size", 1) > 1 and not value["sequence_packing"]["enabled"]:
@@ -205,7 +265,12 @@ def ppo_setup_checks(master) -> list[Finding]:
         out.append(error(src, f"PPO needs policy.generation.backend vllm or sglang (got {backend!r})"))
     out += _fp8_generation_checks(src, master, policy, gen)
     if p("skip_reference_policy_logprobs_calculation", False) and loss.reference_policy_kl_penalty != 0:
-        out.append(error(f"{PPO}:ppo_train", "ppo.skip_reference_policy_logprobs_calculation: true needs "
-                                             f"loss_fn.reference_policy_kl_penalty == 0 "
-                                             f"(got {loss.reference_policy_kl_penalty})"))
+        out.append(
+            error(
+                f"{PPO}:ppo_train",
+                "ppo.skip_reference_policy_logprobs_calculation: true needs "
+                f"loss_fn.reference_policy_kl_penalty == 0 "
+                f"(got {loss.reference_policy_kl_penalty})",
+            )
+        )
     return out

@@ -27,8 +27,16 @@ from pathlib import Path
 
 from .layout import dig
 
-__all__ = ["VenvEntry", "needed_actors", "venv_plan", "venv_dir", "nemo_rl_root", "build_commands",
-           "missing_sources", "build_venvs"]
+__all__ = [
+    "VenvEntry",
+    "needed_actors",
+    "venv_plan",
+    "venv_dir",
+    "nemo_rl_root",
+    "build_commands",
+    "missing_sources",
+    "build_venvs",
+]
 
 VLLM_WORKER = "nemo_rl.models.generation.vllm.vllm_worker.VllmGenerationWorker"
 VLLM_ASYNC_WORKER = "nemo_rl.models.generation.vllm.vllm_worker_async.VllmAsyncGenerationWorker"
@@ -38,8 +46,10 @@ DTENSOR_POLICY = "nemo_rl.models.policy.workers.dtensor_policy_worker.DTensorPol
 DTENSOR_V2_POLICY = "nemo_rl.models.policy.workers.dtensor_policy_worker_v2.DTensorPolicyWorkerV2"
 MEGATRON_VALUE = "nemo_rl.models.value.workers.megatron_value_worker.MegatronValueWorker"
 DTENSOR_V2_VALUE = "nemo_rl.models.value.workers.dtensor_value_worker_v2.DTensorValueWorkerV2"
-ASYNC_ACTORS = ("nemo_rl.algorithms.async_utils.AsyncTrajectoryCollector",
-                "nemo_rl.algorithms.async_utils.ReplayBuffer")
+ASYNC_ACTORS = (
+    "nemo_rl.algorithms.async_utils.AsyncTrajectoryCollector",
+    "nemo_rl.algorithms.async_utils.ReplayBuffer",
+)
 
 
 @dataclass
@@ -49,7 +59,7 @@ class VenvEntry:
     fqn: str
     role: str
     py_executable: str
-    path: str | None = None          # NEMO_RL_VENV_DIR/<fqn>, None for a system-Python actor
+    path: str | None = None  # NEMO_RL_VENV_DIR/<fqn>, None for a system-Python actor
     built: bool = True
     extra: str | None = field(default=None)
 
@@ -65,8 +75,9 @@ def _policy_worker(policy: Mapping) -> str:
 
     if bool(dig(policy, "megatron_cfg.enabled", False)):
         return resolve_policy_worker_cls(MEGATRON_POLICY, policy)
-    return resolve_policy_worker_cls(DTENSOR_V2_POLICY if dig(policy, "dtensor_cfg._v2", False) else DTENSOR_POLICY,
-                                     policy)
+    return resolve_policy_worker_cls(
+        DTENSOR_V2_POLICY if dig(policy, "dtensor_cfg._v2", False) else DTENSOR_POLICY, policy
+    )
 
 
 def _generation_worker(gen: Mapping) -> str | None:
@@ -80,7 +91,7 @@ def _generation_worker(gen: Mapping) -> str | None:
         return resolve_generation_worker_cls(default, gen)
     if backend == "sglang":
         return SGLANG_WORKER
-    return None   # megatron generation runs inside the policy workers
+    return None  # megatron generation runs inside the policy workers
 
 
 def needed_actors(cfg: Mapping, driver: str) -> list[tuple[str, str]]:
@@ -170,9 +181,11 @@ def build_commands(entry: VenvEntry, root: str | None = None) -> list[str]:
     """The commands NeMo-RL's ``create_local_venv`` runs for ``entry`` (environment prefix included)."""
     root = nemo_rl_root() if root is None else root
     env = f"UV_PROJECT_ENVIRONMENT={shlex.quote(entry.path)}"
-    return [f"uv venv --allow-existing {shlex.quote(entry.path)}",
-            f"{env} uv sync --directory {shlex.quote(root)}",
-            f"{env} {entry.py_executable} echo {shlex.quote('Finished creating venv ' + entry.path)}"]
+    return [
+        f"uv venv --allow-existing {shlex.quote(entry.path)}",
+        f"{env} uv sync --directory {shlex.quote(root)}",
+        f"{env} {entry.py_executable} echo {shlex.quote('Finished creating venv ' + entry.path)}",
+    ]
 
 
 def _path_sources(project: Path) -> list[Path]:

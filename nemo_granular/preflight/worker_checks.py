@@ -16,8 +16,15 @@ from collections.abc import Mapping
 from .findings import Finding, error, warning
 from .layout import policy_parallel, vllm_parallel
 
-__all__ = ["policy_init_checks", "value_init_checks", "vllm_init_checks", "megatron_worker_checks",
-           "automodel_worker_checks", "megatron_parallel_state_checks", "ATTENTION_BACKENDS"]
+__all__ = [
+    "policy_init_checks",
+    "value_init_checks",
+    "vllm_init_checks",
+    "megatron_worker_checks",
+    "automodel_worker_checks",
+    "megatron_parallel_state_checks",
+    "ATTENTION_BACKENDS",
+]
 
 LM_POLICY = "nemo_rl/models/policy/lm_policy.py:Policy.__init__"
 LM_VALUE = "nemo_rl/models/value/lm_value.py:Value.__init__"
@@ -48,12 +55,18 @@ def torch_cuda_arch_list_finding(env: Mapping[str, str]) -> Finding:
     on the submit host of a container job (``CONTAINER`` set, not inside it): the image's own
     value wins there (NeMo-RL's image sets it), and this host cannot see the image's."""
     if env.get("CONTAINER") and not env.get("NG_CONTAINER"):
-        return warning(LM_POLICY, "TORCH_CUDA_ARCH_LIST is not set on this host; the job's CONTAINER must set it "
-                                  f"(NeMo-RL's image does: '{IMAGE_TORCH_CUDA_ARCH_LIST}'): NeMo-RL's Megatron "
-                                  "backend raises without it")
-    return error(LM_POLICY, "TORCH_CUDA_ARCH_LIST is not set: NeMo-RL's Megatron backend (policy.megatron_cfg."
-                            "enabled) raises in setup() without it; export TORCH_CUDA_ARCH_LIST="
-                            f"'{IMAGE_TORCH_CUDA_ARCH_LIST}' (NeMo-RL's image: H100, B200) or your GPUs' capability")
+        return warning(
+            LM_POLICY,
+            "TORCH_CUDA_ARCH_LIST is not set on this host; the job's CONTAINER must set it "
+            f"(NeMo-RL's image does: '{IMAGE_TORCH_CUDA_ARCH_LIST}'): NeMo-RL's Megatron "
+            "backend raises without it",
+        )
+    return error(
+        LM_POLICY,
+        "TORCH_CUDA_ARCH_LIST is not set: NeMo-RL's Megatron backend (policy.megatron_cfg."
+        "enabled) raises in setup() without it; export TORCH_CUDA_ARCH_LIST="
+        f"'{IMAGE_TORCH_CUDA_ARCH_LIST}' (NeMo-RL's image: H100, B200) or your GPUs' capability",
+    )
 
 
 def policy_init_checks(policy: Mapping, world: int, env: Mapping[str, str] | None = None) -> list[Finding]:
@@ -67,8 +80,9 @@ def policy_init_checks(policy: Mapping, world: int, env: Mapping[str, str] | Non
     dt = bool(dt_cfg.get("enabled", False))
     draft = bool((policy.get("draft") or {}).get("enabled", False))
     if meg and dt:
-        return [error(LM_POLICY,
-                      "policy.megatron_cfg.enabled and policy.dtensor_cfg.enabled are both true; choose one")]
+        return [
+            error(LM_POLICY, "policy.megatron_cfg.enabled and policy.dtensor_cfg.enabled are both true; choose one")
+        ]
     if not meg and not dt:
         return [error(LM_POLICY, "neither policy.megatron_cfg.enabled nor policy.dtensor_cfg.enabled is true")]
     if draft and not meg:
@@ -83,11 +97,20 @@ def policy_init_checks(policy: Mapping, world: int, env: Mapping[str, str] | Non
         if (dt_cfg.get("dp_replicate_size") or 1) > 1:
             out.append(error(LM_POLICY, "policy.dtensor_cfg.dp_replicate_size > 1 needs policy.dtensor_cfg._v2: true"))
     par = policy_parallel(policy)
-    if (not env.get("NRL_IGNORE_TP_ACCURACY_CHECK") and "logprob_batch_size" in policy and par["tp"] >= 4
-            and policy["train_micro_batch_size"] != policy["logprob_batch_size"]):
-        out.append(error(LM_POLICY, f"TP {par['tp']} >= 4 needs policy.train_micro_batch_size "
-                                    f"({policy['train_micro_batch_size']}) == policy.logprob_batch_size "
-                                    f"({policy['logprob_batch_size']}) (NeMo-RL's TP batch-variance check)"))
+    if (
+        not env.get("NRL_IGNORE_TP_ACCURACY_CHECK")
+        and "logprob_batch_size" in policy
+        and par["tp"] >= 4
+        and policy["train_micro_batch_size"] != policy["logprob_batch_size"]
+    ):
+        out.append(
+            error(
+                LM_POLICY,
+                f"TP {par['tp']} >= 4 needs policy.train_micro_batch_size "
+                f"({policy['train_micro_batch_size']}) == policy.logprob_batch_size "
+                f"({policy['logprob_batch_size']}) (NeMo-RL's TP batch-variance check)",
+            )
+        )
     out += _world_checks(LM_POLICY, world, par["tp"], par["pp"], par["cp"], "policy")
     dyn = bool((policy.get("dynamic_batching") or {}).get("enabled", False))
     if dyn and par["pp"] != 1:
@@ -125,11 +148,21 @@ def vllm_init_checks(gen: Mapping, world: int) -> list[Finding]:
         out.append(error(VLLM, "vllm_cfg.pipeline_parallel_size > 1 needs vllm_cfg.async_engine: true"))
     if v["ep"] > 1:
         if v["ep"] % v["tp"]:
-            out.append(error(VLLM, f"vllm_cfg.expert_parallel_size {v['ep']} must be a multiple of "
-                                   f"tensor_parallel_size {v['tp']} (vLLM's EP = DP × TP)"))
+            out.append(
+                error(
+                    VLLM,
+                    f"vllm_cfg.expert_parallel_size {v['ep']} must be a multiple of "
+                    f"tensor_parallel_size {v['tp']} (vLLM's EP = DP × TP)",
+                )
+            )
         elif v["ep"] != v["tp"] and vcfg.get("async_engine"):
-            out.append(error(VLLM, "vllm_cfg.expert_parallel_size != tensor_parallel_size (DP inside vLLM) is not "
-                                   "supported with vllm_cfg.async_engine: true"))
+            out.append(
+                error(
+                    VLLM,
+                    "vllm_cfg.expert_parallel_size != tensor_parallel_size (DP inside vLLM) is not "
+                    "supported with vllm_cfg.async_engine: true",
+                )
+            )
     top_k, top_p = gen.get("top_k"), gen.get("top_p")
     if top_k is not None and top_k != -1 and top_k < 1:
         out.append(error(VLLM, f"policy.generation.top_k must be null, -1 or >= 1 (got {top_k})"))
@@ -159,32 +192,47 @@ def megatron_worker_checks(policy: Mapping) -> list[Finding]:
         return []
     out: list[Finding] = []
     src = f"{MSETUP}:validate_and_set_config"
-    if (meg.get("transformer_impl") == "inference_optimized" and meg.get("tensor_model_parallel_size", 1) > 1
-            and not meg.get("sequence_parallel")):
+    if (
+        meg.get("transformer_impl") == "inference_optimized"
+        and meg.get("tensor_model_parallel_size", 1) > 1
+        and not meg.get("sequence_parallel")
+    ):
         out.append(error(src, "megatron_cfg.transformer_impl=inference_optimized with TP > 1 needs sequence_parallel"))
     if (policy.get("reward_model_cfg") or {}).get("enabled"):
         out.append(error(src, "reward models are not supported with the Megatron backend"))
     rope = (policy.get("hf_config_overrides") or {}).get("rope_scaling") or {}
-    yarn = ("factor", "rope_theta", "original_max_position_embeddings", "truncate", "beta_fast", "beta_slow",
-            "mscale", "mscale_all_dim")
+    yarn = (
+        "factor",
+        "rope_theta",
+        "original_max_position_embeddings",
+        "truncate",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+    )
     if rope.get("rope_type") == "yarn" and any(k not in rope for k in yarn):
-        out.append(error(src, "hf_config_overrides.rope_scaling (yarn) misses "
-                              f"{[k for k in yarn if k not in rope]}"))
+        out.append(error(src, f"hf_config_overrides.rope_scaling (yarn) misses {[k for k in yarn if k not in rope]}"))
     out += _router_replay(policy, meg)
     src = f"{MSETUP}:_apply_parallelism_config"
     if meg.get("context_parallel_size", 1) > 1:
         if not (policy.get("sequence_packing") or {}).get("enabled", False):
             out.append(error(src, "megatron_cfg.context_parallel_size > 1 needs policy.sequence_packing.enabled"))
         if meg.get("use_fused_linear_logprobs", False):
-            out.append(error(src, "megatron_cfg.context_parallel_size > 1 is not supported "
-                                  "with use_fused_linear_logprobs"))
+            out.append(
+                error(src, "megatron_cfg.context_parallel_size > 1 is not supported with use_fused_linear_logprobs")
+            )
     out += _performance(meg)
     out += _optimizer(meg.get("optimizer") or {})
     chunk = policy.get("logprob_chunk_size")
     if chunk is not None and chunk > 0 and not meg.get("defer_fp32_logits"):
-        out.append(error(f"{MSETUP}:_validate_chunking_config",
-                         f"policy.logprob_chunk_size={chunk} needs policy.megatron_cfg.defer_fp32_logits: true "
-                         f"(NeMo-RL: 'defer_fp32_logits must be True if logprob_chunk_size is set')"))
+        out.append(
+            error(
+                f"{MSETUP}:_validate_chunking_config",
+                f"policy.logprob_chunk_size={chunk} needs policy.megatron_cfg.defer_fp32_logits: true "
+                f"(NeMo-RL: 'defer_fp32_logits must be True if logprob_chunk_size is set')",
+            )
+        )
     return out
 
 
@@ -209,8 +257,13 @@ def _performance(meg: Mapping) -> list[Finding]:
     if meg.get("fine_grained_activation_offloading"):
         mods = meg.get("offload_modules")
         if not isinstance(mods, list) or not mods:
-            out.append(error(src, "megatron_cfg.offload_modules must be a non-empty list when "
-                                  "fine_grained_activation_offloading is true"))
+            out.append(
+                error(
+                    src,
+                    "megatron_cfg.offload_modules must be a non-empty list when "
+                    "fine_grained_activation_offloading is true",
+                )
+            )
     return out
 
 
@@ -248,15 +301,17 @@ def automodel_worker_checks(section: str, cfg: Mapping, world: int) -> list[Find
         out.append(error(src, f"{section}.sequence_packing is not supported for reward models"))
     cp = int(dt.get("context_parallel_size", 1) or 1)
     if cp > 1 and packing:
-        out.append(error(src, f"{section}.dtensor_cfg.context_parallel_size > 1 "
-                              "is not supported with sequence packing"))
+        out.append(
+            error(src, f"{section}.dtensor_cfg.context_parallel_size > 1 is not supported with sequence packing")
+        )
     src = f"{ASETUP}:setup_distributed"
     mp = int(dt.get("tensor_parallel_size", 1) or 1) * cp * int(dt.get("expert_parallel_size", 1) or 1)
     replicate = int(dt.get("dp_replicate_size", 1) or 1)
     dp = world // mp if mp else 0
     if replicate and dp % replicate:
-        out.append(error(src, f"{section}: data-parallel size {dp} not divisible "
-                              f"by dtensor_cfg.dp_replicate_size {replicate}"))
+        out.append(
+            error(src, f"{section}: data-parallel size {dp} not divisible by dtensor_cfg.dp_replicate_size {replicate}")
+        )
     if world == 1 and dt.get("cpu_offload"):
         out.append(error(src, f"{section}.dtensor_cfg.cpu_offload does not work on a single GPU"))
     return out
@@ -274,9 +329,18 @@ def megatron_parallel_state_checks(meg: Mapping, world: int, section: str = "pol
     etp = int(etp) if etp is not None else int(meg.get("tensor_model_parallel_size", 1))
     out = []
     if world % (etp * ep * pp):
-        out.append(error(src, f"{section}: {world} GPUs not divisible by expert_tensor_parallel {etp} × "
-                              f"expert_model_parallel {ep} × pipeline {pp} = {etp * ep * pp}"))
+        out.append(
+            error(
+                src,
+                f"{section}: {world} GPUs not divisible by expert_tensor_parallel {etp} × "
+                f"expert_model_parallel {ep} × pipeline {pp} = {etp * ep * pp}",
+            )
+        )
     if meg.get("virtual_pipeline_model_parallel_size") is not None and pp <= 1:
-        out.append(error(src, f"{section}.megatron_cfg.virtual_pipeline_model_parallel_size needs "
-                              f"pipeline_model_parallel_size > 1"))
+        out.append(
+            error(
+                src,
+                f"{section}.megatron_cfg.virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1",
+            )
+        )
     return out

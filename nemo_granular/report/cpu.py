@@ -26,8 +26,8 @@ CPU_KEY, END_KEY, STEP_KEY = "timing/train/cpu_time", "timing/train/step_end_uni
 
 @dataclass(frozen=True)
 class CpuUsage:
-    alongside: float   # mean number of other runs training at the same time
-    share: float       # CPU seconds per wall second while training
+    alongside: float  # mean number of other runs training at the same time
+    share: float  # CPU seconds per wall second while training
 
     def describe(self) -> str:
         return f"{self.alongside:.2f} other runs alongside, {self.share:.2f} CPU s per wall s"
@@ -61,6 +61,7 @@ def cpu_usage(runs: list[Run]) -> dict:
             continue
         wall = float((own[:, 1] - own[:, 0]).sum())
         shared = sum(_overlap(own, other) for d, other in spans.items() if d != run.dir and other is not None)
-        out[run.dir] = CpuUsage(alongside=shared / wall if wall > 0 else 0.0,
-                                share=float(own[:, 2].sum()) / wall if wall > 0 else 0.0)
+        out[run.dir] = CpuUsage(
+            alongside=shared / wall if wall > 0 else 0.0, share=float(own[:, 2].sum()) / wall if wall > 0 else 0.0
+        )
     return out

@@ -52,15 +52,15 @@ _ERROR_RE = re.compile(r"Traceback|Error|error:|CANCELLED|DUE TO TIME LIMIT|OUT_
 @dataclass
 class Run:
     dir: Path
-    source: str                  # "embedded" | "nemo-rl" | "unknown"
+    source: str  # "embedded" | "nemo-rl" | "unknown"
     algorithm: str
-    name: str                    # the label seeds are grouped under (config name)
+    name: str  # the label seeds are grouped under (config name)
     seed: int
     recs: list = field(default_factory=list)
-    meta: dict = field(default_factory=dict)   # model, task, steps, batch, lr, decoding, ...
-    status: str = "finished"     # "finished" | "incomplete" | "failed"
+    meta: dict = field(default_factory=dict)  # model, task, steps, batch, lr, decoding, ...
+    status: str = "finished"  # "finished" | "incomplete" | "failed"
     problem: str | None = None
-    evals: dict | None = None    # benchmark-suite results (evals.json), see nemo_granular.evals
+    evals: dict | None = None  # benchmark-suite results (evals.json), see nemo_granular.evals
 
     @property
     def last_step(self) -> int:
@@ -115,18 +115,25 @@ def _load_embedded(run: Path) -> Run:
     prompts = rl.get("prompts_per_step")
     sppo = alg == "sppo"
     out.meta = {
-        "model": lookup(cfg, "model.path") or (
+        "model": lookup(cfg, "model.path")
+        or (
             f"tiny random Qwen3 (hidden {lookup(cfg, 'model.hidden_size')}, {lookup(cfg, 'model.num_layers')} layers"
-            f"{', MoE' if lookup(cfg, 'model.moe') else ''}), warm-started on worked solutions"),
-        "task": (f"synthetic sums of {lookup(cfg, 'task.num_terms')} integers in [1, {lookup(cfg, 'task.max_term')}]"
-                 if lookup(cfg, "task.kind", "arithmetic") == "arithmetic" else f"JSONL {lookup(cfg, 'task.path')}"),
+            f"{', MoE' if lookup(cfg, 'model.moe') else ''}), warm-started on worked solutions"
+        ),
+        "task": (
+            f"synthetic sums of {lookup(cfg, 'task.num_terms')} integers in [1, {lookup(cfg, 'task.max_term')}]"
+            if lookup(cfg, "task.kind", "arithmetic") == "arithmetic"
+            else f"JSONL {lookup(cfg, 'task.path')}"
+        ),
         "steps": rl.get("steps"),
         "batch": _batch_text(prompts, G, sppo),
         "samples_per_step": None if prompts is None or G is None else prompts * G,
         "lr": rl.get("lr"),
         "optimizer_steps_per_rollout": rl.get("minibatches_per_rollout"),
-        "decoding": {"train": f"T={rl.get('temperature')}, top-p 1, top-k off, ≤{rl.get('max_new_tokens')} tokens",
-                     "validation": f"greedy, ≤{rl.get('max_new_tokens')} tokens"},
+        "decoding": {
+            "train": f"T={rl.get('temperature')}, top-p 1, top-k off, ≤{rl.get('max_new_tokens')} tokens",
+            "validation": f"greedy, ≤{rl.get('max_new_tokens')} tokens",
+        },
         "validation_every": rl.get("eval_every"),
     }
     metrics = run / "metrics.jsonl"
@@ -136,7 +143,8 @@ def _load_embedded(run: Path) -> Run:
     if not metrics.is_file():
         out.status = "failed"
         out.problem = "no metrics.jsonl (the run never started training)" + (
-            f"; last error: {h}" if (h := _failure_hint(run)) else "")
+            f"; last error: {h}" if (h := _failure_hint(run)) else ""
+        )
         return out
     bad = 0
     for line in metrics.read_text(errors="replace").splitlines():
@@ -172,8 +180,13 @@ def warm_start_of(run: Path, cfg: dict, recs: list[dict]) -> dict | None:
         rec0 = next((r for r in recs if r["step"] == 0), {})
     if not isinstance(rec0.get("warmstart/accuracy"), (int, float)):
         return None
-    return {"dir": where, "accuracy": rec0["warmstart/accuracy"], "steps": rec0.get("warmstart/steps"),
-            "target": lookup(wcfg, "warmstart.target_accuracy"), "max_steps": lookup(wcfg, "warmstart.max_steps")}
+    return {
+        "dir": where,
+        "accuracy": rec0["warmstart/accuracy"],
+        "steps": rec0.get("warmstart/steps"),
+        "target": lookup(wcfg, "warmstart.target_accuracy"),
+        "max_steps": lookup(wcfg, "warmstart.max_steps"),
+    }
 
 
 def _check_complete(out: Run, planned, unreadable: int = 0) -> None:
@@ -183,8 +196,10 @@ def _check_complete(out: Run, planned, unreadable: int = 0) -> None:
     elif planned and out.last_step < int(planned):
         out.status = "incomplete"
         out.problem = f"stopped at step {out.last_step} of {planned}" + (
-            f"; last error: {h}" if (h := _failure_hint(out.dir))
-            else " (no error in its logs: killed or still running)")
+            f"; last error: {h}"
+            if (h := _failure_hint(out.dir))
+            else " (no error in its logs: killed or still running)"
+        )
     if unreadable and out.problem is None:
         out.problem = f"{unreadable} unreadable metrics line(s) skipped"
 
@@ -225,12 +240,19 @@ def _nemo_rl_config(run: Path) -> dict:
 
 def _load_nemo_rl(run: Path) -> Run:
     cfg = _nemo_rl_config(run)
-    alg = (lookup(cfg, "loss_fn.granular.algorithm")
-           or ("sppo" if lookup(cfg, "ppo") is not None and lookup(cfg, "grpo") is None else None)
-           or re.split(r"[_\-]", run.name)[0])
+    alg = (
+        lookup(cfg, "loss_fn.granular.algorithm")
+        or ("sppo" if lookup(cfg, "ppo") is not None and lookup(cfg, "grpo") is None else None)
+        or re.split(r"[_\-]", run.name)[0]
+    )
     algo_cfg = cfg.get("grpo") if isinstance(cfg.get("grpo"), dict) else (cfg.get("ppo") or {})
-    out = Run(dir=run, source="nemo-rl", algorithm=alg, name=run.name.split("_seed")[0],
-              seed=int(_first(cfg, "grpo.seed", "ppo.seed", default=0) or 0))
+    out = Run(
+        dir=run,
+        source="nemo-rl",
+        algorithm=alg,
+        name=run.name.split("_seed")[0],
+        seed=int(_first(cfg, "grpo.seed", "ppo.seed", default=0) or 0),
+    )
     prompts = algo_cfg.get("num_prompts_per_step")
     G = algo_cfg.get("num_generations_per_prompt", 1 if alg == "sppo" else None)
     gen = lookup(cfg, "policy.generation", {}) or {}
@@ -241,10 +263,18 @@ def _load_nemo_rl(run: Path) -> Run:
         "batch": None if prompts is None else f"{prompts} prompts × {G} samples",
         "samples_per_step": None if prompts is None or G is None else prompts * G,
         "lr": _first(cfg, "policy.optimizer.kwargs.lr", "policy.megatron_cfg.optimizer.lr"),
-        "decoding": {"train": f"T={gen.get('temperature')}, top-p {gen.get('top_p')}, top-k {gen.get('top_k')}, "
-                              f"≤{gen.get('max_new_tokens')} tokens" if gen else None,
-                     "validation": (f"{algo_cfg.get('val_num_generations_per_prompt', 1)} sample(s)/prompt, "
-                                    f"T={gen.get('val_temperature', gen.get('temperature'))}") if gen else None},
+        "decoding": {
+            "train": f"T={gen.get('temperature')}, top-p {gen.get('top_p')}, top-k {gen.get('top_k')}, "
+            f"≤{gen.get('max_new_tokens')} tokens"
+            if gen
+            else None,
+            "validation": (
+                f"{algo_cfg.get('val_num_generations_per_prompt', 1)} sample(s)/prompt, "
+                f"T={gen.get('val_temperature', gen.get('temperature'))}"
+            )
+            if gen
+            else None,
+        },
         "validation_every": algo_cfg.get("val_period"),
         "source_note": "NeMo-RL TensorBoard events",
     }
@@ -253,8 +283,9 @@ def _load_nemo_rl(run: Path) -> Run:
         return out
     if not event_files(run):
         out.status = "failed"
-        out.problem = ("no TensorBoard event files (logger.tensorboard_enabled off, or the job died before "
-                       "its first step)") + (f"; last error: {h}" if (h := _failure_hint(run)) else "")
+        out.problem = (
+            "no TensorBoard event files (logger.tensorboard_enabled off, or the job died before its first step)"
+        ) + (f"; last error: {h}" if (h := _failure_hint(run)) else "")
         return out
     tags = read_scalars(run)
     out.recs = nemo_rl_records(tags, out.meta.get("samples_per_step"))
@@ -266,8 +297,10 @@ def _load_nemo_rl(run: Path) -> Run:
 
 def nemo_rl_records(tags: dict, samples_per_step: int | None) -> list[dict]:
     """Canonical per-step records from NeMo-RL's TensorBoard scalars (vectorised per tag)."""
-    steps = sorted({s for k in (STEP_TIME_TAG, "train/reward") for s in tags.get(k, {})} |
-                   {s for s in tags.get("validation/accuracy", {})})
+    steps = sorted(
+        {s for k in (STEP_TIME_TAG, "train/reward") for s in tags.get(k, {})}
+        | {s for s in tags.get("validation/accuracy", {})}
+    )
     if not steps:
         return []
     steps_arr = np.asarray(steps, dtype=np.int64)
@@ -310,11 +343,19 @@ def load_run(path) -> Run:
     elif kind == "nemo-rl":
         out = _load_nemo_rl(run)
     else:
-        out = Run(dir=run, source="unknown", algorithm=run.name.split("_seed")[0],
-                  name=run.name.split("_seed")[0], seed=0, status="failed")
-        out.problem = ("no such directory" if not run.is_dir() else
-                       "neither metrics.jsonl (embedded run) nor TensorBoard event files (NeMo-RL run)") + (
-            f"; last error: {h}" if run.is_dir() and (h := _failure_hint(run)) else "")
+        out = Run(
+            dir=run,
+            source="unknown",
+            algorithm=run.name.split("_seed")[0],
+            name=run.name.split("_seed")[0],
+            seed=0,
+            status="failed",
+        )
+        out.problem = (
+            "no such directory"
+            if not run.is_dir()
+            else "neither metrics.jsonl (embedded run) nor TensorBoard event files (NeMo-RL run)"
+        ) + (f"; last error: {h}" if run.is_dir() and (h := _failure_hint(run)) else "")
     ev = run / "evals.json"
     if ev.is_file():
         try:

@@ -21,9 +21,38 @@ NOT_JUDGED = "not judged: smoke run"  # compare --smoke: the claims are measured
 
 # t_{0.975, df}: the two-sided 95 % quantile of Student's t for df = 1..30 (standard table values;
 # tests/test_report.py checks them against a numerical integration of the t density)
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def t975(df: int) -> float:
@@ -34,7 +63,7 @@ def t975(df: int) -> float:
     if df <= len(_T975):
         return _T975[df - 1]
     z = 1.959964
-    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
 
 
 def mean_ci(values) -> tuple[float, float | None, float | None, int]:
@@ -128,8 +157,10 @@ def verdict_below(values, threshold: float, within=None) -> tuple[str, str]:
         _, step_sd, steps = mean_sd(within or [])
         if step_sd is None:
             return f"{INCONCLUSIVE} (1 seed)", f"{mu:.3g} in the one seed (threshold {threshold:g})"
-        note = (f"{mu:.3g} (1 seed); noise: the run's step-to-step sd {step_sd:.3g} over {steps} steps "
-                f"(threshold {threshold:g})")
+        note = (
+            f"{mu:.3g} (1 seed); noise: the run's step-to-step sd {step_sd:.3g} over {steps} steps "
+            f"(threshold {threshold:g})"
+        )
         if mu + step_sd < threshold:
             return HOLDS, note
         if mu - step_sd > threshold:

@@ -31,9 +31,11 @@ def _suite_content(entry: dict) -> dict:
     spec_rows = []
     for b in benches:
         info = spec["benchmarks"][b]
-        spec_rows.append(f"| {info.get('label', b)} | {info.get('problems', '?')} | "
-                         f"{info.get('samples_per_problem', '?')} | {info.get('decoding', '?')} | "
-                         f"{info.get('metric', 'mean accuracy over samples')} |")
+        spec_rows.append(
+            f"| {info.get('label', b)} | {info.get('problems', '?')} | "
+            f"{info.get('samples_per_problem', '?')} | {info.get('decoding', '?')} | "
+            f"{info.get('metric', 'mean accuracy over samples')} |"
+        )
     rows = []
     # the policy every run of a seed started from (embedded: the warm start), as the papers' base row
     base = {}
@@ -59,8 +61,15 @@ def _suite_content(entry: dict) -> dict:
         rows.append(f"| {name} | {len(picked)} | " + " | ".join(cells) + f" | {avg} | {steps} |")
     labels = [spec["benchmarks"][b].get("label", b) for b in benches]
     metrics = sorted({str(spec["benchmarks"][b].get("metric", "?")) for b in benches})
-    return {"description": proto.get("description", ""), "select": select, "note": proto.get("select_note", ""),
-            "spec_rows": spec_rows, "labels": labels, "rows": rows, "metrics": metrics}
+    return {
+        "description": proto.get("description", ""),
+        "select": select,
+        "note": proto.get("select_note", ""),
+        "spec_rows": spec_rows,
+        "labels": labels,
+        "rows": rows,
+        "metrics": metrics,
+    }
 
 
 def _measured_note(content: dict) -> str:
@@ -96,14 +105,19 @@ def benchmark_tables(by_name: dict[str, list[Run]]) -> list[str]:
             lines += [f"### Suite `{names[0]}`: {c['description']}{_measured_note(c)}", ""]
         else:
             quoted = [f"`{n}`" for n in names]
-            claimed = sorted({k for x in contents for k in re.findall(r"avg@\d+", x["description"])},
-                             key=lambda k: int(k[4:]))
+            claimed = sorted(
+                {k for x in contents for k in re.findall(r"avg@\d+", x["description"])}, key=lambda k: int(k[4:])
+            )
             capped = [k for k in claimed if k not in c["metrics"]]
             why = f" (the protocols' {', '.join(capped)}, capped here)" if capped else ""
-            lines += [f"### Suites {', '.join(quoted[:-1])} and {quoted[-1]}: one measurement here", "",
-                      f"At this scale these protocols measure the same thing: the same benchmarks, "
-                      f"{', '.join(c['metrics'])}{why} with the same decoding, the same checkpoint. Their numbers "
-                      "coincide, so one table stands for all of them.", ""]
+            lines += [
+                f"### Suites {', '.join(quoted[:-1])} and {quoted[-1]}: one measurement here",
+                "",
+                f"At this scale these protocols measure the same thing: the same benchmarks, "
+                f"{', '.join(c['metrics'])}{why} with the same decoding, the same checkpoint. Their numbers "
+                "coincide, so one table stands for all of them.",
+                "",
+            ]
             lines += [f"- `{n}`: {x['description']}" for n, x in zip(names, contents)]
             lines.append("")
         lines.append("| benchmark | problems | samples/problem | decoding | metric |")
@@ -111,10 +125,13 @@ def benchmark_tables(by_name: dict[str, list[Run]]) -> list[str]:
         lines += c["spec_rows"]
         notes = "; ".join(dict.fromkeys(part for x in contents for part in x["note"].split("; ") if part))
         which = "the best by suite average" if c["select"] == "best" else "the last"
-        lines += ["", f"Checkpoint reported: **{which}** "
-                  f"({notes}). Cells: mean ± sd over seeds (1 seed: no spread).", "",
-                  "| algorithm | seeds | " + " | ".join(c["labels"]) + " | average | checkpoint step(s) |",
-                  "|---|---|" + "---|" * (len(c["labels"]) + 2)]
+        lines += [
+            "",
+            f"Checkpoint reported: **{which}** ({notes}). Cells: mean ± sd over seeds (1 seed: no spread).",
+            "",
+            "| algorithm | seeds | " + " | ".join(c["labels"]) + " | average | checkpoint step(s) |",
+            "|---|---|" + "---|" * (len(c["labels"]) + 2),
+        ]
         lines += c["rows"]
         lines.append("")
     return lines

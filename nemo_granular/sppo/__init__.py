@@ -26,7 +26,13 @@ from .critic import (
 from .diagnostics import critic_diagnostics
 
 __all__ = [
-    "PromptOnlyValue", "build_value_query_batch", "build_value_train_batch", "gather_prompt_values",
+    "PromptOnlyValue",
+    "build_value_query_batch",
+    "build_value_train_batch",
+    "gather_prompt_values",
     "prompt_value_columns",
-    "scatter_prompt_values", "unique_prompt_index", "unique_prompts", "critic_diagnostics",
+    "scatter_prompt_values",
+    "unique_prompt_index",
+    "unique_prompts",
+    "critic_diagnostics",
 ]

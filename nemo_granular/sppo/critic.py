@@ -36,8 +36,14 @@ from ..core.advantages import first_response_index
 from .diagnostics import critic_diagnostics
 
 __all__ = [
-    "prompt_value_columns", "unique_prompt_index", "unique_prompts", "build_value_query_batch",
-    "gather_prompt_values", "scatter_prompt_values", "build_value_train_batch", "PromptOnlyValue",
+    "prompt_value_columns",
+    "unique_prompt_index",
+    "unique_prompts",
+    "build_value_query_batch",
+    "gather_prompt_values",
+    "scatter_prompt_values",
+    "build_value_train_batch",
+    "PromptOnlyValue",
 ]
 
 
@@ -49,6 +55,7 @@ def _round_up(x: int, multiple: int) -> int:
 # ----------------------------------------------------------------------------------------
 # pure functions
 # ----------------------------------------------------------------------------------------
+
 
 def prompt_value_columns(token_mask: torch.Tensor, input_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Column ``p_b`` of NeMo-RL's right-shifted ``[B, S]`` values that holds V(s_prompt).
@@ -96,8 +103,12 @@ def _check_side(padding_side: str) -> None:
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
 
 
-def unique_prompt_index(prompt_ids: torch.Tensor, pad_id: int | None = None, padding_side: str = "right",
-                        lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unique_prompt_index(
+    prompt_ids: torch.Tensor,
+    pad_id: int | None = None,
+    padding_side: str = "right",
+    lengths: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """De-duplicate the prompt rows of ``prompt_ids`` ``[B, W]``, first-occurrence order.
 
     Two rows are the same prompt iff they have the same length and the same tokens within
@@ -135,15 +146,17 @@ def unique_prompt_index(prompt_ids: torch.Tensor, pad_id: int | None = None, pad
     _, inv = torch.unique(key, dim=0, return_inverse=True)  # sorted order
     U = int(inv.max()) + 1
     first = torch.full((U,), B, dtype=torch.long, device=dev).scatter_reduce(
-        0, inv, torch.arange(B, device=dev), reduce="amin", include_self=True)
+        0, inv, torch.arange(B, device=dev), reduce="amin", include_self=True
+    )
     order = torch.argsort(first)
     rank = torch.empty_like(order)
     rank[order] = torch.arange(U, device=dev)
     return first[order], rank[inv], lengths
 
 
-def unique_prompts(prompt_ids: torch.Tensor, pad_id: int, padding_side: str = "right",
-                   lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def unique_prompts(
+    prompt_ids: torch.Tensor, pad_id: int, padding_side: str = "right", lengths: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unique prompts of ``prompt_ids`` ``[B, W]`` in first-occurrence order.
 
     Returns ``(unique_ids [U, W'], inverse [B])`` with ``unique_ids[inverse]`` equal to the
@@ -158,25 +171,34 @@ def unique_prompts(prompt_ids: torch.Tensor, pad_id: int, padding_side: str = "r
     rows = torch.where(col[None, :] < ulens[:, None], rows, torch.full_like(rows, int(pad_id)))
     if padding_side == "left":  # right-align the content again
         src = (col[None, :] - (Wp - ulens)[:, None]).clamp(min=0)
-        rows = torch.where(col[None, :] >= (Wp - ulens)[:, None], rows.gather(1, src),
-                           torch.full_like(rows, int(pad_id)))
+        rows = torch.where(
+            col[None, :] >= (Wp - ulens)[:, None], rows.gather(1, src), torch.full_like(rows, int(pad_id))
+        )
     return rows.to(prompt_ids.dtype), inverse
 
 
-def _short_rows(input_ids: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, width: int,
-                pad_id: int) -> torch.Tensor:
+def _short_rows(
+    input_ids: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, width: int, pad_id: int
+) -> torch.Tensor:
     """``input_ids[rows, :lengths]`` right-padded with ``pad_id`` to ``width`` columns."""
     S = input_ids.shape[1]
     take = input_ids[rows, : min(width, S)]
     if width > S:
-        take = torch.cat([take, torch.full((take.shape[0], width - S), pad_id, dtype=take.dtype,
-                                           device=take.device)], dim=1)
+        take = torch.cat(
+            [take, torch.full((take.shape[0], width - S), pad_id, dtype=take.dtype, device=take.device)], dim=1
+        )
     col = torch.arange(width, device=input_ids.device)
     return torch.where(col[None, :] < lengths[:, None], take, torch.full_like(take, pad_id))
 
 
-def build_value_query_batch(input_ids: torch.Tensor, value_cols: torch.Tensor, first_index: torch.Tensor,
-                            pad_id: int, pad_to_multiple: int = 1, rows_to_multiple: int = 1) -> dict:
+def build_value_query_batch(
+    input_ids: torch.Tensor,
+    value_cols: torch.Tensor,
+    first_index: torch.Tensor,
+    pad_id: int,
+    pad_to_multiple: int = 1,
+    rows_to_multiple: int = 1,
+) -> dict:
     """Short, de-duplicated critic batch for ``Value.get_values``.
 
     Row ``u`` is ``input_ids[first_index[u], :p + 1]`` (prompt + its first response token,
@@ -281,6 +303,7 @@ def build_value_train_batch(data: Mapping, value_cols: torch.Tensor, pad_id: int
 # wrapper around NeMo-RL's Value
 # ----------------------------------------------------------------------------------------
 
+
 def _batched(d: dict):
     """A NeMo-RL ``BatchedDataDict`` when NeMo-RL is importable, else a plain dict."""
     try:
@@ -315,10 +338,19 @@ class PromptOnlyValue:
     inner object (DP size × inference micro-batch without packing / dynamic batching).
     """
 
-    def __init__(self, inner: Any, pad_id: int, *, pad_to_multiple: int = 1, rows_to_multiple: int | None = None,
-                 dedup: bool = True, logger: Any = None, start_step: int = 0,
-                 diagnostics_prefix: str = "sppo_critic",
-                 on_metrics: Callable[[dict, int], None] | None = None):
+    def __init__(
+        self,
+        inner: Any,
+        pad_id: int,
+        *,
+        pad_to_multiple: int = 1,
+        rows_to_multiple: int | None = None,
+        dedup: bool = True,
+        logger: Any = None,
+        start_step: int = 0,
+        diagnostics_prefix: str = "sppo_critic",
+        on_metrics: Callable[[dict, int], None] | None = None,
+    ):
         if pad_id is None:
             raise ValueError("PromptOnlyValue needs the tokenizer's pad_token_id (got None)")
         self.inner = inner
@@ -364,15 +396,26 @@ class PromptOnlyValue:
             first = inverse = torch.arange(B)
         q = build_value_query_batch(ids, cols, first, self.pad_id, self.pad_to_multiple, self._rows_multiple())
         query = _batched({"input_ids": q["input_ids"], "input_lengths": q["input_lengths"]})
-        out = self.inner.get_values(query, timer=timer, **kwargs) if (timer is not None or kwargs) \
+        out = (
+            self.inner.get_values(query, timer=timer, **kwargs)
+            if (timer is not None or kwargs)
             else self.inner.get_values(query)
+        )
         v = gather_prompt_values(out["values"], inverse, cols)
         result = _batched({"values": scatter_prompt_values(v, cols, S)})
         self._diagnose(data, v, inverse, q)
         return result
 
-    def train(self, data: Mapping, loss_fn: Any, eval_mode: bool = False, *, gbs: int | None = None,
-              mbs: int | None = None, timer: Any = None):
+    def train(
+        self,
+        data: Mapping,
+        loss_fn: Any,
+        eval_mode: bool = False,
+        *,
+        gbs: int | None = None,
+        mbs: int | None = None,
+        timer: Any = None,
+    ):
         cols = self._columns(data)
         short = _batched(build_value_train_batch(data, cols, self.pad_id, self.pad_to_multiple))
         return self.inner.train(short, loss_fn, eval_mode, gbs=gbs, mbs=mbs, timer=timer)
@@ -385,8 +428,9 @@ class PromptOnlyValue:
         if "sample_mask" in data:
             w = w * data["sample_mask"].float().reshape(-1)
         metrics = critic_diagnostics(v, data["rewards"], weights=w, group_ids=inverse)
-        full_tokens = (float(data["input_lengths"].sum()) if "input_lengths" in data
-                       else float(data["input_ids"].numel()))
+        full_tokens = (
+            float(data["input_lengths"].sum()) if "input_lengths" in data else float(data["input_ids"].numel())
+        )
         metrics["rows_forwarded"] = float(q["num_unique"])
         metrics["rows_total"] = float(v.shape[0])
         metrics["token_fraction"] = float(q["input_lengths"][: q["num_unique"]].sum()) / max(full_tokens, 1.0)

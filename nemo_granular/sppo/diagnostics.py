@@ -45,8 +45,13 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     return pearson(average_ranks(x), average_ranks(y))
 
 
-def critic_diagnostics(value_logits: torch.Tensor, rewards: torch.Tensor, weights: torch.Tensor | None = None,
-                       group_ids: torch.Tensor | None = None, min_group_size: int = 2) -> dict[str, float]:
+def critic_diagnostics(
+    value_logits: torch.Tensor,
+    rewards: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    min_group_size: int = 2,
+) -> dict[str, float]:
     """Critic metrics for one batch.
 
     Args:
@@ -73,13 +78,15 @@ def critic_diagnostics(value_logits: torch.Tensor, rewards: torch.Tensor, weight
         return out
     p = torch.sigmoid(v)
     bce = F.binary_cross_entropy_with_logits(v, r, reduction="none")
-    out.update({
-        "bce": float((w * bce).sum() / n),
-        "acc": float((w * ((p > 0.5) == (r > 0.5)).double()).sum() / n),
-        "value_mean": float((w * p).sum() / n),
-        "reward_mean": float((w * r).sum() / n),
-        "brier": float((w * (p - r) ** 2).sum() / n),
-    })
+    out.update(
+        {
+            "bce": float((w * bce).sum() / n),
+            "acc": float((w * ((p > 0.5) == (r > 0.5)).double()).sum() / n),
+            "value_mean": float((w * p).sum() / n),
+            "reward_mean": float((w * r).sum() / n),
+            "brier": float((w * (p - r) ** 2).sum() / n),
+        }
+    )
     if group_ids is not None:
         g = group_ids.reshape(-1).to(v.device).long()
         G = int(g.max()) + 1 if g.numel() else 0

@@ -22,8 +22,14 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from ..config import NEMO_RL_LOSS_KEYS, format_validation_error
 from ..lookup import lookup
 
-__all__ = ["SPPOOptions", "parse_sppo_options", "validate_sppo_config", "check_same_tokenizer",
-           "check_critic_tokenizer", "check_value_head_initialised"]
+__all__ = [
+    "SPPOOptions",
+    "parse_sppo_options",
+    "validate_sppo_config",
+    "check_same_tokenizer",
+    "check_critic_tokenizer",
+    "check_value_head_initialised",
+]
 
 
 class SPPOOptions(BaseModel):
@@ -67,6 +73,7 @@ def validate_sppo_config(cfg: Mapping, source: str = "config") -> tuple[SPPOOpti
     """Check a resolved master config (plain mapping, OmegaConf container or NeMo-RL
     ``MasterConfig``) for SPPO. Returns ``(options, warnings)``; raises a one-line
     ``ValueError`` naming the field and ``source`` for a setting SPPO cannot run with."""
+
     def fail(msg: str):
         raise ValueError(f"{source}: {msg}")
 
@@ -117,8 +124,9 @@ def _special(tok: Any) -> dict:
     return out
 
 
-def check_same_tokenizer(policy_tok: Any, critic_tok: Any, policy_name: str = "policy",
-                         critic_name: str = "value") -> None:
+def check_same_tokenizer(
+    policy_tok: Any, critic_tok: Any, policy_name: str = "policy", critic_name: str = "value"
+) -> None:
     """Raise a one-line ``ValueError`` unless the two tokenizers map every token to the same
     id and agree on their special tokens (bos/eos/unk/pad and the full special-token set)."""
     why = None
@@ -136,8 +144,10 @@ def check_same_tokenizer(policy_tok: Any, critic_tok: Any, policy_name: str = "p
                 why = f"special token {k} differs ({ps[k]!r} vs {cs[k]!r})"
                 break
     if why is not None:
-        raise ValueError(f"critic {critic_name!r} does not share the policy tokenizer {policy_name!r}: {why}; "
-                         f"the critic reads the policy's token ids, so use a critic of the same tokenizer family")
+        raise ValueError(
+            f"critic {critic_name!r} does not share the policy tokenizer {policy_name!r}: {why}; "
+            f"the critic reads the policy's token ids, so use a critic of the same tokenizer family"
+        )
 
 
 def check_critic_tokenizer(cfg: Mapping, loader: Callable[[str], Any] | None = None) -> bool:
@@ -156,6 +166,7 @@ def check_critic_tokenizer(cfg: Mapping, loader: Callable[[str], Any] | None = N
 
         def loader(name):
             return AutoTokenizer.from_pretrained(name)
+
     check_same_tokenizer(loader(str(pname)), loader(str(cname)), str(pname), str(cname))
     return True
 
@@ -173,8 +184,9 @@ def check_value_head_initialised(cfg: Mapping, config_loader: Callable[[str], An
     the pad id from the tokenizer, ``automodel/setup.py:786``) and the head is initialised.
     ``config_loader`` defaults to ``transformers.AutoConfig.from_pretrained``.
     """
-    if not bool(lookup(cfg, "value.dtensor_cfg.enabled", False)) or \
-            bool(lookup(cfg, "value.megatron_cfg.enabled", False)):
+    if not bool(lookup(cfg, "value.dtensor_cfg.enabled", False)) or bool(
+        lookup(cfg, "value.megatron_cfg.enabled", False)
+    ):
         return True
     gpus = int(lookup(cfg, "cluster.gpus_per_node", 1) or 1) * int(lookup(cfg, "cluster.num_nodes", 1) or 1)
     tp = int(lookup(cfg, "value.dtensor_cfg.tensor_parallel_size", 1) or 1)
@@ -190,6 +202,7 @@ def check_value_head_initialised(cfg: Mapping, config_loader: Callable[[str], An
 
             def config_loader(n):
                 return AutoConfig.from_pretrained(n, trust_remote_code=True)
+
         try:
             hf = config_loader(str(name))
         except Exception:  # noqa: BLE001 - not readable here (e.g. a hub name offline): nothing to check
@@ -200,5 +213,6 @@ def check_value_head_initialised(cfg: Mapping, config_loader: Callable[[str], An
             f"value.model_name {lookup(cfg, 'value.model_name')!r} sets pad_token_id={pad}: NeMo-RL's DTensor value "
             f"worker on {max(gpus, tp)} GPUs then leaves the value head as uninitialised memory (Automodel skips "
             f"initialize_weights for a sharded embedding with a padding_idx); set value.hf_config_overrides."
-            f"pad_token_id: null (the pad id still comes from the tokenizer)")
+            f"pad_token_id: null (the pad id still comes from the tokenizer)"
+        )
     return True

@@ -51,7 +51,9 @@ def check_policy_loss_call(next_token_logprobs, data, global_valid_seqs, global_
     if "granular_group_ids" in data:
         ids = data["granular_group_ids"]
         assert ids.dtype == torch.int64, "granular_group_ids must be int64"
-        assert bool(((ids >= 0) == (data["token_mask"] > 0)).all()), "granular_group_ids must be -1 exactly outside the response"
+        assert bool(((ids >= 0) == (data["token_mask"] > 0)).all()), (
+            "granular_group_ids must be -1 exactly outside the response"
+        )
     if "prev_entropy" in data:
         ent = data["prev_entropy"]
         assert ent.is_floating_point(), "prev_entropy must be floating point"

@@ -46,8 +46,10 @@ class DistPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         init_file = os.path.join(self._dir.name, "rendezvous")
-        self._procs = [ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results),
-                                   daemon=True) for r in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_file, self._tasks[r], self._results), daemon=True)
+            for r in range(world_size)
+        ]
         for p in self._procs:
             p.start()
 

@@ -23,7 +23,7 @@ def bash_blocks(after: str, doc: Path = DOC) -> list[str]:
     start = lines.index(after)
     level = len(after) - len(after.lstrip("#"))
     blocks, block, fenced = [], None, False
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if line.startswith("```"):
             fenced = not fenced
             if fenced and line == "```bash":

@@ -51,7 +51,7 @@ def install_ray_gpus(gpus: int) -> None:
     def find_gcs_addresses():
         return frozenset()
 
-    find_gcs_addresses.cache_clear = lambda: None       # (Ray clears the real one's cache)
+    find_gcs_addresses.cache_clear = lambda: None  # (Ray clears the real one's cache)
     services.find_gcs_addresses = find_gcs_addresses
     real_init = ray.init
 
@@ -75,7 +75,7 @@ def text_generation_class():
         def __init__(self, config: dict):
             from transformers import AutoTokenizer
 
-            super().__init__(config, refit="ipc_zmq")      # nothing to refit: the model is the checkpoint
+            super().__init__(config, refit="ipc_zmq")  # nothing to refit: the model is the checkpoint
             self.tokenizer = AutoTokenizer.from_pretrained(config["model_name"])
 
         def generate_text(self, data, greedy: bool = False):
@@ -84,17 +84,17 @@ def text_generation_class():
             if self.cfg.get("stop_strings"):
                 raise NotImplementedError("CpuTextGeneration: stop_strings")
             prompts = list(data["prompts"])
-            encoded = [self.tokenizer(p)["input_ids"] for p in prompts]     # vLLM: special tokens added
+            encoded = [self.tokenizer(p)["input_ids"] for p in prompts]  # vLLM: special tokens added
             lengths = torch.tensor([len(e) for e in encoded])
             ids = torch.full((len(encoded), int(lengths.max())), self.pad_id, dtype=torch.long)
             for i, e in enumerate(encoded):
-                ids[i, :len(e)] = torch.tensor(e)
-            greedy = greedy or float(self.cfg["temperature"]) == 0.0          # vLLM: temperature 0 is greedy
+                ids[i, : len(e)] = torch.tensor(e)
+            greedy = greedy or float(self.cfg["temperature"]) == 0.0  # vLLM: temperature 0 is greedy
             out = self.generate(BatchedDataDict(input_ids=ids, input_lengths=lengths), greedy=greedy)
             texts = []
             for i, n in enumerate(lengths.tolist()):
                 g = int(out["generation_lengths"][i])
-                texts.append(self.tokenizer.decode(out["output_ids"][i, n:n + g].tolist(), skip_special_tokens=True))
+                texts.append(self.tokenizer.decode(out["output_ids"][i, n : n + g].tolist(), skip_special_tokens=True))
             return BatchedDataDict(texts=texts)
 
     return CpuTextGeneration
@@ -122,7 +122,7 @@ def gpus_on_node(argv: list[str]) -> int:
     for a in argv:
         if a.startswith("cluster.gpus_per_node="):
             return int(a.split("=", 1)[1])
-    return 8                                       # the benchmark configs' cluster.gpus_per_node
+    return 8  # the benchmark configs' cluster.gpus_per_node
 
 
 def main(argv: list[str]) -> None:

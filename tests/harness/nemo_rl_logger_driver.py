@@ -63,7 +63,7 @@ def fake_preflight(argv: list[str]) -> int:
     missing CONFIG plus the problems listed in ``$NG_FAKE_PREFLIGHT_PROBLEMS`` (separated by ``;``),
     one line each on stderr in the real one's format (``preflight: error: <problem> [source]``),
     exit 1; exit 0 without any."""
-    if argv[:1] == ["--driver"]:          # --driver grpo|sppo (what the launchers pass)
+    if argv[:1] == ["--driver"]:  # --driver grpo|sppo (what the launchers pass)
         argv = argv[2:]
     log = os.environ.get("NG_FAKE_PREFLIGHT_LOG")
     if log:
@@ -86,10 +86,10 @@ def preflight(argv: list[str]) -> int:
         return fake_preflight(argv)
     import runpy
 
-    sys.argv = ["-m", "preflight", *argv]     # runpy replaces argv[0] with the module's path
+    sys.argv = ["-m", "preflight", *argv]  # runpy replaces argv[0] with the module's path
     try:
         runpy.run_module("nemo_granular", run_name="__main__", alter_sys=True)
-    except SystemExit as done:                # nemo_granular/__main__.py ends with sys.exit(main())
+    except SystemExit as done:  # nemo_granular/__main__.py ends with sys.exit(main())
         return done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     return 0
 
@@ -100,12 +100,13 @@ def main(argv: list[str]) -> int:
     if argv[:3] == ["-m", "nemo_granular", "preflight"]:
         return preflight(argv[3:])
     if len(argv) < 2 or argv[0] != "-m":
-        print("nemo_rl_logger_driver: usage: -m nemo_granular.run_grpo|run_sppo --config CFG [overrides]",
-              file=sys.stderr)
+        print(
+            "nemo_rl_logger_driver: usage: -m nemo_granular.run_grpo|run_sppo --config CFG [overrides]", file=sys.stderr
+        )
         return 2
     import argparse
 
-    parser = argparse.ArgumentParser(prog=argv[1])    # as run_grpo / run_sppo parse their arguments
+    parser = argparse.ArgumentParser(prog=argv[1])  # as run_grpo / run_sppo parse their arguments
     parser.add_argument("--config", required=True)
     args, overrides = parser.parse_known_args(argv[2:])
     module, cfg_path = argv[1], args.config
@@ -116,15 +117,19 @@ def main(argv: list[str]) -> int:
 
     from nemo_granular.nemo_rl.configs import load_resolved
 
-    cfg = load_resolved(cfg_path, overrides)      # what run_grpo / run_sppo load
-    real_weights = Path(str(cfg["policy"]["model_name"])).is_dir()    # a local (small) model: real weights
+    cfg = load_resolved(cfg_path, overrides)  # what run_grpo / run_sppo load
+    real_weights = Path(str(cfg["policy"]["model_name"])).is_dir()  # a local (small) model: real weights
     if real_weights and not (cfg["policy"].get("megatron_cfg") or {}).get("enabled"):
-        print("nemo_rl_logger_driver: writes real weights in Megatron checkpoints only (policy.megatron_cfg.enabled)",
-              file=sys.stderr)
+        print(
+            "nemo_rl_logger_driver: writes real weights in Megatron checkpoints only (policy.megatron_cfg.enabled)",
+            file=sys.stderr,
+        )
         return 2
     section = "ppo" if module.endswith("run_sppo") else "grpo"
     algo = cfg[section]
-    name = (cfg.get("loss_fn", {}).get("granular", {}) or {}).get("algorithm") or ("sppo" if section == "ppo" else "grpo")
+    name = (cfg.get("loss_fn", {}).get("granular", {}) or {}).get("algorithm") or (
+        "sppo" if section == "ppo" else "grpo"
+    )
     seed = int(algo.get("seed", 0))
     steps = int(algo["max_num_steps"])
     val_period = int(algo.get("val_period", 0) or 0)
@@ -135,8 +140,11 @@ def main(argv: list[str]) -> int:
     log_cfg["log_dir"] = get_next_experiment_dir(log_cfg["log_dir"])
     log_cfg.update(wandb_enabled=False, swanlab_enabled=False, mlflow_enabled=False, monitor_gpus=False)
     logger = Logger(log_cfg)
-    print(f"[{name}] logging to {log_cfg['log_dir']} (nodes={cfg['cluster']['num_nodes']}, "
-          f"gpus/node={cfg['cluster']['gpus_per_node']})", flush=True)
+    print(
+        f"[{name}] logging to {log_cfg['log_dir']} (nodes={cfg['cluster']['num_nodes']}, "
+        f"gpus/node={cfg['cluster']['gpus_per_node']})",
+        flush=True,
+    )
 
     rate = {"espo": 0.09, "sspo": 0.08, "sppo": 0.07}.get(name, 0.05)
     noise = lambda s: 0.01 * math.sin(1.7 * s + seed)  # noqa: E731 - deterministic "noise"
@@ -149,10 +157,20 @@ def main(argv: list[str]) -> int:
     for step in range(1, steps + 1):
         time.sleep(dt)
         reward = 0.25 + 0.3 * (1 - math.exp(-rate * step)) + noise(step)
-        logger.log_metrics({"reward": reward, "mean_gen_tokens_per_sample": 900.0 + 20 * step,
-                            "global_valid_seqs": float(samples), "loss": -0.01 * reward,
-                            "grad_norm": 0.5 + noise(step), "clip_frac_low": 0.002, "clip_frac_high": 0.003,
-                            "prev_entropy_mean": 0.42 - 0.005 * step}, step, prefix="train")
+        logger.log_metrics(
+            {
+                "reward": reward,
+                "mean_gen_tokens_per_sample": 900.0 + 20 * step,
+                "global_valid_seqs": float(samples),
+                "loss": -0.01 * reward,
+                "grad_norm": 0.5 + noise(step),
+                "clip_frac_low": 0.002,
+                "clip_frac_high": 0.003,
+                "prev_entropy_mean": 0.42 - 0.005 * step,
+            },
+            step,
+            prefix="train",
+        )
         logger.log_metrics({"total_step_time": 30.0 + 5 * noise(step)}, step, prefix="timing/train")
         if val_period and step % val_period == 0:
             logger.log_metrics({"accuracy": accuracy(step)}, step, prefix="validation")
@@ -172,7 +190,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-TRAINING_NOISE = 2e-3    # the stand-in's "training": std of the noise added to every weight
+TRAINING_NOISE = 2e-3  # the stand-in's "training": std of the noise added to every weight
 STOCK_MEGATRON_WORKER = "nemo_rl.models.policy.workers.megatron_policy_worker.MegatronPolicyWorker"
 WRITER = Path(__file__).resolve().parent / "export_cpu" / "megatron_writer.py"
 
@@ -209,8 +227,17 @@ def write_megatron_checkpoint(cfg: dict, step: int, info: dict, training_key: st
             p.add_(TRAINING_NOISE * torch.randn(p.shape, generator=gen))
     model.save_pretrained(str(trained))
     AutoTokenizer.from_pretrained(model_name).save_pretrained(str(trained))
-    job = {"config": cfg, "hf_dir": str(trained), "checkpoint_dir": str(ckpt_dir), "step": step,
-           "tp": 1, "pp": 1, "ep": 1, "training_info": info, "scratch_dir": str(work)}
+    job = {
+        "config": cfg,
+        "hf_dir": str(trained),
+        "checkpoint_dir": str(ckpt_dir),
+        "step": step,
+        "tp": 1,
+        "pp": 1,
+        "ep": 1,
+        "training_info": info,
+        "scratch_dir": str(work),
+    }
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

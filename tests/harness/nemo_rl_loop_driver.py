@@ -49,8 +49,10 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from nemo_rl_logger_driver import as_python_m, preflight  # tests/ is not a package
 
-MODULES = {"nemo_granular.run_grpo": ("nemo_rl.algorithms.grpo", "grpo", "grpo_train"),
-           "nemo_granular.run_sppo": ("nemo_rl.algorithms.ppo", "ppo", "ppo_train")}
+MODULES = {
+    "nemo_granular.run_grpo": ("nemo_rl.algorithms.grpo", "grpo", "grpo_train"),
+    "nemo_granular.run_sppo": ("nemo_rl.algorithms.ppo", "ppo", "ppo_train"),
+}
 
 
 def _attempt() -> int:
@@ -75,17 +77,49 @@ def _stand_in_setup(algo, section: str):
             state = algo._get_grpo_save_state(loaded)
         else:
             state = loaded if loaded is not None else algo._default_ppo_save_state()
-        log_cfg = dict(master_config.logger, wandb_enabled=False, tensorboard_enabled=False, mlflow_enabled=False,
-                       swanlab_enabled=False, monitor_gpus=False)
+        log_cfg = dict(
+            master_config.logger,
+            wandb_enabled=False,
+            tensorboard_enabled=False,
+            mlflow_enabled=False,
+            swanlab_enabled=False,
+            monitor_gpus=False,
+        )
         logger = Logger(log_cfg)
         # one batch per step: the epoch never ends before max_num_steps
         dataloader = list(range(int(getattr(master_config, section).max_num_steps)))
         policy, generation = _StandIn(), _StandIn()
         if section == "grpo":
-            return (policy, generation, None, (None, None), dataloader, None, None, logger, checkpointer, state,
-                    master_config, None, None)
-        return (policy, generation, _StandIn(), (None, None), dataloader, None, None, None, logger, checkpointer,
-                state, master_config)
+            return (
+                policy,
+                generation,
+                None,
+                (None, None),
+                dataloader,
+                None,
+                None,
+                logger,
+                checkpointer,
+                state,
+                master_config,
+                None,
+                None,
+            )
+        return (
+            policy,
+            generation,
+            _StandIn(),
+            (None, None),
+            dataloader,
+            None,
+            None,
+            None,
+            logger,
+            checkpointer,
+            state,
+            master_config,
+        )
+
     return setup
 
 
@@ -93,7 +127,7 @@ def _stand_in_loop(algo, section: str, real_train):
     state_key = f"{section}_save_state"
 
     def train(*args, **kwargs):
-        bound = inspect.signature(real_train).bind(*args, **kwargs)   # called exactly as NeMo-RL's loop is
+        bound = inspect.signature(real_train).bind(*args, **kwargs)  # called exactly as NeMo-RL's loop is
         a = bound.arguments
         cfg, state, checkpointer = a["master_config"], a[state_key], a["checkpointer"]
         dataloader = a.get("dataloader", a.get("wrapped_dataloader"))
@@ -120,15 +154,19 @@ def _stand_in_loop(algo, section: str, real_train):
         timeout.start_iterations()
         current_step, total_steps, current_epoch = get("current_step"), get("total_steps"), get("current_epoch")
         max_steps, max_epochs = algo_cfg.max_num_steps, algo_cfg.max_num_epochs
-        print(f"stand-in {section} loop: from step {total_steps}, max_num_steps {max_steps}, "
-              f"checkpoint_must_save_by {cfg.checkpointing['checkpoint_must_save_by']}", flush=True)
+        print(
+            f"stand-in {section} loop: from step {total_steps}, max_num_steps {max_steps}, "
+            f"checkpoint_must_save_by {cfg.checkpointing['checkpoint_must_save_by']}",
+            flush=True,
+        )
         while current_epoch < max_epochs and total_steps < max_steps:
             for _batch in dataloader[current_step:]:
                 time.sleep(step_s)
                 with open(run / "steps.jsonl", "a") as f:
                     f.write(json.dumps({"step": total_steps + 1, "attempt": _attempt()}) + "\n")
                 is_last = total_steps + 1 >= max_steps or (
-                    current_epoch + 1 == max_epochs and current_step + 1 == len(dataloader))
+                    current_epoch + 1 == max_epochs and current_step + 1 == len(dataloader)
+                )
                 timeout.mark_iteration()
                 by_step = is_last or (total_steps + 1) % cfg.checkpointing["save_period"] == 0
                 by_timeout = timeout.check_save()
@@ -137,8 +175,9 @@ def _stand_in_loop(algo, section: str, real_train):
                     put("total_steps", total_steps + 1)
                     put("current_epoch", current_epoch)
                     print(f"Saving checkpoint for step {total_steps + 1}...", flush=True)
-                    path = Path(checkpointer.init_tmp_checkpoint(total_steps + 1, dict(state) if is_dict else vars(state),
-                                                                 cfg))
+                    path = Path(
+                        checkpointer.init_tmp_checkpoint(total_steps + 1, dict(state) if is_dict else vars(state), cfg)
+                    )
                     (path / "policy").mkdir()
                     (path / "policy" / "weights.txt").write_text(f"step {total_steps + 1}\n")
                     time.sleep(save_s)
@@ -153,6 +192,7 @@ def _stand_in_loop(algo, section: str, real_train):
                     return
             current_epoch += 1
             current_step = 0
+
     return train
 
 

@@ -52,7 +52,7 @@ class FakeWorkerGroup:
         self.builder = builder
         self.dp_size = sharding_annotations.get_axis_size("data_parallel") if sharding_annotations else 1
 
-    def shutdown(self, *args, **kwargs):   # Policy.__del__
+    def shutdown(self, *args, **kwargs):  # Policy.__del__
         return True
 
 
@@ -69,8 +69,11 @@ def _patch_ray_edges(monkeypatch) -> None:
         monkeypatch.setattr(vg.VllmGeneration, name, lambda self, *a, **k: None)
     monkeypatch.setattr(lp, "RayWorkerGroup", FakeWorkerGroup)
     monkeypatch.setattr(lp, "RayQueue", lambda *a, **k: None)
-    monkeypatch.setattr(lp.FLOPTracker, "from_config", classmethod(lambda cls, *a, **k: (_ for _ in ()).throw(
-        ValueError("not probed in tests"))))
+    monkeypatch.setattr(
+        lp.FLOPTracker,
+        "from_config",
+        classmethod(lambda cls, *a, **k: (_ for _ in ()).throw(ValueError("not probed in tests"))),
+    )
     monkeypatch.setattr(lp, "get_default_hf_config", lambda name: None)
     monkeypatch.setattr(lv, "RayWorkerGroup", FakeWorkerGroup)
     monkeypatch.setattr(rq, "Queue", lambda *a, **k: None)
@@ -80,8 +83,14 @@ def _quiet_io(cfg: dict, tmp: Path) -> dict:
     """Logger/checkpoint I/O into ``tmp`` (keys that no check reads)."""
     cfg = copy.deepcopy(cfg)
     log = cfg.setdefault("logger", {})
-    log.update(log_dir=str(tmp / "logs"), wandb_enabled=False, tensorboard_enabled=False, mlflow_enabled=False,
-               swanlab_enabled=False, monitor_gpus=False)
+    log.update(
+        log_dir=str(tmp / "logs"),
+        wandb_enabled=False,
+        tensorboard_enabled=False,
+        mlflow_enabled=False,
+        swanlab_enabled=False,
+        monitor_gpus=False,
+    )
     cfg.setdefault("checkpointing", {})["checkpoint_dir"] = str(tmp / "ckpt")
     return cfg
 

@@ -202,8 +202,9 @@ def reinforce_term(logp_t, A: float, dual_clip=None):
 # ---------------------------------------------------------------------------------- §5 aggregation
 
 
-def aggregate(per_token: dict, ids: list[list[int]], sample_mask, kind: str, gvs: float, gvt: float,
-              count_eps: float = 0.0):
+def aggregate(
+    per_token: dict, ids: list[list[int]], sample_mask, kind: str, gvs: float, gvt: float, count_eps: float = 0.0
+):
     """Partial objective of this batch with global denominators ``gvs`` / ``gvt``; every token count
     (global, per response, per group) is taken + ``count_eps`` (the loss: :data:`COUNT_EPS`)."""
     gvs, gvt = gvs + count_eps, gvt + count_eps
@@ -379,8 +380,21 @@ def delimiter_table(vocab: int, delimiter_ids=DELIMITERS) -> torch.Tensor:
     return t
 
 
-def make_batch(B=4, S=14, V=16, seed=0, *, noise=(1e-4, 1e-2, 0.3), prompt_max=3, per_token_adv=False,
-               zero_sample_rows=True, entropy_ties=False, left_pad=0, no_delimiters=False, gen_noise=0.05):
+def make_batch(
+    B=4,
+    S=14,
+    V=16,
+    seed=0,
+    *,
+    noise=(1e-4, 1e-2, 0.3),
+    prompt_max=3,
+    per_token_adv=False,
+    zero_sample_rows=True,
+    entropy_ties=False,
+    left_pad=0,
+    no_delimiters=False,
+    gen_noise=0.05,
+):
     """A random NeMo-RL-style batch: (data, next_token_logprobs, gvs, gvt).
 
     Rows are prompt (mask 0) + response (mask 1) + right padding (mask 0); ``left_pad`` adds that
@@ -397,7 +411,7 @@ def make_batch(B=4, S=14, V=16, seed=0, *, noise=(1e-4, 1e-2, 0.3), prompt_max=3
     for i in range(B):
         p = left_pad + 1 + int(torch.randint(0, prompt_max, (1,), generator=g))
         n = int(torch.randint(1, W - p + 1, (1,), generator=g))
-        token_mask[i, p:p + n] = 1
+        token_mask[i, p : p + n] = 1
     sample_mask = torch.ones(B)
     if zero_sample_rows and B > 2:
         sample_mask[int(torch.randint(0, B, (1,), generator=g))] = 0.0
@@ -448,10 +462,29 @@ def _shifted(data, name):
     return data[name][:, 1:].double()
 
 
-def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=0.2, eps_high=0.2,
-                  sspo=(0.0, 0.8, 1.75), espo_alpha=1.0, vocab_size=None, cuts=(0.2,),
-                  delimiter_ids=DELIMITERS, gvs, gvt, dual_clip=None, kl=None, surrogate="clipped",
-                  count_eps=COUNT_EPS, offpolicy=None):
+def granular_loss(
+    logp,
+    data,
+    *,
+    granularity,
+    ratio,
+    clip,
+    aggregation,
+    eps_low=0.2,
+    eps_high=0.2,
+    sspo=(0.0, 0.8, 1.75),
+    espo_alpha=1.0,
+    vocab_size=None,
+    cuts=(0.2,),
+    delimiter_ids=DELIMITERS,
+    gvs,
+    gvt,
+    dual_clip=None,
+    kl=None,
+    surrogate="clipped",
+    count_eps=COUNT_EPS,
+    offpolicy=None,
+):
     """Spec §1–§5 for a NeMo-style batch, float64: returns (loss, metrics).
 
     Every mean over tokens (group log-ratio, per-response and per-group means, the global token
@@ -520,14 +553,27 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
             for t, gid in enumerate(row):
                 if gid >= 0:
                     w = torch.exp(logp[i, t] - logp[i, t].detach())
-                    per[(i, t)] = kl["coef"] * kl_token(logp[i, t], ref[i, t], kl.get("type", "k3"),
-                                                        kl.get("in_clamp", 20.0), kl.get("out_clamp", 10.0), w)
+                    per[(i, t)] = kl["coef"] * kl_token(
+                        logp[i, t],
+                        ref[i, t],
+                        kl.get("type", "k3"),
+                        kl.get("in_clamp", 20.0),
+                        kl.get("out_clamp", 10.0),
+                        w,
+                    )
         kind = "token_mean" if aggregation == "token_mean" else "seq_mean_token_mean"
         loss = loss + aggregate(per, ids, sm, kind, gvs, gvt, count_eps)
     # metrics
     gvs, gvt = gvs + count_eps, gvt + count_eps
-    m = {"clip_frac_low": 0.0, "clip_frac_high": 0.0, "probs_ratio": 0.0, "groups_per_response": 0.0,
-         "group_size_mean": 0.0, "clip_bound_low_mean": 0.0, "clip_bound_high_mean": 0.0}
+    m = {
+        "clip_frac_low": 0.0,
+        "clip_frac_high": 0.0,
+        "probs_ratio": 0.0,
+        "groups_per_response": 0.0,
+        "group_size_mean": 0.0,
+        "clip_bound_low_mean": 0.0,
+        "clip_bound_high_mean": 0.0,
+    }
     rmin, rmax = float("inf"), float("-inf")
     for i, row in enumerate(ids):
         s = float(sm[i])
@@ -545,8 +591,9 @@ def granular_loss(logp, data, *, granularity, ratio, clip, aggregation, eps_low=
                 if s != 0:
                     rmin, rmax = min(rmin, _f(r[(i, t)])), max(rmax, _f(r[(i, t)]))
     m["probs_ratio_min"], m["probs_ratio_max"] = rmin, rmax
-    m["nonfinite_tokens"] = float(sum(1 for i in range(B) for t in range(T)
-                                      if tm[i, t] > 0 and not valid[i, t] and sm[i] != 0))
+    m["nonfinite_tokens"] = float(
+        sum(1 for i in range(B) for t in range(T) if tm[i, t] > 0 and not valid[i, t] and sm[i] != 0)
+    )
     if offpolicy is not None:
         m["offpolicy"] = mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share, granularity, count_eps)
     return loss, m
@@ -580,7 +627,7 @@ def offpolicy_weights(data, ids, granularity, level, kind=None, hi=None, lo=None
                     oob[(i, t)] = True
                     w[(i, t)] = min(max(w[(i, t)], low), hi) if kind == "tis" else 0.0
         elif kind == "seq-mask-tis":
-            for unit in ([toks] if granularity == "token" and toks else grps):
+            for unit in [toks] if granularity == "token" and toks else grps:
                 if not lo <= math.exp(sum(d[t] for t in unit) / (len(unit) + count_eps)) <= hi:
                     for t in unit:
                         oob[(i, t)], w[(i, t)] = True, 0.0
@@ -592,8 +639,17 @@ def mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share, granularity="gro
     """math.md §10.3 with loops (global denominators gvt / gvs; rows with sample_mask 0 count 0);
     token means divide by count + ``count_eps`` (token groups: the row's mean of |δ|)."""
     q, gen = _shifted(data, "prev_logprobs"), _shifted(data, "generation_logprobs")
-    m = dict.fromkeys(("gen_mismatch_abs_mean", "gen_kl_k3", "gen_mismatch_group_abs_mean",
-                       "is_oob_token_frac", "is_oob_group_frac", "sampling_importance_ratio_tokens"), 0.0)
+    m = dict.fromkeys(
+        (
+            "gen_mismatch_abs_mean",
+            "gen_kl_k3",
+            "gen_mismatch_group_abs_mean",
+            "is_oob_token_frac",
+            "is_oob_group_frac",
+            "sampling_importance_ratio_tokens",
+        ),
+        0.0,
+    )
     for i, row in enumerate(ids):
         s = float(sm[i])
         grps = groups_of_row(row)
@@ -608,32 +664,72 @@ def mismatch_metrics(data, ids, sm, gvs, gvt, w_is, oob, share, granularity="gro
         if granularity == "token":
             m["gen_mismatch_group_abs_mean"] += s * sum(abs(dt) for dt in d.values()) / (len(d) + count_eps) / gvs
         else:
-            m["gen_mismatch_group_abs_mean"] += s * sum(abs(sum(d[t] for t in g) / (len(g) + count_eps))
-                                                        for g in grps) / len(grps) / gvs
+            m["gen_mismatch_group_abs_mean"] += (
+                s * sum(abs(sum(d[t] for t in g) / (len(g) + count_eps)) for g in grps) / len(grps) / gvs
+            )
         m["is_oob_group_frac"] += s * share[i] / gvs
     return m
 
 
 PRESET_SPECS = {
     # docs/algorithms/math.md §8, written out here independently of nemo_granular.config.PRESETS
-    "grpo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2),
-                 surrogate="clipped"),
-    "gspo": dict(granularity="sequence", ratio="shared", clip="fixed", aggregation="seq_mean_token_mean",
-                 eps=(3e-4, 4e-4), surrogate="clipped"),
-    "gspo_token": dict(granularity="sequence", ratio="token_decomposed", clip="fixed",
-                       aggregation="seq_mean_token_mean", eps=(3e-4, 4e-4), surrogate="clipped"),
-    "sspo": dict(granularity="segment", ratio="shared", clip="sspo_entropy", aggregation="seq_mean_token_mean",
-                 eps=(0.2, 0.2), surrogate="clipped"),
-    "sspo_no_ec": dict(granularity="segment", ratio="shared", clip="fixed", aggregation="seq_mean_token_mean",
-                       eps=(0.2, 0.2), surrogate="clipped"),
-    "espo": dict(granularity="entropy_group", ratio="token_decomposed", clip="espo_entropy",
-                 aggregation="seq_mean_group_mean", eps=(0.2, 0.2), surrogate="clipped"),
-    "sppo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2),
-                 surrogate="clipped"),
-    "cispo": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2),
-                  surrogate="cispo"),
-    "reinforce": dict(granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2),
-                      surrogate="reinforce"),
+    "grpo": dict(
+        granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2), surrogate="clipped"
+    ),
+    "gspo": dict(
+        granularity="sequence",
+        ratio="shared",
+        clip="fixed",
+        aggregation="seq_mean_token_mean",
+        eps=(3e-4, 4e-4),
+        surrogate="clipped",
+    ),
+    "gspo_token": dict(
+        granularity="sequence",
+        ratio="token_decomposed",
+        clip="fixed",
+        aggregation="seq_mean_token_mean",
+        eps=(3e-4, 4e-4),
+        surrogate="clipped",
+    ),
+    "sspo": dict(
+        granularity="segment",
+        ratio="shared",
+        clip="sspo_entropy",
+        aggregation="seq_mean_token_mean",
+        eps=(0.2, 0.2),
+        surrogate="clipped",
+    ),
+    "sspo_no_ec": dict(
+        granularity="segment",
+        ratio="shared",
+        clip="fixed",
+        aggregation="seq_mean_token_mean",
+        eps=(0.2, 0.2),
+        surrogate="clipped",
+    ),
+    "espo": dict(
+        granularity="entropy_group",
+        ratio="token_decomposed",
+        clip="espo_entropy",
+        aggregation="seq_mean_group_mean",
+        eps=(0.2, 0.2),
+        surrogate="clipped",
+    ),
+    "sppo": dict(
+        granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2), surrogate="clipped"
+    ),
+    "cispo": dict(
+        granularity="token", ratio="shared", clip="fixed", aggregation="token_mean", eps=(0.2, 0.2), surrogate="cispo"
+    ),
+    "reinforce": dict(
+        granularity="token",
+        ratio="shared",
+        clip="fixed",
+        aggregation="token_mean",
+        eps=(0.2, 0.2),
+        surrogate="reinforce",
+    ),
 }
 
 
@@ -740,7 +836,9 @@ def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
             keep = []
             for i in range(B):
                 n = sum(float(tm[i, t]) for t in range(T))
-                geo = math.exp(sum((float(q[i, t]) - float(gen[i, t])) * float(tm[i, t]) for t in range(T)) / (n + 1e-8))
+                geo = math.exp(
+                    sum((float(q[i, t]) - float(gen[i, t])) * float(tm[i, t]) for t in range(T)) / (n + 1e-8)
+                )
                 keep.append(1.0 if lo_t <= geo <= hi_t else 0.0)
             metrics["is_oob_ratio"] = sum((1 - keep[i]) * float(sm[i]) for i in range(B)) / (gvs + 1e-8)
             is_w = {(i, t): w * keep[i] for (i, t), w in is_w.items()}
@@ -755,8 +853,15 @@ def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
                 w = torch.exp(logp[i, t] - gen[i, t])
             else:
                 w = torch.exp(logp[i, t] - logp[i, t].detach())
-            return coef * kl_token(logp[i, t], ref[i, t], kl_type, cfg.get("kl_input_clamp_value", 20.0),
-                                   cfg.get("kl_output_clamp_value", 10.0), w)
+            return coef * kl_token(
+                logp[i, t],
+                ref[i, t],
+                kl_type,
+                cfg.get("kl_input_clamp_value", 20.0),
+                cfg.get("kl_output_clamp_value", 10.0),
+                w,
+            )
+
         kl = agg(kl_fn)
         loss = loss + kl
         metrics["kl_penalty"] = _f(kl) / coef
@@ -780,6 +885,7 @@ def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
 
     def kl_f(a, b):  # calculate_kl(logprobs=a, logprobs_reference=b) without clamps, as a float
         return float(kl_token(torch.tensor(a, dtype=F64), torch.tensor(b, dtype=F64), kl_type, None, None))
+
     metrics["gen_kl_error"] = tok_mean(lambda i, t: kl_f(float(gen[i, t]), float(q[i, t])))
     metrics["policy_kl_error"] = tok_mean(lambda i, t: kl_f(float(q[i, t]), float(gen[i, t])))
 
@@ -787,6 +893,7 @@ def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
         p, g_ = float(q[i, t]), float(gen[i, t])
         lm = math.log(0.5 * math.exp(p) + 0.5 * math.exp(g_))
         return 0.5 * (math.exp(p - lm) - (p - lm) - 1) + 0.5 * (math.exp(g_ - lm) - (g_ - lm) - 1)
+
     metrics["js_divergence_error"] = tok_mean(js)
     metrics["approx_entropy"] = -tok_mean(lambda i, t: math.exp(_f(logp[i, t]) - float(gen[i, t])) * _f(logp[i, t]))
     if not seq_level:
@@ -802,8 +909,12 @@ def nemo_clipped_pg_loss(logp, data, cfg: dict, gvs: float, gvt: float):
 def run_loss(fn, logp, data, gvs, gvt):
     """Call a NeMo-RL-style LOGPROB loss on a float32 copy of ``logp``: (loss f64, grad f64, metrics)."""
     lp = logp.detach().clone().float().requires_grad_(True)
-    loss, metrics = fn(next_token_logprobs=lp, data=data, global_valid_seqs=torch.tensor(float(gvs)),
-                       global_valid_toks=torch.tensor(float(gvt)))
+    loss, metrics = fn(
+        next_token_logprobs=lp,
+        data=data,
+        global_valid_seqs=torch.tensor(float(gvs)),
+        global_valid_toks=torch.tensor(float(gvt)),
+    )
     loss.backward()
     grad = lp.grad if lp.grad is not None else torch.zeros_like(lp)
     return loss.detach().double(), grad.double(), metrics

@@ -84,8 +84,10 @@ def main(argv: list[str]) -> int:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False, logging_level="ERROR")
         alive = [n for n in ray.nodes() if n.get("Alive")]
         print(f"DRIVER_RAY_NODES {len(alive)}", flush=True)
-        _atomic_write(os.path.join(out, "driver_ray_nodes.json"),
-                      json.dumps({"alive": len(alive), "hosts": sorted(n["NodeManagerHostname"] for n in alive)}))
+        _atomic_write(
+            os.path.join(out, "driver_ray_nodes.json"),
+            json.dumps({"alive": len(alive), "hosts": sorted(n["NodeManagerHostname"] for n in alive)}),
+        )
         ray.shutdown()
 
     start, loss = 1, 1.0
@@ -104,8 +106,9 @@ def main(argv: list[str]) -> int:
         for step in range(start, steps + 1):
             time.sleep(dt)
             loss = loss * 0.9 + 0.01 * math.sin(step + int(opts["seed"]))
-            metrics.write(json.dumps({"step": step, "loss": loss, "attempt": attempt,
-                                      "resumed_from": resumed_from}) + "\n")
+            metrics.write(
+                json.dumps({"step": step, "loss": loss, "attempt": attempt, "resumed_from": resumed_from}) + "\n"
+            )
             metrics.flush()
             if step % every == 0 or step == steps:
                 _save(ckpt_root, step, {"loss": loss})

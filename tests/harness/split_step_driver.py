@@ -31,9 +31,13 @@ from torch.overrides import TorchFunctionMode
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "harness"))
 
-CONFIG = {"token_level_loss": False, "reference_policy_kl_penalty": 0.05,
-          "use_importance_sampling_correction": True, "truncated_importance_sampling_type": "tis",
-          "truncated_importance_sampling_ratio": 1.05}
+CONFIG = {
+    "token_level_loss": False,
+    "reference_policy_kl_penalty": 0.05,
+    "use_importance_sampling_correction": True,
+    "truncated_importance_sampling_type": "tis",
+    "truncated_importance_sampling_ratio": 1.05,
+}
 
 
 class CudaOnCpu(TorchFunctionMode):
@@ -83,7 +87,7 @@ def main(order: str) -> None:
 
     from nemo_granular.nemo_rl import compat
 
-    MetricNormalizer = compat.get("MetricNormalizer")   # main only: the test needs_nemo_rl("MetricNormalizer")
+    MetricNormalizer = compat.get("MetricNormalizer")  # main only: the test needs_nemo_rl("MetricNormalizer")
 
     import reference as R
 
@@ -102,13 +106,23 @@ def main(order: str) -> None:
     raw_loss, raw_m = loss_fn(next_token_logprobs=logp, data=data, global_valid_seqs=one, global_valid_toks=one)
 
     fake = SimpleNamespace(
-        cfg={"train_global_batch_size": 6, "train_micro_batch_size": 6,
-             "megatron_cfg": {"distributed_data_parallel_config": {"overlap_grad_reduce": False},
-                              "empty_unused_memory_level": 0, "moe_per_layer_logging": False}},
-        model=SimpleNamespace(scale_gradients=lambda s: None), rank=1, dtype=torch.float32,
+        cfg={
+            "train_global_batch_size": 6,
+            "train_micro_batch_size": 6,
+            "megatron_cfg": {
+                "distributed_data_parallel_config": {"overlap_grad_reduce": False},
+                "empty_unused_memory_level": 0,
+                "moe_per_layer_logging": False,
+            },
+        },
+        model=SimpleNamespace(scale_gradients=lambda s: None),
+        rank=1,
+        dtype=torch.float32,
         optimizer=SimpleNamespace(step=lambda: (True, 1.0, 0), param_groups=[{}]),
         scheduler=SimpleNamespace(get_lr=lambda g: 1e-6, get_wd=lambda: 0.0, step=lambda increment: None),
-        _log_gpu_mem=lambda tag: None, _restore_saved_mcore_hooks=lambda state: None)
+        _log_gpu_mem=lambda tag: None,
+        _restore_saved_mcore_hooks=lambda state: None,
+    )
     worker = mpw.MegatronPolicyWorkerImpl
     with CudaOnCpu():
         state = worker._split_step_state_init(fake, loss_fn, None, None)
@@ -121,14 +135,20 @@ def main(order: str) -> None:
     torch.distributed.destroy_process_group()
     rescaled = {k: float(v[0]) for k, v in out["all_mb_metrics"].items() if k in raw_m}
     kinds = loss_fn.metric_normalizations
-    print(json.dumps({
-        "order": order,
-        "kinds_are_nemo_rl_members": all(type(v) is MetricNormalizer for v in kinds.values()),
-        "loss_kind_is_sequences": kinds["loss"] is MetricNormalizer.SEQUENCES,
-        "loss_type_is_sequence_level": loss_fn.loss_type is LossType.SEQUENCE_LEVEL,
-        "global_loss": float(out["global_loss"].sum()), "sync_loss": float(sync_loss),
-        "rescaled": rescaled, "sync": {k: float(v) for k, v in sync_m.items()},
-    }))
+    print(
+        json.dumps(
+            {
+                "order": order,
+                "kinds_are_nemo_rl_members": all(type(v) is MetricNormalizer for v in kinds.values()),
+                "loss_kind_is_sequences": kinds["loss"] is MetricNormalizer.SEQUENCES,
+                "loss_type_is_sequence_level": loss_fn.loss_type is LossType.SEQUENCE_LEVEL,
+                "global_loss": float(out["global_loss"].sum()),
+                "sync_loss": float(sync_loss),
+                "rescaled": rescaled,
+                "sync": {k: float(v) for k, v in sync_m.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def _descendants(root: int) -> list[tuple[int, int]]:
 def _kill_all(family: list[tuple[int, int]]) -> None:
     for pid, started in family:
         st = _stat(pid)
-        if st is not None and st[1] == started:    # the same process, not a reused pid
+        if st is not None and st[1] == started:  # the same process, not a reused pid
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -74,10 +74,16 @@ def cpu_host_env(home: Path, **extra: str) -> dict[str, str]:
     env.update(
         PYTHONPATH=os.pathsep.join(paths),
         NEMO_GRANULAR_CPU_HOST="1",
-        NEMO_RL_PY_EXECUTABLES_SYSTEM="1",    # NeMo-RL's own switch: no per-worker uv venvs
-        HOME=str(home), RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0",
-        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(home / "hf"),
-        TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0",
+        NEMO_RL_PY_EXECUTABLES_SYSTEM="1",  # NeMo-RL's own switch: no per-worker uv venvs
+        HOME=str(home),
+        RAY_AUTH_MODE="disabled",
+        RAY_USAGE_STATS_ENABLED="0",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(home / "hf"),
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        RAY_DEDUP_LOGS="0",
     )
     env.pop("RAY_ADDRESS", None)
     env.update(extra)
@@ -91,10 +97,16 @@ class _HeadExited(RuntimeError):
 class RayHead:
     """``ray start --head --block`` with a private temp dir / HOME; ``stop()`` kills its process group."""
 
-    def __init__(self, root: Path, num_cpus: int = 8, num_gpus: int = 2, env: dict[str, str] | None = None,
-                 preload: tuple[str, ...] | None = None):
+    def __init__(
+        self,
+        root: Path,
+        num_cpus: int = 8,
+        num_gpus: int = 2,
+        env: dict[str, str] | None = None,
+        preload: tuple[str, ...] | None = None,
+    ):
         self.root = Path(root)
-        self.extra_env = dict(env or {})     # for the head, its workers and the drivers
+        self.extra_env = dict(env or {})  # for the head, its workers and the drivers
         # the modules the workers' zygote imports once (cpu_host/worker_zygote.py); () or
         # NEMO_GRANULAR_RAY_ZYGOTE=0: every worker a fresh interpreter
         from .worker_zygote import DTENSOR_PRELOAD
@@ -102,7 +114,7 @@ class RayHead:
         self.preload = DTENSOR_PRELOAD if preload is None else tuple(preload)
         self.zygote: subprocess.Popen | None = None
         self.home = self.root / "home"
-        self.temp = self.root / "ray"      # Ray's unix socket paths must stay short: keep root short
+        self.temp = self.root / "ray"  # Ray's unix socket paths must stay short: keep root short
         self.home.mkdir(parents=True, exist_ok=True)
         self.temp.mkdir(parents=True, exist_ok=True)
         self.port = _free_port()
@@ -135,10 +147,15 @@ class RayHead:
         if self.zygote is not None or not self.preload or os.environ.get(SOCKET_ENV) == "0":
             return
         path = self.root / "zygote.sock"
-        self.zygote = subprocess.Popen([sys.executable, "-m", "cpu_host.worker_zygote", str(path), *self.preload],
-                                       env=cpu_host_env(self.home, **self.extra_env), cwd=str(self.root),
-                                       stdin=subprocess.DEVNULL, stdout=open(self.root / "zygote.log", "a"),
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+        self.zygote = subprocess.Popen(
+            [sys.executable, "-m", "cpu_host.worker_zygote", str(path), *self.preload],
+            env=cpu_host_env(self.home, **self.extra_env),
+            cwd=str(self.root),
+            stdin=subprocess.DEVNULL,
+            stdout=open(self.root / "zygote.log", "a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while not path.exists() and self.zygote.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -148,27 +165,58 @@ class RayHead:
     def _start_once(self, timeout: float) -> "RayHead":
         self._start_zygote()
         ray_bin = Path(sys.executable).with_name("ray")
-        cmd = [str(ray_bin), "start", "--head", "--block", f"--port={self.port}", f"--num-cpus={self.num_cpus}",
-               f"--num-gpus={self.num_gpus}", f"--temp-dir={self.temp}", "--include-dashboard=false",
-               "--disable-usage-stats", "--node-ip-address=127.0.0.1",
-               # every port of its own, so that two heads (two test modules on two xdist workers) can coexist:
-               # Ray's defaults for these are fixed numbers
-               *(f"--{flag}={_free_port()}" for flag in (
-                   "ray-client-server-port", "dashboard-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                   "metrics-export-port", "runtime-env-agent-port", "node-manager-port", "object-manager-port"))]
+        cmd = [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
+            f"--port={self.port}",
+            f"--num-cpus={self.num_cpus}",
+            f"--num-gpus={self.num_gpus}",
+            f"--temp-dir={self.temp}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1",
+            # every port of its own, so that two heads (two test modules on two xdist workers) can coexist:
+            # Ray's defaults for these are fixed numbers
+            *(
+                f"--{flag}={_free_port()}"
+                for flag in (
+                    "ray-client-server-port",
+                    "dashboard-port",
+                    "dashboard-agent-listen-port",
+                    "dashboard-agent-grpc-port",
+                    "metrics-export-port",
+                    "runtime-env-agent-port",
+                    "node-manager-port",
+                    "object-manager-port",
+                )
+            ),
+        ]
         env = cpu_host_env(self.home, **self.extra_env)
-        self.proc = subprocess.Popen(cmd, env=env, stdout=open(self.log, "a"),   # "a": every attempt's log kept
-                                     stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=open(self.log, "a"),  # "a": every attempt's log kept
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
-        probe = ("import ray; ray.init(address='auto', logging_level='ERROR'); "
-                 "print('GPUS', ray.cluster_resources().get('GPU', 0)); ray.shutdown()")
+        probe = (
+            "import ray; ray.init(address='auto', logging_level='ERROR'); "
+            "print('GPUS', ray.cluster_resources().get('GPU', 0)); ray.shutdown()"
+        )
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise _HeadExited(f"ray head exited ({self.proc.returncode}): {self.log.read_text()[-3000:]}")
             try:
-                out = subprocess.run([sys.executable, "-c", probe], env=self.env(), capture_output=True, text=True,
-                                     timeout=max(10.0, min(120.0, deadline - time.monotonic())))
+                out = subprocess.run(
+                    [sys.executable, "-c", probe],
+                    env=self.env(),
+                    capture_output=True,
+                    text=True,
+                    timeout=max(10.0, min(120.0, deadline - time.monotonic())),
+                )
             except subprocess.TimeoutExpired:
                 # a probe whose ray.init hangs (seen under CI's load: the GCS still starting) is tried again
                 # until the deadline, as a failing one is; it ended a rehearsal's Megatron loop set-up at once
@@ -181,7 +229,7 @@ class RayHead:
 
     def stop(self) -> None:
         self._stop_head()
-        if self.zygote is not None:      # and the workers it forked (each in a session of its own)
+        if self.zygote is not None:  # and the workers it forked (each in a session of its own)
             family = _descendants(self.zygote.pid)
             self.zygote.kill()
             self.zygote.wait()
@@ -205,7 +253,7 @@ class RayHead:
             except subprocess.TimeoutExpired:
                 continue
         time.sleep(2)
-        _kill_all(family)                    # what outlived its raylet (normally nothing)
+        _kill_all(family)  # what outlived its raylet (normally nothing)
         self.proc = None
 
     def __enter__(self):
@@ -216,12 +264,19 @@ class RayHead:
         return False
 
 
-def run_driver(head: RayHead, args: list[str], log: Path, timeout: float, cwd: Path | None = None,
-               **env: str) -> subprocess.CompletedProcess:
+def run_driver(
+    head: RayHead, args: list[str], log: Path, timeout: float, cwd: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
     """Run one driver (``python -m ...``) attached to ``head``; killed with its process group on timeout."""
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, *args], env=head.env(**env), stdout=out, stderr=subprocess.STDOUT,
-                                cwd=cwd, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            env=head.env(**env),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=cwd,
+            start_new_session=True,
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -28,9 +28,12 @@ def _tiny_batch(tokenizer, rows: int = 4, length: int = 12):
     ids = torch.randint(3, len(tokenizer), (rows, length), generator=g)
     lengths = torch.tensor([length - i for i in range(rows)])
     ids[torch.arange(length)[None, :] >= lengths[:, None]] = tokenizer.pad_token_id
-    return BatchedDataDict(input_ids=ids, input_lengths=lengths,
-                           token_mask=torch.ones_like(ids, dtype=torch.float32),
-                           sample_mask=torch.ones(rows))
+    return BatchedDataDict(
+        input_ids=ids,
+        input_lengths=lengths,
+        token_mask=torch.ones_like(ids, dtype=torch.float32),
+        sample_mask=torch.ones(rows),
+    )
 
 
 def construct(path: str) -> dict:
@@ -50,12 +53,17 @@ def construct(path: str) -> dict:
         from nemo_rl.algorithms.grpo import MasterConfig
     master = MasterConfig(**cfg)
     gpus = int(master.cluster["gpus_per_node"])
-    cluster = RayVirtualCluster(bundle_ct_per_node_list=[gpus], use_gpus=True, num_gpus_per_node=gpus,
-                                max_colocated_worker_groups=2, name="construct")
+    cluster = RayVirtualCluster(
+        bundle_ct_per_node_list=[gpus],
+        use_gpus=True,
+        num_gpus_per_node=gpus,
+        max_colocated_worker_groups=2,
+        name="construct",
+    )
     tokenizer = get_tokenizer(master.policy["tokenizer"])
     master.policy["generation"] = configure_generation_config(master.policy["generation"], tokenizer)
     kl = master.loss_fn.reference_policy_kl_penalty > 0
-    rows = 4 * gpus        # whole micro-batches on every data-parallel rank (the shrunk configs use ≤ 4)
+    rows = 4 * gpus  # whole micro-batches on every data-parallel rank (the shrunk configs use ≤ 4)
     fact = {"config": path, "gpus": gpus, "kind": "ppo" if ppo else "grpo", "rows": rows}
     try:
         if ppo:
@@ -63,25 +71,38 @@ def construct(path: str) -> dict:
             from nemo_rl.models.value.lm_value import Value
 
             policy = Policy(cluster=cluster, config=master.policy, tokenizer=tokenizer, init_optimizer=True)
-            value = Value(cluster=cluster, config=master.value, tokenizer=get_tokenizer(master.value["tokenizer"]),
-                          name_prefix="lm_value", init_optimizer=True)
+            value = Value(
+                cluster=cluster,
+                config=master.value,
+                tokenizer=get_tokenizer(master.value["tokenizer"]),
+                name_prefix="lm_value",
+                init_optimizer=True,
+            )
             lp = policy.get_logprobs(_tiny_batch(tokenizer, rows))["logprobs"]
             values = value.get_values(_tiny_batch(tokenizer, rows))
-            fact.update(policy_workers=len(policy.worker_group.workers), value_workers=len(value.worker_group.workers),
-                        logprobs_shape=list(lp.shape), values_keys=sorted(values.keys()))
+            fact.update(
+                policy_workers=len(policy.worker_group.workers),
+                value_workers=len(value.worker_group.workers),
+                logprobs_shape=list(lp.shape),
+                values_keys=sorted(values.keys()),
+            )
             value.shutdown()
         else:
             from nemo_granular.nemo_rl.policy import make_policy_factory
 
-            policy = make_policy_factory(master)(cluster=cluster, config=master.policy, tokenizer=tokenizer,
-                                                 init_optimizer=True, init_reference_model=kl)
+            policy = make_policy_factory(master)(
+                cluster=cluster, config=master.policy, tokenizer=tokenizer, init_optimizer=True, init_reference_model=kl
+            )
             data = _tiny_batch(tokenizer, rows)
             lp = policy.get_logprobs(data)["logprobs"]
             ent = policy._entropy_for(data)
             cols = torch.arange(ent.shape[1])[None, :]
-            inside = (cols >= 1) & (cols < data["input_lengths"][:, None])    # token columns of each row
-            fact.update(policy_workers=len(policy.worker_group.workers), logprobs_shape=list(lp.shape),
-                        entropy_positive=bool((ent[inside] > 0).all()))
+            inside = (cols >= 1) & (cols < data["input_lengths"][:, None])  # token columns of each row
+            fact.update(
+                policy_workers=len(policy.worker_group.workers),
+                logprobs_shape=list(lp.shape),
+                entropy_positive=bool((ent[inside] > 0).all()),
+            )
         fact["worker_cls"] = type(policy).__name__
         policy.shutdown()
         print("CONSTRUCTED " + json.dumps(fact), flush=True)

@@ -42,7 +42,7 @@ def vllm_init_up_to_workers(cluster, config, on_workers=None, **kw) -> None:
 
     vg.RayWorkerGroup = reached
     half_built = real_cls.__new__(real_cls)
-    half_built.shutdown = lambda: True          # its __del__ would shut down workers it never had
+    half_built.shutdown = lambda: True  # its __del__ would shut down workers it never had
     try:
         half_built.__init__(cluster=cluster, config=config, **kw)
         raise AssertionError("VllmGeneration.__init__ never created its worker group")
@@ -77,10 +77,10 @@ class CpuHFGeneration:
         # vLLM runs the policy in policy.precision: emulated with CPU autocast
         self.autocast_dtype = getattr(torch, (config.get("vllm_cfg") or {}).get("precision") or "float32")
         self.weight_synchronizer = StateDictSynchronizer(self) if refit == "checkpoint" else None
-        self.refit_addresses: list[str] | None = None     # the policy workers' ZMQ sockets (attach)
+        self.refit_addresses: list[str] | None = None  # the policy workers' ZMQ sockets (attach)
         self.state_dict_info: dict | None = None
         self.syncs = 0
-        self.refit_agreement: list[float] = []            # max |worker i − worker 0| per ZMQ refit
+        self.refit_agreement: list[float] = []  # max |worker i − worker 0| per ZMQ refit
         # how the last weights arrived: {"path", "workers", "tensors", "payloads"}, set by the receiving code
         self.last_refit: dict | None = None
         self.calls: list[dict] = []
@@ -109,10 +109,18 @@ class CpuHFGeneration:
         if set(first) != set(self.state_dict_info):
             raise RuntimeError(f"refit: {len(first)} tensors received, {len(self.state_dict_info)} announced")
         # every worker sends the whole HF model (Bridge gathers the tensor/expert-parallel shards)
-        self.refit_agreement.append(max((float((w[k].float() - first[k].float()).abs().max())
-                                         for w in per_worker[1:] for k in first), default=0.0))
-        self.last_refit = {"path": "ipc_zmq", "workers": len(per_worker), "tensors": [len(w) for w in per_worker],
-                           "payloads": receiver.payloads}
+        self.refit_agreement.append(
+            max(
+                (float((w[k].float() - first[k].float()).abs().max()) for w in per_worker[1:] for k in first),
+                default=0.0,
+            )
+        )
+        self.last_refit = {
+            "path": "ipc_zmq",
+            "workers": len(per_worker),
+            "tensors": [len(w) for w in per_worker],
+            "payloads": receiver.payloads,
+        }
         scratch = Path(tempfile.mkdtemp(prefix="refit_"))
         try:
             self.load_weights(first, scratch)
@@ -132,11 +140,12 @@ class CpuHFGeneration:
             if (Path(self.model_dir) / name).is_file():
                 shutil.copy(Path(self.model_dir) / name, scratch / name)
         save_file({k: v.detach().contiguous() for k, v in state_dict.items()}, str(scratch / "model.safetensors"))
-        model, info = AutoModelForCausalLM.from_pretrained(str(scratch), dtype=torch.float32,
-                                                           output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(str(scratch), dtype=torch.float32, output_loading_info=True)
         if info["missing_keys"] or info["unexpected_keys"]:
-            raise RuntimeError(f"refit: weights do not fit the model (missing {sorted(info['missing_keys'])[:4]}, "
-                               f"unexpected {sorted(info['unexpected_keys'])[:4]})")
+            raise RuntimeError(
+                f"refit: weights do not fit the model (missing {sorted(info['missing_keys'])[:4]}, "
+                f"unexpected {sorted(info['unexpected_keys'])[:4]})"
+            )
         self.model = model.eval()
         self.syncs += 1
 
@@ -197,21 +206,30 @@ class CpuHFGeneration:
         mask = torch.zeros((B, L), dtype=torch.long)
         for i in range(B):
             n = int(lengths[i])
-            left[i, L - n:] = ids[i, :n]
-            mask[i, L - n:] = 1
+            left[i, L - n :] = ids[i, :n]
+            mask[i, L - n :] = 1
         temperature = float(self.cfg["temperature"])
         top_k = self.cfg.get("top_k")
-        kwargs = dict(max_new_tokens=max_new, min_new_tokens=0, pad_token_id=self.pad_id,
-                      eos_token_id=self.stop_ids or None, return_dict_in_generate=True, output_logits=True,
-                      do_sample=not greedy)
+        kwargs = dict(
+            max_new_tokens=max_new,
+            min_new_tokens=0,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.stop_ids or None,
+            return_dict_in_generate=True,
+            output_logits=True,
+            do_sample=not greedy,
+        )
         if not greedy:
-            kwargs.update(temperature=temperature, top_p=float(self.cfg["top_p"]),
-                          top_k=int(top_k) if top_k not in (None, -1) else 0)
+            kwargs.update(
+                temperature=temperature,
+                top_p=float(self.cfg["top_p"]),
+                top_k=int(top_k) if top_k not in (None, -1) else 0,
+            )
         with torch.random.fork_rng(devices=[]), self.precision():
             torch.manual_seed(_digest(self.model, ids))
             out = self.model.generate(input_ids=left, attention_mask=mask, **kwargs)
-        new = out.sequences[:, L:]                                   # [B, T]
-        logits = torch.stack(out.logits, dim=1).float()              # [B, T, V]
+        new = out.sequences[:, L:]  # [B, T]
+        logits = torch.stack(out.logits, dim=1).float()  # [B, T, V]
         logp = torch.log_softmax(logits / (1.0 if greedy else temperature), dim=-1)
         tok_logp = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
         T = new.shape[1]
@@ -227,9 +245,14 @@ class CpuHFGeneration:
         for i in range(B):
             n, g = int(lengths[i]), int(gen_len[i])
             out_ids[i, :n] = ids[i, :n]
-            out_ids[i, n:n + g] = new[i, :g]
-            out_logp[i, n:n + g] = tok_logp[i, :g]
+            out_ids[i, n : n + g] = new[i, :g]
+            out_logp[i, n : n + g] = tok_logp[i, :g]
         truncated = ~is_stop.any(1)
         self.calls.append({"rows": B, "max_new": max_new, "greedy": greedy})
-        return BatchedDataDict(output_ids=out_ids, generation_lengths=gen_len, unpadded_sequence_lengths=lengths + gen_len,
-                               logprobs=out_logp, truncated=truncated)
+        return BatchedDataDict(
+            output_ids=out_ids,
+            generation_lengths=gen_len,
+            unpadded_sequence_lengths=lengths + gen_len,
+            logprobs=out_logp,
+            truncated=truncated,
+        )

@@ -70,34 +70,45 @@ def check_gradients(run_dir: Path, model_dir: Path, temperature: float) -> dict:
     delims = delimiter_ids(model_dir)
     # the global counts from every microbatch's masks (NeMo-RL: token_mask[:, 1:] x sample_mask, summed over DP)
     gvs = sum(float(r["data"]["sample_mask"].double().sum()) for r in batch)
-    gvt = sum(float((r["data"]["token_mask"][:, 1:].double() * r["data"]["sample_mask"].double()[:, None]).sum())
-              for r in batch)
+    gvt = sum(
+        float((r["data"]["token_mask"][:, 1:].double() * r["data"]["sample_mask"].double()[:, None]).sum())
+        for r in batch
+    )
     counts_used = {(r["global_valid_seqs"], r["global_valid_toks"]) for r in reached}
     total = torch.zeros((), dtype=torch.float64)
     pi_old_vs_worker = 0.0
     for rec in batch:
-        lp, ent = next_token_logprobs_entropy(model, rec["data"], temperature)     # float64
+        lp, ent = next_token_logprobs_entropy(model, rec["data"], temperature)  # float64
         data = dict(rec["data"])
         zero = torch.zeros(lp.shape[0], 1, dtype=torch.float64)
         data["prev_logprobs"] = torch.cat([zero, lp.detach()], 1)
         data["prev_entropy"] = torch.cat([zero, ent.detach()], 1)
-        if "reference_policy_logprobs" in data:          # the reference policy is the starting checkpoint too
+        if "reference_policy_logprobs" in data:  # the reference policy is the starting checkpoint too
             data["reference_policy_logprobs"] = data["prev_logprobs"]
         mask = rec["data"]["token_mask"][:, 1:] > 0
-        pi_old_vs_worker = max(pi_old_vs_worker, float(
-            (rec["data"]["prev_logprobs"][:, 1:].double() - lp.detach())[mask].abs().max()))
+        pi_old_vs_worker = max(
+            pi_old_vs_worker, float((rec["data"]["prev_logprobs"][:, 1:].double() - lp.detach())[mask].abs().max())
+        )
         loss, _ = R.granular_loss(lp, data, **reference_kwargs(rec, delims), gvs=gvs, gvt=gvt)
         total = total + loss
     total.backward()
     ref = {_plain(k): p.grad for k, p in model.named_parameters()}
-    assert set(ref) == set(worker), (sorted(set(ref) ^ set(worker)))
+    assert set(ref) == set(worker), sorted(set(ref) ^ set(worker))
     scale = max(float(g.abs().max()) for g in ref.values())
     num = sum(float((worker[k] - ref[k]).pow(2).sum()) for k in ref)
     den = sum(float(ref[k].pow(2).sum()) for k in ref)
     per_param = {k: float((worker[k] - ref[k]).abs().max()) / scale for k in ref}
-    return {"params": len(ref), "microbatches": len(batch), "ranks": len(grad_recs),
-            "counts_used": sorted(counts_used), "counts_reference": (gvs, gvt),
-            "loss": float(total), "grad_scale": scale, "max_rel": max(per_param.values()),
-            "worst": max(per_param, key=per_param.get), "l2_rel": (num / den) ** 0.5,
-            "pi_old_vs_worker": pi_old_vs_worker,
-            "dp_group_size": grad_recs[0]["dp_group_size"]}
+    return {
+        "params": len(ref),
+        "microbatches": len(batch),
+        "ranks": len(grad_recs),
+        "counts_used": sorted(counts_used),
+        "counts_reference": (gvs, gvt),
+        "loss": float(total),
+        "grad_scale": scale,
+        "max_rel": max(per_param.values()),
+        "worst": max(per_param, key=per_param.get),
+        "l2_rel": (num / den) ** 0.5,
+        "pi_old_vs_worker": pi_old_vs_worker,
+        "dp_group_size": grad_recs[0]["dp_group_size"],
+    }

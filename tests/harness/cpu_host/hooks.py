@@ -102,7 +102,7 @@ def _patch_ray_actor_methods(function_manager) -> None:
         inner = real(self, method_name, method)
 
         def actor_method_executor(__ray_actor, *args, **kwargs):
-            stand_ins = sys.modules.get("cpu_stand_ins.torch_cuda")   # loaded once torch is
+            stand_ins = sys.modules.get("cpu_stand_ins.torch_cuda")  # loaded once torch is
             if stand_ins is not None:
                 stand_ins.mode_on_this_thread()
             return inner(__ray_actor, *args, **kwargs)
@@ -127,8 +127,18 @@ def _record_policy_loss(losses) -> None:
         return
     cls = losses.GranularPolicyLoss
     real = cls.__call__
-    keys = ("input_ids", "input_lengths", "token_mask", "sample_mask", "advantages", "prev_logprobs",
-            "generation_logprobs", "reference_policy_logprobs", "prev_entropy", "granular_group_ids")
+    keys = (
+        "input_ids",
+        "input_lengths",
+        "token_mask",
+        "sample_mask",
+        "advantages",
+        "prev_logprobs",
+        "generation_logprobs",
+        "reference_policy_logprobs",
+        "prev_entropy",
+        "granular_group_ids",
+    )
     counter = [0]
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, **kwargs):
@@ -144,11 +154,14 @@ def _record_policy_loss(losses) -> None:
         dist = torch.distributed
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         record = {
-            "rank": rank, "call": counter[0],
+            "rank": rank,
+            "call": counter[0],
             "next_token_logprobs": next_token_logprobs.detach().cpu().clone(),
             "data": {k: data[k].detach().cpu().clone() for k in keys if k in data and hasattr(data[k], "detach")},
-            "global_valid_seqs": float(global_valid_seqs), "global_valid_toks": float(global_valid_toks),
-            "loss": float(loss.detach()), "metrics": dict(metrics),
+            "global_valid_seqs": float(global_valid_seqs),
+            "global_valid_toks": float(global_valid_toks),
+            "loss": float(loss.detach()),
+            "metrics": dict(metrics),
             "grad": (grad if grad is not None else torch.zeros_like(leaf)).detach().cpu(),
             "config": config_of(self),
         }
@@ -195,9 +208,17 @@ def _record_dtensor_gradients(worker_module) -> None:
             import glob
 
             calls = len(glob.glob(os.path.join(f"{facts}.loss", f"{os.getpid()}_*.pt")))
-            _save_record(f"{facts}.grads", str(os.getpid()),
-                         {"rank": rank, "loss_calls": calls, "grads": grads,
-                          "max_grad_norm": max_grad_norm, "dp_group_size": kwargs.get("dp_group_size")})
+            _save_record(
+                f"{facts}.grads",
+                str(os.getpid()),
+                {
+                    "rank": rank,
+                    "loss_calls": calls,
+                    "grads": grads,
+                    "max_grad_norm": max_grad_norm,
+                    "dp_group_size": kwargs.get("dp_group_size"),
+                },
+            )
         return real(max_grad_norm, model_parts, *args, **kwargs)
 
     worker_module.scale_grads_and_clip_grad_norm = scale_grads_and_clip_grad_norm
@@ -229,8 +250,9 @@ def _save_ppo_loss_record(kind: str, counter: list, record: dict) -> None:
     dist = torch.distributed
     record["rank"] = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     record["call"], record["pid"] = counter[0], os.getpid()
-    _save_record(f"{os.environ['NEMO_GRANULAR_CPU_HOST_FACTS']}.ppo_loss", f"{kind}_{os.getpid()}_{counter[0]:05d}",
-                 record)
+    _save_record(
+        f"{os.environ['NEMO_GRANULAR_CPU_HOST_FACTS']}.ppo_loss", f"{kind}_{os.getpid()}_{counter[0]:05d}", record
+    )
     counter[0] += 1
 
 
@@ -254,11 +276,18 @@ def _record_value_loss(losses) -> None:
 
     def __call__(self, logits, data, global_valid_seqs, global_valid_toks, **kwargs):
         loss, metrics = real(self, logits, data, global_valid_seqs, global_valid_toks, **kwargs)
-        _save_ppo_loss_record("value", counter, {
-            "logits": logits.detach().cpu().clone(),
-            "data": {k: data[k].detach().cpu().clone() for k in keys if k in data and hasattr(data[k], "detach")},
-            "global_valid_seqs": float(global_valid_seqs), "global_valid_toks": float(global_valid_toks),
-            "loss": float(loss.detach()), "metrics": dict(metrics)})
+        _save_ppo_loss_record(
+            "value",
+            counter,
+            {
+                "logits": logits.detach().cpu().clone(),
+                "data": {k: data[k].detach().cpu().clone() for k in keys if k in data and hasattr(data[k], "detach")},
+                "global_valid_seqs": float(global_valid_seqs),
+                "global_valid_toks": float(global_valid_toks),
+                "loss": float(loss.detach()),
+                "metrics": dict(metrics),
+            },
+        )
         return loss, metrics
 
     cls.__call__ = __call__
@@ -282,16 +311,35 @@ def _record_clipped_pg_loss(loss_functions) -> None:
 
     def __call__(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, *args, **kwargs):
         loss, metrics = real(self, next_token_logprobs, data, global_valid_seqs, global_valid_toks, *args, **kwargs)
-        _save_ppo_loss_record("policy", counter, {
-            "next_token_logprobs": next_token_logprobs.detach().cpu().clone(),
-            "data": {k: data[k].detach().cpu().clone() for k in keys if k in data and hasattr(data[k], "detach")},
-            "global_valid_seqs": float(global_valid_seqs), "global_valid_toks": float(global_valid_toks),
-            "loss": float(loss.detach()), "metrics": dict(metrics),
-            "config": {k: getattr(self, k, None) for k in (
-                "ratio_clip_min", "ratio_clip_max", "ratio_clip_c", "reference_policy_kl_penalty",
-                "disable_ppo_ratio", "force_on_policy_ratio", "use_importance_sampling_correction",
-                "sequence_level_importance_ratios", "use_cispo", "positive_example_nll_weight",
-                "truncated_importance_sampling_ratio")} | {"loss_type": str(getattr(self, "loss_type", ""))}})
+        _save_ppo_loss_record(
+            "policy",
+            counter,
+            {
+                "next_token_logprobs": next_token_logprobs.detach().cpu().clone(),
+                "data": {k: data[k].detach().cpu().clone() for k in keys if k in data and hasattr(data[k], "detach")},
+                "global_valid_seqs": float(global_valid_seqs),
+                "global_valid_toks": float(global_valid_toks),
+                "loss": float(loss.detach()),
+                "metrics": dict(metrics),
+                "config": {
+                    k: getattr(self, k, None)
+                    for k in (
+                        "ratio_clip_min",
+                        "ratio_clip_max",
+                        "ratio_clip_c",
+                        "reference_policy_kl_penalty",
+                        "disable_ppo_ratio",
+                        "force_on_policy_ratio",
+                        "use_importance_sampling_correction",
+                        "sequence_level_importance_ratios",
+                        "use_cispo",
+                        "positive_example_nll_weight",
+                        "truncated_importance_sampling_ratio",
+                    )
+                }
+                | {"loss_type": str(getattr(self, "loss_type", ""))},
+            },
+        )
         return loss, metrics
 
     cls.__call__ = __call__
@@ -306,13 +354,15 @@ def _varlen_attention(_module) -> None:
     hf_varlen_attention.install()
 
 
-AFTER_IMPORT = {"nemo_granular.losses": _record_losses,
-                "nemo_rl.algorithms.loss.loss_functions": _record_clipped_pg_loss,
-                "nemo_rl.models.automodel.setup": _varlen_attention,
-                "nemo_rl.models.policy.workers.dtensor_policy_worker_v2": _record_dtensor_gradients,
-                "ray._private.function_manager": _patch_ray_actor_methods,
-                "nemo_rl.distributed.ray_actor_environment_registry": _patch_registry,
-                "nemo_rl.utils.nvml": _patch_nvml}
+AFTER_IMPORT = {
+    "nemo_granular.losses": _record_losses,
+    "nemo_rl.algorithms.loss.loss_functions": _record_clipped_pg_loss,
+    "nemo_rl.models.automodel.setup": _varlen_attention,
+    "nemo_rl.models.policy.workers.dtensor_policy_worker_v2": _record_dtensor_gradients,
+    "ray._private.function_manager": _patch_ray_actor_methods,
+    "nemo_rl.distributed.ray_actor_environment_registry": _patch_registry,
+    "nemo_rl.utils.nvml": _patch_nvml,
+}
 
 
 def install() -> None:

@@ -44,9 +44,21 @@ def _vllm_arguments(config, cluster, builder, kwargs) -> dict:
         "workers_per_node": kwargs.get("workers_per_node"),
         "env_vars": kwargs.get("env_vars"),
         "model_name": config["model_name"],
-        "vllm_cfg": {k: vcfg.get(k) for k in ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
-                                               "max_model_len", "gpu_memory_utilization", "precision", "load_format",
-                                               "async_engine", "enforce_eager", "kv_cache_dtype")},
+        "vllm_cfg": {
+            k: vcfg.get(k)
+            for k in (
+                "tensor_parallel_size",
+                "pipeline_parallel_size",
+                "expert_parallel_size",
+                "max_model_len",
+                "gpu_memory_utilization",
+                "precision",
+                "load_format",
+                "async_engine",
+                "enforce_eager",
+                "kv_cache_dtype",
+            )
+        },
         "colocated": config["colocated"]["enabled"],
         "max_new_tokens": config["max_new_tokens"],
         "temperature": config["temperature"],
@@ -81,9 +93,12 @@ def install_generation_seam(algo_module) -> None:
         BUILT["refit"] = "ipc_zmq" if megatron else dtensor_refit_path()
         out = real_setup(*args, **kwargs)
         policy, generation = out[0], out[1]
-        sharding = policy.sharding_annotations          # the layout NeMo-RL's Policy built its workers with
-        record("policy_layout", workers=len(policy.worker_group.workers),
-               **{name: sharding.get_axis_size(name) for name in sharding.names})
+        sharding = policy.sharding_annotations  # the layout NeMo-RL's Policy built its workers with
+        record(
+            "policy_layout",
+            workers=len(policy.worker_group.workers),
+            **{name: sharding.get_axis_size(name) for name in sharding.names},
+        )
         if isinstance(generation, CpuHFGeneration):
             generation.attach(policy)
         BUILT["generation"] = generation
@@ -96,9 +111,13 @@ def _stats(x, mask):
     import torch
 
     sel = x[mask]
-    return {"finite": bool(torch.isfinite(x).all()), "n": int(sel.numel()),
-            "min": float(sel.min()) if sel.numel() else None, "max": float(sel.max()) if sel.numel() else None,
-            "mean": float(sel.float().mean()) if sel.numel() else None}
+    return {
+        "finite": bool(torch.isfinite(x).all()),
+        "n": int(sel.numel()),
+        "min": float(sel.min()) if sel.numel() else None,
+        "max": float(sel.max()) if sel.numel() else None,
+        "mean": float(sel.float().mean()) if sel.numel() else None,
+    }
 
 
 def _logprobs_vs_hf(generation, data, mask) -> dict:
@@ -115,7 +134,7 @@ def _logprobs_vs_hf(generation, data, mask) -> dict:
     lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     diff = (lp - data["prev_logprobs"][:, 1:].float()).abs()[mask[:, 1:]]
     out = {"max": float(diff.max()), "mean": float(diff.mean())}
-    if "prev_entropy" in data:      # π_old entropy of the same distribution, token columns
+    if "prev_entropy" in data:  # π_old entropy of the same distribution, token columns
         ent = -(logp.exp() * logp).sum(-1)
         d = (ent - data["prev_entropy"][:, 1:].float()).abs()[mask[:, 1:]]
         out["entropy_max"] = float(d.max())
@@ -159,9 +178,12 @@ def install_train_recorder() -> None:
             fact["prev_entropy_zero_outside_sequence"] = bool((data["prev_entropy"][outside] == 0).all())
         if "granular_group_ids" in data:
             ids = data["granular_group_ids"]
-            fact["group_ids"] = {"outside_is_minus_one": bool((ids[~mask] == -1).all()),
-                                 "inside_nonneg": bool((ids[mask] >= 0).all()), "max": int(ids.max()),
-                                 "rows_with_two_groups": int(((ids.max(1).values) >= 1).sum())}
+            fact["group_ids"] = {
+                "outside_is_minus_one": bool((ids[~mask] == -1).all()),
+                "inside_nonneg": bool((ids[mask] >= 0).all()),
+                "max": int(ids.max()),
+                "rows_with_two_groups": int(((ids.max(1).values) >= 1).sum()),
+            }
         if "prev_logprobs" in data and "generation" in BUILT:
             fact["prev_logprobs_vs_hf"] = _logprobs_vs_hf(BUILT["generation"], data, mask)
         if "advantages" in data:
@@ -171,16 +193,24 @@ def install_train_recorder() -> None:
             # reward) and the advantage it wrote there, for the test's own A = R − σ(v)
             has = mask.any(-1)
             first = torch.argmax(mask.to(torch.int8), dim=-1)
+
             def at(x, first=first):
                 return x.double().reshape(x.shape[0], -1).gather(1, first[:, None]).squeeze(1)
-            fact["critic_rows"] = {"has_response": has.tolist(), "sample_mask": data["sample_mask"].tolist(),
-                                   "rewards": data["rewards"].double().reshape(-1).tolist(),
-                                   "value_logit": at(data["values"]).tolist(),
-                                   "advantage": at(data["advantages"]).tolist(),
-                                   "advantage_constant_per_row": bool(all(
-                                       (data["advantages"][b][mask[b]] == data["advantages"][b][first[b]]).all()
-                                       for b in range(mask.shape[0])))}
-        _collect_loss_records(-1)             # anything written outside a train call is not this call's
+
+            fact["critic_rows"] = {
+                "has_response": has.tolist(),
+                "sample_mask": data["sample_mask"].tolist(),
+                "rewards": data["rewards"].double().reshape(-1).tolist(),
+                "value_logit": at(data["values"]).tolist(),
+                "advantage": at(data["advantages"]).tolist(),
+                "advantage_constant_per_row": bool(
+                    all(
+                        (data["advantages"][b][mask[b]] == data["advantages"][b][first[b]]).all()
+                        for b in range(mask.shape[0])
+                    )
+                ),
+            }
+        _collect_loss_records(-1)  # anything written outside a train call is not this call's
         out = real_train(self, data, loss_fn, *args, **kwargs)
         fact["loss"] = float(torch.as_tensor(out["loss"]).float().mean())
         fact["grad_norm"] = float(torch.as_tensor(out["grad_norm"]).float().max())
@@ -232,19 +262,28 @@ def install_refit_recorder() -> None:
     def load_weights(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
         facts = os.environ.get("NEMO_GRANULAR_CPU_HOST_FACTS")
-        if facts:     # the whole state dict the generation now holds, for the export test
+        if facts:  # the whole state dict the generation now holds, for the export test
             from safetensors.torch import save_file
 
             folder = f"{facts}.refit"
             os.makedirs(folder, exist_ok=True)
-            save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
-                      os.path.join(folder, f"sync_{self.syncs}.tmp"))
-            os.replace(os.path.join(folder, f"sync_{self.syncs}.tmp"),
-                       os.path.join(folder, f"sync_{self.syncs}.safetensors"))
+            save_file(
+                {k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
+                os.path.join(folder, f"sync_{self.syncs}.tmp"),
+            )
+            os.replace(
+                os.path.join(folder, f"sync_{self.syncs}.tmp"), os.path.join(folder, f"sync_{self.syncs}.safetensors")
+            )
         params = torch.cat([p.detach().float().flatten() for p in self.model.parameters()])
-        record("refit", sync=self.syncs, norm=float(params.norm()), head=params[:8].tolist(),
-               sum=float(params.double().sum()), refit=self.last_refit,
-               workers_agree=self.refit_agreement[-1] if self.refit_agreement else None)
+        record(
+            "refit",
+            sync=self.syncs,
+            norm=float(params.norm()),
+            head=params[:8].tolist(),
+            sum=float(params.double().sum()),
+            refit=self.last_refit,
+            workers_agree=self.refit_agreement[-1] if self.refit_agreement else None,
+        )
         return out
 
     CpuHFGeneration.load_weights = load_weights
@@ -259,7 +298,7 @@ def main(argv: list[str]) -> int:
     elif which == "sppo":
         from cpu_host.hooks import PPO_LOSSES_ENV
 
-        os.environ[PPO_LOSSES_ENV] = "1"     # the workers (which copy this environment) record both PPO losses
+        os.environ[PPO_LOSSES_ENV] = "1"  # the workers (which copy this environment) record both PPO losses
         import nemo_rl.algorithms.ppo as algo
 
         from nemo_granular import run_sppo as launcher

@@ -17,15 +17,29 @@ import torch
 
 import reference as R
 
-METRICS = ("clip_frac_low", "clip_frac_high", "groups_per_response", "group_size_mean", "probs_ratio",
-           "probs_ratio_min", "probs_ratio_max", "clip_bound_low_mean", "clip_bound_high_mean")
+METRICS = (
+    "clip_frac_low",
+    "clip_frac_high",
+    "groups_per_response",
+    "group_size_mean",
+    "probs_ratio",
+    "probs_ratio_min",
+    "probs_ratio_max",
+    "clip_bound_low_mean",
+    "clip_bound_high_mean",
+)
 # the π_old/π_gen correction's diagnostics (docs/algorithms/math.md §10.3), compared where the correction
 # is on: the worker's name → the reference's (``metrics["offpolicy"]``); NeMo-RL's ``is_oob_ratio`` is the
 # token share (tis, icepop) or, for seq-mask-tis, the masked-group share
-OFFPOLICY_METRICS = {"gen_mismatch_abs_mean": "gen_mismatch_abs_mean", "gen_kl_k3": "gen_kl_k3",
-                     "gen_mismatch_group_abs_mean": "gen_mismatch_group_abs_mean",
-                     "is_oob_token_frac": "is_oob_token_frac", "is_oob_group_frac": "is_oob_group_frac",
-                     "sampling_importance_ratio": "sampling_importance_ratio_tokens", "is_oob_ratio": None}
+OFFPOLICY_METRICS = {
+    "gen_mismatch_abs_mean": "gen_mismatch_abs_mean",
+    "gen_kl_k3": "gen_kl_k3",
+    "gen_mismatch_group_abs_mean": "gen_mismatch_group_abs_mean",
+    "is_oob_token_frac": "is_oob_token_frac",
+    "is_oob_group_frac": "is_oob_group_frac",
+    "sampling_importance_ratio": "sampling_importance_ratio_tokens",
+    "is_oob_ratio": None,
+}
 
 
 def offpolicy_pairs(rec: dict, metrics: dict) -> dict[str, tuple[float, float]]:
@@ -69,18 +83,32 @@ def config_of(loss) -> dict:
     """What the float64 reference needs of a ``GranularPolicyLoss``'s settings (read from the object, plain
     values only: the loop's records carry this dict)."""
     g, cfg = loss.granular, loss.cfg
-    return {"algorithm": g.algorithm, "eps_low": cfg.eps_low, "eps_high": cfg.eps_high,
-            "ratio_clip_c": cfg.ratio_clip_c, "kl_coef": cfg.kl_coef,
-            "kl_type": cfg.reference_policy_kl_type, "kl_in_clamp": cfg.kl_input_clamp_value,
-            "kl_out_clamp": cfg.kl_output_clamp_value,
-            "sspo": [g.sspo.alpha, g.sspo.beta, g.sspo.gamma], "espo_alpha": g.espo.alpha,
-            "vocab_size": loss.vocab_size, "cuts": list(g.entropy_cut_points),
-            "aggregation": g.aggregation,
-            # the π_old/π_gen correction (docs/algorithms/math.md §10), None when off
-            "offpolicy": ({"level": g.is_level, "kind": cfg.truncated_importance_sampling_type,
-                           "hi": cfg.truncated_importance_sampling_ratio,
-                           "lo": cfg.truncated_importance_sampling_ratio_min}
-                          if cfg.use_importance_sampling_correction else None)}
+    return {
+        "algorithm": g.algorithm,
+        "eps_low": cfg.eps_low,
+        "eps_high": cfg.eps_high,
+        "ratio_clip_c": cfg.ratio_clip_c,
+        "kl_coef": cfg.kl_coef,
+        "kl_type": cfg.reference_policy_kl_type,
+        "kl_in_clamp": cfg.kl_input_clamp_value,
+        "kl_out_clamp": cfg.kl_output_clamp_value,
+        "sspo": [g.sspo.alpha, g.sspo.beta, g.sspo.gamma],
+        "espo_alpha": g.espo.alpha,
+        "vocab_size": loss.vocab_size,
+        "cuts": list(g.entropy_cut_points),
+        "aggregation": g.aggregation,
+        # the π_old/π_gen correction (docs/algorithms/math.md §10), None when off
+        "offpolicy": (
+            {
+                "level": g.is_level,
+                "kind": cfg.truncated_importance_sampling_type,
+                "hi": cfg.truncated_importance_sampling_ratio,
+                "lo": cfg.truncated_importance_sampling_ratio_min,
+            }
+            if cfg.use_importance_sampling_correction
+            else None
+        ),
+    }
 
 
 def reference_loss(loss, delims: tuple[int, ...]):
@@ -95,14 +123,28 @@ def reference_kwargs(rec: dict, delims: tuple[int, ...]) -> dict:
     cfg = rec["config"]
     kl = None
     if cfg["kl_coef"]:
-        kl = {"coef": cfg["kl_coef"], "type": cfg["kl_type"], "in_clamp": cfg["kl_in_clamp"],
-              "out_clamp": cfg["kl_out_clamp"]}
+        kl = {
+            "coef": cfg["kl_coef"],
+            "type": cfg["kl_type"],
+            "in_clamp": cfg["kl_in_clamp"],
+            "out_clamp": cfg["kl_out_clamp"],
+        }
     spec = dict(R.PRESET_SPECS[cfg["algorithm"]])
     spec.pop("eps")
-    spec["aggregation"] = cfg["aggregation"]          # NeMo-RL's token_level_loss may override the preset's
-    return dict(spec, eps_low=cfg["eps_low"], eps_high=cfg["eps_high"], sspo=tuple(cfg["sspo"]),
-                espo_alpha=cfg["espo_alpha"], vocab_size=cfg["vocab_size"], cuts=tuple(cfg["cuts"]),
-                delimiter_ids=delims, dual_clip=cfg["ratio_clip_c"], kl=kl, offpolicy=cfg.get("offpolicy"))
+    spec["aggregation"] = cfg["aggregation"]  # NeMo-RL's token_level_loss may override the preset's
+    return dict(
+        spec,
+        eps_low=cfg["eps_low"],
+        eps_high=cfg["eps_high"],
+        sspo=tuple(cfg["sspo"]),
+        espo_alpha=cfg["espo_alpha"],
+        vocab_size=cfg["vocab_size"],
+        cuts=tuple(cfg["cuts"]),
+        delimiter_ids=delims,
+        dual_clip=cfg["ratio_clip_c"],
+        kl=kl,
+        offpolicy=cfg.get("offpolicy"),
+    )
 
 
 def reference_of(rec: dict, delims: tuple[int, ...]):
@@ -110,9 +152,11 @@ def reference_of(rec: dict, delims: tuple[int, ...]):
     cfg, data = rec["config"], rec["data"]
     spec = R.PRESET_SPECS[cfg["algorithm"]]
     loss, grad, metrics = R.run_ref(
-        lambda lp: R.granular_loss(lp, data, **reference_kwargs(rec, delims),
-                                   gvs=rec["global_valid_seqs"], gvt=rec["global_valid_toks"]),
-        rec["next_token_logprobs"])
+        lambda lp: R.granular_loss(
+            lp, data, **reference_kwargs(rec, delims), gvs=rec["global_valid_seqs"], gvt=rec["global_valid_toks"]
+        ),
+        rec["next_token_logprobs"],
+    )
     tm = data["token_mask"][:, 1:] > 0
     if spec["granularity"] == "segment":
         ids = R.segment_group_ids(data["input_ids"][:, 1:], tm, delims)
@@ -150,8 +194,9 @@ def next_token_logprobs_entropy(model, data: dict, temperature: float):
     return logp.gather(-1, ids[:, 1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
 
-def with_independent_pi_old(run_dir: Path, model_dir: Path, by_call: dict, temperature: float,
-                            autocast: torch.dtype | None = torch.bfloat16) -> dict:
+def with_independent_pi_old(
+    run_dir: Path, model_dir: Path, by_call: dict, temperature: float, autocast: torch.dtype | None = torch.bfloat16
+) -> dict:
     """The records with ``prev_logprobs`` and ``prev_entropy`` replaced by a transformers forward of the weights
     π_old had, computed as the worker computes them (fp32 parameters under ``autocast``, the policy's
     precision; log-softmax of the float32 logits over the temperature): the generation's state dict at the
@@ -179,7 +224,7 @@ def with_independent_pi_old(run_dir: Path, model_dir: Path, by_call: dict, tempe
                 lp, ent = next_token_logprobs_entropy(model, data, temperature)
             zero = torch.zeros(ids.shape[0], 1, dtype=torch.float64)
             cols = torch.arange(ids.shape[1])[None, :]
-            inside = (cols >= 1) & (cols < lengths[:, None])       # NeMo-RL's π_old columns: 1 .. length − 1
+            inside = (cols >= 1) & (cols < lengths[:, None])  # NeMo-RL's π_old columns: 1 .. length − 1
             data["prev_logprobs"] = torch.cat([zero, lp.double()], 1) * inside
             data["prev_entropy"] = torch.cat([zero, ent.double()], 1) * inside
             out[call].append(dict(rec, data=data))
@@ -195,8 +240,14 @@ def check_run(run_dir: Path, model_dir: Path, *, pi_old_temperature: float | Non
     if pi_old_temperature is not None:
         by_call = with_independent_pi_old(run_dir, model_dir, by_call, pi_old_temperature)
     err = {"loss": 0.0, "grad": 0.0, **{k: 0.0 for k in METRICS}}
-    summary = {"calls": sorted(by_call), "records": 0, "ids_equal": True, "grad_nonzero": 0, "per_record": [],
-               "offpolicy_err": {}}
+    summary = {
+        "calls": sorted(by_call),
+        "records": 0,
+        "ids_equal": True,
+        "grad_nonzero": 0,
+        "per_record": [],
+        "offpolicy_err": {},
+    }
     for call, recs in by_call.items():
         for j, rec in enumerate(recs):
             loss, grad, metrics, ids = reference_of(rec, delims)
@@ -217,16 +268,24 @@ def check_run(run_dir: Path, model_dir: Path, *, pi_old_temperature: float | Non
             if ids is not None and "granular_group_ids" in rec["data"]:
                 got = rec["data"]["granular_group_ids"][:, 1:].tolist()
                 summary["ids_equal"] &= got == ids
-            summary["per_record"].append({
-                "call": call, "index": j, "of": len(recs), "rank": rec["rank"],
-                "rows": int(rec["next_token_logprobs"].shape[0]),
-                "clip": float(metrics["clip_frac_low"]) + float(metrics["clip_frac_high"]),
-                "clip_worker": float(rec["metrics"]["clip_frac_low"]) + float(rec["metrics"]["clip_frac_high"]),
-                "ratio_min": float(metrics["probs_ratio_min"]), "ratio_max": float(metrics["probs_ratio_max"]),
-                # the reference's off-policy diagnostics ({} without the correction)
-                "offpolicy": {k: b for k, (_, b) in off.items()},
-                "bounds": group_bounds(rec, ids) if ids is not None and rec["config"]["algorithm"] in ("sspo", "espo")
-                else []})
+            summary["per_record"].append(
+                {
+                    "call": call,
+                    "index": j,
+                    "of": len(recs),
+                    "rank": rec["rank"],
+                    "rows": int(rec["next_token_logprobs"].shape[0]),
+                    "clip": float(metrics["clip_frac_low"]) + float(metrics["clip_frac_high"]),
+                    "clip_worker": float(rec["metrics"]["clip_frac_low"]) + float(rec["metrics"]["clip_frac_high"]),
+                    "ratio_min": float(metrics["probs_ratio_min"]),
+                    "ratio_max": float(metrics["probs_ratio_max"]),
+                    # the reference's off-policy diagnostics ({} without the correction)
+                    "offpolicy": {k: b for k, (_, b) in off.items()},
+                    "bounds": group_bounds(rec, ids)
+                    if ids is not None and rec["config"]["algorithm"] in ("sspo", "espo")
+                    else [],
+                }
+            )
     summary["err"] = err
     return summary
 

@@ -16,8 +16,10 @@ SPECIALS = ["<pad>", "<eos>", "<bos>"]
 CHARS = list("012+= ?abcwhtis:\n")
 VOCAB_PAD = 32
 # one chat turn per message; the generation prompt opens the assistant turn
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}a:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}a:{% endif %}"
+)
 
 
 def write_word_level_model(save_dir: Path, words: list[str], vocab_size: int) -> Path:
@@ -30,13 +32,22 @@ def write_word_level_model(save_dir: Path, words: list[str], vocab_size: int) ->
     vocab = {w: i for i, w in enumerate(["<pad>", "<unk>", "<s>", "</s>"] + words)}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>",
-                                                bos_token="<s>", eos_token="</s>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}assistant: {% endif %}")
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     fast.save_pretrained(str(save_dir))
-    transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(str(save_dir))
+    transformers.Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ).save_pretrained(str(save_dir))
     return save_dir
 
 
@@ -48,8 +59,14 @@ def build_tokenizer(save_dir: Path):
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n\n|[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="?", clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="?",
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(save_dir))
     return fast
@@ -60,8 +77,17 @@ def build_tokenizer(save_dir: Path):
 PEAKED = 60.0
 
 
-def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: int = 2, seed: int = 0,
-                classifier: bool = False, kv_heads: int = 1, logit_scale: float = 1.0) -> Path:
+def write_model(
+    save_dir: Path,
+    *,
+    moe: bool = False,
+    hidden: int = 32,
+    layers: int = 2,
+    seed: int = 0,
+    classifier: bool = False,
+    kv_heads: int = 1,
+    logit_scale: float = 1.0,
+) -> Path:
     """A randomly initialised Qwen3 / Qwen3-MoE (or a 1-label Qwen3 sequence classifier) + tokenizer;
     ``logit_scale`` multiplies the output layer (a peaked model: low-entropy and high-entropy tokens)."""
     import torch
@@ -76,15 +102,32 @@ def write_model(save_dir: Path, *, moe: bool = False, hidden: int = 32, layers: 
     save_dir.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(save_dir)
     heads = 2
-    common = dict(vocab_size=VOCAB_PAD, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                  num_key_value_heads=kv_heads, head_dim=hidden // heads, max_position_embeddings=256,
-                  tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                  bos_token_id=tok.bos_token_id, torch_dtype="float32")
+    common = dict(
+        vocab_size=VOCAB_PAD,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        torch_dtype="float32",
+    )
     torch.manual_seed(seed)
     if moe:
-        conf = Qwen3MoeConfig(**common, intermediate_size=2 * hidden, num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=hidden, decoder_sparse_step=1, norm_topk_prob=True,
-                              output_router_logits=False)
+        conf = Qwen3MoeConfig(
+            **common,
+            intermediate_size=2 * hidden,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            output_router_logits=False,
+        )
         model = Qwen3MoeForCausalLM(conf)
     elif classifier:
         model = Qwen3ForSequenceClassification(Qwen3Config(**common, intermediate_size=2 * hidden, num_labels=1))

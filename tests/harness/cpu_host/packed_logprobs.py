@@ -43,7 +43,7 @@ def rank_logprobs(rank: int, model_dir: str, shards: bytes, tp: int, policy_cfg:
     import_core_then_te_placeholder()
     import nemo_automodel.shared.import_utils as iu
 
-    iu.safe_import_te = lambda: (False, None)       # TE-absent path, as test_host_workers
+    iu.safe_import_te = lambda: (False, None)  # TE-absent path, as test_host_workers
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     mesh = init_device_mesh("cpu", (1, 1, tp), mesh_dim_names=("dp", "cp", "tp"))
@@ -54,19 +54,31 @@ def rank_logprobs(rank: int, model_dir: str, shards: bytes, tp: int, policy_cfg:
 
     hf_varlen_attention.install()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.config._attn_implementation = "flash_attention_2"     # what Automodel loads with packing on
+    model.config._attn_implementation = "flash_attention_2"  # what Automodel loads with packing on
     if tp > 1:
         from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-        parallelize_module(model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Shard(-1),
-                                                                          use_local_output=False)})
+        parallelize_module(
+            model, mesh["tp"], {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+        )
     worker = _bare_worker(
-        GranularDTensorPolicyWorkerV2Impl, cfg=policy_cfg, model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir),
-        device_mesh=mesh, dp_mesh=mesh["dp"], cp_mesh=mesh["cp"], tp_mesh=mesh["tp"], cp_size=1,
-        enable_seq_packing=bool(policy_cfg["sequence_packing"]["enabled"]), sampling_params=None,
-        dtype=torch.float32, autocast_enabled=False, allow_flash_attn_args=True)
-    (shard,) = pickle.loads(shards)       # DP = 1: every rank gets the one shard
+        GranularDTensorPolicyWorkerV2Impl,
+        cfg=policy_cfg,
+        model=model,
+        tokenizer=AutoTokenizer.from_pretrained(model_dir),
+        device_mesh=mesh,
+        dp_mesh=mesh["dp"],
+        cp_mesh=mesh["cp"],
+        tp_mesh=mesh["tp"],
+        cp_size=1,
+        enable_seq_packing=bool(policy_cfg["sequence_packing"]["enabled"]),
+        sampling_params=None,
+        dtype=torch.float32,
+        autocast_enabled=False,
+        allow_flash_attn_args=True,
+    )
+    (shard,) = pickle.loads(shards)  # DP = 1: every rank gets the one shard
     calls = []
     real = hf_varlen_attention.varlen_attention
 

@@ -50,9 +50,13 @@ def policy_loss_reference(rec: dict) -> dict:
             total += -m * o
             ratios.append(r)
             advs.append(a)
-    return {"loss": total / rec["global_valid_toks"], "ratio_min": min(ratios, default=1.0),
-            "ratio_max": max(ratios, default=1.0), "tokens": len(ratios),
-            "adv_nonzero": sum(a != 0 for a in advs)}
+    return {
+        "loss": total / rec["global_valid_toks"],
+        "ratio_min": min(ratios, default=1.0),
+        "ratio_max": max(ratios, default=1.0),
+        "tokens": len(ratios),
+        "adv_nonzero": sum(a != 0 for a in advs),
+    }
 
 
 def _sigmoid(x: float) -> float:
@@ -85,8 +89,9 @@ def value_loss_reference(rec: dict) -> dict:
 def advantage_reference(row: dict) -> list[tuple[float, float]]:
     """(received, expected) advantage of every row with a response: SPPO eq. 1, A = R − σ(v)."""
     out = []
-    for has, sm, r, v, a in zip(row["has_response"], row["sample_mask"], row["rewards"], row["value_logit"],
-                                row["advantage"]):
+    for has, sm, r, v, a in zip(
+        row["has_response"], row["sample_mask"], row["rewards"], row["value_logit"], row["advantage"]
+    ):
         if has and sm:
             out.append((a, r - _sigmoid(v)))
     return out

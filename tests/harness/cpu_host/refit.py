@@ -90,14 +90,14 @@ class StateDictSynchronizer(_weight_synchronizer_base()):
 
     def __init__(self, generation):
         self.generation = generation
-        self.policy = None            # set once setup() built the policy (the test launcher does it)
+        self.policy = None  # set once setup() built the policy (the test launcher does it)
         self._stale = True
 
     @property
     def is_stale(self) -> bool:
         return self._stale
 
-    def mark_stale(self) -> None:   # abstract in NeMo-RL v0.7.0's WeightSynchronizer, gone on main
+    def mark_stale(self) -> None:  # abstract in NeMo-RL v0.7.0's WeightSynchronizer, gone on main
         self._stale = True
 
     def init_communicator(self) -> None:
@@ -112,9 +112,12 @@ class StateDictSynchronizer(_weight_synchronizer_base()):
             self.policy.save_checkpoint(weights_path=str(scratch / "weights"), checkpointing_cfg=REFIT_CHECKPOINT)
             path = scratch / "weights" / "model"
             full = read_sharded_safetensors(path)
-            self.generation.last_refit = {"path": "checkpoint", "workers": len(self.policy.worker_group.workers),
-                                          "tensors": [len(full)], "files": sorted(
-                                              p.name for p in Path(path).iterdir() if p.is_file())}
+            self.generation.last_refit = {
+                "path": "checkpoint",
+                "workers": len(self.policy.worker_group.workers),
+                "tensors": [len(full)],
+                "files": sorted(p.name for p in Path(path).iterdir() if p.is_file()),
+            }
             self.generation.load_weights(full, scratch / "hf")
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -131,20 +134,20 @@ class IpcZmqReceiver:
 
     def __init__(self, addresses: list[str], state_dict_info: dict):
         self.addresses = list(addresses)
-        self.info = state_dict_info      # HF name → (shape, dtype), from the policy's prepare_refit_info
-        self.payloads = [0] * len(self.addresses)   # staging buffers received, per worker
+        self.info = state_dict_info  # HF name → (shape, dtype), from the policy's prepare_refit_info
+        self.payloads = [0] * len(self.addresses)  # staging buffers received, per worker
 
     def _unpack(self, payload) -> dict[str, torch.Tensor]:
         from nemo_rl.models.policy.utils import calculate_aligned_size
         from torch.multiprocessing.reductions import rebuild_tensor
 
         handle, names, used_bytes = payload
-        buffer = rebuild_tensor(*handle[0])          # the staging buffer's bytes (a host tensor pickles them)
+        buffer = rebuild_tensor(*handle[0])  # the staging buffer's bytes (a host tensor pickles them)
         out, offset = {}, 0
         for name in names:
             shape, dtype = self.info[name]
             size = dtype.itemsize * torch.Size(shape).numel()
-            out[name] = buffer[offset:offset + size].view(dtype).view(torch.Size(shape)).clone()
+            out[name] = buffer[offset : offset + size].view(dtype).view(torch.Size(shape)).clone()
             offset += calculate_aligned_size(size)
         if offset != used_bytes:
             raise RuntimeError(f"refit: {offset} bytes unpacked, the sender used {used_bytes} (names {names[:3]}...)")
@@ -170,8 +173,9 @@ class IpcZmqReceiver:
             while len(done) < len(socks):
                 ready = dict(poller.poll(timeout_ms))
                 if not ready:
-                    raise TimeoutError(f"refit: no weights from workers {sorted(set(range(len(socks))) - done)} "
-                                       f"within {timeout_ms} ms")
+                    raise TimeoutError(
+                        f"refit: no weights from workers {sorted(set(range(len(socks))) - done)} within {timeout_ms} ms"
+                    )
                 for i, sock in enumerate(socks):
                     if sock not in ready:
                         continue

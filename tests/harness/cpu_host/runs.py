@@ -19,7 +19,7 @@ class LoopRun:
     log: str
     seconds: float
     facts: list = field(default_factory=list)
-    scalars: dict = field(default_factory=dict)     # tag -> {step: value} (NeMo-RL's TensorBoard events)
+    scalars: dict = field(default_factory=dict)  # tag -> {step: value} (NeMo-RL's TensorBoard events)
 
     def of(self, kind: str) -> list:
         return [f for f in self.facts if f["kind"] == kind]
@@ -40,14 +40,21 @@ def read_tensorboard(run_dir: Path) -> dict:
     return {tag: {s: v for s, (_, v) in steps.items()} for tag, steps in read_scalars(run_dir).items()}
 
 
-def run_loop(head: RayHead, which: str, config: Path, run_dir: Path, overrides: list[str] = (),
-             timeout: float = 900) -> LoopRun:
+def run_loop(
+    head: RayHead, which: str, config: Path, run_dir: Path, overrides: list[str] = (), timeout: float = 900
+) -> LoopRun:
     """``python -m cpu_host.launch {grpo|sppo} --config config [overrides]`` with the run's facts file."""
     facts = run_dir / "facts.jsonl"
     facts.unlink(missing_ok=True)
     t0 = time.monotonic()
-    proc = run_driver(head, ["-m", "cpu_host.launch", which, "--config", str(config), *overrides],
-                      run_dir / "driver.log", timeout, cwd=run_dir, NEMO_GRANULAR_CPU_HOST_FACTS=str(facts))
+    proc = run_driver(
+        head,
+        ["-m", "cpu_host.launch", which, "--config", str(config), *overrides],
+        run_dir / "driver.log",
+        timeout,
+        cwd=run_dir,
+        NEMO_GRANULAR_CPU_HOST_FACTS=str(facts),
+    )
     out = LoopRun(dir=run_dir, rc=proc.returncode, log=proc.stdout, seconds=time.monotonic() - t0)
     if facts.is_file():
         out.facts = [json.loads(line) for line in facts.read_text().splitlines() if line.strip()]

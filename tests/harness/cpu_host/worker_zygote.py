@@ -32,9 +32,16 @@ import sys
 SOCKET_ENV = "NEMO_GRANULAR_RAY_ZYGOTE"
 # what a DTensor policy / value worker and the math environments import (those a NeMo-RL version lacks
 # are skipped: its workers import what they have)
-DTENSOR_PRELOAD = ("torch", "transformers", "nemo_rl.models.policy.workers.dtensor_policy_worker_v2",
-                   "nemo_rl.models.value.workers.dtensor_value_worker_v2", "nemo_rl.environments.math_environment",
-                   "nemo_rl.algorithms.grpo", "nemo_rl.algorithms.ppo", "cpu_host.launch")
+DTENSOR_PRELOAD = (
+    "torch",
+    "transformers",
+    "nemo_rl.models.policy.workers.dtensor_policy_worker_v2",
+    "nemo_rl.models.value.workers.dtensor_value_worker_v2",
+    "nemo_rl.environments.math_environment",
+    "nemo_rl.algorithms.grpo",
+    "nemo_rl.algorithms.ppo",
+    "cpu_host.launch",
+)
 MEGATRON_PRELOAD = (*DTENSOR_PRELOAD, "nemo_rl.models.policy.workers.megatron_policy_worker")
 # the processes forked: Ray's workers, and the loop drivers (``python -m cpu_host.launch``)
 DRIVER_MODULE = "cpu_host.launch"
@@ -77,7 +84,7 @@ def delegate(path: str, argv: list[str]) -> None:
         signal.signal(sig, forward)
     last = answers.readline()
     rc = json.loads(last)["rc"] if last else 1
-    if rc < 0:      # killed by a signal: end the same way
+    if rc < 0:  # killed by a signal: end the same way
         signal.signal(-rc, signal.SIG_DFL)
         os.kill(os.getpid(), -rc)
     os._exit(rc & 0xFF)
@@ -105,7 +112,7 @@ def _become_worker(req: dict, fds: list[int]) -> None:
         import runpy
 
         argv = list(req["argv"])
-        if argv[0] == "-m":     # python -m MODULE ARGS (run_module puts the module's path in argv[0])
+        if argv[0] == "-m":  # python -m MODULE ARGS (run_module puts the module's path in argv[0])
             sys.argv = [argv[1], *argv[2:]]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
@@ -222,15 +229,18 @@ def serve(path: str, modules: list[str]) -> int:
     # Python threads only: NumPy's OpenBLAS starts a native server thread on import (torch imports NumPy),
     # which OpenBLAS's own fork handler stops before each fork (it starts again when next needed)
     if threading.active_count() != 1:
-        print(f"worker_zygote: {[t.name for t in threading.enumerate()]} after the imports; not serving",
-              file=sys.stderr, flush=True)
+        print(
+            f"worker_zygote: {[t.name for t in threading.enumerate()]} after the imports; not serving",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".partial")
-    os.rename(path + ".partial", path)      # the socket appears when the zygote is ready
+    os.rename(path + ".partial", path)  # the socket appears when the zygote is ready
     listener.listen(64)
-    conns: dict[int, socket.socket | None] = {}   # the waiting process's connection by its child's pid (None: gone)
-    pending: list[socket.socket] = []       # connected, request not read yet
+    conns: dict[int, socket.socket | None] = {}  # the waiting process's connection by its child's pid (None: gone)
+    pending: list[socket.socket] = []  # connected, request not read yet
     while True:
         while conns:
             try:
@@ -278,7 +288,7 @@ def serve(path: str, modules: list[str]) -> int:
                     os.close(fd)
                 s.sendall((json.dumps({"pid": pid}) + "\n").encode())
                 conns[pid] = s
-            else:   # the waiting process ended (killed before its worker): end the worker too
+            else:  # the waiting process ended (killed before its worker): end the worker too
                 pid, conn = waiting[s.fileno()]
                 if not conn.recv(1):
                     conn.close()
@@ -293,5 +303,5 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import ctypes
 
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: never outlive the test that started it
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the test that started it
     sys.exit(serve(sys.argv[1], sys.argv[2:]))

@@ -23,8 +23,10 @@ def install(after: dict | None = None, before: dict | None = None) -> None:
     imported), plus a harness's own ``after`` / ``before`` hooks (``module name → patch``)."""
     from . import lazy, megatron
 
-    lazy.install({"torch": _torch, "torch.distributed.device_mesh": _device_mesh, **megatron.AFTER_IMPORT},
-                 megatron.BEFORE_IMPORT)
+    lazy.install(
+        {"torch": _torch, "torch.distributed.device_mesh": _device_mesh, **megatron.AFTER_IMPORT},
+        megatron.BEFORE_IMPORT,
+    )
     if after or before:
         lazy.install(after or {}, before)
 

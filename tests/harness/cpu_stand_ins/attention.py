@@ -14,8 +14,12 @@ def cpu_layer_spec(config):
     :class:`CpuCoreAttention` as the core attention (what TE's ``DotProductAttention`` does there)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
-                                    qk_layernorm=config.qk_layernorm, normalization=config.normalization)
+    spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        normalization=config.normalization,
+    )
     spec.submodules.self_attention.submodules.core_attention = CpuCoreAttention
     return spec
 
@@ -31,8 +35,17 @@ class CpuCoreAttention(torch.nn.Module):
     their global positions. Plain math, no kernel: the tests compare the result with HF.
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type,
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
         super().__init__()
         from megatron.core.process_groups_config import ProcessGroupCollection
         from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -41,14 +54,23 @@ class CpuCoreAttention(torch.nn.Module):
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         assert not config.apply_query_key_layer_scaling and config.softmax_type == "vanilla"
         self.cp_group = pg_collection.cp
-        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.local = None
         if config.context_parallel_size == 1:
-            self.local = DotProductAttention(config, layer_number, attn_mask_type, attention_type,
-                                             attention_dropout, softmax_scale, cp_comm_type, pg_collection)
+            self.local = DotProductAttention(
+                config,
+                layer_number,
+                attn_mask_type,
+                attention_type,
+                attention_dropout,
+                softmax_scale,
+                cp_comm_type,
+                pg_collection,
+            )
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         assert attention_bias is None
         if packed_seq_params is None:
             assert self.local is not None, "context parallelism needs packed sequences"
@@ -90,7 +112,7 @@ class _GatherCat(torch.autograd.Function):
         grad = grad.contiguous().clone()
         torch.distributed.all_reduce(grad, group=ctx.group)
         r = ctx.group.rank()
-        return grad[r * ctx.rows:(r + 1) * ctx.rows], None
+        return grad[r * ctx.rows : (r + 1) * ctx.rows], None
 
 
 def _zigzag_positions(cu: torch.Tensor, cp: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

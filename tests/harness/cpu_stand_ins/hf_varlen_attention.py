@@ -32,13 +32,25 @@ def _boundaries(position_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
     if given is not None:
         given = given.to(torch.long).cpu()
         if not set(given.tolist()) <= set(cu.tolist()):
-            raise AssertionError(f"packed attention: cu_seqlens_q {given.tolist()} is not a subset of the "
-                                 f"boundaries {cu.tolist()} found in position_ids")
+            raise AssertionError(
+                f"packed attention: cu_seqlens_q {given.tolist()} is not a subset of the "
+                f"boundaries {cu.tolist()} found in position_ids"
+            )
     return cu
 
 
-def varlen_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     sliding_window=None, softcap=None, **kwargs):
+def varlen_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
+):
     """transformers' attention-interface signature: ``query`` ``[B, H, T, D]``, ``key``/``value``
     ``[B, Hkv, T, D]``; returns ``([B, T, H, D], None)``."""
     if attention_mask is not None or sliding_window is not None or softcap is not None or dropout:
@@ -52,14 +64,14 @@ def varlen_attention(module, query, key, value, attention_mask, dropout: float =
     cu = _boundaries(position_ids, kwargs)
     seg = torch.zeros(T, dtype=torch.long)
     for k in range(len(cu) - 1):
-        seg[int(cu[k]):int(cu[k + 1])] = k
-    seg[int(cu[-1]):] = torch.arange(T - int(cu[-1])) + len(cu)       # anything after: alone
+        seg[int(cu[k]) : int(cu[k + 1])] = k
+    seg[int(cu[-1]) :] = torch.arange(T - int(cu[-1])) + len(cu)  # anything after: alone
     pos = torch.arange(T)
     allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])
     rep = H // key.shape[1]
     k = key.repeat_interleave(rep, dim=1)
     v = value.repeat_interleave(rep, dim=1)
-    scale = scaling if scaling is not None else D ** -0.5
+    scale = scaling if scaling is not None else D**-0.5
     scores = torch.matmul(query.float(), k.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -80,9 +92,10 @@ def install() -> None:
 
     # transformers asks whether the flash-attn package is installed (else it fetches a hub kernel)
     modeling_utils.FLASH_ATTENTION_COMPATIBILITY_MATRIX[2]["general_availability_check"] = lambda: True
-    real_preload = modeling_utils.lazy_import_flash_attention      # loads flash-attn's kernels up front
-    modeling_utils.lazy_import_flash_attention = (
-        lambda impl, *a, **k: None if impl == NAME else real_preload(impl, *a, **k))
+    real_preload = modeling_utils.lazy_import_flash_attention  # loads flash-attn's kernels up front
+    modeling_utils.lazy_import_flash_attention = lambda impl, *a, **k: (
+        None if impl == NAME else real_preload(impl, *a, **k)
+    )
     real = PreTrainedModel._flash_attn_can_dispatch
 
     def can_dispatch(self, *args, flash_attn_version=2, **kwargs):

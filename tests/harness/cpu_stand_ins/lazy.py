@@ -30,10 +30,10 @@ class PostImportFinder(importlib.abc.MetaPathFinder):
     def __init__(self):
         self.before: dict[str, list[Callable[[], None]]] = {}
         self.after: dict[str, list[Callable]] = {}
-        self.applied: set[tuple[str, int]] = set()    # (module, id(patch)) run on an imported module
+        self.applied: set[tuple[str, int]] = set()  # (module, id(patch)) run on an imported module
 
     def find_spec(self, name, path, target=None):
-        for before in self.before.pop(name, []):     # once, before the module's own import starts
+        for before in self.before.pop(name, []):  # once, before the module's own import starts
             before()
         after = self.after.get(name)
         if not after:

@@ -26,10 +26,15 @@ from pathlib import Path
 
 TE_PLACEHOLDER = Path(__file__).resolve().parents[1] / "host_shims" / "te_stub"
 CORE_MODULES = (
-    "megatron.core.distributed", "megatron.core.inference.text_generation_controllers.text_generation_controller",
-    "megatron.core.models.gpt.experimental_attention_variant_module_specs", "megatron.core.models.gpt",
-    "megatron.core.optimizer", "megatron.core.parallel_state", "megatron.core.pipeline_parallel",
-    "megatron.core.tensor_parallel", "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.distributed",
+    "megatron.core.inference.text_generation_controllers.text_generation_controller",
+    "megatron.core.models.gpt.experimental_attention_variant_module_specs",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.parallel_state",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer.moe.moe_layer",
 )
 
 
@@ -47,8 +52,11 @@ def import_core_then_te_placeholder() -> None:
 
 def te_takers() -> list[str]:
     """megatron.core modules that took their Transformer Engine path (``HAVE_TE`` true): must be none."""
-    return sorted(name for name, mod in list(sys.modules.items())
-                  if name.startswith("megatron.core") and getattr(mod, "HAVE_TE", False) is True)
+    return sorted(
+        name
+        for name, mod in list(sys.modules.items())
+        if name.startswith("megatron.core") and getattr(mod, "HAVE_TE", False) is True
+    )
 
 
 def patch_rng_tracker(mrandom) -> None:
@@ -142,14 +150,17 @@ def patch_distrib_optimizer(distrib_optimizer) -> None:
         if isinstance(inner, torch.optim.Adam) and not inner.state:
             for group in inner.param_groups:
                 for p in group["params"]:
-                    inner.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
+                    inner.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }
         return real_state_dict(self)
 
     @functools.wraps(real_load)
     def load_state_dict(self, state_dict):
         out = real_load(self, state_dict)
-        (step,) = {float(g["step"]) for g in state_dict["optimizer"]["param_groups"]}   # the checkpoint's
+        (step,) = {float(g["step"]) for g in state_dict["optimizer"]["param_groups"]}  # the checkpoint's
         for state in self.optimizer.state.values():
             state["step"] = torch.tensor(step)
         return out
@@ -169,7 +180,7 @@ def patch_torch_norm(torch_norm) -> None:
     def __new__(klass, config, hidden_size, eps=1e-5, *args, **kwargs):
         if not getattr(config, "sequence_parallel", False):
             return real_new(klass, config, hidden_size, eps, *args, **kwargs)
-        config.sequence_parallel = False          # only for the check in __new__; restored below
+        config.sequence_parallel = False  # only for the check in __new__; restored below
         try:
             norm = real_new(klass, config, hidden_size, eps, *args, **kwargs)
         finally:

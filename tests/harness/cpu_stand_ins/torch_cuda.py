@@ -46,10 +46,16 @@ def cpu(device):
     return torch.device("cpu") if is_cuda(device) else device
 
 
-_CUDA_TYPE = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
-              torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
-              torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
-              torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor"}
+_CUDA_TYPE = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
 
 
 def _to_host(args, kwargs) -> bool:
@@ -58,8 +64,7 @@ def _to_host(args, kwargs) -> bool:
     ``storage().resize_(0)`` of the device buffer, ``param_and_grad_buffer.py`` ``offload_to_cpu``)
     would free the only copy of the weights. So moves to the host always copy."""
     target = kwargs.get("device", args[1] if len(args) > 1 else None)
-    return (isinstance(target, str) and target == "cpu") or (
-        isinstance(target, torch.device) and target.type == "cpu")
+    return (isinstance(target, str) and target == "cpu") or (isinstance(target, torch.device) and target.type == "cpu")
 
 
 def _autograd_with_mode(func, *args, **kwargs):
@@ -102,10 +107,10 @@ class CudaIsCpu(TorchFunctionMode):
             kwargs["device"] = cpu(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1 and is_cuda(args[1]):
             args = (args[0], torch.device("cpu"), *args[2:])
-        if func is torch._C._nn._parse_to:       # Module.to(device, ...): its arguments, parsed
+        if func is torch._C._nn._parse_to:  # Module.to(device, ...): its arguments, parsed
             args = tuple(cpu(a) for a in args)
         kwargs.pop("pin_memory", None)
-        if func is torch.Tensor.backward:      # Tensor.backward(gradient=) is autograd.backward(grad_tensors=)
+        if func is torch.Tensor.backward:  # Tensor.backward(gradient=) is autograd.backward(grad_tensors=)
             if "gradient" in kwargs:
                 kwargs["grad_tensors"] = kwargs.pop("gradient")
             return _autograd_with_mode(torch.autograd.backward, args[0], *args[1:], **kwargs)
@@ -192,21 +197,41 @@ def answer_torch_cuda() -> None:
         raise AssertionError("Torch not compiled with CUDA enabled")
 
     answers = dict(
-        current_device=lambda: _STATE["device"], set_device=set_device, device_count=_device_count,
-        synchronize=nothing(), empty_cache=nothing(), ipc_collect=nothing(), reset_peak_memory_stats=nothing(),
-        reset_max_memory_allocated=nothing(), reset_accumulated_memory_stats=nothing(),
-        memory_allocated=zero(), max_memory_allocated=zero(), memory_reserved=zero(), max_memory_reserved=zero(),
-        memory_stats=lambda *a, **k: {}, mem_get_info=_host_memory,
+        current_device=lambda: _STATE["device"],
+        set_device=set_device,
+        device_count=_device_count,
+        synchronize=nothing(),
+        empty_cache=nothing(),
+        ipc_collect=nothing(),
+        reset_peak_memory_stats=nothing(),
+        reset_max_memory_allocated=nothing(),
+        reset_accumulated_memory_stats=nothing(),
+        memory_allocated=zero(),
+        max_memory_allocated=zero(),
+        memory_reserved=zero(),
+        max_memory_reserved=zero(),
+        memory_stats=lambda *a, **k: {},
+        mem_get_info=_host_memory,
         get_device_name=lambda *a, **k: "CPU (stand-in for a CUDA device)",
-        get_device_capability=lambda *a, **k: (9, 0), is_initialized=lambda: True,
+        get_device_capability=lambda *a, **k: (9, 0),
+        is_initialized=lambda: True,
         get_device_properties=get_device_properties,
-        Stream=_Stream, Event=_Event, current_stream=lambda *a, **k: stream, default_stream=lambda *a, **k: stream,
-        stream=lambda *a, **k: contextlib.nullcontext(), device=lambda *a, **k: contextlib.nullcontext(),
-        set_stream=nothing(), is_current_stream_capturing=lambda: False,
-        get_rng_state=lambda *a, **k: gen.get_state(), set_rng_state=lambda s, *a, **k: gen.set_state(s),
-        get_rng_state_all=lambda: [gen.get_state()], set_rng_state_all=lambda states: gen.set_state(states[0]),
-        manual_seed=lambda seed: gen.manual_seed(int(seed)), manual_seed_all=lambda seed: gen.manual_seed(int(seed)),
-        seed=nothing(), seed_all=nothing(),
+        Stream=_Stream,
+        Event=_Event,
+        current_stream=lambda *a, **k: stream,
+        default_stream=lambda *a, **k: stream,
+        stream=lambda *a, **k: contextlib.nullcontext(),
+        device=lambda *a, **k: contextlib.nullcontext(),
+        set_stream=nothing(),
+        is_current_stream_capturing=lambda: False,
+        get_rng_state=lambda *a, **k: gen.get_state(),
+        set_rng_state=lambda s, *a, **k: gen.set_state(s),
+        get_rng_state_all=lambda: [gen.get_state()],
+        set_rng_state_all=lambda states: gen.set_state(states[0]),
+        manual_seed=lambda seed: gen.manual_seed(int(seed)),
+        manual_seed_all=lambda seed: gen.manual_seed(int(seed)),
+        seed=nothing(),
+        seed_all=nothing(),
     )
     for name, value in answers.items():
         setattr(cuda, name, value)
@@ -247,7 +272,7 @@ def gloo_for_nccl() -> None:
             args = (gloo(args[0]),) + args[1:]
         else:
             kwargs["backend"] = gloo(kwargs.get("backend"))
-        kwargs.pop("device_id", None)   # binds the group to a CUDA device
+        kwargs.pop("device_id", None)  # binds the group to a CUDA device
         return real_init(*args, **kwargs)
 
     @functools.wraps(real_new_group)

@@ -80,41 +80,68 @@ def main(argv: list[str]) -> None:
     progress("imports done")
     for job in jobs:
         fsdp2_config = FSDP2Config(
-            sequence_parallel=False, tp_plan=None,
-            mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
-                                           output_dtype=torch.float32),
-            offload_policy=None, activation_checkpointing=False, defer_fsdp_grad_sync=True, backend="gloo")
-        device_mesh, moe_mesh = create_device_mesh(fsdp2_config, dp_replicate_size=1, tp_size=1, pp_size=1,
-                                                   cp_size=1, ep_size=job["ep"], world_size=world)
+            sequence_parallel=False,
+            tp_plan=None,
+            mp_policy=MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=torch.float32
+            ),
+            offload_policy=None,
+            activation_checkpointing=False,
+            defer_fsdp_grad_sync=True,
+            backend="gloo",
+        )
+        device_mesh, moe_mesh = create_device_mesh(
+            fsdp2_config, dp_replicate_size=1, tp_size=1, pp_size=1, cp_size=1, ep_size=job["ep"], world_size=world
+        )
         model = NeMoAutoModelForCausalLM.from_pretrained(
-            job["hf_dir"], device_mesh=device_mesh, moe_mesh=moe_mesh, distributed_config=fsdp2_config,
-            moe_config=MoEParallelizerConfig() if job["ep"] > 1 else None, activation_checkpointing=False,
-            attn_implementation="sdpa", torch_dtype="torch.float32", trust_remote_code=True,
-            use_liger_kernel=False)
+            job["hf_dir"],
+            device_mesh=device_mesh,
+            moe_mesh=moe_mesh,
+            distributed_config=fsdp2_config,
+            moe_config=MoEParallelizerConfig() if job["ep"] > 1 else None,
+            activation_checkpointing=False,
+            attn_implementation="sdpa",
+            torch_dtype="torch.float32",
+            trust_remote_code=True,
+            use_liger_kernel=False,
+        )
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
         progress(f"built {type(model).__name__} EP{job['ep']} ({'/'.join(dtypes)} parameters)")
         tokenizer = AutoTokenizer.from_pretrained(job["hf_dir"])
         manager = AutomodelCheckpointManager(dp_mesh=device_mesh["dp"], tp_mesh=device_mesh["tp"], moe_mesh=moe_mesh)
-        manager.init_checkpointer(config_updates={"model_repo_id": job["hf_dir"], "dequantize_base_checkpoint": False,
-                                                  "is_peft": False, "is_async": True})  # the worker's own values
+        manager.init_checkpointer(
+            config_updates={
+                "model_repo_id": job["hf_dir"],
+                "dequantize_base_checkpoint": False,
+                "is_peft": False,
+                "is_async": True,
+            }
+        )  # the worker's own values
         for fmt in job["formats"]:
             # a run saves in one format; saving twice from one process needs torch's process-wide
             # DCP plan cache (keyed by planner class, filled by enable_plan_caching) emptied first
-            for cache in (SavePlanner._cached_save_plan, SavePlanner._cached_all_plans,
-                          SavePlanner._cached_global_plan, SavePlanner._cached_metadata,
-                          SavePlanner._cached_final_save_plan):
+            for cache in (
+                SavePlanner._cached_save_plan,
+                SavePlanner._cached_all_plans,
+                SavePlanner._cached_global_plan,
+                SavePlanner._cached_metadata,
+                SavePlanner._cached_final_save_plan,
+            ):
                 cache.clear()
             checkpoint_dir = str(Path(job["checkpoint_dir"]) / fmt)
             config = run_config(job, checkpoint_dir, fmt)
             ckpt = CheckpointManager(config["checkpointing"])
             tmp = Path(checkpoint_dir) / f"tmp_step_{job['step']}"
             if rank == 0:
-                ckpt.init_tmp_checkpoint(job["step"], {"step": job["step"], "consumed_samples": 0},
-                                         RunConfig(**config))
+                ckpt.init_tmp_checkpoint(job["step"], {"step": job["step"], "consumed_samples": 0}, RunConfig(**config))
             dist.barrier()
-            manager.save_checkpoint(model=model, weights_path=str(tmp / "policy" / "weights"),
-                                    tokenizer=tokenizer, tokenizer_path=str(tmp / "policy" / "tokenizer"),
-                                    checkpointing_cfg=config["checkpointing"])
+            manager.save_checkpoint(
+                model=model,
+                weights_path=str(tmp / "policy" / "weights"),
+                tokenizer=tokenizer,
+                tokenizer_path=str(tmp / "policy" / "tokenizer"),
+                checkpointing_cfg=config["checkpointing"],
+            )
             manager.checkpointer.async_wait()  # no-op for a synchronous save
             dist.barrier()
             if rank == 0:

@@ -27,10 +27,22 @@ def run_ranks(module: str, jobs: list[dict], world: int, log_dir: Path, timeout:
     procs = []
     for r in range(world):
         with open(logs[r], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "tests" / "harness" / "export_cpu" / f"{module}.py"), str(r), str(world), port,
-                 json.dumps(jobs)],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(ROOT / "tests" / "harness" / "export_cpu" / f"{module}.py"),
+                        str(r),
+                        str(world),
+                        port,
+                        json.dumps(jobs),
+                    ],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     try:
         for p in procs:
             p.wait(timeout=timeout)

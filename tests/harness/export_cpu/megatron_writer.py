@@ -44,12 +44,12 @@ def policy_config(job: dict) -> dict:
     from omegaconf import OmegaConf
 
     register_omegaconf_resolvers()
-    if "config" in job:                      # a run's own config: its model, precision and overrides
+    if "config" in job:  # a run's own config: its model, precision and overrides
         cfg = OmegaConf.create(job["config"])
         p = cfg.policy
         if p.get("hf_config_overrides") is None:
             p.hf_config_overrides = {}
-        p.megatron_cfg.context_parallel_size = 1   # one process per model replica here
+        p.megatron_cfg.context_parallel_size = 1  # one process per model replica here
     else:
         cfg = load_config(os.path.join(os.environ["NEMO_RL_SRC"], RECIPE))
         p = cfg.policy
@@ -62,7 +62,7 @@ def policy_config(job: dict) -> dict:
     m.pipeline_model_parallel_size = job["pp"]
     m.expert_model_parallel_size = job["ep"]
     m.expert_tensor_parallel_size = 1
-    m.train_iters = 10                       # set by GRPO's setup in a real run
+    m.train_iters = 10  # set by GRPO's setup in a real run
     # config-level CPU settings (layout-neutral): the local spec's torch norms refuse sequence
     # parallelism; the fusions need TE; async save needs nvidia-resiliency-ext
     m.sequence_parallel = False
@@ -139,9 +139,14 @@ def main(argv: list[str]) -> None:
         state = GlobalState()
         state.cfg = megatron_cfg
         megatron_cfg.checkpoint.save = str(tmp / "policy" / "weights")
-        save_checkpoint(state=state, model=model, optimizer=None, opt_param_scheduler=None,
-                        num_floating_point_operations_so_far=0,
-                        checkpointing_context=init_checkpointing_context(megatron_cfg.checkpoint))
+        save_checkpoint(
+            state=state,
+            model=model,
+            optimizer=None,
+            opt_param_scheduler=None,
+            num_floating_point_operations_so_far=0,
+            checkpointing_context=init_checkpointing_context(megatron_cfg.checkpoint),
+        )
         dist.barrier()
         if rank == 0:
             manager.finalize_checkpoint(tmp)

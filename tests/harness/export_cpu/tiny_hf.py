@@ -11,9 +11,19 @@ PROMPTS = ["The capital of France is", "12 * 7 =", "def f(x):\n    return"]
 
 # a training-time ``policy.hf_config_overrides``: YaRN with every field NeMo-RL's Megatron setup
 # requires (models/megatron/setup.py), factor 4 over the tiny models' 32 original positions
-YARN_OVERRIDES = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                   "original_max_position_embeddings": 32, "truncate": True, "beta_fast": 32.0,
-                                   "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}}
+YARN_OVERRIDES = {
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 32,
+        "truncate": True,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.0,
+    }
+}
 
 
 def make_tokenizer(path: Path):
@@ -36,12 +46,28 @@ def tiny_config(moe: bool = False, tie: bool = False, **kw):
     MoE: 4 experts, top-2, normalised top-k (the Qwen3-30B-A3B routing). ``kw`` overrides a field."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
-    common = dict(vocab_size=112, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=128, pad_token_id=0, eos_token_id=2, tie_word_embeddings=tie)
+    common = dict(
+        vocab_size=112,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=2,
+        tie_word_embeddings=tie,
+    )
     common.update(kw)
     if moe:
-        return Qwen3MoeConfig(intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-                              norm_topk_prob=True, **common)
+        return Qwen3MoeConfig(
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            **common,
+        )
     return Qwen3Config(intermediate_size=64, **common)
 
 
@@ -95,9 +121,11 @@ def make_answering_model(path: Path, answer: str, *, moe: bool = True, scale: fl
     from transformers import AutoModelForCausalLM
 
     tok = make_tokenizer(path)
-    tok.backend_tokenizer.decoder = decoders.Fuse()     # decode: the characters, not space-separated
-    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}" + ANSWER_PROMPT + "{% endif %}")
+    tok.backend_tokenizer.decoder = decoders.Fuse()  # decode: the characters, not space-separated
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}" + ANSWER_PROMPT + "{% endif %}"
+    )
     tok.save_pretrained(str(path))
     chain = [tok.convert_tokens_to_ids(c) for c in answer]
     assert len(set(chain)) == len(chain) and tok.unk_token_id not in chain, answer
@@ -113,10 +141,10 @@ def make_answering_model(path: Path, answer: str, *, moe: bool = True, scale: fl
             elif p.dim() > 1:
                 p.normal_(0, 0.2)
         emb = model.get_input_embeddings().weight
-        emb.copy_(basis[0].expand_as(emb))                 # every other token: direction 0
+        emb.copy_(basis[0].expand_as(emb))  # every other token: direction 0
         head = model.get_output_embeddings().weight
         head.zero_()
-        head[chain[0]] = scale * basis[0]                  # anything else -> the first character
+        head[chain[0]] = scale * basis[0]  # anything else -> the first character
         for i, t in enumerate(chain):
             emb[t] = basis[i + 1]
             head[chain[i + 1] if i + 1 < len(chain) else tok.eos_token_id] = scale * basis[i + 1]

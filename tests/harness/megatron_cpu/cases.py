@@ -26,28 +26,41 @@ ROOT = Path(__file__).resolve().parents[3]
 CONFIGS = ROOT / "examples" / "configs"
 
 
-def tiny_overrides(model_dir: str, *, tp=1, pp=1, cp=1, ep=1, sp=False, packing=None, precision=None,
-                   seq_len=32, gbs=8, mbs=2) -> dict:
+def tiny_overrides(
+    model_dir: str, *, tp=1, pp=1, cp=1, ep=1, sp=False, packing=None, precision=None, seq_len=32, gbs=8, mbs=2
+) -> dict:
     """Only model size, paths and cluster shrunk (``None`` keeps the shipped value), plus the
     GPU-only fusions and services turned off."""
     m: dict = {
-        "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "context_parallel_size": cp,
-        "expert_model_parallel_size": ep, "expert_tensor_parallel_size": 1,
-        "num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "context_parallel_size": cp,
+        "expert_model_parallel_size": ep,
+        "expert_tensor_parallel_size": 1,
+        "num_layers_in_first_pipeline_stage": None,
+        "num_layers_in_last_pipeline_stage": None,
         "sequence_parallel": sp,
         "train_iters": 10,  # set by GRPO's setup from the step budget
         # GPU-only: Transformer Engine / CUDA kernels / nvidia-resiliency-ext
-        "apply_rope_fusion": False, "moe_permute_fusion": False,
+        "apply_rope_fusion": False,
+        "moe_permute_fusion": False,
         "optimizer": {"use_precision_aware_optimizer": False},
         "checkpoint": {"async_save": False},
     }
     out: dict = {
-        "model_name": model_dir, "tokenizer": {"name": model_dir},
-        "train_global_batch_size": gbs, "train_micro_batch_size": mbs, "logprob_batch_size": mbs,
-        "generation_batch_size": mbs, "max_total_sequence_length": seq_len,
+        "model_name": model_dir,
+        "tokenizer": {"name": model_dir},
+        "train_global_batch_size": gbs,
+        "train_micro_batch_size": mbs,
+        "logprob_batch_size": mbs,
+        "generation_batch_size": mbs,
+        "max_total_sequence_length": seq_len,
         "make_sequence_length_divisible_by": tp * cp * 2 if cp > 1 else tp,
-        "sequence_packing": {"train_mb_tokens": seq_len * mbs, "logprob_mb_tokens": seq_len * mbs,
-                             "sequence_length_round": 8},
+        "sequence_packing": {
+            "train_mb_tokens": seq_len * mbs,
+            "logprob_mb_tokens": seq_len * mbs,
+            "sequence_length_round": 8,
+        },
         "megatron_cfg": m,
     }
     if packing is not None:
@@ -95,13 +108,20 @@ def build_worker(policy_cfg: dict, *, init_reference_model=True, init_optimizer=
 
     m = policy_cfg["megatron_cfg"]
     world = int(os.environ["WORLD_SIZE"])
-    layout = np.arange(world).reshape(m["pipeline_model_parallel_size"], -1, m["context_parallel_size"],
-                                      m["tensor_model_parallel_size"])
-    sharding = NamedSharding(layout=layout, names=["pipeline_parallel", "data_parallel", "context_parallel",
-                                                   "tensor_parallel"])
+    layout = np.arange(world).reshape(
+        m["pipeline_model_parallel_size"], -1, m["context_parallel_size"], m["tensor_model_parallel_size"]
+    )
+    sharding = NamedSharding(
+        layout=layout, names=["pipeline_parallel", "data_parallel", "context_parallel", "tensor_parallel"]
+    )
     tok = AutoTokenizer.from_pretrained(policy_cfg["tokenizer"]["name"])
-    return GranularMegatronPolicyWorkerImpl(policy_cfg, tok, init_reference_model=init_reference_model,
-                                            init_optimizer=init_optimizer, worker_sharding_annotations=sharding)
+    return GranularMegatronPolicyWorkerImpl(
+        policy_cfg,
+        tok,
+        init_reference_model=init_reference_model,
+        init_optimizer=init_optimizer,
+        worker_sharding_annotations=sharding,
+    )
 
 
 def record_chunking(calls: list) -> None:
@@ -149,8 +169,9 @@ def run_layout(rank: int, spec: dict) -> dict:
     out["logprobs"], out["entropy"] = got["logprobs"], got["entropy"]
     out["logprobs_s"] = time.perf_counter() - t
 
-    loss_fn = GranularPolicyLoss(full["loss_fn"], delimiter_table=spec["delimiter_table"],
-                                 vocab_size=spec["vocab_size"])
+    loss_fn = GranularPolicyLoss(
+        full["loss_fn"], delimiter_table=spec["delimiter_table"], vocab_size=spec["vocab_size"]
+    )
     if spec.get("espo_alpha") is not None:
         loss_fn.set_espo_alpha(spec["espo_alpha"])  # the driver's, from the first π_old pass
     seen: dict = {}
@@ -158,8 +179,9 @@ def run_layout(rank: int, spec: dict) -> dict:
 
     def step():  # the gradients Megatron hands its optimizer (after its own DP/TP reductions)
         named = dict(worker.model.named_parameters())
-        seen["grads"] = mapping.local_pieces(worker.model, worker.optimizer,
-                                             {n: getattr(p, "main_grad", None) for n, p in named.items()})
+        seen["grads"] = mapping.local_pieces(
+            worker.model, worker.optimizer, {n: getattr(p, "main_grad", None) for n, p in named.items()}
+        )
         seen["before"] = {n: p.detach().clone() for n, p in named.items()}
         seen["lr"] = sorted({g["lr"] for g in worker.optimizer.param_groups})  # the scheduler's, this step
         return real_step()
@@ -171,10 +193,14 @@ def run_layout(rank: int, spec: dict) -> dict:
     worker.optimizer.step = real_step
     named = dict(worker.model.named_parameters())
     out["grads"], out["lr"] = seen["grads"], seen["lr"]
-    out["update"] = mapping.local_pieces(worker.model, worker.optimizer,
-                                         {n: p.detach() - seen["before"][n] for n, p in named.items()})
-    out["metrics"] = {"global_loss": metrics["global_loss"], "grad_norm": metrics["grad_norm"],
-                      "all_mb_metrics": metrics["all_mb_metrics"]}
+    out["update"] = mapping.local_pieces(
+        worker.model, worker.optimizer, {n: p.detach() - seen["before"][n] for n, p in named.items()}
+    )
+    out["metrics"] = {
+        "global_loss": metrics["global_loss"],
+        "grad_norm": metrics["grad_norm"],
+        "all_mb_metrics": metrics["all_mb_metrics"],
+    }
     # the next forward all-gathers the updated parameter shards (overlap_param_gather)
     out["logprobs_after"] = worker.get_logprobs(data=logprob_shards[c["dp"]])["logprobs"]
     out["chunking"] = chunking
@@ -188,17 +214,27 @@ class Driver:
         from nemo_rl.models.policy.lm_policy import Policy
 
         m = policy_cfg["megatron_cfg"]
-        self.dp = world // (m["tensor_model_parallel_size"] * m["pipeline_model_parallel_size"]
-                            * m["context_parallel_size"])
+        self.dp = world // (
+            m["tensor_model_parallel_size"] * m["pipeline_model_parallel_size"] * m["context_parallel_size"]
+        )
         packing = bool(policy_cfg["sequence_packing"]["enabled"])
         self._policy = types.SimpleNamespace(
-            cfg=policy_cfg, data_parallel_size=self.dp, use_dynamic_batches=False, use_sequence_packing=packing,
+            cfg=policy_cfg,
+            data_parallel_size=self.dp,
+            use_dynamic_batches=False,
+            use_sequence_packing=packing,
             sequence_packing_args={
-                "algorithm": policy_cfg["sequence_packing"]["algorithm"], "input_key": "input_ids",
+                "algorithm": policy_cfg["sequence_packing"]["algorithm"],
+                "input_key": "input_ids",
                 "input_lengths_key": "input_lengths",
                 "sequence_length_pad_multiple": policy_cfg["make_sequence_length_divisible_by"],
-                **({"microbatch_order": policy_cfg["sequence_packing"]["microbatch_order"]}
-                   if policy_cfg["sequence_packing"].get("microbatch_order") else {})})
+                **(
+                    {"microbatch_order": policy_cfg["sequence_packing"]["microbatch_order"]}
+                    if policy_cfg["sequence_packing"].get("microbatch_order")
+                    else {}
+                ),
+            },
+        )
         self._shard_logprob = Policy._shard_for_logprob
         self._shard_train = Policy._shard_for_train
 
@@ -231,17 +267,24 @@ def construct_each(rank: int, items: list[dict]) -> list[dict]:
         (shard,) = pickle.loads(item["logprob_shards"])
         got = worker.get_logprobs_with_entropy(data=shard)
         model = worker.megatron_cfg.model
-        out.append({
-            "config": item["config"], "init_s": init_s, "logprobs": got["logprobs"], "entropy": got["entropy"],
-            "reached": {
-                "bf16": model.bf16, "recompute_granularity": model.recompute_granularity,
-                "defer_fp32_logits": bool(worker.defer_fp32_logits),
-                "use_distributed_optimizer": worker.megatron_cfg.optimizer.use_distributed_optimizer,
-                "overlap_param_gather": worker.megatron_cfg.ddp.overlap_param_gather,
-                "packing": bool(worker.cfg["sequence_packing"]["enabled"]),
-                "num_moe_experts": model.num_moe_experts, "router_replay": worker._router_replay_enabled,
-            },
-        })
+        out.append(
+            {
+                "config": item["config"],
+                "init_s": init_s,
+                "logprobs": got["logprobs"],
+                "entropy": got["entropy"],
+                "reached": {
+                    "bf16": model.bf16,
+                    "recompute_granularity": model.recompute_granularity,
+                    "defer_fp32_logits": bool(worker.defer_fp32_logits),
+                    "use_distributed_optimizer": worker.megatron_cfg.optimizer.use_distributed_optimizer,
+                    "overlap_param_gather": worker.megatron_cfg.ddp.overlap_param_gather,
+                    "packing": bool(worker.cfg["sequence_packing"]["enabled"]),
+                    "num_moe_experts": model.num_moe_experts,
+                    "router_replay": worker._router_replay_enabled,
+                },
+            }
+        )
         del worker
         # each worker is a fresh Ray actor process in NeMo-RL; here the next one starts from
         # Megatron's process-global state torn down (microbatch calculator, parallel state, ...)

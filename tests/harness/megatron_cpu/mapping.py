@@ -71,7 +71,11 @@ def local_pieces(model, optimizer, tensors: dict[str, torch.Tensor] | None = Non
         is_expert = ".experts." in name
         tp = ps.get_expert_tensor_parallel_rank() if is_expert else ps.get_tensor_model_parallel_rank()
         out[_global_name(name, offsets, expert_offset)] = (
-            tp, tuple(p.shape), start, value.detach().reshape(-1)[start:end].double().clone())
+            tp,
+            tuple(p.shape),
+            start,
+            value.detach().reshape(-1)[start:end].double().clone(),
+        )
     return out
 
 
@@ -87,7 +91,7 @@ def _join(per_rank: list[dict]) -> dict:
     for key, items in parts.items():
         flat = torch.full((int(torch.tensor(shapes[key]).prod()),), float("nan"), dtype=torch.float64)
         for start, piece in items:
-            flat[start:start + piece.numel()] = piece
+            flat[start : start + piece.numel()] = piece
         assert not torch.isnan(flat).any(), f"{key}: parts of the tensor are owned by no rank"
         full[key] = flat.view(shapes[key])
     return full

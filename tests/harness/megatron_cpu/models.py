@@ -32,17 +32,49 @@ def config(moe: bool, layers: int, family: str = "qwen3"):
     from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if family == "qwen2":  # Qwen2.5's architecture: QKV bias, no QK norm
-        return Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                           rope_theta=10000.0, rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=2, bos_token_id=None,
-                           tie_word_embeddings=False)
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rope_theta=10000.0,
-                  rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=2, bos_token_id=None, tie_word_embeddings=False)
+        return Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-6,
+            pad_token_id=0,
+            eos_token_id=2,
+            bos_token_id=None,
+            tie_word_embeddings=False,
+        )
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
     if moe:
-        return Qwen3MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
-                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                              router_aux_loss_coef=0.0, output_router_logits=False, **common)
+        return Qwen3MoeConfig(
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            router_aux_loss_coef=0.0,
+            output_router_logits=False,
+            **common,
+        )
     return Qwen3Config(intermediate_size=96, **common)
 
 

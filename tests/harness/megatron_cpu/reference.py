@@ -22,8 +22,9 @@ F64 = torch.float64
 def load_hf(model_dir: str, dtype=F64):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager",
-                                                 experts_implementation="eager")  # grouped_mm has no float64
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    )  # grouped_mm has no float64
     return model.eval()
 
 
@@ -63,12 +64,13 @@ def train_step(model, data: dict, loss_fn, *, frozen: set[str]):
     named = {n: p for n, p in model.named_parameters() if n not in frozen}
     loss, metrics = loss_fn(next_token_logprobs(logits(model, ids, lengths), ids), d64, gvs, gvt)
     grads = dict(zip(named, torch.autograd.grad(loss, list(named.values()))))
-    norm = torch.sqrt(sum((g ** 2).sum() for g in grads.values()))
+    norm = torch.sqrt(sum((g**2).sum() for g in grads.values()))
     return {"loss": loss.detach(), "metrics": metrics, "grads": grads, "grad_norm": norm}
 
 
-def adamw_first_step(params: dict, grads: dict, grad_norm: float, *, clip: float, lr: float,
-                     weight_decay: float, eps: float) -> dict:
+def adamw_first_step(
+    params: dict, grads: dict, grad_norm: float, *, clip: float, lr: float, weight_decay: float, eps: float
+) -> dict:
     """The update Megatron's optimizer makes from ``grads`` on its first step: clip by the global
     norm (``clip / (norm + 1e-6)`` when above ``clip``), then AdamW with bias-corrected moments
     g and g²: Δθ = −lr·wd·θ (2-D weights only: no decay for norms) − lr·g/(|g| + eps)."""
@@ -93,6 +95,7 @@ def routing(model, select):
             idx = select(i, logits_.detach()).long()
             weights = torch.softmax(logits_.gather(1, idx), dim=-1)
             return logits_, weights.to(logits_.dtype), idx
+
         return routed
 
     for i, r in enumerate(routers):

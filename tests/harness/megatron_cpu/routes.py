@@ -47,9 +47,17 @@ def rollout_routes(hf, ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths:
     for b in range(B):
         n, p = int(lengths[b]), int(prompt_lengths[b])
         request = types.SimpleNamespace(prompt_routed_experts=per_token[b, :p].numpy(), num_cached_tokens=0)
-        completion = types.SimpleNamespace(routed_experts=per_token[b, p:n - 1].numpy())
-        aligned.append(pad_and_align_routed_expert_indices(
-            request, completion, valid_length=n, padded_length=S, device=torch.device("cpu"),
-            require_complete_routed_experts=True, allow_missing_routed_experts_fallback=False,
-            routed_experts_dtype=dtype))
+        completion = types.SimpleNamespace(routed_experts=per_token[b, p : n - 1].numpy())
+        aligned.append(
+            pad_and_align_routed_expert_indices(
+                request,
+                completion,
+                valid_length=n,
+                padded_length=S,
+                device=torch.device("cpu"),
+                require_complete_routed_experts=True,
+                allow_missing_routed_experts_fallback=False,
+                routed_experts_dtype=dtype,
+            )
+        )
     return torch.stack(aligned)

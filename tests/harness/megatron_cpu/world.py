@@ -36,8 +36,14 @@ def _free_port() -> int:
 
 def _rank_main(rank: int, world: int, port: int, env: dict, fn, args, results) -> None:
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), NODE_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         # plain bytes: torch's queue pickler would share tensors through file descriptors that die
         # with this process, which may exit before the parent reads them
@@ -65,16 +71,19 @@ def _forkserver():
     return ctx
 
 
-def run_world(world: int, fn, *args, env: dict | None = None, timeout: float = TIMEOUT_S,
-              preload: bool = False) -> list:
+def run_world(
+    world: int, fn, *args, env: dict | None = None, timeout: float = TIMEOUT_S, preload: bool = False
+) -> list:
     ctx = _forkserver() if preload else mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     base = {"OMP_NUM_THREADS": "1", **(env or {})}
     if preload:
         assert {k: base.get(k, v) for k, v in IMPORT_ENV.items()} == IMPORT_ENV, "imported with IMPORT_ENV"
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, base, fn, args, results), daemon=False)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, base, fn, args, results), daemon=False)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}

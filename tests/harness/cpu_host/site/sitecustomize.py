@@ -20,8 +20,13 @@ if os.environ.get("NEMO_GRANULAR_RAY_ZYGOTE"):
     if (_command := forked_command()) is not None:
         delegate(os.environ["NEMO_GRANULAR_RAY_ZYGOTE"], _command)
     sys.path.remove(_tests)
-exec(compile(open(os.path.join(_tests, "host_shims", "typing_shim", "sitecustomize.py")).read(),
-             "typing_shim_sitecustomize", "exec"))
+exec(
+    compile(
+        open(os.path.join(_tests, "host_shims", "typing_shim", "sitecustomize.py")).read(),
+        "typing_shim_sitecustomize",
+        "exec",
+    )
+)
 if os.environ.get("NEMO_GRANULAR_CPU_HOST") == "1":
     if _tests not in sys.path:
         sys.path.append(_tests)
