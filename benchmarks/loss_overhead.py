@@ -71,11 +71,12 @@ def make_batch(B: int, S: int, device, seed: int = 0):
     return data, logp.to(device), gvs, gvt
 
 
-def make_loss(name: str) -> GranularPolicyLoss:
+def make_loss(name: str, **loss_fn) -> GranularPolicyLoss:
+    """The preset ``name`` (KL off), with NeMo-RL's ``loss_fn`` keys ``loss_fn`` on top (``metrics_level=...``)."""
     table = torch.zeros(VOCAB, dtype=torch.bool)
     table[::DELIMITER_EVERY] = True
     return GranularPolicyLoss(
-        {"granular": {"algorithm": name, "espo": {"vocab_size": VOCAB}}, "reference_policy_kl_penalty": 0.0},
+        {"granular": {"algorithm": name, "espo": {"vocab_size": VOCAB}}, "reference_policy_kl_penalty": 0.0, **loss_fn},
         delimiter_table=table,
     )
 

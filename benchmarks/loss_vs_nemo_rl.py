@@ -44,7 +44,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, update_section
 from loss_overhead import make_batch, make_loss, memory_bytes
 from nemo_granular.core.groups import group_ids_for
-from nemo_granular.losses import GranularPolicyLoss
 from peers import load_nemo_rl
 
 OURS = ("grpo", "gspo", "gspo_token", "sspo+ids", "sspo_no_ec+ids", "espo+ids")
@@ -77,11 +76,7 @@ def load_nemo_rl_next(path: str | None):
 
 
 def _ours(name: str, level: str, data):
-    preset = name.removesuffix("+ids")
-    base = make_loss(preset)
-    loss = GranularPolicyLoss(
-        {**base.cfg.model_dump(exclude_unset=True), "metrics_level": level}, delimiter_table=base.delimiter_table
-    )
+    loss = make_loss(name.removesuffix("+ids"), metrics_level=level)
     if not name.endswith("+ids"):
         return loss, data
     g = loss.granular
