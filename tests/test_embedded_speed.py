@@ -130,3 +130,113 @@ def test_the_score_cache_gives_the_computed_scores_and_is_keyed_by_the_policy(tm
     assert len(step0) == 3 and all(line.endswith("(3 from the score cache)") for line in step0[:2]), log
     cached, log = _evals(other, cache)
     assert cached == plain["other"] and not any(" step 0: " in line and "score cache" in line for line in log)
+
+
+# the rollout cases of the lean decode test: (temperature, EOS logit bias, autocast dtype). The bias (added to the
+# EOS logit by a hook on the LM head, so both paths see it) makes rows finish early: 0 (a random model seldom
+# stops), 1.5 (some rows stop, the others run to max_new_tokens: pad filling), 5 (every row stops: the loop ends
+# before max_new_tokens); bf16: sampling under CPU autocast (the trainer autocasts on CUDA only)
+DECODE_CASES = {
+    "plain": (1.0, 0.0, None),
+    "some_rows_finish_early": (0.7, 1.5, None),
+    "all_rows_finish_early": (1.3, 5.0, None),
+    "autocast_bf16": (0.7, 1.5, torch.bfloat16),
+}
+DECODE_PROMPTS = ["Q:1+2+3+4\n", "Q:7+8\n", "Q:9+9+9+9+9+9\n", "Q:3+1+2\n"] * 4  # left padding: several lengths
+
+
+def _sample_both_ways(monkeypatch, model, tok, temperature, autocast_dtype, max_new_tokens):
+    """``rollout.generate`` on the lean path and on ``model.generate`` from the same RNG state: each path's
+    returned dict, its raw ``(sequences, per-step logits)`` and the global RNG state after it."""
+    from nemo_granular.embedded import decode
+
+    raw = {}
+    lean_sample, plain_generate = decode.sample, model.generate
+
+    def spy_sample(*args, **kwargs):
+        raw["lean"] = lean_sample(*args, **kwargs)
+        return raw["lean"]
+
+    def spy_generate(*args, **kwargs):
+        out = plain_generate(*args, **kwargs)
+        raw["plain"] = (out.sequences, list(out.logits))
+        return out
+
+    monkeypatch.setattr(decode, "sample", spy_sample)
+    monkeypatch.setattr(model, "generate", spy_generate, raising=False)
+    got, rng = {}, {}
+    for path, lean in (("lean", True), ("plain", False)):
+        monkeypatch.setattr(R, "LEAN_DECODE", lean)
+        torch.manual_seed(1234)
+        got[path] = R.generate(
+            model,
+            tok,
+            DECODE_PROMPTS,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            greedy=False,
+            device=torch.device("cpu"),
+            autocast_dtype=autocast_dtype,
+        )
+        rng[path] = torch.get_rng_state()
+    assert raw.keys() == {"lean", "plain"}  # each path ran its own sampler
+    return got, raw, rng
+
+
+@pytest.mark.parametrize("case", list(DECODE_CASES))
+@pytest.mark.parametrize("config", ["sspo", "sppo", "moe", "smoke"])
+def test_the_lean_decode_loop_samples_what_model_generate_samples(monkeypatch, config, case):
+    """``decode.sample`` (the rollouts' sampler) gives transformers' ``model.generate`` results bit for bit:
+    the same ``sequences`` (sampled ids, pads after EOS, where it stops), the same per-step logits, hence the
+    same response ids and ``generation_logprobs``, and the same random numbers drawn (RNG state after)."""
+    from nemo_granular.embedded import decode
+    from nemo_granular.embedded import models as M
+
+    temperature, eos_bias, autocast_dtype = DECODE_CASES[case]
+    cfg = load_train_config(LOCAL_CONFIGS / f"{config}.yaml", TINY)
+    torch.manual_seed(0)
+    tok = M.build_tokenizer()
+    model = M.build_policy(cfg.model, tok).eval()
+    if eos_bias:
+        bias = torch.zeros(model.config.vocab_size)
+        bias[tok.eos_token_id] = eos_bias
+        model.lm_head.register_forward_hook(lambda module, args, out: out + bias.to(out.dtype))
+    max_new = cfg.rl.max_new_tokens
+    assert decode.supported(model, greedy=False, max_new_tokens=max_new)  # else the lean path is not under test
+    assert not decode.supported(model, greedy=True, max_new_tokens=max_new)
+    got, raw, rng = _sample_both_ways(monkeypatch, model, tok, temperature, autocast_dtype, max_new)
+    (seq, logits), (plain_seq, plain_logits) = raw["lean"], raw["plain"]
+    assert seq.dtype == plain_seq.dtype and torch.equal(seq, plain_seq)
+    assert len(logits) == len(plain_logits) == seq.shape[1] - got["plain"]["prompt_ids"].shape[1]
+    assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(logits, plain_logits))
+    assert torch.equal(rng["lean"], rng["plain"])
+    assert got["lean"].keys() == got["plain"].keys()
+    for key, value in got["plain"].items():
+        assert value.dtype == got["lean"][key].dtype and torch.equal(got["lean"][key], value), key
+    # the case happened: rows finishing early (pads after their EOS), or none
+    finished = ~got["plain"]["truncated"]
+    if case == "plain":
+        assert seq.shape[1] == got["plain"]["prompt_ids"].shape[1] + max_new
+    elif case == "all_rows_finish_early":
+        assert finished.all() and len(logits) < max_new
+    else:
+        assert 0 < finished.sum() < len(DECODE_PROMPTS) and len(logits) == max_new
+
+
+@pytest.mark.parametrize("config", ["sspo", "sppo", "moe", "smoke"])
+def test_a_run_sampling_with_the_lean_loop_equals_one_sampling_with_model_generate(tmp_path, monkeypatch, config):
+    """A 3-step run whose rollouts are sampled by ``decode.sample`` records the same metrics (rewards, ratios,
+    losses, held-out accuracy; timing aside) and ends with the same weights as one sampled by ``model.generate``."""
+    from nemo_granular.embedded import decode
+
+    calls = []
+    lean_sample = decode.sample
+    monkeypatch.setattr(decode, "sample", lambda *a, **k: calls.append(1) or lean_sample(*a, **k))
+    lean, lean_w = _train(tmp_path / "lean", config)
+    assert calls  # the rollouts took the lean path
+    monkeypatch.setattr(R, "LEAN_DECODE", False)
+    n = len(calls)
+    plain, plain_w = _train(tmp_path / "plain", config)
+    assert len(calls) == n  # and here they did not
+    assert len(lean) == 4 and lean == plain
+    assert lean_w.keys() == plain_w.keys() and all(torch.equal(lean_w[k], plain_w[k]) for k in lean_w)
