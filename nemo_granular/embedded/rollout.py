@@ -1,8 +1,6 @@
 """Rollouts in NeMo-RL's batch layout.
 
-``generate`` samples responses (left-padded prompts) with ``decode.sample``, a lean loop that gives
-transformers' ``generate``'s numbers bit for bit, where ``decode.supported`` says it covers the call
-(``model.generate`` otherwise: greedy decoding, other models), then
+``generate`` samples responses with transformers' ``generate`` (left-padded prompts), then
 ``to_nemo_batch`` repacks them exactly as NeMo-RL's GRPO loop lays out ``train_data``:
 prompt+response right-padded in ``input_ids [B, S]``, per-token tensors indexed by token
 position (``token_mask``, ``generation_logprobs``; column 0 is a prompt token), per-sample
@@ -15,15 +13,12 @@ from __future__ import annotations
 import torch
 
 from ..core.entropy import logprobs_and_entropy_from_logits
-from . import decode
 
 # the passes that need no gradient (sampling, pi_old) run in inference mode: the same kernels on the same
 # inputs as under no_grad (hence the same numbers, tests/test_embedded_speed.py), without autograd's version
 # counters and view tracking on every small op of a token-by-token decode. Their results are copied out (an
 # inference tensor can be neither updated in place nor saved for backward outside inference mode).
 NO_AUTOGRAD = torch.inference_mode
-# sampling runs decode.sample where decode.supported says it reproduces model.generate (False: always generate)
-LEAN_DECODE = True
 
 
 def generate(
@@ -48,23 +43,10 @@ def generate(
         kwargs.update(do_sample=False)
     else:  # transformers' generate applies top_k=50 unless told otherwise
         kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, output_logits=True)
-    lean = LEAN_DECODE and decode.supported(model, greedy=greedy, max_new_tokens=max_new_tokens)
     with NO_AUTOGRAD(), torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        if lean:
-            sequences, step_logits = decode.sample(
-                model,
-                enc["input_ids"],
-                enc["attention_mask"],
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id,
-            )
-        else:
-            out = model.generate(**enc, **kwargs)
-            sequences, step_logits = out.sequences, out.logits
+        out = model.generate(**enc, **kwargs)
     Lp = enc["input_ids"].shape[1]
-    resp = sequences[:, Lp:].clone()
+    resp = out.sequences[:, Lp:].clone()
     if resp.shape[1] == 0:
         resp = torch.full((resp.shape[0], 1), tokenizer.eos_token_id, device=device)
     eos = resp == tokenizer.eos_token_id
@@ -73,7 +55,7 @@ def generate(
     resp_len = torch.where(has_eos, first_eos + 1, torch.full_like(first_eos, resp.shape[1]))
     gen_lp = torch.zeros(resp.shape, dtype=torch.float32, device=device)
     if not greedy:  # (outside inference mode: the stacked logits and what follows are ordinary tensors)
-        logits = torch.stack(step_logits, dim=1).float() / temperature  # [B, L, V]
+        logits = torch.stack(out.logits, dim=1).float() / temperature  # [B, L, V]
         gen_lp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)
     return dict(
         prompt_ids=enc["input_ids"],
