@@ -52,8 +52,8 @@ FAULTS = (
     Fault(
         "pi_old_entropy_one_column_late",
         "nemo_rl/workers.py",
-        "out[:, 1:n + 1] = per_position[:, :n]",
-        "out[:, 2:n + 1] = per_position[:, :n - 1]",
+        "out[:, 1 : n + 1] = per_position[:, :n]",
+        "out[:, 2 : n + 1] = per_position[:, : n - 1]",
         ("tests/test_nemo_rl_glue.py::test_megatron_unpacked_and_dtensor_packed_entropy_match_dense",),
     ),
     # 2b. the embedded trainer's π_old pass, the same fault
