@@ -30,6 +30,33 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "harness"  # the test harness: helpers, stand-ins, drivers (tests/README.md)
 SHIMS = HARNESS / "host_shims"
+
+# the embedded trainer at its smallest (a one-layer Qwen3 of width 32, 4 prompts x 4 samples, 12 new
+# tokens, no warm start), for the tests that train with it
+TINY_TRAIN = [
+    "warmstart.enabled=false",
+    "model.hidden_size=32",
+    "model.num_layers=1",
+    "model.intermediate_size=64",
+    "rl.prompts_per_step=4",
+    "rl.generations_per_prompt=4",
+    "rl.minibatches_per_rollout=2",
+    "rl.micro_batch_size=4",
+    "rl.max_new_tokens=12",
+    "rl.eval_every=1000",
+    "task.heldout_size=8",
+    "logger.progress=false",
+    "logger.tensorboard=false",
+    "threads=1",
+]
+
+
+def tiny_train(*changes: str) -> list[str]:
+    """:data:`TINY_TRAIN` with ``changes`` (``key=value``; a key given here replaces TINY_TRAIN's)."""
+    keys = {c.split("=", 1)[0] for c in changes}
+    return [o for o in TINY_TRAIN if o.split("=", 1)[0] not in keys] + list(changes)
+
+
 if str(HARNESS) not in sys.path:
     sys.path.insert(0, str(HARNESS))
 SOURCE_VARS = ("NEMO_RL_SRC", "MEGATRON_LM_SRC", "MEGATRON_BRIDGE_SRC", "AUTOMODEL_SRC")

@@ -14,27 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import tiny_train
 from contract import ContractRecorder, check_policy_loss_call, check_value_loss_call
 from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = LOCAL_CONFIGS  # package data: nemo_granular/configs/local
-TINY = [
-    "warmstart.enabled=false",
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.intermediate_size=64",
-    "rl.prompts_per_step=4",
-    "rl.generations_per_prompt=4",
-    "rl.minibatches_per_rollout=2",
-    "rl.micro_batch_size=4",
-    "rl.max_new_tokens=12",
-    "rl.eval_every=1000",
-    "task.heldout_size=8",
-    "logger.progress=false",
-    "logger.tensorboard=false",
-    "threads=1",
-]
+TINY = tiny_train()
 
 
 def _cfg(name, tmp_path, *extra):

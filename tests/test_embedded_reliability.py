@@ -17,27 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_train
 from nemo_granular.embedded.checkpoint import CheckpointError, NothingToResume, step_dirs
 from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "warmstart.enabled=false",
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.intermediate_size=64",
-    "rl.prompts_per_step=4",
-    "rl.generations_per_prompt=4",
-    "rl.minibatches_per_rollout=2",
-    "rl.micro_batch_size=4",
-    "rl.max_new_tokens=12",
-    "rl.eval_every=2",
-    "task.heldout_size=8",
-    "logger.progress=false",
-    "logger.tensorboard=false",
-    "logger.log_every=1",
-    "threads=1",
-]
+TINY = tiny_train("rl.eval_every=2", "logger.log_every=1")
 
 
 def _env(**extra):

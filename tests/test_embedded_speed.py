@@ -14,25 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import tiny_train
 from nemo_granular.embedded import rollout as R
 from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 
-TINY = [
-    "warmstart.enabled=false",
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.intermediate_size=64",
-    "rl.prompts_per_step=4",
-    "rl.generations_per_prompt=4",
-    "rl.minibatches_per_rollout=2",
-    "rl.micro_batch_size=4",
-    "rl.max_new_tokens=12",
-    "rl.eval_every=1",
-    "task.heldout_size=8",
-    "logger.progress=false",
-    "logger.tensorboard=false",
-    "threads=1",
-]
+TINY = tiny_train("rl.eval_every=1")
 
 
 def _records(path: Path) -> list[dict]:

@@ -6,27 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_train
 from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
 from nemo_granular.embedded.mismatch import generation_seed, perturbed_copy
 from nemo_granular.embedded.trainer import Trainer
 
-TINY = [
-    "warmstart.enabled=false",
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.intermediate_size=64",
-    "rl.prompts_per_step=4",
-    "rl.generations_per_prompt=4",
-    "rl.minibatches_per_rollout=2",
-    "rl.micro_batch_size=4",
-    "rl.max_new_tokens=12",
-    "rl.eval_every=1000",
-    "task.heldout_size=8",
-    "logger.progress=false",
-    "logger.tensorboard=false",
-    "threads=1",
-    "checkpoint.every=0",
-]
+TINY = tiny_train("checkpoint.every=0")
 CORRECTION = [
     "loss_fn.use_importance_sampling_correction=true",
     "loss_fn.granular.is_level=group_mean",
