@@ -193,6 +193,7 @@ fail() {  # fail REASON [RC=1]  -> one clear ERROR line, exit RC (cleanup stops 
 }
 
 NEXT_RESEND=0
+HEAD_LOG_FROM=1   # where the Ray head's current start begins in ray-head.log (start_ray_cluster)
 forward_preempt() {  # PREEMPT_SIGNAL to the driver step (srun hands it to every process of the step)
   if [[ -n "$DRIVER_PID" ]] && kill -0 "$DRIVER_PID" 2>/dev/null; then
     kill "-$PREEMPT_SIGNAL" "$DRIVER_PID" 2>/dev/null || true
@@ -484,8 +485,8 @@ ray_exit_why() {  # ray_exit_why LOG...: what `ray start --block` reported when 
 }
 
 ray_start_error() {  # ray_start_error < LOG: the last exception or ERROR line `ray start` printed
-  # ("Exception: The current node timed out during startup. ...")
-  sed 's/\x1b\[[0-9;]*m//g' | grep -E '^[A-Za-z_.]*(Error|Exception)\b|ERROR' | tail -n1 | cut -c1-300
+  # ("Exception: The current node timed out during startup. ..."); nothing (and status 0) if none
+  sed 's/\x1b\[[0-9;]*m//g' | { grep -E '^[A-Za-z_.]*(Error|Exception)\b|ERROR' || true; } | tail -n1 | cut -c1-300
 }
 
 preflight_problems() {  # preflight_problems STDERR_FILE: the problems, one a line: the preflight's
@@ -514,7 +515,9 @@ check_steps() {
       esac
       why=$(last_error "${logs[@]}")
       [[ -n "$why" || "$name" == watch ]] || why=$(ray_exit_why "${logs[@]}")
-      [[ -n "$why" || "$name" == watch ]] || why=$(cat "${logs[@]}" 2>/dev/null | ray_start_error)
+      # (the head's log: this start's part only; an earlier start's error is not this one's)
+      [[ -n "$why" || "$name" == watch ]] || why=$( { if [[ "$name" == ray-head ]]; then tail -c "+$HEAD_LOG_FROM" \
+        "${logs[@]}"; else cat "${logs[@]}"; fi || true; } 2>/dev/null | ray_start_error)
       if [[ "$name" == watch ]]; then
         if (( rc == 4 )); then
           # a lost node (not the run's fault): requeued within MAX_RESTARTS. Slurm requeues a
@@ -612,9 +615,9 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
   # The GCS port opens before that, and on an overloaded node `ray start` gives the raylet 30 s
   # (hard-coded in Ray 2.60's node.py), then raises "The current node timed out during startup"
   # and exits 1: nothing has run yet, so the head is started again, RAY_HEAD_TRIES times in all
-  local head_try=1 from rc why
+  local head_try=1 rc why
   while :; do
-    from=$(( $(stat -c %s "$LOG_DIR/ray-head.log" 2>/dev/null || echo 0) + 1 ))   # this try's part of the log
+    HEAD_LOG_FROM=$(( $(stat -c %s "$LOG_DIR/ray-head.log" 2>/dev/null || echo 0) + 1 ))   # this try's part of the log
     srun "${SRUN_COMMON[@]}" "${HEAD_CONTAINER[@]}" --nodes=1 --ntasks=1 -w "$HEAD" --output="$LOG_DIR/ray-head.log" --open-mode=append \
       bash -c "source '$NODE_ENV' && $CLEAR_STEP_VARS && exec ray start --head --node-ip-address=$HEAD_IP --port=$RAY_PORT \
         --ray-client-server-port=$RAY_CLIENT_SERVER_PORT --include-dashboard=false --temp-dir=${RAY_TMP}_head $RAY_COMMON \
@@ -622,11 +625,11 @@ start_ray_cluster() {  # steps 1-4: head, workers, wait for every node, watchdog
     STEP_PIDS[ray-head]=$!
     log "starting the Ray head on $HEAD (srun pid ${STEP_PIDS[ray-head]}$( (( head_try == 1 )) || echo ", try $head_try of $RAY_HEAD_TRIES"))"
     deadline=$((SECONDS + RAY_WAIT_TIMEOUT))
-    until tail -c "+$from" "$LOG_DIR/ray-head.log" 2>/dev/null | grep -q "Ray runtime started"; do
+    until tail -c "+$HEAD_LOG_FROM" "$LOG_DIR/ray-head.log" 2>/dev/null | grep -q "Ray runtime started"; do
       if (( head_try < RAY_HEAD_TRIES )) && [[ -z "$SIGNALED" ]] && ! kill -0 "${STEP_PIDS[ray-head]}" 2>/dev/null; then
         rc=0; wait "${STEP_PIDS[ray-head]}" 2>/dev/null || rc=$?
         unset "STEP_PIDS[ray-head]"
-        why=$(tail -c "+$from" "$LOG_DIR/ray-head.log" 2>/dev/null | ray_start_error)
+        why=$( { tail -c "+$HEAD_LOG_FROM" "$LOG_DIR/ray-head.log" || true; } 2>/dev/null | ray_start_error)
         log "the Ray head exited (code $rc) before it started${why:+: $why}; starting it again"
         head_try=$((head_try + 1))
         continue 2

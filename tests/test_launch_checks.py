@@ -1004,25 +1004,29 @@ HEAD_TIMES_OUT_SRUN = (
     'case "$*" in *"ray start --head"*) echo x >>"$tries"\n'
     '    if (( $(wc -l <"$tries") <= FAILS )); then sleep 1; { echo "Traceback (most recent call last):";'
     f' echo "  File "ray/_private/node.py", line 440, in __init__"; echo "{HEAD_TIMEOUT}"; }} >>"$out";'
-    " exit 1; fi\n    " + HEAD_STARTED + "exec sleep 60 ;;\n"
-    '  *"ray_cluster.py\' watch"*) exec sleep 60 ;; esac; exit 0'
+    " exit 1; fi\n    " + HEAD_STARTED + '[[ -n "${DIES:-}" ]] && { sleep 2; exit 1; }; exec sleep 60 ;;\n'
+    '  *"ray_cluster.py\' watch"*) exec sleep 60 ;;\n'
+    '  *driver.sh) [[ -n "${DIES:-}" ]] && exec sleep 60 ;; esac; exit 0'
 )
 
 
-@pytest.mark.parametrize("fails", [2, 3])
-def test_a_ray_head_that_times_out_in_its_start_is_started_again(tmp_path, fails):
+@pytest.mark.parametrize("fails, dies", [(2, False), (3, False), (2, True)])
+def test_a_ray_head_that_times_out_in_its_start_is_started_again(tmp_path, fails, dies):
     """A CI run's Ray head step exited 1 46 s after its GCS port opened, with no report of a dead
     process: what `ray start --head` does when its raylet has not registered within Ray 2.60's fixed
     30 s on an overloaded node. The launcher took the open port for a started head and failed the job
     when the step exited. Now the head is ready when Ray prints "Ray runtime started."; a head that
     exits before that is started again, RAY_HEAD_TRIES (3) times in all, each retry a line with
-    Ray's error; the third failure fails the job with that error (not "a node or its Ray process died")."""
+    Ray's error; the third failure fails the job with that error (not "a node or its Ray process died").
+    A head that started and then exits without a word (``dies``) is not started again, and the job's
+    error is not an earlier start's."""
     r, calls = _launch(
         tmp_path,
         ("true",),
         {"srun": HEAD_TIMES_OUT_SRUN},
         START_RAY="1",
         FAILS=str(fails),
+        DIES="1" if dies else "",
         DRIVER_STOP_GRACE="2",
         MAX_RESTARTS="0",
     )
@@ -1041,7 +1045,11 @@ def test_a_ray_head_that_times_out_in_its_start_is_started_again(tmp_path, fails
         "starting the Ray head on n1 (srun pid N, try 3 of 3)",
     ], r.stdout
     status = json.loads((tmp_path / "logs" / "job-7" / "status.json").read_text())
-    if fails == 2:  # the third start: the job runs (the driver `true`)
+    if dies:
+        assert r.returncode == 1 and status["reason"] == (
+            f"the ray-head step exited (code 1): a node or its Ray process died; see {log}"
+        ), (status, r.stdout + r.stderr)
+    elif fails == 2:  # the third start: the job runs (the driver `true`)
         assert r.returncode == 0 and status["reason"] == "driver finished", (status, r.stdout + r.stderr)
         assert "Ray head is up at" in r.stdout
     else:
