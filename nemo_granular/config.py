@@ -418,8 +418,10 @@ NEMO_RL_NEXT_LOSS_KEYS: dict[str, tuple[str, Any, str, str]] = {
         "`full` or `minimal`; minimal drops the diagnostics NeMo-RL's minimal mode drops (the "
         "`probs_ratio*` statistics, π_old-vs-π_gen errors, `approx_entropy`, and "
         "`sampling_importance_ratio` unless the IS correction is on), and so our mismatch "
-        "diagnostics (`gen_mismatch_*`, `gen_kl_k3`, `is_oob_*_frac`) unless the correction is on; "
-        "the granular metrics stay",
+        "diagnostics (`gen_mismatch_*`, `gen_kl_k3`, `is_oob_*_frac`) unless the correction is on, "
+        "and our group and bound diagnostics (`clip_frac_*_groups`, `groups_per_response`, "
+        "`group_size_mean`, `clip_bound_*_mean`, `prev_entropy_mean`); `clip_frac_low/high` and "
+        "`nonfinite_tokens` stay",
     ),
     "enable_torch_compile": (
         "bool",

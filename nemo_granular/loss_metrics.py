@@ -16,7 +16,14 @@ from .core.diagnostics import masked_extrema, prob_error_sums
 from .core.objective import LOG_RATIO_BOUND, aggregation_group_weights, aggregation_weights, plus_count_eps
 from .core.offpolicy import mismatch_sums
 
-__all__ = ["MINIMAL_SKIPS", "MISMATCH_METRICS", "metric_kinds", "policy_metrics", "mismatch_metrics"]
+__all__ = [
+    "MINIMAL_SKIPS",
+    "GRANULAR_DIAGNOSTICS",
+    "MISMATCH_METRICS",
+    "metric_kinds",
+    "policy_metrics",
+    "mismatch_metrics",
+]
 
 TOKEN_METRICS = (
     "probs_ratio",
@@ -65,6 +72,19 @@ MINIMAL_SKIPS = frozenset(
         "approx_entropy",
     )
 )
+# ours, diagnostics of the groups and bounds: at `minimal` only the clip fractions per token and the
+# non-finite count stay (the rewrite's minimal keeps no diagnostic; these few cost ~2 small ops)
+GRANULAR_DIAGNOSTICS = frozenset(
+    (
+        "clip_frac_low_groups",
+        "clip_frac_high_groups",
+        "groups_per_response",
+        "group_size_mean",
+        "clip_bound_low_mean",
+        "clip_bound_high_mean",
+        "prev_entropy_mean",
+    )
+)
 # ours, diagnostics like MINIMAL_SKIPS: at `minimal` only while the correction is on (it reads δ anyway)
 MISMATCH_METRICS = MISMATCH_TOKEN_METRICS + MISMATCH_SEQ_METRICS + ("is_oob_token_frac", "is_oob_group_frac")
 
@@ -90,7 +110,7 @@ def metric_kinds(
     kinds.update({k: "none" for k in RAW_METRICS})
     full = level == "full"
     if not full:
-        kinds = {k: v for k, v in kinds.items() if k not in MINIMAL_SKIPS}
+        kinds = {k: v for k, v in kinds.items() if k not in MINIMAL_SKIPS and k not in GRANULAR_DIAGNOSTICS}
     if full or importance_correction:
         kinds["sampling_importance_ratio"] = (
             "sequences" if granularity == "sequence" and is_level != "token" else "tokens"
@@ -195,8 +215,10 @@ def _loss_values(sample_mask, penalized, kl_coef: float) -> dict[str, torch.Tens
 
 
 def _minimal_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
-    """The metrics :func:`policy_metrics` keeps at ``metrics_level: minimal``, each computed as there."""
-    g, ratios, is_weight = cfg.granular, result.ratios, result.is_weight
+    """The metrics :func:`policy_metrics` keeps at ``metrics_level: minimal``, each computed as there:
+    the rewrite's minimal set, the clip fractions per token and the non-finite count (not
+    :data:`GRANULAR_DIAGNOSTICS`)."""
+    g, is_weight = cfg.granular, result.is_weight
     m: dict[str, torch.Tensor] = {}
     sm = b.sample_mask
     w_sum = []
@@ -221,22 +243,40 @@ def _minimal_metrics(b, result, penalized, cfg) -> dict[str, torch.Tensor]:
         else:
             m["sampling_importance_ratio"] = tok(is_weight)
     m["positive_nll_loss"] = penalized.nll.detach()
-    m.update(
-        _granular_metrics(b, result, tok, seq, per_token_bounds=g.surrogate == "reinforce" or ratios.index is None)
-    )
+    m.update(_clip_fractions(b, result, tok))
+    m.update(_nonfinite(b))
     return m
 
 
+def _clip_fractions(b, result, tok) -> dict[str, torch.Tensor]:
+    """``clip_frac_low`` / ``clip_frac_high``: the share of tokens whose gradient the clip removed
+    (a token mean; grouped: the clipped tokens counted per group)."""
+    terms = result.terms
+    if result.grouped:
+        row_tok = (b.sample_mask * b.inv_gvt)[:, None]  # w_tok of a row's valid tokens
+        return {"clip_frac_low": (terms.low * row_tok).sum(), "clip_frac_high": (terms.high * row_tok).sum()}
+    return {"clip_frac_low": tok(terms.low), "clip_frac_high": tok(terms.high)}
+
+
+def _nonfinite(b) -> dict[str, torch.Tensor]:
+    """Tokens the careful read took out of the valid mask (non-finite inputs), a count and a token share."""
+    # valid is the mask itself when no token was taken out (the optimistic read)
+    if b.valid is b.mask:
+        nonfinite = torch.zeros_like(b.sample_mask[0])
+    else:
+        nonfinite = ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
+    return {"nonfinite_tokens": nonfinite, "nonfinite_token_frac": nonfinite * b.inv_gvt}
+
+
 def _granular_metrics(b, result, tok, seq, per_token_bounds: bool, with_bounds: bool = True) -> dict[str, torch.Tensor]:
-    """Ours beside NeMo-RL's: clip fractions per token and per group, group counts and sizes,
+    """Ours beside NeMo-RL's (``full``): clip fractions per token and per group, group counts and sizes,
     mean clip bounds (``with_bounds``), mean π_old entropy, non-finite tokens."""
-    m: dict[str, torch.Tensor] = {}
+    m = _clip_fractions(b, result, tok)
     sm = b.sample_mask
     ratios, terms, fraction_weights = result.ratios, result.terms, result.fraction_weights
     grouped = result.grouped  # clipped tokens counted per group: the same sums, per group
+    row_tok = (sm * b.inv_gvt)[:, None]  # w_tok of a row's valid tokens
     if grouped:
-        row_tok = (sm * b.inv_gvt)[:, None]  # w_tok of a row's valid tokens
-        m["clip_frac_low"], m["clip_frac_high"] = (terms.low * row_tok).sum(), (terms.high * row_tok).sum()
         if fraction_weights is None:
             fraction_weights = aggregation_group_weights(
                 "seq_mean_group_mean",
@@ -251,8 +291,6 @@ def _granular_metrics(b, result, tok, seq, per_token_bounds: bool, with_bounds: 
         m["clip_frac_low_groups"] = (terms.low * fraction_weights).sum()
         m["clip_frac_high_groups"] = (terms.high * fraction_weights).sum()
     else:
-        m["clip_frac_low"] = tok(terms.low)
-        m["clip_frac_high"] = tok(terms.high)
         if fraction_weights is None:
             fraction_weights = aggregation_weights(
                 "seq_mean_group_mean",
@@ -276,7 +314,7 @@ def _granular_metrics(b, result, tok, seq, per_token_bounds: bool, with_bounds: 
         m["clip_bound_low_mean"], m["clip_bound_high_mean"] = tok(lo), tok(hi)
     elif with_bounds:
         lo_g, hi_g = result.group_bounds
-        gw = ratios.counts * (sm * b.inv_gvt)[:, None]
+        gw = ratios.counts * row_tok
         m["clip_bound_low_mean"] = (lo_g * gw).sum() if torch.is_tensor(lo_g) else gw.sum() * lo_g
         m["clip_bound_high_mean"] = (hi_g * gw).sum() if torch.is_tensor(hi_g) else gw.sum() * hi_g
     if b.ent is None:
@@ -285,10 +323,7 @@ def _granular_metrics(b, result, tok, seq, per_token_bounds: bool, with_bounds: 
         m["prev_entropy_mean"] = (terms.entropy_sum * row_tok).sum()
     else:
         m["prev_entropy_mean"] = tok(b.ent)
-    # valid is the mask itself when no token was taken out (the optimistic read)
-    nonfinite = torch.zeros_like(sm[0]) if b.valid is b.mask else ((b.mask.sum(-1) - b.n_row) * b.row_on).sum()
-    m["nonfinite_tokens"] = nonfinite
-    m["nonfinite_token_frac"] = nonfinite * b.inv_gvt
+    m.update(_nonfinite(b))
     return m
 
 

@@ -99,6 +99,16 @@ def _count(x, like: torch.Tensor) -> torch.Tensor:
     return (x.reshape(()).to(like.device) + COUNT_EPS).to(like.dtype)  # in torch.result_type(x, 1e-8)
 
 
+def _inverse_counts(global_valid_toks, global_valid_seqs, like: torch.Tensor):
+    """(1 / :func:`_count` of ``global_valid_toks``, of ``global_valid_seqs``): for two one-element counts
+    of one dtype (NeMo-RL's), both in the same few ops (the same values: each op is elementwise)."""
+    gvt, gvs = global_valid_toks, global_valid_seqs
+    if torch.is_tensor(gvt) and torch.is_tensor(gvs) and gvt.dtype == gvs.dtype and gvt.numel() == 1 == gvs.numel():
+        inv = (torch.stack([gvt.reshape(()), gvs.reshape(())]).to(like.device) + COUNT_EPS).to(like.dtype).reciprocal_()
+        return inv[0], inv[1]
+    return 1 / _count(gvt, like), 1 / _count(gvs, like)
+
+
 @dataclass
 class PolicyBatch:
     """One loss call's batch, shifted to ``next_token_logprobs``' columns, in the compute dtype;
@@ -222,7 +232,7 @@ def read_policy_batch(
         else:  # a non-finite π_gen logprob only feeds diagnostics: π_old stands in for it
             gen = substitute_nonfinite(G, prev, valid)
         ent = masked_values(H, valid) if H is not None else None
-    inv_gvt, inv_gvs = 1 / _count(global_valid_toks, L), 1 / _count(global_valid_seqs, L)
+    inv_gvt, inv_gvs = _inverse_counts(global_valid_toks, global_valid_seqs, L)
     group_ids, token_ids = _group_keys(data, g.granularity, L)
     ref_logp, curr_logp, rewards, nll_count_dtype = _penalty_keys(data, cfg, token_mask.dtype, L)
     return PolicyBatch(
@@ -523,14 +533,17 @@ class GranularPolicyLoss:
         if g.granularity == "sequence":
             return RowIndex(b.valid)
         if b.group_ids is not None:
-            ids = b.group_ids
-            lo, hi = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist()) if ids.numel() else (0, 0)  # one sync
+            # the plans work on the ids as floats (small integers: exact below 2^24), so the range is
+            # read on that copy (a contiguous float min/max costs ~1/4 of one on the int64 slice)
+            ids = b.group_ids.to(like.dtype)
+            lo, hi = torch.stack(torch.aminmax(ids)).tolist() if ids.numel() else (0.0, 0.0)  # one sync
             if hi >= like.shape[1] or lo < -1:
+                bad = b.group_ids[(b.group_ids < -1) | (b.group_ids >= like.shape[1])][0]  # the id as given
                 raise ValueError(
-                    f"data['granular_group_ids'] holds id {hi if hi >= like.shape[1] else lo} outside "
+                    f"data['granular_group_ids'] holds id {int(bad)} outside "
                     f"-1..{like.shape[1] - 1} (ids must be per-row local, 0..G-1, -1 outside groups)"
                 )
-            top = hi + 1  # the table needs only the ids in use
+            top = int(hi) + 1  # the table needs only the ids in use
         elif g.granularity == "segment":
             if self.delimiter_table is None:
                 raise ValueError(

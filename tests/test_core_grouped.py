@@ -137,3 +137,54 @@ def test_grouped_objective_matches_naive(kind, form, aggregation, adv_kind, entr
     torch.testing.assert_close(clip.low, low, rtol=0, atol=0)
     torch.testing.assert_close(clip.high, high, rtol=0, atol=0)
     assert torch.isfinite(clip.probe)
+
+
+def _naive_row_constant(x, valid):
+    """Per row, the one value x takes on the valid tokens (0 for a row without one), or None when a
+    row has two values or a non-finite one: a Python loop over rows."""
+    out = []
+    for i in range(x.shape[0]):
+        vals = {float(v) for v, m in zip(x[i], valid[i]) if m > 0}
+        if any(not torch.isfinite(torch.tensor(v)) for v in vals) or len(vals) > 1:
+            return None
+        out.append(vals.pop() if vals else 0.0)
+    return torch.tensor(out, dtype=x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize(
+    "case",
+    ["constant", "one_token_differs", "empty_row", "inf_valid", "inf_outside", "nan_valid", "large_and_zero"],
+)
+def test_row_constant_matches_a_loop_over_rows(case, dtype):
+    """The response-level-advantage check of the grouped objective: rows whose valid tokens share a value
+    (|A| above and below 1, 0, negative), a row without valid tokens, one token off by one ulp,
+    non-finite values on and off the valid tokens."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 17
+    valid = (torch.rand(B, T, generator=g) > 0.3).to(dtype)
+    a = torch.tensor([2.5, -3.0, 0.0, 0.7, -0.2, 1.0], dtype=dtype)
+    x = a[:, None].expand(B, T).clone()
+    x = x * valid + (1 - valid) * torch.randn(B, T, generator=g, dtype=dtype) * 5  # other values outside
+    col = int(valid[1].nonzero()[-1])
+    if case == "one_token_differs":
+        x[1, col] = torch.nextafter(x[1, col], torch.tensor(0.0, dtype=dtype))
+    elif case == "empty_row":
+        valid[4] = 0
+    elif case == "inf_valid":
+        x[1, col] = float("inf")
+    elif case == "inf_outside":
+        x[1, int((valid[1] == 0).nonzero()[0])] = float("-inf")
+    elif case == "nan_valid":
+        x[1, col] = float("nan")
+    elif case == "large_and_zero":
+        x[3] = torch.where(valid[3] > 0, torch.tensor(0.0, dtype=dtype), x[3])
+        x[3, int(valid[3].nonzero()[0])] = 1e20
+    want = _naive_row_constant(x, valid)
+    got = row_constant(x, valid)
+    if case == "inf_outside":  # a non-finite value off the valid tokens: no fast path (the careful read follows)
+        assert got is None
+        return
+    assert (got is None) == (want is None), (got, want)
+    if want is not None:
+        assert torch.equal(got, want)

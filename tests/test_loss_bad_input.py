@@ -38,6 +38,21 @@ def test_mismatched_shape_names_both_shapes(key):
     assert str((3, 11)) in msg and str((3, 9)) in msg, msg
 
 
+@pytest.mark.parametrize("bad", [10, -2, 2**40 + 1])
+@pytest.mark.parametrize("name", ["sspo", "espo"])  # the scatter plan; the one-hot plan
+def test_group_ids_out_of_range_are_refused_with_the_id_as_given(name, bad):
+    """Ids are range-checked on their float copy (the plans' own): an id outside −1..S−2 is refused in
+    one line naming the key and the id exactly as given (2^40 + 1 has no float32 of its own)."""
+    data, logp, gvs, gvt = R.make_batch(B=3, S=10, V=V, seed=0)
+    ids = torch.zeros(3, 10, dtype=torch.long)
+    ids[1, 6] = bad
+    data["granular_group_ids"] = ids
+    with pytest.raises(ValueError) as err:
+        _call(make_loss(name), logp, data, gvs, gvt)
+    msg = str(err.value)
+    assert "\n" not in msg and "granular_group_ids" in msg and f"holds id {bad} outside -1..8" in msg, msg
+
+
 def test_wrong_row_count_and_rank():
     data, logp, gvs, gvt = R.make_batch(B=3, S=10, V=V, seed=0)
     data["sample_mask"] = torch.ones(4)

@@ -3,9 +3,10 @@
 
 * ``minimal`` returns what the rewrite's minimal mode returns of NeMo-RL's metrics — ``loss``,
   ``kl_penalty``, ``num_valid_samples``, ``positive_nll_loss``, ``is_oob_ratio`` with a truncation,
-  ``sampling_importance_ratio`` only with the importance-sampling correction — plus every granular
-  metric, each with exactly the value of the ``full`` call; ``metric_normalizations`` advertises
-  exactly the returned metrics. Our π_old/π_gen mismatch diagnostics (``MISMATCH_METRICS``) are
+  ``sampling_importance_ratio`` only with the importance-sampling correction — plus the clip
+  fractions per token and the non-finite count, each with exactly the value of the ``full`` call; our
+  group and bound diagnostics (``GRANULAR_DIAGNOSTICS``) are left out like the rewrite's diagnostics;
+  ``metric_normalizations`` advertises exactly the returned metrics. Our π_old/π_gen mismatch diagnostics (``MISMATCH_METRICS``) are
   diagnostics like the rewrite's: at ``minimal`` only with the correction on. Loss and gradient
   do not depend on the level.
 * ``enable_torch_compile: true`` runs the tensor-only objective through ``torch.compile`` with
@@ -26,12 +27,24 @@ import torch
 
 import reference as R
 from nemo_granular.config import PRESETS
-from nemo_granular.loss_metrics import MINIMAL_SKIPS, MISMATCH_METRICS
+from nemo_granular.loss_metrics import GRANULAR_DIAGNOSTICS, MINIMAL_SKIPS, MISMATCH_METRICS
 from nemo_granular.losses import GranularPolicyLoss
 
 V = 16
 # what the rewrite's minimal mode keeps of NeMo-RL's metric set (its ClippedPGLossFn.__call__)
 NEMO_MINIMAL = {"loss", "kl_penalty", "num_valid_samples", "positive_nll_loss"}
+# ours that minimal keeps beside them
+OURS_MINIMAL = {"clip_frac_low", "clip_frac_high", "nonfinite_tokens", "nonfinite_token_frac"}
+# ours that minimal leaves out (written out here, not read from the package)
+OURS_FULL_ONLY = {
+    "clip_frac_low_groups",
+    "clip_frac_high_groups",
+    "groups_per_response",
+    "group_size_mean",
+    "clip_bound_low_mean",
+    "clip_bound_high_mean",
+    "prev_entropy_mean",
+}
 NEMO_FULL_ONLY = {
     "probs_ratio",
     "probs_ratio_clamped",
@@ -81,6 +94,7 @@ def _run(fn, seed=0):
 
 def test_skip_list_is_the_rewrites():
     assert set(MINIMAL_SKIPS) == NEMO_FULL_ONLY
+    assert set(GRANULAR_DIAGNOSTICS) == OURS_FULL_ONLY
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -96,12 +110,12 @@ def test_minimal_drops_only_the_diagnostics(name, extra):
     assert torch.equal(loss, mloss) and torch.equal(grad, mgrad)
     dropped = set(full) - set(minimal)
     corrected = "use_importance_sampling_correction" in extra
-    want = NEMO_FULL_ONLY | (set() if corrected else {"sampling_importance_ratio", *MISMATCH_METRICS})
+    want = NEMO_FULL_ONLY | OURS_FULL_ONLY | (set() if corrected else {"sampling_importance_ratio", *MISMATCH_METRICS})
     assert dropped == want & set(full), sorted(dropped ^ (want & set(full)))
     assert set(minimal) <= set(full)
     for k, v in minimal.items():
         assert v == full[k], f"{k}: minimal {v} != full {full[k]}"
-    assert NEMO_MINIMAL <= set(minimal)
+    assert NEMO_MINIMAL | OURS_MINIMAL <= set(minimal)
     if extra is TIS:
         assert {"is_oob_ratio", "sampling_importance_ratio", *MISMATCH_METRICS} <= set(minimal)
     # the advertised normalisers are those of the returned metrics

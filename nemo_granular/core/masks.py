@@ -68,16 +68,17 @@ def substitute_nonfinite(x: torch.Tensor, fallback: torch.Tensor, valid: torch.T
 
 def row_constant(x: torch.Tensor, valid: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor | None:
     """x's value per row ``[B]`` when x is the same on every ``valid`` token of each row (a
-    response-level advantage, as GRPO's), else None. max_t(x − pen) ≤ min_t(x + pen) with pen =
-    1e30 outside ``valid`` (a row without valid tokens passes; a non-finite x does not). One sync;
-    ``scratch``: a free buffer of x's shape and dtype to work in (else one is allocated)."""
-    buf = torch.mul(valid, -PENALTY, out=scratch).add_(PENALTY)  # pen
-    live = indicator(torch.lt, buf.amin(-1), 1, x)  # rows with a valid token (1), without (0)
-    hi = buf.neg_().add_(x).amax(-1)  # x − pen
-    # (x − pen − x)·(−1) = pen exactly (pen is 0 or 1e30 ≫ |x|): x + pen in the same buffer
-    if not bool((hi <= buf.sub_(x).neg_().add_(x).amin(-1)).all()):
+    response-level advantage, as GRPO's), else None: max_t(x − pen) ≤ −max_t(−x − pen) with pen =
+    1e30 outside ``valid`` (a row without valid tokens passes and gives 0; a non-finite x does not
+    pass: x − 2x is NaN for ±inf). Four passes, two row maxima, one sync; ``scratch``: a free buffer
+    of x's shape and dtype to work in (else one is allocated)."""
+    buf = torch.add(valid, -1, out=scratch).mul_(PENALTY)  # −pen
+    hi = buf.add_(x).amax(-1)  # max over the valid tokens of x (≈ −1e30 for a row without one)
+    # (x − pen) − 2x = −x − pen: exact where pen is 0 (2x and x − 2x are exact), ≪ 0 elsewhere
+    lo = buf.sub_(x, alpha=2).amax(-1).neg_()  # min over the valid tokens of x (≈ +1e30 without one)
+    if not bool((hi <= lo).all()):
         return None
-    return hi * live  # a row without valid tokens: 0
+    return hi * indicator(torch.lt, lo, PENALTY / 2, x)  # a row without valid tokens: 0
 
 
 def safe_divide(num: torch.Tensor, den) -> torch.Tensor:
