@@ -75,8 +75,8 @@ def load_nemo_rl_next(path: str | None):
     return (mod.ClippedPGLossFn, mod.ClippedPGLossConfig), None
 
 
-def _ours(name: str, level: str, data):
-    loss = make_loss(name.removesuffix("+ids"), metrics_level=level)
+def _ours(name: str, level: str, data, **loss_fn):
+    loss = make_loss(name.removesuffix("+ids"), metrics_level=level, **loss_fn)
     if not name.endswith("+ids"):
         return loss, data
     g = loss.granular
@@ -91,8 +91,10 @@ def _ours(name: str, level: str, data):
     return loss, {**data, "granular_group_ids": ids}
 
 
-def contenders(today, nxt, data):
-    """name -> (loss, batch, {column: peer name})."""
+def contenders(today, nxt, data, compiled: bool = False):
+    """name -> (loss, batch, {column: peer name}); ``compiled``: the `minimal` ones with
+    ``enable_torch_compile`` too, NeMo-RL's and ours (each paired with its eager self and with
+    the rewrite's compiled mode of the same math)."""
     out = {}
     if today is not None:
         Fn, Cfg, _ = today
@@ -113,6 +115,26 @@ def contenders(today, nxt, data):
                 "next_min": f"NeMo-RL next: {mode} minimal",
             }
             out[f"{name} {level}"] = (loss, d, peers)
+    if compiled and nxt is not None:
+        Fn, Cfg = nxt
+        out["NeMo-RL next: token minimal compiled"] = (
+            Fn(Cfg(**KL_OFF, metrics_level="minimal", enable_torch_compile=True)),
+            data,
+            {"eager": "NeMo-RL next: token minimal"},
+        )
+        out["NeMo-RL next: GSPO minimal compiled"] = (
+            Fn(Cfg(**GSPO_MODE, metrics_level="minimal", enable_torch_compile=True)),
+            data,
+            {"eager": "NeMo-RL next: GSPO minimal"},
+        )
+        for name in OURS:
+            mode = "token" if name in ("grpo",) else "GSPO"
+            loss, d = _ours(name, "minimal", data, enable_torch_compile=True)
+            out[f"{name} minimal compiled"] = (
+                loss,
+                d,
+                {"eager": f"{name} minimal", "next_min": f"NeMo-RL next: {mode} minimal compiled"},
+            )
     return out
 
 
@@ -132,7 +154,12 @@ def bench(today, nxt, args, device):
         torch.set_num_threads(nt)
         for S in args.seq_lens:
             data, logp, gvs, gvt = make_batch(args.B, S, device)
-            cont = contenders(today, nxt, data)
+            cont = contenders(today, nxt, data, args.compile)
+            first = {}  # the first call of each (a compiled one compiles then), in seconds
+            for name, (fn, d, _) in cont.items():
+                t0 = time.perf_counter()
+                _call(fn, logp, d, gvs, gvt, device)
+                first[name] = time.perf_counter() - t0
             times = {k: [] for k in cont}
             order = random.Random(S * 10 + nt)
             for k in range(args.warmup + args.repeats):
@@ -155,8 +182,9 @@ def bench(today, nxt, args, device):
                 }
                 mem = memory_bytes(fn, logp, d, gvs, gvt, device) / 2**20
                 row = dict(name=name, S=S, threads=nt, tokens=ntok, ms=statistics.median(times[name]), mem=mem, **xs)
+                row["first_s"] = first[name]
                 rows.append(row)
-                cols = "  ".join(f"x{row[c]:.2f} vs {c}" for c in ("today", "next", "next_min") if c in row)
+                cols = "  ".join(f"x{row[c]:.2f} vs {c}" for c in ("today", "next", "next_min", "eager") if c in row)
                 print(f"  threads={nt} S={S:5d} {name:28s} {row['ms']:8.2f} ms  mem {mem:7.2f} MB  {cols}", flush=True)
     return rows
 
@@ -187,33 +215,37 @@ def to_markdown(args, device, rows, why) -> str:
         f"(`minimal`) of the same math. mem = {mem_kind}.",
         "",
     ]
-    largest = max(args.seq_lens)
     tgt = [
         "| target: ours ≤ NeMo-RL's fastest mode of the same math (`minimal`) | threads | S | × next min | |",
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        if (
-            r["S"] == largest
-            and r["name"].endswith(" minimal")
-            and not r["name"].startswith("NeMo-RL")
-            and "next_min" in r
-        ):
+        if r["name"].endswith(" minimal") and not r["name"].startswith("NeMo-RL") and "next_min" in r:
             tgt.append(
                 f"| {r['name']} | {r['threads']} | {r['S']} | {r['next_min']:.2f} | "
                 f"{'met' if r['next_min'] <= 1.0 else '**not met**'} |"
             )
     if len(tgt) > 2:
         L += tgt + [""]
+    extra = " × eager | first call s |" if args.compile else ""
     L += [
-        "| threads | S | tokens | loss | ms | × today | × next | × next min | mem MB |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| threads | S | tokens | loss | ms | × today | × next | × next min | mem MB |" + extra,
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.compile else ""),
     ]
     for r in rows:
         L.append(
             f"| {r['threads']} | {r['S']} | {r['tokens']} | {r['name']} | {r['ms']:.2f} | {_x(r, 'today')} | "
             f"{_x(r, 'next')} | {_x(r, 'next_min')} | {r['mem']:.2f} |"
+            + (f" {_x(r, 'eager')} | {r['first_s']:.1f} |" if args.compile else "")
         )
+    if args.compile:
+        L += [
+            "",
+            "Compiled: `enable_torch_compile: true` (torch.compile, inductor, NeMo-RL's arguments); × next min "
+            "of a compiled loss = ÷ the rewrite's compiled `minimal` of the same math; × eager = ÷ the same loss "
+            "uncompiled; first call = its first forward + backward, compilation included (torch's on-disk "
+            "inductor cache shortens it in a later process).",
+        ]
     return "\n".join(L) + "\n"
 
 
@@ -233,6 +265,11 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the minimal losses with enable_torch_compile (torch.compile with inductor; minutes to compile)",
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.B = min(args.B, 16)
@@ -257,7 +294,7 @@ def main(argv=None):
     print(md)
     if not args.no_write:  # one section per device, clock and thread counts
         threads = "" if device.type == "cuda" else "_t" + "-".join(map(str, args.threads))
-        update_section(f"loss_vs_nemo_rl_{device.type}_{args.clock}{threads}", md)
+        update_section(f"loss_vs_nemo_rl_{device.type}_{args.clock}{threads}{'_compile' if args.compile else ''}", md)
     return md
 
 

@@ -101,8 +101,8 @@ FAULTS = (
     Fault(
         "token_mean_over_the_microbatch_count",
         "losses.py",
-        "inv_gvt, inv_gvs = 1 / _count(global_valid_toks, L), 1 / _count(global_valid_seqs, L)",
-        "inv_gvt, inv_gvs = 1 / _count((mask_f * sm[:, None]).sum(), L), 1 / _count(global_valid_seqs, L)",
+        "inv_gvt, inv_gvs = _inverse_counts(global_valid_toks, global_valid_seqs, L)",
+        "inv_gvt, inv_gvs = _inverse_counts((mask_f * sm[:, None]).sum(), global_valid_seqs, L)",
         ("tests/test_loss_identities.py::test_invariant_to_microbatch_split[grpo]",),
     ),
     # 8. a packed sequence read from the end of its padded slot minus its length (the unpadded layout's start)
