@@ -98,12 +98,13 @@ POLICY_BATCH: tuple[BatchKey, ...] = (
     BatchKey(
         "granular_group_ids",
         "[B, S]",
-        "int64",
+        "int32",
         "ours",
         "segment and entropy groups, when given",
         False,
         False,
-        "per-row local group ids 0..G-1, −1 outside the response; absent: computed in the loss",
+        "per-row local group ids 0..G-1, −1 outside the response (the loss reads int64 too); absent: "
+        "computed in the loss",
     ),
     BatchKey(
         "input_ids",

@@ -129,7 +129,7 @@ class PolicyBatch:
     inv_gvt: torch.Tensor  # 1 / (global_valid_toks + 1e-8)
     inv_gvs: torch.Tensor  # 1 / (global_valid_seqs + 1e-8)
     count_dtype: torch.dtype | None = None  # where per-row/group token counts take + 1e-8: token_mask's (NeMo-RL's)
-    group_ids: torch.Tensor | None = None  # granular_group_ids, int64, when given and the groups are not rows
+    group_ids: torch.Tensor | None = None  # granular_group_ids (int32 or int64), when given and the groups are not rows
     token_ids: torch.Tensor | None = None  # input_ids, for segment groups cut here (no group ids given)
     ref_logp: torch.Tensor | None = None  # log π_ref (reference_policy_logprobs), when β ≠ 0
     curr_logp: torch.Tensor | None = None  # curr_logprobs_unfiltered (NeMo-RL's KL input), when β ≠ 0 and given
@@ -263,7 +263,8 @@ def _group_keys(data: Mapping, granularity: str, like: torch.Tensor):
     if granularity in ("token", "sequence"):
         return None, None
     if "granular_group_ids" in data:
-        return _key(data, "granular_group_ids", like).long(), None
+        ids = _key(data, "granular_group_ids", like)  # int32 as the hosts send them (int64 read too)
+        return (ids if ids.dtype in (torch.int32, torch.int64) else ids.long()), None
     if granularity == "segment" and "input_ids" in data:
         return None, _key(data, "input_ids", like)
     return None, None

@@ -129,6 +129,6 @@ def test_the_trainer_and_the_contract_take_their_keys_from_the_schema():
     for key in POLICY_BATCH:
         assert key.shape in ("[B]", "[B, S]", "[B, S-1]") and key.owner in ("NeMo-RL", "ours"), key
         assert not key.guaranteed or key.read_when, f"{key.name}: a guaranteed key the loss never reads"
-    assert policy_key("granular_group_ids").dtype == "int64"
+    assert policy_key("granular_group_ids").dtype == "int32"
     with pytest.raises(KeyError, match="not a key of the policy batch"):
         policy_key("prompt_ids")

@@ -7,7 +7,7 @@
 - ``get_logprobs`` calls the worker extension's ``get_logprobs_with_entropy`` (same sharding,
   same un-reordering as NeMo-RL's ``Policy.get_logprobs``), stashes the entropy together
   with the ``input_ids`` it belongs to, and returns the logprobs;
-- ``train`` adds ``prev_entropy`` ``[B, S]`` and ``granular_group_ids`` ``[B, S]`` (int64, −1
+- ``train`` adds ``prev_entropy`` ``[B, S]`` and ``granular_group_ids`` ``[B, S]`` (int32, −1
   outside the response) to the batch (:func:`add_granular_keys`) and calls ``Policy.train``.
   When no matching entropy was stashed (``force_on_policy_ratio`` skips ``get_logprobs``),
   it runs one extra forward-only pass first — the weights are still π_old at that point.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..config import parse_policy_loss_config
-from ..core.groups import entropy_group_ids, segment_group_ids
+from ..core.groups import GROUP_IDS_DTYPE, entropy_group_ids, segment_group_ids
 from ..core.offpolicy import batch_mismatch_extrema
 from ..loss_spec import GranularSpec
 from .estimators import config_get
@@ -66,12 +66,12 @@ def compute_granular_group_ids(
     if granular.granularity == "segment":
         if delimiter_table is None:
             raise ValueError("granular.granularity 'segment' needs the tokenizer's delimiter table")
-        return segment_group_ids(input_ids, mask, delimiter_table)
+        return segment_group_ids(input_ids, mask, delimiter_table).to(GROUP_IDS_DTYPE)
     if granular.granularity == "entropy_group":
         if prev_entropy is None:
             raise ValueError("granular.granularity 'entropy_group' needs the π_old entropy")
         ent = prev_entropy.float()
-        return entropy_group_ids(ent, mask & torch.isfinite(ent), granular.entropy_cut_points)
+        return entropy_group_ids(ent, mask & torch.isfinite(ent), granular.entropy_cut_points).to(GROUP_IDS_DTYPE)
     return None
 
 

@@ -50,7 +50,7 @@ def check_policy_loss_call(next_token_logprobs, data, global_valid_seqs, global_
     assert float(global_valid_seqs) >= float(data["sample_mask"].sum()) - 1e-6, "global_valid_seqs too small"
     if "granular_group_ids" in data:
         ids = data["granular_group_ids"]
-        assert ids.dtype == torch.int64, "granular_group_ids must be int64"
+        assert ids.dtype == torch.int32, "granular_group_ids must be int32 (nemo_granular.batch_schema)"
         assert bool(((ids >= 0) == (data["token_mask"] > 0)).all()), (
             "granular_group_ids must be -1 exactly outside the response"
         )
