@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import reference as R
+from conftest import tiny_train
 from nemo_granular.config import parse_policy_loss_config
 from nemo_granular.losses import GranularPolicyLoss
 from nemo_granular.nemo_rl.run_state import (
@@ -214,23 +215,7 @@ def test_embedded_resume_uses_the_alpha_of_the_first_rollout(tmp_path):
     from nemo_granular.embedded.config import LOCAL_CONFIGS, load_train_config
     from nemo_granular.embedded.trainer import Trainer
 
-    tiny = [
-        "warmstart.enabled=false",
-        "model.hidden_size=32",
-        "model.num_layers=1",
-        "model.intermediate_size=64",
-        "rl.prompts_per_step=4",
-        "rl.generations_per_prompt=4",
-        "rl.minibatches_per_rollout=2",
-        "rl.micro_batch_size=4",
-        "rl.max_new_tokens=12",
-        "rl.eval_every=1000",
-        "task.heldout_size=8",
-        "logger.progress=false",
-        "logger.tensorboard=false",
-        "threads=1",
-        f"output_dir={tmp_path}",
-    ]
+    tiny = tiny_train(f"output_dir={tmp_path}")
     cfg = load_train_config(LOCAL_CONFIGS / "espo.yaml", tiny + ["rl.steps=1"])
     assert cfg.loss_fn.granular.espo.alpha == "auto"  # the packaged ESPO config uses the rule
     first = Trainer(cfg, log=lambda m: None)

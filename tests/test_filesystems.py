@@ -16,21 +16,9 @@ from pathlib import Path
 
 import pytest
 
-TINY = [
-    "warmstart.enabled=false",
-    "model.hidden_size=32",
-    "model.num_layers=1",
-    "model.intermediate_size=64",
-    "rl.prompts_per_step=4",
-    "rl.generations_per_prompt=4",
-    "rl.minibatches_per_rollout=2",
-    "rl.micro_batch_size=4",
-    "rl.max_new_tokens=8",
-    "task.heldout_size=8",
-    "logger.progress=false",
-    "logger.tensorboard=false",
-    "threads=1",
-]
+from conftest import tiny_train
+
+TINY = tiny_train("rl.max_new_tokens=8")
 
 
 def _can_mount() -> str | None:
