@@ -34,8 +34,17 @@ from .core.clipping import (
 from .core.group_index import GroupIndex, RowIndex, make_group_index
 from .core.groups import build_delimiter_table, group_ids_for
 from .core.linearized_loss import LinearizedLoss
-from .core.masks import compute_dtype, finite_valid, indicator, masked_values, safe_divide, substitute_nonfinite
+from .core.masks import (
+    compute_dtype,
+    finite_valid,
+    indicator,
+    masked_values,
+    row_constant,
+    safe_divide,
+    substitute_nonfinite,
+)
 from .core.objective import (
+    CHECK_HERE,
     COUNT_EPS,
     LOG_RATIO_BOUND,
     ObjectiveResult,
@@ -417,8 +426,15 @@ class GranularPolicyLoss:
         index = None if g.granularity == "token" else self._index(b)
         if g.clip == "espo_entropy":
             self._check_espo_ready()
-        objective = self._objective if not self.enable_torch_compile else self._compiled()
-        result: ObjectiveResult = objective(b, index)
+        objective, checked = self._objective, ()
+        if self.enable_torch_compile:
+            objective = self._compiled()
+            if self._grouped(index):
+                # the plan's data-dependent sizes and the advantage check sync with the host: done here,
+                # so the compiled objective is one graph
+                index.prepare()
+                checked = (row_constant(b.adv, b.valid),)
+        result: ObjectiveResult = objective(b, index, *checked)
         loss = LinearizedLoss.apply(next_token_logprobs, -result.objective, result.grad.neg_())
         penalized = self._penalties(loss, next_token_logprobs, b)
         with torch.no_grad():
@@ -438,13 +454,14 @@ class GranularPolicyLoss:
             values = torch.stack([metrics[k] for k in names] + probes).tolist()  # one sync
         return penalized.loss, dict(zip(names, values[: len(names)])), values[len(names) :]
 
-    def _objective(self, b: PolicyBatch, index) -> ObjectiveResult:
+    def _objective(self, b: PolicyBatch, index, row_adv=CHECK_HERE) -> ObjectiveResult:
         """The tensor-only part (docs/algorithms/math.md §2–§5, off-policy weights §10): the objective
         J = Σ W·c, its gradient with respect to the logprobs, and what the metrics read. This is what
-        ``enable_torch_compile`` compiles."""
+        ``enable_torch_compile`` compiles (``row_adv``: the grouped path's advantage check, made
+        before it)."""
         cfg, g = self.cfg, self.granular
         if self._grouped(index):
-            return self._grouped_objective(b, index)
+            return self._grouped_objective(b, index, row_adv)
         ratios = group_ratios(b.logp, b.prev, b.valid, index, b.n_row, b.count_dtype)  # §2
         # clipped surrogate with per-group bounds: clip(s_g, lo_g, hi_g) on the group table, one gather
         group_clip = index is not None and g.clip != "fixed" and g.surrogate == "clipped"
@@ -496,7 +513,7 @@ class GranularPolicyLoss:
             and not self.cfg.use_importance_sampling_correction
         )
 
-    def _grouped_objective(self, b: PolicyBatch, index) -> ObjectiveResult:
+    def _grouped_objective(self, b: PolicyBatch, index, row_adv=CHECK_HERE) -> ObjectiveResult:
         """:meth:`_objective` for :meth:`_grouped` (docs/algorithms/math.md §2–§5, per group)."""
         g = self.granular
         bounds = (1.0 - self.cfg.eps_low, 1.0 + self.cfg.eps_high) if g.clip == "fixed" else self._entropy_bounds
@@ -514,6 +531,7 @@ class GranularPolicyLoss:
             b.inv_gvt,
             b.inv_gvs,
             b.count_dtype,
+            row_adv,
         )
         b.n_row = ratios.counts.sum(-1)  # the members are the valid tokens
         fraction_weights = omega if g.aggregation == "seq_mean_group_mean" else None

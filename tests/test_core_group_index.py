@@ -40,7 +40,18 @@ def _case(kind: str, seed: int = 0, B: int = 4, T: int = 11):
 
 
 def test_the_protocol_declares_what_the_loss_calls():
-    assert PROTOCOL_MEMBERS == ["B", "G", "T", "counts", "gather", "one_group_per_row", "sum", "sum2", "sums"]
+    assert PROTOCOL_MEMBERS == [
+        "B",
+        "G",
+        "T",
+        "counts",
+        "gather",
+        "one_group_per_row",
+        "prepare",
+        "sum",
+        "sum2",
+        "sums",
+    ]
     called = set()
     for rel in (
         "nemo_granular/losses.py",

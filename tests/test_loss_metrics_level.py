@@ -27,8 +27,9 @@ import torch
 
 import reference as R
 from nemo_granular.config import PRESETS
+from nemo_granular.core.masks import row_constant
 from nemo_granular.loss_metrics import GRANULAR_DIAGNOSTICS, MINIMAL_SKIPS, MISMATCH_METRICS
-from nemo_granular.losses import GranularPolicyLoss
+from nemo_granular.losses import GranularPolicyLoss, read_policy_batch
 
 V = 16
 # what the rewrite's minimal mode keeps of NeMo-RL's metric set (its ClippedPGLossFn.__call__)
@@ -158,6 +159,43 @@ def test_torch_compile_objective(monkeypatch, name, extra):
     assert calls == [{"dynamic": True, "mode": "max-autotune-no-cudagraphs"}]
     clone = pickle.loads(pickle.dumps(compiled))  # Ray ships the loss: the compiled function stays behind
     assert clone._compiled_objective is None and clone.enable_torch_compile
+
+
+@pytest.mark.parametrize("name", ["sspo", "espo"])  # a scatter plan of segments; ESPO's one-hot plan
+@pytest.mark.parametrize("per_token_adv", [False, True], ids=["response_adv", "token_adv"])
+def test_compiled_group_objective_is_one_graph(monkeypatch, name, per_token_adv):
+    """The grouped objective compiles without a graph break: the plan's data-dependent sizes and the
+    response-level-advantage check (host syncs) are made before the compiled call. Before, dynamo broke
+    the graph at ``unique_consecutive`` and at the check's ``.item()``."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", dynamic=kw.get("dynamic")))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    eager, compiled = _make(name), _make(name, enable_torch_compile=True)
+    for seed, (B, S) in enumerate([(6, 14), (5, 19)]):  # a second size: dynamic shapes
+        data, logp, gvs, gvt = R.make_batch(
+            B=B, S=S, V=V, seed=seed, per_token_adv=per_token_adv, noise=(1e-3, 0.05, 0.4)
+        )
+        runs = []
+        for fn in (eager, compiled):
+            lp = logp.double().requires_grad_(True)
+            loss, m = fn(
+                next_token_logprobs=lp,
+                data={k: v.double() if v.is_floating_point() else v for k, v in data.items()},
+                global_valid_seqs=torch.tensor(gvs, dtype=torch.float64),
+                global_valid_toks=torch.tensor(gvt, dtype=torch.float64),
+            )
+            runs.append((loss.detach(), torch.autograd.grad(loss, lp)[0], m))
+        (loss, grad, m), (closs, cgrad, cm) = runs
+        torch.testing.assert_close(closs, loss, rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(cgrad, grad, rtol=1e-12, atol=1e-15)
+        assert set(cm) == set(m) and all(cm[k] == pytest.approx(v, rel=1e-12, abs=1e-15) for k, v in m.items())
+    # the grouped path ran, on the advantage branch named
+    ddata = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
+    b = read_policy_batch(logp.double(), ddata, gvs, gvt, compiled.cfg)
+    assert compiled._grouped(compiled._index(b))
+    assert (row_constant(b.adv, b.valid) is None) == per_token_adv
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
 
 @pytest.mark.parametrize("name", ["grpo", "gspo", "sspo", "espo"])

@@ -39,6 +39,11 @@ class GroupIndex(Protocol):
     # on the other indexes
     one_group_per_row: bool
 
+    def prepare(self) -> None:
+        """Do now the work whose sizes depend on the ids' values (a host sync), so that the calls
+        below need none: the loss calls it before a compiled objective (a no-op where there is none)."""
+        ...
+
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         """Σ of ``values`` ``[B, T]`` over each group's tokens, ``[B, G]`` (autograd flows)."""
         ...
@@ -75,6 +80,9 @@ class RowIndex:
         self.B, self.T = member.shape
         self.G = 1
         self.member = member
+
+    def prepare(self) -> None:
+        pass
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         return values.sum(-1, keepdim=True)
@@ -123,6 +131,9 @@ class FewGroupIndex:
         self.table = torch.empty(self.B, num_groups + 1, self.T, dtype=dtype, device=ids.device)
         torch.eq(ids[:, None, :], cols[None, :, None], out=self.table)
         self.onehot = self.table[:, 1:]
+
+    def prepare(self) -> None:
+        pass
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:
         return torch.mul(self.onehot, values[:, None, :]).sum(-1)

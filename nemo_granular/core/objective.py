@@ -33,6 +33,7 @@ __all__ = [
     "aggregation_weights",
     "objective_logp_grad",
     "GroupedClip",
+    "CHECK_HERE",
     "grouped_clipped_objective",
     "ObjectiveResult",
     "PenalizedLoss",
@@ -41,6 +42,9 @@ __all__ = [
 # exp() is applied to log-ratios clamped to ±LOG_RATIO_BOUND (ratio ≤ 4.8e8): an extreme
 # token then cannot turn a zero gradient into inf·0 = NaN. Exact below the bound (math.md, Notation).
 LOG_RATIO_BOUND = 20.0
+
+# grouped_clipped_objective's default: the response-level-advantage check is made inside
+CHECK_HERE = object()
 
 # Every mean over tokens divides by (count + COUNT_EPS), as NeMo-RL's ``masked_mean`` does, so
 # float64 results equal NeMo-RL's ClippedPGLossFn on any batch size (math.md, Notation).
@@ -246,6 +250,7 @@ def grouped_clipped_objective(
     inv_gvt,
     inv_gvs,
     count_dtype: torch.dtype | None = None,
+    row_adv=CHECK_HERE,
 ):
     """Σ_it W_it·c_it of the clipped surrogate and its gradient, for group ratios r_it = s_g and
     weights W_it = valid_it·ω_g (every group granularity and aggregation, docs/algorithms/math.md
@@ -263,6 +268,8 @@ def grouped_clipped_objective(
     token_decomposed with per-token A) takes the gradient back to the tokens. ``index``: a plan whose members
     are the valid tokens (``index.sums``, ``index.counts``); values need not be 0 outside them. ``bounds``: (lo, hi)
     numbers, or a function of the group mean entropy H̄_g = ΣH/max(|g|, 1) giving (lo_g, hi_g).
+    ``row_adv``: :func:`~nemo_granular.core.masks.row_constant` of (adv, valid) when the caller has made
+    the check (its host sync) already, as before a compiled objective; by default it is made here.
     Returns (objective, gradient, :class:`GroupRatios` without per-token values, (lo, hi),
     :class:`GroupedClip`, ω).
     """
@@ -270,7 +277,8 @@ def grouped_clipped_objective(
     with_ent = ent is not None and callable(bounds)
     table = index.sums([log_ratio, ent] if with_ent else [log_ratio])
     # a response-level advantage (the usual case): its group sums are A_i·|g| (ℓ's buffer is free now)
-    row_adv = row_constant(adv, valid, scratch=log_ratio if log_ratio.dtype == adv.dtype else None)
+    if row_adv is CHECK_HERE:
+        row_adv = row_constant(adv, valid, scratch=log_ratio if log_ratio.dtype == adv.dtype else None)
     sums = table[:, 1:]
     counts = index.counts(sums.dtype)
     if row_adv is None:

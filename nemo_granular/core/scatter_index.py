@@ -60,7 +60,16 @@ class ScatterIndex:
 
     def _few_runs(self) -> bool:
         """Runs long enough for the run-wise sums and gathers (a segment is one run)."""
-        return 4 * self.runs()[0].numel() <= self.B * self.T
+        if getattr(self, "_few", None) is None:
+            self._few = 4 * self.runs()[0].numel() <= self.B * self.T
+        return self._few
+
+    def prepare(self) -> None:
+        """The runs, the choice between run sums and the scatter, and the gather's index, made now: their
+        sizes depend on the ids' values (a host sync), so a compiled objective that uses the plan
+        afterwards has no graph break (:class:`~nemo_granular.core.group_index.GroupIndex`)."""
+        self._few_runs()
+        self._gather_index()
 
     def _build(self, ids: torch.Tensor, num_groups: int) -> None:
         B, T = ids.shape
