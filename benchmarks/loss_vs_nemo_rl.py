@@ -91,6 +91,11 @@ def _ours(name: str, level: str, data, **loss_fn):
     return loss, {**data, "granular_group_ids": ids}
 
 
+def _peer_mode(name: str) -> str:
+    """NeMo-RL's mode of the same math as our preset: token ratios for ``grpo``, else GSPO's."""
+    return "token" if name == "grpo" else "GSPO"
+
+
 def contenders(today, nxt, data, compiled: bool = False):
     """name -> (loss, batch, {column: peer name}); ``compiled``: the `minimal` ones with
     ``enable_torch_compile`` too, NeMo-RL's and ours (each paired with its eager self and with
@@ -106,7 +111,7 @@ def contenders(today, nxt, data, compiled: bool = False):
             out[f"NeMo-RL next: token {level}"] = (Fn(Cfg(**KL_OFF, metrics_level=level)), data, {})
             out[f"NeMo-RL next: GSPO {level}"] = (Fn(Cfg(**GSPO_MODE, metrics_level=level)), data, {})
     for name in OURS:
-        mode = "token" if name in ("grpo",) else "GSPO"
+        mode = _peer_mode(name)
         for level in LEVELS:
             loss, d = _ours(name, level, data)
             peers = {
@@ -128,7 +133,7 @@ def contenders(today, nxt, data, compiled: bool = False):
             {"eager": "NeMo-RL next: GSPO minimal"},
         )
         for name in OURS:
-            mode = "token" if name in ("grpo",) else "GSPO"
+            mode = _peer_mode(name)
             loss, d = _ours(name, "minimal", data, enable_torch_compile=True)
             out[f"{name} minimal compiled"] = (
                 loss,

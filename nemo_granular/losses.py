@@ -426,15 +426,15 @@ class GranularPolicyLoss:
         index = None if g.granularity == "token" else self._index(b)
         if g.clip == "espo_entropy":
             self._check_espo_ready()
-        objective, checked = self._objective, ()
+        objective, row_adv = self._objective, CHECK_HERE
         if self.enable_torch_compile:
             objective = self._compiled()
             if self._grouped(index):
                 # the plan's data-dependent sizes and the advantage check sync with the host: done here,
                 # so the compiled objective is one graph
                 index.prepare()
-                checked = (row_constant(b.adv, b.valid),)
-        result: ObjectiveResult = objective(b, index, *checked)
+                row_adv = row_constant(b.adv, b.valid)
+        result: ObjectiveResult = objective(b, index, row_adv)
         loss = LinearizedLoss.apply(next_token_logprobs, -result.objective, result.grad.neg_())
         penalized = self._penalties(loss, next_token_logprobs, b)
         with torch.no_grad():
