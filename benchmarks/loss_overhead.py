@@ -46,8 +46,13 @@ VOCAB = 32768
 DELIMITER_EVERY = 50  # token ids divisible by 50 are "delimiters": segments of ~50 tokens
 
 
-def make_batch(B: int, S: int, device, seed: int = 0):
-    """A NeMo-RL-style batch: prompt of S/8 tokens, responses of random length, right padding."""
+def make_batch(B: int, S: int, device, seed: int = 0, adv_layout: str = "row"):
+    """A NeMo-RL-style batch: prompt of S/8 tokens, responses of random length, right padding.
+    ``adv_layout``: ``row``, one advantage per response on every token of its row, as NeMo-RL's
+    advantage estimators give it (``advantages.expand(mask.shape)``, materialized as on a worker);
+    ``masked``: that value on the response tokens and 0 elsewhere."""
+    if adv_layout not in ("row", "masked"):
+        raise ValueError(f"adv_layout must be 'row' or 'masked', got {adv_layout!r}")
     g = torch.Generator().manual_seed(seed)
     prompt = max(1, S // 8)
     lengths = torch.randint(S // 2, S - prompt + 1, (B,), generator=g)
@@ -58,7 +63,7 @@ def make_batch(B: int, S: int, device, seed: int = 0):
         "input_ids": torch.randint(0, VOCAB, (B, S), generator=g),
         "token_mask": token_mask,
         "sample_mask": torch.ones(B),
-        "advantages": torch.randn(B, 1, generator=g).expand(B, S) * token_mask,
+        "advantages": torch.randn(B, 1, generator=g).expand(B, S) * (token_mask if adv_layout == "masked" else 1.0),
         "prev_logprobs": prev * token_mask,
         "generation_logprobs": prev * token_mask,
         "reference_policy_logprobs": prev * token_mask,

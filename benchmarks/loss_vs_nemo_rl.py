@@ -91,6 +91,13 @@ def _ours(name: str, level: str, data, **loss_fn):
     return loss, {**data, "granular_group_ids": ids}
 
 
+# make_batch's advantage layouts, as the report names them
+ADV_LAYOUTS = {
+    "row": "one value per response on every token of its row (NeMo-RL's `advantages.expand(mask.shape)`)",
+    "masked": "one value per response on its response tokens, 0 elsewhere",
+}
+
+
 def _peer_mode(name: str) -> str:
     """NeMo-RL's mode of the same math as our preset: token ratios for ``grpo``, else GSPO's."""
     return "token" if name == "grpo" else "GSPO"
@@ -158,7 +165,7 @@ def bench(today, nxt, args, device):
     for nt in threads:
         torch.set_num_threads(nt)
         for S in args.seq_lens:
-            data, logp, gvs, gvt = make_batch(args.B, S, device)
+            data, logp, gvs, gvt = make_batch(args.B, S, device, adv_layout=args.adv_layout)
             cont = contenders(today, nxt, data, args.compile)
             first = {}  # the first call of each (a compiled one compiles then), in seconds
             for name, (fn, d, _) in cont.items():
@@ -214,7 +221,8 @@ def to_markdown(args, device, rows, why) -> str:
         f"NeMo-RL today: `NEMO_RL_SRC` ({why.get('today') or 'loaded'}); NeMo-RL next: pull request 3751's "
         f"`loss_functions.py` ({why.get('next') or 'loaded'}).",
         "",
-        f"B={args.B}, float32, KL off; {args.repeats} rounds, each contender once per round in a shuffled order. "
+        f"B={args.B}, float32, KL off, advantages {ADV_LAYOUTS[args.adv_layout]}; {args.repeats} rounds, "
+        "each contender once per round in a shuffled order. "
         "× today = time ÷ today's `ClippedPGLossFn` of the same math (it has only `full` metrics); × next = "
         "÷ the rewrite of the same math at the same `metrics_level`; × next min = ÷ the rewrite's fastest mode "
         f"(`minimal`) of the same math. mem = {mem_kind}.",
@@ -271,6 +279,12 @@ def main(argv=None):
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall")
     ap.add_argument("--no-write", action="store_true", help="print only, do not update docs/benchmarks.md")
     ap.add_argument(
+        "--adv-layout",
+        choices=tuple(ADV_LAYOUTS),
+        default="row",
+        help="the advantages' layout: " + "; ".join(f"{k}: {v}" for k, v in ADV_LAYOUTS.items()),
+    )
+    ap.add_argument(
         "--compile",
         action="store_true",
         help="also the minimal losses with enable_torch_compile (torch.compile with inductor; minutes to compile)",
@@ -299,7 +313,9 @@ def main(argv=None):
     print(md)
     if not args.no_write:  # one section per device, clock and thread counts
         threads = "" if device.type == "cuda" else "_t" + "-".join(map(str, args.threads))
-        update_section(f"loss_vs_nemo_rl_{device.type}_{args.clock}{threads}{'_compile' if args.compile else ''}", md)
+        layout = "" if args.adv_layout == "row" else f"_adv_{args.adv_layout}"
+        compiled = "_compile" if args.compile else ""
+        update_section(f"loss_vs_nemo_rl_{device.type}_{args.clock}{threads}{compiled}{layout}", md)
     return md
 
 

@@ -76,8 +76,11 @@ __all__ = [
 _EXTREMA = frozenset(("probs_ratio_min", "probs_ratio_max", "probs_ratio_clamped_min", "probs_ratio_clamped_max"))
 
 
-def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> torch.Tensor:
-    """``data[name][:, 1:]`` checked against ``like``'s shape (the shift convention)."""
+def _key(
+    data: Mapping, name: str, like: torch.Tensor, shift: bool = True, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``data[name][:, 1:]`` checked against ``like``'s shape (the shift convention), on ``like``'s
+    device and in ``dtype`` (None: its own)."""
     if name not in data:
         raise _missing(name)
     x = data[name]
@@ -91,7 +94,15 @@ def _key(data: Mapping, name: str, like: torch.Tensor, shift: bool = True) -> to
         raise ValueError(
             f"data['{name}'][:, 1:] has shape {tuple(x.shape)} but next_token_logprobs has shape {tuple(like.shape)}"
         )
-    return x.to(like.device)
+    return _on(x, like.device, dtype)
+
+
+def _on(x: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x on ``device`` in ``dtype`` (None: its own); x itself when it is already (a ``to`` that does
+    nothing still costs a dispatch, and the loss reads a dozen keys a call)."""
+    if x.device == device and (dtype is None or x.dtype == dtype):
+        return x
+    return x.to(device, dtype)
 
 
 def _missing(name: str) -> KeyError:
@@ -113,8 +124,9 @@ def _inverse_counts(global_valid_toks, global_valid_seqs, like: torch.Tensor):
     of one dtype (NeMo-RL's), both in the same few ops (the same values: each op is elementwise)."""
     gvt, gvs = global_valid_toks, global_valid_seqs
     if torch.is_tensor(gvt) and torch.is_tensor(gvs) and gvt.dtype == gvs.dtype and gvt.numel() == 1 == gvs.numel():
-        inv = (torch.stack([gvt.reshape(()), gvs.reshape(())]).to(like.device) + COUNT_EPS).to(like.dtype).reciprocal_()
-        return inv[0], inv[1]
+        both = torch.stack([gvt.reshape(()) if gvt.dim() else gvt, gvs.reshape(()) if gvs.dim() else gvs])
+        inv = _on(_on(both, like.device) + COUNT_EPS, like.device, like.dtype).reciprocal_()
+        return inv.unbind()
     return 1 / _count(gvt, like), 1 / _count(gvs, like)
 
 
@@ -134,7 +146,6 @@ class PolicyBatch:
     mask: torch.Tensor  # token_mask, 0/1
     valid: torch.Tensor  # mask without the non-finite tokens
     sample_mask: torch.Tensor  # [B]
-    row_on: torch.Tensor  # sample_mask != 0, [B]
     inv_gvt: torch.Tensor  # 1 / (global_valid_toks + 1e-8)
     inv_gvs: torch.Tensor  # 1 / (global_valid_seqs + 1e-8)
     count_dtype: torch.dtype | None = None  # where per-row/group token counts take + 1e-8: token_mask's (NeMo-RL's)
@@ -144,9 +155,17 @@ class PolicyBatch:
     curr_logp: torch.Tensor | None = None  # curr_logprobs_unfiltered (NeMo-RL's KL input), when β ≠ 0 and given
     rewards: torch.Tensor | None = None  # [B], when the NLL term is on and the rewards are given
     nll_count_dtype: torch.dtype | None = None  # where Σ correct + 1e-8 is formed (NeMo-RL's correct_mask dtype)
-    # computed on first use (the group path of the loss needs neither as a [B, T] pass)
+    # computed on first use (the group path of the loss needs none of them)
     _n_row: torch.Tensor | None = None
     _w_tok: torch.Tensor | None = None
+    _row_on: torch.Tensor | None = None
+
+    @property
+    def row_on(self) -> torch.Tensor:
+        """sample_mask != 0 as 0/1, [B] (only the full metrics and the careful read's count need it)."""
+        if self._row_on is None:
+            self._row_on = indicator(torch.ne, self.sample_mask, 0, self.sample_mask)
+        return self._row_on
 
     @property
     def n_row(self) -> torch.Tensor:
@@ -184,18 +203,19 @@ def read_policy_batch(
     if lp_in.dim() != 2:
         raise ValueError(f"next_token_logprobs must be [B, S-1], got shape {tuple(lp_in.shape)}")
     dt = compute_dtype(lp_in.dtype)  # float64 stays float64; bf16/fp16 compute in float32
-    L = lp_in.detach().to(dt)
+    L = _on(lp_in.detach(), lp_in.device, dt)
     token_mask = _key(data, "token_mask", L)
-    sm = data["sample_mask"].to(L.device, dt).reshape(-1)
+    sm = _on(data["sample_mask"], L.device, dt)
+    sm = sm if sm.dim() == 1 else sm.reshape(-1)
     if sm.shape[0] != L.shape[0]:
         raise ValueError(
             f"data['sample_mask'] has shape {tuple(data['sample_mask'].shape)} but "
             f"next_token_logprobs has {L.shape[0]} rows"
         )
-    A = _key(data, "advantages", L).to(dt)
-    Q = L if cfg.force_on_policy_ratio else _key(data, "prev_logprobs", L).to(dt)
-    G = _key(data, "generation_logprobs", L).to(dt) if "generation_logprobs" in data else None
-    H = _key(data, "prev_entropy", L).to(dt) if "prev_entropy" in data else None
+    A = _key(data, "advantages", L, dtype=dt)
+    Q = L if cfg.force_on_policy_ratio else _key(data, "prev_logprobs", L, dtype=dt)
+    G = _key(data, "generation_logprobs", L, dtype=dt) if "generation_logprobs" in data else None
+    H = _key(data, "prev_entropy", L, dtype=dt) if "prev_entropy" in data else None
     if g.needs_entropy and H is None:
         raise KeyError(
             f"data['prev_entropy'] is missing: algorithm {g.algorithm!r} (clip={g.clip}, "
@@ -253,7 +273,6 @@ def read_policy_batch(
         mask=mask_f,
         valid=valid,
         sample_mask=sm,
-        row_on=indicator(torch.ne, sm, 0, sm),
         inv_gvt=inv_gvt,
         inv_gvs=inv_gvs,
         count_dtype=count_eps_dtype(token_mask),
@@ -284,7 +303,7 @@ def _penalty_keys(data: Mapping, cfg: PolicyLossSpec, token_mask_dtype: torch.dt
     two when β ≠ 0, the last two when the NLL term is on (None otherwise)."""
     ref_logp = curr_logp = rewards = nll_count_dtype = None
     if cfg.kl_coef != 0:
-        ref_logp = _key(data, "reference_policy_logprobs", like).to(like.dtype)
+        ref_logp = _key(data, "reference_policy_logprobs", like, dtype=like.dtype)
         curr = data.get("curr_logprobs_unfiltered", None)
         curr_logp = None if curr is None else curr.to(like.dtype)
     if cfg.positive_example_nll_weight > 0 and "rewards" in data:
@@ -435,7 +454,7 @@ class GranularPolicyLoss:
                 index.prepare()
                 row_adv = row_constant(b.adv, b.valid)
         result: ObjectiveResult = objective(b, index, row_adv)
-        loss = LinearizedLoss.apply(next_token_logprobs, -result.objective, result.grad.neg_())
+        loss = LinearizedLoss.apply(next_token_logprobs, -result.objective, result.grad, -1.0)
         penalized = self._penalties(loss, next_token_logprobs, b)
         with torch.no_grad():
             metrics = policy_metrics(b, result, penalized, cfg)

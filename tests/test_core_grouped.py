@@ -154,19 +154,43 @@ def _naive_row_constant(x, valid):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize(
     "case",
-    ["constant", "one_token_differs", "empty_row", "inf_valid", "inf_outside", "nan_valid", "large_and_zero"],
+    [
+        "constant",
+        "one_token_differs",
+        "empty_row",
+        "inf_valid",
+        "inf_outside",
+        "nan_valid",
+        "large_and_zero",
+        "whole_row",
+        "whole_row_empty_row",
+        "whole_row_one_token_differs",
+        "whole_row_one_outside_differs",
+        "whole_row_inf",
+    ],
 )
 def test_row_constant_matches_a_loop_over_rows(case, dtype):
     """The response-level-advantage check of the grouped objective: rows whose valid tokens share a value
     (|A| above and below 1, 0, negative), a row without valid tokens, one token off by one ulp,
-    non-finite values on and off the valid tokens."""
+    non-finite values on and off the valid tokens; other values outside the valid tokens (the masked
+    check) or, ``whole_row``, one value on every token of the row (NeMo-RL's layout: the one-pass check)."""
     g = torch.Generator().manual_seed(3)
     B, T = 6, 17
     valid = (torch.rand(B, T, generator=g) > 0.3).to(dtype)
     a = torch.tensor([2.5, -3.0, 0.0, 0.7, -0.2, 1.0], dtype=dtype)
     x = a[:, None].expand(B, T).clone()
-    x = x * valid + (1 - valid) * torch.randn(B, T, generator=g, dtype=dtype) * 5  # other values outside
+    if not case.startswith("whole_row"):
+        x = x * valid + (1 - valid) * torch.randn(B, T, generator=g, dtype=dtype) * 5  # other values outside
     col = int(valid[1].nonzero()[-1])
+    off = int((valid[1] == 0).nonzero()[0])
+    if case == "whole_row_empty_row":
+        valid[4] = 0
+    elif case == "whole_row_one_token_differs":
+        x[1, col] = torch.nextafter(x[1, col], torch.tensor(0.0, dtype=dtype))
+    elif case == "whole_row_one_outside_differs":  # the one-pass check fails, the masked one passes
+        x[1, off] = torch.nextafter(x[1, off], torch.tensor(0.0, dtype=dtype))
+    elif case == "whole_row_inf":
+        x[5] = float("inf")
     if case == "one_token_differs":
         x[1, col] = torch.nextafter(x[1, col], torch.tensor(0.0, dtype=dtype))
     elif case == "empty_row":
@@ -174,7 +198,7 @@ def test_row_constant_matches_a_loop_over_rows(case, dtype):
     elif case == "inf_valid":
         x[1, col] = float("inf")
     elif case == "inf_outside":
-        x[1, int((valid[1] == 0).nonzero()[0])] = float("-inf")
+        x[1, off] = float("-inf")
     elif case == "nan_valid":
         x[1, col] = float("nan")
     elif case == "large_and_zero":
@@ -187,4 +211,6 @@ def test_row_constant_matches_a_loop_over_rows(case, dtype):
         return
     assert (got is None) == (want is None), (got, want)
     if want is not None:
-        assert torch.equal(got, want)
+        has_valid = valid.sum(-1) > 0  # a row without valid tokens: any finite value (callers weight it by 0)
+        assert torch.equal(got[has_valid], want[has_valid])
+        assert torch.isfinite(got).all()

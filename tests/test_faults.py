@@ -44,8 +44,8 @@ FAULTS = (
     Fault(
         "backward_ignores_upstream_gradient",
         "core/linearized_loss.py",
-        "return (grad * grad_out).to(ctx.logp_dtype), None, None",
-        "return grad.to(ctx.logp_dtype), None, None",
+        "return (grad * scale).to(ctx.logp_dtype), None, None, None",
+        "return (grad * ctx.grad_sign).to(ctx.logp_dtype), None, None, None",
         ("tests/test_loss_presets.py::test_backward_honours_upstream_gradient[sspo-plain]",),
     ),
     # 2. NeMo-RL worker path: the π_old entropy of position j lands in column j + 2 instead of j + 1

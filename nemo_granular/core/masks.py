@@ -68,10 +68,18 @@ def substitute_nonfinite(x: torch.Tensor, fallback: torch.Tensor, valid: torch.T
 
 def row_constant(x: torch.Tensor, valid: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor | None:
     """x's value per row ``[B]`` when x is the same on every ``valid`` token of each row (a
-    response-level advantage, as GRPO's), else None: max_t(x − pen) ≤ −max_t(−x − pen) with pen =
-    1e30 outside ``valid`` (a row without valid tokens passes and gives 0; a non-finite x does not
-    pass: x − 2x is NaN for ±inf). Four passes, two row maxima, one sync; ``scratch``: a free buffer
-    of x's shape and dtype to work in (else one is allocated)."""
+    response-level advantage, as GRPO's), else None. A non-finite x on a valid token does not pass.
+    A row without valid tokens passes with some finite value (callers weight rows by their tokens).
+
+    First over the whole row (one pass, one row min/max): NeMo-RL's advantage estimators expand one
+    value per response over every token of its row (``advantages.expand(mask.shape)``), so that
+    usually decides it. Else over the valid tokens only: max_t(x − pen) ≤ −max_t(−x − pen) with pen =
+    1e30 outside ``valid`` (a row without valid tokens gives 0; x − 2x is NaN for ±inf): four
+    passes, two row maxima. One sync each; ``scratch``: a free buffer of x's shape and dtype for the
+    second (else one is allocated)."""
+    hi, lo = x.amax(-1), x.amin(-1)  # (aminmax over a dim is ~4x these two on CPU)
+    if bool((hi - lo == 0).all()):  # ±inf − ±inf is NaN: a non-finite row fails here
+        return hi
     buf = torch.add(valid, -1, out=scratch).mul_(PENALTY)  # −pen
     hi = buf.add_(x).amax(-1)  # max over the valid tokens of x (≈ −1e30 for a row without one)
     # (x − pen) − 2x = −x − pen: exact where pen is 0 (2x and x − 2x are exact), ≪ 0 elsewhere

@@ -42,8 +42,9 @@ class ScatterIndex:
         # a bool or float mask costs ~20x a float multiply-add on CPU
         dt = member.dtype if B * (num_groups + 1) < 2**24 else torch.float64
         row = torch.arange(B, device=group_ids.device, dtype=dt).unsqueeze(-1) * (num_groups + 1)
-        # in place: one buffer; the integer index is made only if a scatter or a per-token gather needs it
-        self._slot = group_ids.to(dt).add_(1).mul_(member).add_(row).reshape(-1)
+        # two passes (addcmul: one for the product and the sum); the integer index is made only if a
+        # scatter or a per-token gather needs it
+        self._slot = torch.addcmul(row, group_ids.to(dt).add_(1), member).reshape(-1)
         self._flat = None
         return self
 
@@ -108,7 +109,10 @@ class ScatterIndex:
                 for c in channels
             ]
             return torch.stack(full, dim=-1).view(self.B, self.G + 1, len(channels))
-        run_sums = torch.stack([torch.segment_reduce(c.reshape(-1), "sum", lengths=lengths) for c in channels], -1)
+        # unsafe: the lengths are the runs' own (no check of them per channel)
+        run_sums = torch.stack(
+            [torch.segment_reduce(c.reshape(-1), "sum", lengths=lengths, unsafe=True) for c in channels], -1
+        )
         table = torch.zeros(n_slots, len(channels), dtype=run_sums.dtype, device=run_sums.device)
         return table.index_add_(0, slots, run_sums).view(self.B, self.G + 1, len(channels))
 
