@@ -593,11 +593,13 @@ class GranularPolicyLoss:
             ids = group_ids_for("segment", b.mask > 0, token_ids=b.token_ids, delimiter_table=self.delimiter_table)
             top = int(ids.max()) + 1 if ids.numel() else 1
         else:  # entropy_group: at most len(cut points) + 1 groups
+            # ranked among the valid tokens with a finite entropy; ids as floats, as the plans take them
             ids = group_ids_for(
                 g.granularity,
-                b.mask > 0,
-                entropy=torch.where(b.valid > 0, b.ent, torch.nan),
+                b.valid > 0,
+                entropy=b.ent,
                 entropy_cut_points=g.entropy_cut_points,
+                dtype=like.dtype,
             )
             top = len(g.entropy_cut_points) + 1
         # ids are >= -1; the members of a group are its valid tokens (a token with an id but not

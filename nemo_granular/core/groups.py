@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from .masks import indicator
+
 __all__ = [
     "token_group_ids",
     "sequence_group_ids",
@@ -62,7 +64,10 @@ def segment_group_ids(token_ids: torch.Tensor, mask: torch.Tensor, delimiter_tab
 
 
 def entropy_group_ids(
-    entropy: torch.Tensor, mask: torch.Tensor, top_fraction: float | Sequence[float] = 0.2
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    top_fraction: float | Sequence[float] = 0.2,
+    dtype: torch.dtype = torch.long,
 ) -> torch.Tensor:
     """`entropy_group` granularity (ESPO §3.4, §4.2; docs/algorithms/math.md §1).
 
@@ -71,25 +76,42 @@ def entropy_group_ids(
     row i form group 0 and the rest group 1. A list of increasing cut points
     ``[q_1, .., q_K]`` gives K+1 groups: token of rank r is in group #{k : r >= ceil(q_k·n_i)}.
     Groups need not be contiguous in position; empty groups are dropped (ids are compacted).
-    Non-finite entropies must already be excluded from ``mask``.
+    Non-finite entropies must already be excluded from ``mask``. Ids in ``dtype`` (the loss takes
+    them as floats, the hosts as :data:`GROUP_IDS_DTYPE`).
+
+    The ranks come from each row's k largest keys (``torch.topk``, a partial sort) instead of a full
+    stable sort: rank < k ⟺ H > thr, or H = thr and among the first k − #(H > thr) such tokens by
+    position, thr being the row's k-th largest H.
     """
     cuts = [float(top_fraction)] if isinstance(top_fraction, (int, float)) else [float(q) for q in top_fraction]
     mask = mask.bool()
     B, T = entropy.shape
     if T == 0:
-        return torch.full_like(mask, -1, dtype=torch.long)
+        return torch.full_like(mask, -1, dtype=dtype)
     key = torch.where(mask, entropy.float(), torch.tensor(float("-inf"), device=entropy.device))
-    # stable sort on -H: equal entropies keep position order; masked tokens sort last
-    order = torch.sort(-key, dim=-1, stable=True).indices
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(T, device=entropy.device).expand(B, T))
-    n = mask.sum(-1, keepdim=True).double()
-    group = torch.zeros_like(rank)
-    for q in cuts:  # loop over the (few) configured cut points, not over data
-        k = torch.ceil(q * n - 1e-9).long()
-        group += (rank >= k).long()
-    group = torch.where(mask, group, -1)
-    return compact_group_ids(group, len(cuts) + 1)
+    # 0/1 floats, not bools, for the passes below: a comparison or a sum is several times cheaper on CPU
+    member = mask.float()
+    n = member.sum(-1, keepdim=True)  # exact: counts below 2^24
+    ks = [torch.ceil(q * n.double() - 1e-9).float() for q in cuts]  # k_i per cut, 0 <= k_i <= n_i
+    k_top = int(max(float(k.max()) for k in ks))
+    top = torch.topk(key, k_top, dim=-1).values if k_top > 0 else None  # descending
+    group = member - 1  # −1 outside the mask, 0 inside; each cut below adds 1 to the tokens at or after it
+    k_prev = torch.zeros_like(n)
+    for k in ks:  # loop over the (few) configured cut points, not over data
+        after = member.clone()  # rank >= k
+        if top is not None:
+            thr = top.gather(-1, (k - 1).clamp(min=0).long())
+            above = indicator(torch.gt, key, thr, key)  # masked keys are −inf: never above
+            tied = indicator(torch.eq, key, thr, key).mul_(member)
+            take = k - above.sum(-1, keepdim=True)
+            if not bool((tied.sum(-1, keepdim=True) == take).all()):  # a tie across the cut: first by position
+                tied.mul_(indicator(torch.le, torch.cumsum(tied, -1), take, key))
+            after.sub_(above).sub_(tied)  # above and tied are disjoint members
+        # the id is the number of non-empty groups before the token's: the group between the previous
+        # cut and this one is empty where k_prev == k, and then this cut does not count (ids stay contiguous)
+        group.add_(after.mul_(indicator(torch.gt, k, k_prev, k)))
+        k_prev = k
+    return group.to(dtype)
 
 
 def compact_group_ids(group_ids: torch.Tensor, max_groups: int | None = None) -> torch.Tensor:
@@ -146,9 +168,10 @@ def group_ids_for(
     entropy: torch.Tensor | None = None,
     delimiter_table: torch.Tensor | None = None,
     entropy_cut_points: float | Sequence[float] = 0.2,
+    dtype: torch.dtype = GROUP_IDS_DTYPE,
 ) -> torch.Tensor:
     """Group ids of the configured granularity (dispatch over the four kinds of docs/algorithms/math.md §1),
-    as :data:`GROUP_IDS_DTYPE`."""
+    in ``dtype`` (:data:`GROUP_IDS_DTYPE`, as the hosts send them; the loss asks for its compute dtype)."""
     if granularity == "token":
         ids = token_group_ids(mask)
     elif granularity == "sequence":
@@ -163,7 +186,7 @@ def group_ids_for(
     elif granularity == "entropy_group":
         if entropy is None:
             raise ValueError("granularity 'entropy_group' needs the π_old entropy ('prev_entropy')")
-        ids = entropy_group_ids(entropy, mask.bool() & torch.isfinite(entropy), entropy_cut_points)
+        return entropy_group_ids(entropy, mask.bool() & torch.isfinite(entropy), entropy_cut_points, dtype)
     else:
         raise ValueError(f"granularity: unknown value {granularity!r}")
-    return ids.to(GROUP_IDS_DTYPE)
+    return ids.to(dtype)
