@@ -124,8 +124,8 @@ def _inverse_counts(global_valid_toks, global_valid_seqs, like: torch.Tensor):
     of one dtype (NeMo-RL's), both in the same few ops (the same values: each op is elementwise)."""
     gvt, gvs = global_valid_toks, global_valid_seqs
     if torch.is_tensor(gvt) and torch.is_tensor(gvs) and gvt.dtype == gvs.dtype and gvt.numel() == 1 == gvs.numel():
-        both = torch.stack([gvt.reshape(()) if gvt.dim() else gvt, gvs.reshape(()) if gvs.dim() else gvs])
-        inv = _on(_on(both, like.device) + COUNT_EPS, like.device, like.dtype).reciprocal_()
+        both = _on(torch.stack([gvt.reshape(()), gvs.reshape(())]), like.device)
+        inv = _on(both + COUNT_EPS, like.device, like.dtype).reciprocal_()
         return inv.unbind()
     return 1 / _count(gvt, like), 1 / _count(gvs, like)
 
