@@ -32,7 +32,7 @@ from .core.clipping import (
     sspo_entropy_clip_bounds,
 )
 from .core.group_index import GroupIndex, RowIndex, make_group_index
-from .core.groups import build_delimiter_table, group_ids_for
+from .core.groups import build_delimiter_table, entropy_group_ids, group_ids_for
 from .core.linearized_loss import LinearizedLoss
 from .core.masks import (
     compute_dtype,
@@ -593,14 +593,9 @@ class GranularPolicyLoss:
             ids = group_ids_for("segment", b.mask > 0, token_ids=b.token_ids, delimiter_table=self.delimiter_table)
             top = int(ids.max()) + 1 if ids.numel() else 1
         else:  # entropy_group: at most len(cut points) + 1 groups
-            # ranked among the valid tokens with a finite entropy; ids as floats, as the plans take them
-            ids = group_ids_for(
-                g.granularity,
-                b.valid > 0,
-                entropy=b.ent,
-                entropy_cut_points=g.entropy_cut_points,
-                dtype=like.dtype,
-            )
+            # ranked among the valid tokens, whose entropies are finite (read_policy_batch; the
+            # dispatcher's own finiteness test would be two passes more); ids as floats, as the plans take them
+            ids = entropy_group_ids(b.ent, b.valid > 0, g.entropy_cut_points, dtype=like.dtype)
             top = len(g.entropy_cut_points) + 1
         # ids are >= -1; the members of a group are its valid tokens (a token with an id but not
         # valid — masked, or non-finite — goes to no group)

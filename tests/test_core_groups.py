@@ -79,17 +79,22 @@ def test_entropy_groups_cut_points_and_empty_groups_dropped():
     assert G.entropy_group_ids(H2, m2, cuts).tolist() == [[1, 0]] == R.entropy_group_ids(H2, m2, cuts)
 
 
+@pytest.mark.parametrize("layout", ["right_padded", "left_padded"])
 @pytest.mark.parametrize("values", ["continuous", "ties"])
 @pytest.mark.parametrize("cuts", [0.2, [0.1, 0.5, 0.9], [0.5, 0.5000001]])
-def test_entropy_groups_on_long_rows_match_reference(values, cuts):
+def test_entropy_groups_on_long_rows_match_reference(values, cuts, layout):
     """Rows of 300 tokens (the ranks come from a partial sort, the reference sorts each row in Python):
     rows of every length from empty to full, entropies continuous or from five values (ties across
-    every cut), cut points that leave a group empty."""
+    every cut), cut points that leave a group empty. Right padding leaves each short row's +inf pads
+    room in its own masked end (``_kth_largest``'s in-place path); left padding does not (appended
+    columns)."""
     g = torch.Generator().manual_seed(7)
     B, T = 9, 300
     lengths = torch.tensor([0, 1, 2, 5, 37, 150, 299, 300, 211])
     mask = torch.arange(T)[None] < lengths[:, None]
     mask[8] &= torch.rand(T, generator=g) < 0.6  # holes inside a row
+    if layout == "left_padded":
+        mask = mask.flip(-1)
     H = torch.rand(B, T, generator=g) * 3
     if values == "ties":
         H = (H * 4).floor() * 0.25

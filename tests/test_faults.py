@@ -68,9 +68,9 @@ FAULTS = (
     Fault(
         "espo_driver_group_ids_one_token_early",
         "nemo_rl/policy.py",
-        "return entropy_group_ids(ent, mask & torch.isfinite(ent), granular.entropy_cut_points)",
+        "return entropy_group_ids(ent, mask & torch.isfinite(ent), granular.entropy_cut_points, GROUP_IDS_DTYPE)",
         "return torch.nn.functional.pad(entropy_group_ids(ent[:, 1:], (mask & torch.isfinite(ent))[:, 1:], "
-        "granular.entropy_cut_points), (0, 1), value=-1)",
+        "granular.entropy_cut_points, GROUP_IDS_DTYPE), (0, 1), value=-1)",
         ("tests/test_nemo_rl_loss_equivalence.py::test_groups_cross_no_response_and_depend_on_driver_keys",),
     ),
     # 4. SSPO's upper bound shrinks with the group entropy instead of growing: 1 + α − H̄

@@ -71,7 +71,7 @@ def compute_granular_group_ids(
         if prev_entropy is None:
             raise ValueError("granular.granularity 'entropy_group' needs the π_old entropy")
         ent = prev_entropy.float()
-        return entropy_group_ids(ent, mask & torch.isfinite(ent), granular.entropy_cut_points).to(GROUP_IDS_DTYPE)
+        return entropy_group_ids(ent, mask & torch.isfinite(ent), granular.entropy_cut_points, GROUP_IDS_DTYPE)
     return None
 
 
