@@ -264,10 +264,12 @@ def grouped_clipped_objective(
 
     with L_g = Σ_{t∈g} ℓ_t/(|g| + 1e-8) as in :func:`group_ratios` (+ 1e-8 in ``count_dtype``). Segmented
     sums of the channels ℓ, H (and, unless A is constant over each response's valid tokens, A⁺, A⁻, [A > 0],
-    [A < 0]; else ΣA⁺_g = A_i⁺·|g|, ...) give every group quantity; one gather (two for
-    token_decomposed with per-token A) takes the gradient back to the tokens. ``index``: a plan whose members
-    are the valid tokens (``index.sums``, ``index.counts``); values need not be 0 outside them. ``bounds``: (lo, hi)
-    numbers, or a function of the group mean entropy H̄_g = ΣH/max(|g|, 1) giving (lo_g, hi_g).
+    [A < 0]) give every group quantity; one gather (two for token_decomposed with per-token A) takes the
+    gradient back to the tokens. With one A_i per response (the usual case) the sums are A_i·|g| and the
+    above is Σ_g ω_g·|g|·min(s_g·A_i, ĉ_g·A_i), with dc/dr = A_i·k_g, k_g = k⁺_g if A_i > 0 else k⁻_g.
+    ``index``: a plan whose members are the valid tokens (``index.sums``, ``index.counts``); values need not
+    be 0 outside them. ``bounds``: (lo, hi) numbers, or a function of the group mean entropy
+    H̄_g = ΣH/max(|g|, 1) giving (lo_g, hi_g).
     ``row_adv``: :func:`~nemo_granular.core.masks.row_constant` of (adv, valid) when the caller has made
     the check (its host sync) already, as before a compiled objective; by default it is made here.
     Returns (objective, gradient, :class:`GroupRatios` without per-token values, (lo, hi),
@@ -290,9 +292,6 @@ def grouped_clipped_objective(
     else:
         probe = table.sum() + row_adv.sum()
         a = row_adv[:, None]
-        sum_pos = a.clamp(min=0) * counts
-        sum_neg = (a - a.clamp(min=0)) * counts
-        n_pos, n_neg = indicator(torch.gt, a, 0, a) * counts, indicator(torch.lt, a, 0, a) * counts
     counts_eps = plus_count_eps(counts, count_dtype)
     group_lr = sums[..., 0] / counts_eps
     cap = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)
@@ -302,22 +301,34 @@ def grouped_clipped_objective(
     if callable(bounds):
         bounds = bounds(ent_sum / counts.clamp(min=1))
     rc = torch.clamp(s, *bounds)
-    keep_pos, keep_neg = indicator(torch.le, s, rc, s), indicator(torch.ge, s, rc, s)
     omega = aggregation_group_weights(
         aggregation, sample_mask, inv_gvt, inv_gvs, counts.sum(-1), counts, n_groups_row, count_dtype
     )
-    objective = (omega * (torch.minimum(s, rc) * sum_pos + torch.maximum(s, rc) * sum_neg)).sum()
-    if form == "token_decomposed" and row_adv is not None:
-        grad = index.gather(
-            omega * s * (keep_pos * indicator(torch.gt, a, 0, a) + keep_neg * indicator(torch.lt, a, 0, a)) * a
-        )
-    elif form == "token_decomposed":
-        ws = omega * s
-        grad = index.gather(ws * keep_pos).mul_(adv_pos).add_(index.gather(ws * keep_neg).mul_(adv_neg))
+    if row_adv is None:
+        keep_pos, keep_neg = indicator(torch.le, s, rc, s), indicator(torch.ge, s, rc, s)
+        objective = (omega * (torch.minimum(s, rc) * sum_pos + torch.maximum(s, rc) * sum_neg)).sum()
+        if form == "token_decomposed":
+            ws = omega * s
+            grad = index.gather(ws * keep_pos).mul_(adv_pos).add_(index.gather(ws * keep_neg).mul_(adv_neg))
+        else:
+            grad = index.gather(s * cap / counts_eps * omega * (keep_pos * sum_pos + keep_neg * sum_neg))
+        low, high = (1 - keep_neg) * n_neg, (1 - keep_pos) * n_pos
     else:
-        grad = index.gather(s * cap / counts_eps * omega * (keep_pos * sum_pos + keep_neg * sum_neg))
+        # one A per row: Σ_{t∈g} c_t = |g|·min(s_g·A, ĉ_g·A) (a product with A keeps or flips the order
+        # exactly), and dc/dr = A where the unclipped side is the min: k_g = [s_g ≤ ĉ_g] for A > 0,
+        # [s_g ≥ ĉ_g] for A < 0 (A = 0: no term, no clip counted)
+        pos = a > 0
+        sa = s * a
+        keep = torch.where(pos, s <= rc, s >= rc)
+        objective = (omega * counts * torch.minimum(sa, rc * a)).sum()
+        if form == "token_decomposed":
+            grad = index.gather(omega * sa * keep)
+        else:
+            grad = index.gather(sa * keep * cap / counts_eps * omega * counts)
+        clipped = counts * ~keep
+        low, high = clipped * (a < 0), clipped * pos
     ratios = GroupRatios(None, None, n_groups_row, index, s, counts, cap)
-    clip = GroupedClip(rc, (1 - keep_neg) * n_neg, (1 - keep_pos) * n_pos, ent_sum, probe)
+    clip = GroupedClip(rc, low, high, ent_sum, probe)
     return objective, grad, ratios, bounds, clip, omega
 
 
