@@ -222,6 +222,8 @@ def read_policy_batch(
             f"granularity={g.granularity}) needs the π_old entropy"
         )
 
+    # the two scalars first: a small op right after a [B, T] pass costs several times more on CPU
+    inv_gvt, inv_gvs = _inverse_counts(global_valid_toks, global_valid_seqs, L)
     mask_f = indicator(torch.gt, token_mask, 0, L)
     present = [x for x in (L, Q, A, G, H) if x is not None]
     if assume_finite:
@@ -261,7 +263,6 @@ def read_policy_batch(
         else:  # a non-finite π_gen logprob only feeds diagnostics: π_old stands in for it
             gen = substitute_nonfinite(G, prev, valid)
         ent = masked_values(H, valid) if H is not None else None
-    inv_gvt, inv_gvs = _inverse_counts(global_valid_toks, global_valid_seqs, L)
     group_ids, token_ids = _group_keys(data, g.granularity, L)
     ref_logp, curr_logp, rewards, nll_count_dtype = _penalty_keys(data, cfg, token_mask.dtype, L)
     return PolicyBatch(
