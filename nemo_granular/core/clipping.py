@@ -36,7 +36,7 @@ def sspo_entropy_clip_bounds(
     """
     h = group_entropy.to(torch.promote_types(group_entropy.dtype, torch.float32))
     hi = torch.clamp(1.0 + alpha + h, max=gamma)
-    lo = torch.clamp(torch.clamp(1.0 - h, max=beta), min=0.0)
+    lo = torch.clamp(1.0 - h, min=0.0, max=max(beta, 0.0))  # max(0, min(x, β)) in one op
     return lo, hi
 
 

@@ -77,7 +77,7 @@ class GroupRatios:
     index: Any = None  # the GroupIndex; None: every token is its own group
     group_ratio: torch.Tensor | None = None  # s_g = exp(L_g), [B, G]
     counts: torch.Tensor | None = None  # |G_g| (valid tokens), [B, G]
-    cap: torch.Tensor | None = None  # 1 where the clamp of L_g is inactive, [B, G]
+    cap: torch.Tensor | None = None  # 1 (or True) where the clamp of L_g is inactive, [B, G]
 
 
 def group_ratios(
@@ -294,7 +294,7 @@ def grouped_clipped_objective(
         a = row_adv[:, None]
     counts_eps = plus_count_eps(counts, count_dtype)
     group_lr = sums[..., 0] / counts_eps
-    cap = indicator(torch.le, group_lr, LOG_RATIO_BOUND, group_lr)
+    cap = group_lr <= LOG_RATIO_BOUND  # d clamp / d x (a [B, G] table: a bool multiplies as 0/1)
     s = torch.exp(group_lr.clamp(max=LOG_RATIO_BOUND))
     n_groups_row = counts.clamp(max=1).sum(-1)
     ent_sum = sums[..., 1] if with_ent else None
@@ -320,11 +320,12 @@ def grouped_clipped_objective(
         pos = a > 0
         sa = s * a
         keep = torch.where(pos, s <= rc, s >= rc)
-        objective = (omega * counts * torch.minimum(sa, rc * a)).sum()
+        weight = omega * counts
+        objective = (weight * torch.minimum(sa, rc * a)).sum()
         if form == "token_decomposed":
             grad = index.gather(omega * sa * keep)
         else:
-            grad = index.gather(sa * keep * cap / counts_eps * omega * counts)
+            grad = index.gather(sa * keep * cap * weight / counts_eps)
         clipped = counts * ~keep
         low, high = clipped * (a < 0), clipped * pos
     ratios = GroupRatios(None, None, n_groups_row, index, s, counts, cap)
