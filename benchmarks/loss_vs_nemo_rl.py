@@ -243,7 +243,7 @@ def to_markdown(args, device, rows, why) -> str:
     for r in rows:
         if r["name"].endswith(" minimal") and not r["name"].startswith("NeMo-RL") and "next_min" in r:
             tgt.append(
-                f"| {r['name']} | {r['threads']} | {r['S']} | {r['next_min']:.2f} | "
+                f"| {r['name']} | {r['threads']} | {r['S']} | {r['next_min']:.3f} | "
                 f"{'met' if r['next_min'] <= 1.0 else '**not met**'} |"
             )
     if len(tgt) > 2:
@@ -256,7 +256,7 @@ def to_markdown(args, device, rows, why) -> str:
         ]
         for r in in_loss:
             met = ("met" if r["ids"] <= 2.0 else "**not met**") if r["name"].startswith("espo") else "–"
-            L.append(f"| {r['name']} | {r['threads']} | {r['S']} | {r['ids']:.2f} | {met} |")
+            L.append(f"| {r['name']} | {r['threads']} | {r['S']} | {r['ids']:.3f} | {met} |")
         L.append("")
     extra = " × eager | first call s |" if args.compile else ""
     L += [
