@@ -119,8 +119,8 @@ class ScatterIndex:
     def runs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(slot of each run, its length): the plan's runs of consecutive tokens in one slot."""
         if getattr(self, "_runs", None) is None:
-            slot = getattr(self, "_slot", None)
-            values, lengths = torch.unique_consecutive(self.flat if slot is None else slot, return_counts=True)
+            # on the gather's index (int32 where the slots fit, cheaper to compare than floats)
+            values, lengths = torch.unique_consecutive(self._gather_index(), return_counts=True)
             self._runs = (values.long(), lengths)
         return self._runs
 
