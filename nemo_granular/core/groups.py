@@ -127,7 +127,7 @@ def _kth_largest(key: torch.Tensor, mask: torch.Tensor, k: torch.Tensor, k_top: 
     """Each row's ``k``-th largest key ``[B, 1]`` (+inf where k = 0), from one unsorted ``torch.topk``
     (a partial sort) of ``k_top`` = max k for every row: row i gets k_top − k_i keys of +inf first,
     in masked slots at its end when they are free (right padding), else in columns appended."""
-    B, T = key.shape
+    T = key.shape[-1]
     pads = torch.arange(k_top, 0, -1, device=key.device) <= (k_top - k)  # [B, k_top]: the row's last k_top − k_i
     tail = key[:, T - k_top :]
     if not bool((pads & mask[:, T - k_top :]).any()):
